@@ -1,0 +1,699 @@
+"""Pure tensor functions for RL post-training: advantages, KL estimators and controllers, losses.
+
+Everything here works on plain torch tensors and holds no model or optimizer state, so it is easy to test and
+to call from any trainer. Shapes follow verl's ``core_algos``:
+
+* token-level tensors are ``[batch, response_len]`` (right-padded responses);
+* ``mask`` is ``[batch, response_len]``, bool or float, 1 = real response token (EOS included), 0 = padding;
+* sequence-level ``scores`` are ``[batch]``; ``group_index`` is ``[batch]`` and says which prompt each row
+  answers (rows that share a value form a group, e.g. the ``n`` samples of one prompt).
+
+Names and semantics match verl where verl defines them (advantage estimators ``gae``, ``grpo``, ``rloo``,
+``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``; KL kinds ``kl``/``abs``/``mse``/``low_var_kl``;
+loss aggregation modes ``token-mean``/``seq-mean-token-mean``/``seq-mean-token-sum``/``seq-mean-token-sum-norm``).
+Where we deliberately differ from verl the docstring says so.
+
+Metric dicts hold plain Python floats so they can go straight to logging.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------------------------------------------
+# Masked statistics
+# ----------------------------------------------------------------------------------------------------------------
+
+_MASK_SUM_FLOOR = 1e-8  # only reached when the mask is empty; then the masked sum is 0 and the mean is 0
+
+
+def _as_float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Return ``mask`` as a float tensor of ``like``'s dtype/device, checking it broadcasts to ``like``."""
+    if mask.shape != like.shape:
+        try:
+            torch.broadcast_shapes(mask.shape, like.shape)
+        except RuntimeError as err:
+            raise ValueError(
+                f"mask shape {tuple(mask.shape)} does not match tensor shape {tuple(like.shape)}; pass the "
+                "response mask with the same [batch, response_len] shape as the token tensor"
+            ) from err
+    dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()
+    return mask.to(device=like.device, dtype=dtype)
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``x`` over positions where ``mask`` is 1 (all positions if ``dim`` is None, else along ``dim``)."""
+    mask = _as_float_mask(mask, x)
+    if dim is None:
+        return (x * mask).sum()
+    return (x * mask).sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over masked positions; an empty mask (or empty row when ``dim`` is given) gives 0."""
+    mask = _as_float_mask(mask, x)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=_MASK_SUM_FLOOR)
+    return (x * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=_MASK_SUM_FLOOR)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over all masked positions (Bessel-corrected when ``unbiased``, like ``torch.var``)."""
+    mask = _as_float_mask(mask, x)
+    mean = masked_mean(x, mask)
+    variance = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if count <= 1:
+            raise ValueError(
+                f"masked_var(unbiased=True) needs at least 2 masked elements, got {float(count):g}; use a batch "
+                "with more response tokens or pass unbiased=False"
+            )
+        variance = variance * count / (count - 1)
+    return variance
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise ``x`` to zero mean and unit variance over masked positions (verl's ``masked_whiten``).
+
+    With ``shift_mean=False`` the original mean is added back (only the scale changes). Values at padded
+    positions are transformed too but carry no meaning; callers multiply by the mask.
+    """
+    mean = masked_mean(x, mask)
+    variance = masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(variance + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers shared by the advantage estimators
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_token_tensors(mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [batch, response_len], got shape {tuple(mask.shape)}")
+    for name, tensor in tensors.items():
+        if tensor.shape != mask.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)} but mask has {tuple(mask.shape)}; token-level tensors "
+                "must be [batch, response_len] like the response mask"
+            )
+
+
+def _check_scores(scores: torch.Tensor, mask: torch.Tensor) -> None:
+    if scores.dim() != 1 or scores.shape[0] != mask.shape[0]:
+        raise ValueError(
+            f"scores must be [batch] = [{mask.shape[0]}] (one number per response), got {tuple(scores.shape)}; "
+            "sum token rewards over the last dim to get per-sequence scores"
+        )
+
+
+def _group_ids(group_index, batch_size: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Map arbitrary group labels (tensor, ndarray or list of ints/strings) to dense ids ``0..G-1``."""
+    if isinstance(group_index, torch.Tensor):
+        labels = group_index.detach().cpu().reshape(-1).tolist()
+    elif isinstance(group_index, np.ndarray):
+        labels = group_index.reshape(-1).tolist()
+    else:
+        labels = list(group_index)
+    if len(labels) != batch_size:
+        raise ValueError(
+            f"group_index has {len(labels)} entries but the batch has {batch_size} rows; pass one group label "
+            "(the prompt's index/uid) per response row"
+        )
+    dense: dict = {}
+    ids = [dense.setdefault(label, len(dense)) for label in labels]
+    return torch.tensor(ids, dtype=torch.long, device=device), len(dense)
+
+
+def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor, num_groups: int):
+    """Per-row group size, group sum and group sum of squared deviations from the group mean."""
+    zeros = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
+    group_size = zeros.index_add(0, group_ids, torch.ones_like(scores))
+    group_sum = zeros.index_add(0, group_ids, scores)
+    group_mean = group_sum / group_size
+    squared_dev = zeros.index_add(0, group_ids, (scores - group_mean[group_ids]) ** 2)
+    return group_size[group_ids], group_sum[group_ids], squared_dev[group_ids]
+
+
+def _sequence_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Accept ``[batch]`` scores or ``[batch, T]`` token rewards (summed over real tokens) and return ``[batch]``."""
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    if rewards.dim() == 2:
+        _check_token_tensors(mask, token_rewards=rewards)
+        return masked_sum(rewards, mask, dim=-1)
+    _check_scores(rewards, mask)
+    return rewards
+
+
+def scores_to_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence score on the last real token of its row; every other position gets 0.
+
+    Works for any padding layout (the last position where ``mask`` is 1 is used). A row with no real token
+    cannot carry its score and raises ``ValueError``.
+    """
+    _check_token_tensors(mask)
+    _check_scores(scores, mask)
+    real = mask.bool()
+    empty_rows = (~real.any(dim=-1)).nonzero().flatten().tolist()
+    if empty_rows:
+        raise ValueError(
+            f"rows {empty_rows[:10]} of the response mask have no real token, so their score has nowhere to go; "
+            "every response must contain at least one token (EOS counts)"
+        )
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(real)
+    last_index = torch.where(real, positions, -1).max(dim=-1).values
+    token_rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    token_rewards[torch.arange(mask.shape[0], device=mask.device), last_index] = scores
+    return token_rewards
+
+
+def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Return-to-go over real tokens only: padding is skipped (its reward ignored, the running return carried)."""
+    mask_f = _as_float_mask(mask, token_rewards)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[-1])):
+        running = mask_f[:, t] * (token_rewards[:, t] + gamma * running) + (1 - mask_f[:, t]) * running
+        returns[:, t] = running
+    return returns * mask_f
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Advantage estimators
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def compute_gae_advantages(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation over response tokens (PPO with a critic).
+
+    ``delta_t = r_t + gamma * V_{next} - V_t`` and ``A_t = delta_t + gamma * lam * A_{next}``, where "next" is
+    the next *real* token: padded positions are skipped (their reward and value are ignored), so the bootstrap
+    after the last real token is 0. ``returns = A + V`` uses the raw advantages (the critic's target); the
+    advantages are then whitened over all real tokens of the batch, as verl does. Both are 0 at padding.
+    """
+    _check_token_tensors(mask, token_rewards=token_rewards, values=values)
+    values = values.to(token_rewards.dtype)
+    mask_f = _as_float_mask(mask, values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[-1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage_t = delta + gamma * lam * next_advantage
+        real = mask_f[:, t]
+        # at padding keep carrying the values from the next real token
+        next_value = real * values[:, t] + (1 - real) * next_value
+        next_advantage = real * advantage_t + (1 - real) * next_advantage
+        advantages[:, t] = next_advantage
+    returns = (advantages + values) * mask_f
+    advantages = masked_whiten(advantages, mask_f) * mask_f
+    return advantages, returns
+
+
+@torch.no_grad()
+def compute_grpo_advantages(
+    scores: torch.Tensor,
+    group_index,
+    mask: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage: ``(score - group mean) / (group std + eps)`` broadcast to every real token.
+
+    The group std is unbiased (``torch.std``). ``norm_by_std=False`` gives Dr.GRPO-style ``score - group mean``.
+    A group with a single response has no baseline and gets advantage 0 (verl instead keeps its raw score).
+    Returns ``(advantages, advantages)`` like verl.
+    """
+    scores = _sequence_scores(scores, mask)
+    group_ids, num_groups = _group_ids(group_index, scores.shape[0], scores.device)
+    size, total, squared_dev = _group_stats(scores, group_ids, num_groups)
+    centered = scores - total / size
+    if norm_by_std:
+        std = torch.sqrt(squared_dev / (size - 1).clamp(min=1))
+        centered = centered / (std + eps)
+    centered = torch.where(size > 1, centered, torch.zeros_like(centered))
+    advantages = centered.unsqueeze(-1) * mask.to(device=centered.device, dtype=centered.dtype)
+    return advantages, advantages
+
+
+@torch.no_grad()
+def compute_rloo_advantages(scores: torch.Tensor, group_index, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: ``score_i - mean(scores of the other responses in the group)``, broadcast to real tokens.
+
+    A group of one has no other response and gets 0. Returns ``(advantages, advantages)``.
+    """
+    scores = _sequence_scores(scores, mask)
+    group_ids, num_groups = _group_ids(group_index, scores.shape[0], scores.device)
+    size, total, _ = _group_stats(scores, group_ids, num_groups)
+    others_mean = (total - scores) / (size - 1).clamp(min=1)
+    advantage = torch.where(size > 1, scores - others_mean, torch.zeros_like(scores))
+    advantages = advantage.unsqueeze(-1) * mask.to(device=advantage.device, dtype=advantage.dtype)
+    return advantages, advantages
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_advantages(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted return-to-go per token, whitened over the batch's real tokens.
+
+    Returns ``(whitened advantages, raw returns)`` as verl does; both are 0 at padding.
+    """
+    _check_token_tensors(mask, token_rewards=token_rewards)
+    returns = _discounted_returns(token_rewards, mask, gamma)
+    mask_f = _as_float_mask(mask, returns)
+    advantages = masked_whiten(returns, mask_f) * mask_f
+    return advantages, returns
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_advantages(
+    rewards: torch.Tensor, group_index, mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (verl): subtract the group mean of the scores, then whiten over the batch.
+
+    ``rewards`` is either ``[batch]`` scores or ``[batch, T]`` token rewards (summed per row). The centred
+    score sits on the last real token and is turned into a return-to-go with ``gamma`` (``gamma=1``, verl's
+    behaviour, gives the same centred score on every real token). A group of one is centred on itself and so
+    contributes 0 before whitening (verl uses a mean of 0 there). Returns ``(advantages, advantages)`` like verl.
+    """
+    scores = _sequence_scores(rewards, mask)
+    group_ids, num_groups = _group_ids(group_index, scores.shape[0], scores.device)
+    size, total, _ = _group_stats(scores, group_ids, num_groups)
+    centered = scores - total / size
+    returns = _discounted_returns(scores_to_token_rewards(centered, mask), mask, gamma)
+    mask_f = _as_float_mask(mask, returns)
+    advantages = masked_whiten(returns, mask_f) * mask_f
+    return advantages, advantages
+
+
+def _gae_from_kwargs(*, token_rewards, values, mask, gamma, lam, **_):
+    if values is None:
+        raise ValueError("advantage estimator 'gae' needs critic values; enable the critic or pick grpo/rloo")
+    return compute_gae_advantages(token_rewards, values, mask, gamma, lam)
+
+
+def _grpo_from_kwargs(*, outcome, group_index, mask, norm_adv_by_std_in_grpo, **_):
+    return compute_grpo_advantages(outcome, group_index, mask, norm_by_std=norm_adv_by_std_in_grpo)
+
+
+def _rloo_from_kwargs(*, outcome, group_index, mask, **_):
+    return compute_rloo_advantages(outcome, group_index, mask)
+
+
+def _rpp_from_kwargs(*, token_rewards, mask, gamma, **_):
+    return compute_reinforce_plus_plus_advantages(token_rewards, mask, gamma)
+
+
+def _rpp_baseline_from_kwargs(*, outcome, group_index, mask, gamma, **_):
+    return compute_reinforce_plus_plus_baseline_advantages(outcome, group_index, mask, gamma)
+
+
+# name -> adapter taking the dispatcher's keyword arguments; keys are verl's algorithm.adv_estimator names
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "gae": _gae_from_kwargs,
+    "grpo": _grpo_from_kwargs,
+    "rloo": _rloo_from_kwargs,
+    "reinforce_plus_plus": _rpp_from_kwargs,
+    "reinforce_plus_plus_baseline": _rpp_baseline_from_kwargs,
+}
+
+_NEEDS_GROUPS = {"grpo", "rloo", "reinforce_plus_plus_baseline"}
+
+
+def compute_advantages(
+    estimator: str,
+    *,
+    mask: torch.Tensor,
+    scores: torch.Tensor | None = None,
+    token_rewards: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    group_index=None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch to an advantage estimator by its verl name; returns ``(advantages, returns)``, both ``[batch, T]``.
+
+    Give ``token_rewards`` (``[batch, T]``, e.g. scores on the last token minus an in-reward KL penalty) and/or
+    ``scores`` (``[batch]``). Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline) use
+    ``token_rewards.sum(-1)`` when token rewards are given, as verl does, so a KL-in-reward penalty is included;
+    otherwise ``scores``. Token estimators (gae, reinforce_plus_plus) use ``token_rewards``, built from
+    ``scores`` with :func:`scores_to_token_rewards` when only scores are given.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"unknown advantage estimator {estimator!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)} "
+            "(set algorithm.adv_estimator)"
+        )
+    if scores is None and token_rewards is None:
+        raise ValueError("compute_advantages needs scores [batch] or token_rewards [batch, T]; got neither")
+    if estimator in _NEEDS_GROUPS and group_index is None:
+        raise ValueError(
+            f"advantage estimator {estimator!r} compares responses to the same prompt and needs group_index "
+            "(one prompt id per row)"
+        )
+    if token_rewards is None:
+        token_rewards = scores_to_token_rewards(scores, mask)
+    outcome = masked_sum(token_rewards, mask, dim=-1)
+    return ADVANTAGE_ESTIMATORS[estimator](
+        token_rewards=token_rewards,
+        outcome=outcome,
+        values=values,
+        mask=mask,
+        group_index=group_index,
+        gamma=gamma,
+        lam=lam,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KL estimators and controllers
+# ----------------------------------------------------------------------------------------------------------------
+
+# accepted names -> canonical estimator (Schulman's k1/k2/k3 and verl's names)
+_KL_KINDS = {
+    "kl": "k1",
+    "k1": "k1",
+    "abs": "abs",
+    "mse": "k2",
+    "k2": "k2",
+    "low_var_kl": "k3",
+    "k3": "k3",
+}
+
+
+def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, canonical: str) -> torch.Tensor:
+    log_ratio = logprob - ref_logprob
+    if canonical == "k1":
+        return log_ratio
+    if canonical == "abs":
+        return log_ratio.abs()
+    if canonical == "k2":
+        return 0.5 * log_ratio.square()
+    # k3 = r - log r - 1 with r = pi_ref / pi; clamps as in verl keep exp() finite and the estimate bounded
+    ref_log_ratio = torch.clamp(-log_ratio, min=-20, max=20)
+    return torch.clamp(ref_log_ratio.exp() - ref_log_ratio - 1, min=-10, max=10)
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs.
+
+    ``kind``: ``"kl"``/``"k1"`` (log-ratio), ``"abs"`` (|log-ratio|), ``"mse"``/``"k2"`` (0.5 * log-ratio^2),
+    ``"low_var_kl"``/``"k3"`` (``r - log r - 1``, ``r = pi_ref/pi``, clamped to [-10, 10] like verl).
+    A trailing ``"+"`` (e.g. ``"k3+"``) keeps that estimator's value but uses the k2 gradient (straight-through),
+    which is an unbiased KL gradient — verl's convention.
+    """
+    straight_through = kind.endswith("+")
+    base = kind[:-1] if straight_through else kind
+    if base not in _KL_KINDS:
+        valid = sorted(_KL_KINDS) + [name + "+" for name in sorted(_KL_KINDS)]
+        raise ValueError(f"unknown KL estimator {kind!r}; valid: {valid}")
+    canonical = _KL_KINDS[base]
+    value = _kl_forward(logprob, ref_logprob, canonical)
+    if not straight_through or canonical == "k2":
+        return value
+    k2 = _kl_forward(logprob, ref_logprob, "k2")
+    return k2 - k2.detach() + value.detach()
+
+
+class FixedKLController:
+    """Constant KL coefficient (``algorithm.kl_ctrl.type=fixed``)."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: the coefficient stays fixed."""
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Proportional KL controller of Ziegler et al. (2019), as in verl (``algorithm.kl_ctrl.type=adaptive``).
+
+    ``update`` moves the coefficient by ``1 + clip(kl/target - 1, -0.2, 0.2) * n_steps / horizon``: above the
+    target KL it grows, below it shrinks. ``n_steps`` is the number of samples since the last update.
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(
+                f"adaptive KL controller needs target_kl > 0 and horizon > 0, got target_kl={target_kl}, "
+                f"horizon={horizon}; set algorithm.kl_ctrl.target_kl / horizon"
+            )
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = float(np.clip(float(current_kl) / self.target - 1.0, -0.2, 0.2))
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+        self.target = float(state.get("target", self.target))
+        self.horizon = float(state.get("horizon", self.horizon))
+
+
+def make_kl_controller(
+    type: str = "fixed", kl_coef: float = 0.001, target_kl: float = 0.1, horizon: float = 10000
+) -> FixedKLController | AdaptiveKLController:
+    """Build the controller named by ``algorithm.kl_ctrl.type`` (``"fixed"`` or ``"adaptive"``)."""
+    if type == "fixed":
+        return FixedKLController(kl_coef)
+    if type == "adaptive":
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    raise ValueError(f"unknown KL controller type {type!r}; valid: ['adaptive', 'fixed'] (algorithm.kl_ctrl.type)")
+
+
+@torch.no_grad()
+def apply_kl_in_reward(
+    token_level_scores: torch.Tensor,
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    mask: torch.Tensor,
+    kl_ctrl: FixedKLController | AdaptiveKLController,
+    kind: str = "kl",
+    update_controller: bool = True,
+) -> tuple[torch.Tensor, dict]:
+    """Subtract ``beta * KL`` from the token scores (``algorithm.use_kl_in_reward``), as verl's ``apply_kl_penalty``.
+
+    ``beta`` is ``kl_ctrl.value`` before this call. The batch KL (per-sequence token mean, then batch mean) is
+    reported and, with ``update_controller``, fed to ``kl_ctrl.update(kl, n_steps=batch)``.
+    Metrics: ``actor/reward_kl_penalty``, ``actor/reward_kl_penalty_coeff``.
+    """
+    _check_token_tensors(mask, token_level_scores=token_level_scores, logprob=logprob, ref_logprob=ref_logprob)
+    mask_f = _as_float_mask(mask, token_level_scores)
+    kl = kl_penalty(logprob, ref_logprob, kind).to(token_level_scores.dtype) * mask_f
+    beta = kl_ctrl.value
+    token_rewards = token_level_scores - beta * kl
+    current_kl = masked_mean(kl, mask_f, dim=-1).mean().item()
+    if update_controller:
+        kl_ctrl.update(current_kl=current_kl, n_steps=token_level_scores.shape[0])
+    return token_rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loss aggregation and losses
+# ----------------------------------------------------------------------------------------------------------------
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", normalizer: float | None = None
+) -> torch.Tensor:
+    """Reduce a ``[batch, T]`` per-token loss to a scalar (verl's ``agg_loss``).
+
+    * ``token-mean``: sum over real tokens / number of real tokens.
+    * ``seq-mean-token-mean``: mean over sequences of each sequence's token mean.
+    * ``seq-mean-token-sum``: mean over sequences of each sequence's token sum.
+    * ``seq-mean-token-sum-norm``: sum of sequence token sums / ``T`` (Dr.GRPO's constant normaliser).
+
+    Sequences with no real token are left out of the sequence means. ``normalizer`` overrides the denominator
+    (tokens for token-mean, sequences for the seq-mean modes, ``T`` for -norm): pass the whole mini-batch's
+    count when accumulating gradients over micro-batches so that the sum of micro-batch losses equals the
+    mini-batch loss.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {list(LOSS_AGG_MODES)} (actor.loss_agg_mode)")
+    _check_token_tensors(mask, loss_mat=loss_mat)
+    mask_f = _as_float_mask(mask, loss_mat)
+    seq_sums = (loss_mat * mask_f).sum(dim=-1)
+    if mode == "token-mean":
+        denominator = mask_f.sum() if normalizer is None else normalizer
+        return seq_sums.sum() / max(float(denominator), _MASK_SUM_FLOOR)
+    if mode == "seq-mean-token-sum-norm":
+        denominator = mask_f.shape[-1] if normalizer is None else normalizer
+        return seq_sums.sum() / denominator
+    seq_tokens = mask_f.sum(dim=-1)
+    nonempty = (seq_tokens > 0).to(loss_mat.dtype)
+    if mode == "seq-mean-token-mean":
+        per_seq = seq_sums / seq_tokens.clamp(min=_MASK_SUM_FLOOR)
+    else:
+        per_seq = seq_sums
+    denominator = nonempty.sum() if normalizer is None else normalizer
+    return (per_seq * nonempty).sum() / max(float(denominator), _MASK_SUM_FLOOR)
+
+
+def ppo_policy_loss(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float | None = 3.0,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """PPO clipped surrogate loss with dual clip (verl's vanilla ``compute_policy_loss``).
+
+    ``ratio = exp(logprob - old_logprob)`` (log-ratio clamped to [-20, 20]); per token
+    ``max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))``, and for ``A < 0`` additionally capped at
+    ``-A * clip_ratio_c`` (dual clip, Ye et al. 2020; ``None`` disables). ``clip_ratio_high=None`` means
+    ``clip_ratio_low`` (symmetric clip). Gradients flow through ``logprob`` only.
+
+    Metrics (floats): ``pg_clipfrac`` (fraction of tokens where the clipped term is active),
+    ``pg_clipfrac_lower`` (dual-clip active), ``ppo_kl`` = ``approx_kl`` (token mean of old - new log-prob),
+    ``ratio_mean``, ``ratio_max``.
+    """
+    _check_token_tensors(mask, old_logprob=old_logprob, logprob=logprob, advantages=advantages)
+    if clip_ratio_high is None:
+        clip_ratio_high = clip_ratio_low
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(
+            f"dual-clip constant clip_ratio_c must be > 1.0, got {clip_ratio_c}; use e.g. 3.0 or None to disable"
+        )
+    mask_f = _as_float_mask(mask, logprob)
+    log_ratio = torch.clamp(logprob - old_logprob.detach(), min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.detach()
+
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped_loss = torch.maximum(unclipped, clipped)
+    clipfrac = masked_mean(torch.gt(clipped, unclipped).to(mask_f.dtype), mask_f)
+
+    if clip_ratio_c is not None:
+        dual_bound = -advantages * clip_ratio_c
+        negative = advantages < 0
+        pg_losses = torch.where(negative, torch.minimum(clipped_loss, dual_bound), clipped_loss)
+        clipfrac_lower = masked_mean((torch.gt(clipped_loss, dual_bound) & negative).to(mask_f.dtype), mask_f)
+    else:
+        pg_losses = clipped_loss
+        clipfrac_lower = torch.zeros((), dtype=mask_f.dtype)
+
+    pg_loss = aggregate_loss(pg_losses, mask_f, loss_agg_mode, normalizer)
+    with torch.no_grad():
+        approx_kl = masked_mean(-log_ratio, mask_f).item()
+        real = mask_f.bool()
+        metrics = {
+            "pg_clipfrac": clipfrac.item(),
+            "pg_clipfrac_lower": clipfrac_lower.item(),
+            "ppo_kl": approx_kl,
+            "approx_kl": approx_kl,
+            "ratio_mean": masked_mean(ratio, mask_f).item(),
+            "ratio_max": ratio[real].max().item() if real.any() else 1.0,
+        }
+    return pg_loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float | None = 0.5,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """Clipped critic loss ``0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2)`` aggregated over real tokens.
+
+    ``cliprange_value=None`` disables clipping. Metrics: ``vf_clipfrac`` (fraction where the clipped term is
+    larger), ``vpred_mean``.
+    """
+    _check_token_tensors(mask, values=values, old_values=old_values, returns=returns)
+    mask_f = _as_float_mask(mask, values)
+    returns = returns.detach()
+    unclipped = (values - returns) ** 2
+    if cliprange_value is None:
+        losses = unclipped
+        clipfrac = torch.zeros((), dtype=mask_f.dtype)
+    else:
+        old_values = old_values.detach()
+        clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+        clipped = (clipped_values - returns) ** 2
+        losses = torch.maximum(unclipped, clipped)
+        clipfrac = masked_mean(torch.gt(clipped, unclipped).to(mask_f.dtype), mask_f)
+    loss = 0.5 * aggregate_loss(losses, mask_f, loss_agg_mode, normalizer)
+    with torch.no_grad():
+        metrics = {"vf_clipfrac": clipfrac.item(), "vpred_mean": masked_mean(values, mask_f).item()}
+    return loss, metrics
+
+
+def entropy_loss(
+    entropy: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str = "token-mean", normalizer: float | None = None
+) -> torch.Tensor:
+    """Aggregated token entropy (positive). The actor loss is ``pg_loss - entropy_coeff * entropy_loss``."""
+    return aggregate_loss(entropy, mask, loss_agg_mode, normalizer)
+
+
+def kl_loss(
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | None = None,
+) -> torch.Tensor:
+    """KL(pi || pi_ref) as a loss term (``actor.use_kl_loss``); the actor adds ``kl_loss_coef * kl_loss``."""
+    _check_token_tensors(mask, logprob=logprob, ref_logprob=ref_logprob)
+    return aggregate_loss(kl_penalty(logprob, ref_logprob.detach(), kind), mask, loss_agg_mode, normalizer)
+
+
+__all__: Sequence[str] = [
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "scores_to_token_rewards",
+    "compute_gae_advantages",
+    "compute_grpo_advantages",
+    "compute_rloo_advantages",
+    "compute_reinforce_plus_plus_advantages",
+    "compute_reinforce_plus_plus_baseline_advantages",
+    "ADVANTAGE_ESTIMATORS",
+    "compute_advantages",
+    "kl_penalty",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "make_kl_controller",
+    "apply_kl_in_reward",
+    "LOSS_AGG_MODES",
+    "aggregate_loss",
+    "ppo_policy_loss",
+    "value_loss",
+    "entropy_loss",
+    "kl_loss",
+]

@@ -1,0 +1,469 @@
+"""Run configuration: verl's key names, OmegaConf structured config, YAML + dotted overrides.
+
+    cfg = load_config("ppo.yaml", ["data.train_batch_size=64", "algorithm.adv_estimator=grpo"])
+
+Keys follow verl's `ppo_trainer.yaml` wherever the concept exists, so a verl command line runs here unchanged
+(`rlanywhere train <the same overrides>`). Keys that only make sense inside verl (vLLM memory fractions, FSDP wrap
+policies, Ray settings) are accepted with a one-line notice of what rlanywhere does instead. Anything else unknown
+is an error naming the closest valid key. Our own knobs live under `hardware.*`; "auto" there means the planner
+(hardware.py) decides.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A config problem, with the fix in the message."""
+
+
+# --------------------------------------------------------------------------------------------------- schema
+@dataclass
+class DataConfig:
+    tokenizer: Optional[str] = None
+    train_files: Any = "data/arith/train.parquet"
+    val_files: Any = "data/arith/test.parquet"
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024
+    val_batch_size: Optional[int] = None
+    val_max_samples: int = -1  # -1: the whole validation set
+    shuffle: bool = True
+    seed: Optional[int] = None  # None: trainer.seed
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"
+    return_raw_chat: bool = False
+    return_raw_input_ids: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+    warmup_style: str = "constant"  # constant | cosine
+    total_training_steps: int = -1
+    weight_decay: float = 0.01
+    betas: Any = field(default_factory=lambda: [0.9, 0.999])
+
+
+@dataclass
+class ModelConfig:
+    path: str = "smollm2-135m-instruct"
+    tokenizer_path: Optional[str] = None
+    gguf_file: Optional[str] = None  # for a directory holding several .gguf files
+    override_config: Any = field(default_factory=dict)
+    enable_gradient_checkpointing: Any = "auto"
+    use_remove_padding: bool = True
+    trust_remote_code: bool = False
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp"
+    ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size: Optional[int] = None
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    grad_clip: float = 1.0
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size: Optional[int] = None
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+
+
+@dataclass
+class ValKwargs:
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "auto"  # auto | fast | hf  (verl's vllm/sglang/hf are mapped, see VERL_VALUE_MAP)
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    n: int = 1
+    response_length: Optional[int] = None  # None: data.max_response_length
+    prompt_length: Optional[int] = None
+    stop: Any = field(default_factory=list)
+    ignore_eos: bool = False
+    dtype: str = "auto"
+    log_prob_micro_batch_size: Optional[int] = None
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None  # None: the actor's model
+    tokenizer_path: Optional[str] = None
+    override_config: Any = field(default_factory=dict)
+    enable_gradient_checkpointing: Any = "auto"
+    use_remove_padding: bool = True
+    trust_remote_code: bool = False
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+
+
+@dataclass
+class CriticConfig:
+    strategy: str = "fsdp"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    ppo_mini_batch_size: Optional[int] = None  # None: the actor's
+    ppo_micro_batch_size: Optional[int] = None
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    forward_micro_batch_size: Optional[int] = None
+    forward_micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = 32768
+    ppo_epochs: Optional[int] = None  # None: the actor's
+    shuffle: bool = False
+    grad_clip: float = 1.0
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = 1.0
+    lam: float = 1.0
+    adv_estimator: str = "gae"
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass
+class CustomRewardConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    reward_manager: str = "naive"
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "rlanywhere"
+    experiment_name: str = "run"
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None
+    logger: Any = field(default_factory=lambda: ["console", "tensorboard"])
+    log_val_generations: int = 0
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    save_freq: int = -1
+    test_freq: int = -1
+    critic_warmup: int = 0
+    val_before_train: bool = True
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
+    resume_mode: str = "auto"  # auto | disable | resume_path
+    resume_from_path: Optional[str] = None
+    max_actor_ckpt_to_keep: Optional[int] = None
+    max_critic_ckpt_to_keep: Optional[int] = None
+    seed: int = 1
+    device: str = "auto"
+
+
+@dataclass
+class HardwareConfig:
+    """rlanywhere's own knobs. "auto" everywhere means: the planner decides from the probed hardware."""
+
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    attn_implementation: str = "auto"  # auto | flash_attention_2 | sdpa | eager
+    emulate: Optional[str] = None  # p40 | t4 | v100-16g | ... (see hardware.CARDS)
+    param_offload: Any = "auto"
+    optimizer_offload: Any = "auto"
+    ref_device: str = "auto"  # auto | cpu | cuda
+    memory_budget_gib: Optional[float] = None  # None: the card's memory
+    logprob_chunk_size: int = 0  # 0: planner picks
+    oom_recovery: bool = True
+
+
+@dataclass
+class RLConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+
+
+# ------------------------------------------------------------------------------- verl keys we do not use
+# Pattern (regex over the dotted key) -> what rlanywhere does instead. Matched keys are dropped after the notice,
+# except the offload switches, which are translated into hardware.* (see _translate_verl_key).
+VERL_ONLY_KEYS: dict[str, str] = {
+    r".*\.fsdp_config(\..*)?": "single-process training; offload is planned by hardware.param_offload / "
+    "hardware.optimizer_offload",
+    r"actor_rollout_ref\.rollout\.(gpu_memory_utilization|max_num_batched_tokens|max_num_seqs|max_model_len"
+    r"|enable_chunked_prefill|enforce_eager|free_cache_engine|load_format|disable_log_stats|mode"
+    r"|tensor_model_parallel_size|calculate_log_probs|engine_kwargs(\..*)?|multi_turn(\..*)?|layered_summon"
+    r"|agent(\..*)?)": "the built-in rollout engine sizes its KV cache and batches from the plan",
+    r"actor_rollout_ref\.hybrid_engine": "actor and rollout always share weights here",
+    r"actor_rollout_ref\.(actor|ref|rollout)\.(ulysses_sequence_parallel_size|use_torch_compile|checkpoint(\..*)?"
+    r"|use_fused_kernels|use_remove_padding)": "not needed: padding is removed per micro-batch",
+    r"critic\.(ulysses_sequence_parallel_size|checkpoint(\..*)?|rollout_n)": "not needed on one process",
+    r"actor_rollout_ref\.model\.(external_lib|use_liger|use_fused_kernels|enable_activation_offload"
+    r"|use_shm)": "not needed: models load through transformers",
+    r"critic\.model\.(external_lib|use_shm)": "not needed: models load through transformers",
+    r"trainer\.(default_hdfs_dir|del_local_ckpt_after_load|balance_batch|ray_wait_register_center_timeout"
+    r"|val_only|esi_redundant_time|rollout_data_dir|validation_data_dir|profile_steps|use_legacy_worker_impl)":
+    "not used by the single-process trainer",
+    r"ray_init(\..*)?": "no Ray: one process (torchrun for several GPUs)",
+    r"data\.(image_key|video_key|custom_cls(\..*)?|dataloader_num_workers|return_full_prompt|use_shm"
+    r"|trust_remote_code|sampler(\..*)?|return_multi_modal_inputs|filter_overlong_prompts_workers)":
+    "text-only prompts are read from parquet directly",
+    r"reward_model\.(model(\..*)?|micro_batch_size.*|max_length|strategy|use_dynamic_bsz|forward_max_token_len"
+    r"|launch_reward_fn_async|sandbox_fusion(\..*)?)": "rule rewards only (custom_reward_function for your own)",
+}
+
+# verl values that mean something else here: rollout engines we don't have map to our own.
+VERL_VALUE_MAP = {
+    "actor_rollout_ref.rollout.name": {"vllm": "auto", "sglang": "auto", "hf": "hf", "auto": "auto", "fast": "fast"},
+}
+
+# verl offload switches that we honour (their concept exists: offload planned for the card).
+OFFLOAD_TRANSLATIONS = {
+    "param_offload": "hardware.param_offload",
+    "offload_params": "hardware.param_offload",
+    "cpu_offload": "hardware.param_offload",
+    "optimizer_offload": "hardware.optimizer_offload",
+}
+
+
+def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every leaf (dict values that are not dicts; lists count as leaves)."""
+    if isinstance(node, (dict, DictConfig)):
+        out: list[str] = []
+        for key in node.keys():
+            value = node[key] if isinstance(node, dict) else node._get_node(key)
+            value = OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
+            if isinstance(value, dict) and value:
+                out.extend(_leaf_keys(value, f"{prefix}{key}."))
+            else:
+                out.append(f"{prefix}{key}")
+        return out
+    return []
+
+
+def schema_keys() -> list[str]:
+    """Every valid dotted key of the schema."""
+    plain = OmegaConf.to_container(OmegaConf.structured(RLConfig), resolve=False)
+    return _leaf_keys(plain)
+
+
+def _verl_only_reason(key: str) -> Optional[str]:
+    for pattern, reason in VERL_ONLY_KEYS.items():
+        if re.fullmatch(pattern, key):
+            return reason
+    return None
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    """Hydra-style `a.b=c` overrides (a leading `+`/`++` is accepted; `~key` deletions are not supported)."""
+    cleaned = []
+    for item in overrides:
+        item = item.strip()
+        if not item or item.startswith("#"):
+            continue
+        if item.startswith("~"):
+            raise ConfigError(f"override {item!r}: deleting keys is not supported; set the key to null instead")
+        item = item.lstrip("+")
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} has no '=': write it as key.path=value (e.g. data.train_batch_size=64)")
+        cleaned.append(item)
+    try:
+        return OmegaConf.from_dotlist(cleaned)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"could not parse overrides: {exc}") from exc
+
+
+def _pop_key(cfg: DictConfig, dotted: str) -> Any:
+    parts = dotted.split(".")
+    node = cfg
+    for part in parts[:-1]:
+        node = node[part]
+    value = node[parts[-1]]
+    del node[parts[-1]]
+    # Drop now-empty parents so they do not shadow schema defaults.
+    for depth in range(len(parts) - 1, 0, -1):
+        parent = OmegaConf.select(cfg, ".".join(parts[: depth - 1])) if depth > 1 else cfg
+        child = parts[depth - 1]
+        if isinstance(parent[child], DictConfig) and len(parent[child]) == 0:
+            del parent[child]
+        else:
+            break
+    return value
+
+
+def _vet_user_keys(user: DictConfig, notices: list[str]) -> DictConfig:
+    """Drop verl-only keys (with a notice), translate offload switches, reject unknown keys."""
+    valid = set(schema_keys())
+    for key in _leaf_keys(OmegaConf.to_container(user, resolve=False)):
+        if key in valid:
+            continue
+        # A dict-valued schema field (override_config) accepts any sub-keys.
+        if any(key.startswith(v + ".") for v in valid if v.endswith("override_config")):
+            continue
+        reason = _verl_only_reason(key)
+        if reason is not None:
+            value = _pop_key(user, key)
+            leaf = key.rsplit(".", 1)[-1]
+            target = OFFLOAD_TRANSLATIONS.get(leaf)
+            if target is not None and bool(value):
+                OmegaConf.update(user, target, True, force_add=True)
+                notices.append(f"{key}={value}: verl-only key; honoured as {target}=true")
+            else:
+                notices.append(f"{key}={value}: verl-only key, ignored ({reason})")
+            continue
+        close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown config key {key!r}{hint} (see the config reference in README.md)")
+    for key, mapping in VERL_VALUE_MAP.items():
+        value = OmegaConf.select(user, key)
+        if value is None:
+            continue
+        if value not in mapping:
+            raise ConfigError(f"{key}={value!r} is not supported; use one of {sorted(set(mapping))}")
+        if mapping[value] != value:
+            notices.append(f"{key}={value}: not available here; using rlanywhere's built-in engine ({mapping[value]})")
+            OmegaConf.update(user, key, mapping[value])
+    return user
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
+                base: Optional[DictConfig] = None, notices: Optional[list[str]] = None) -> DictConfig:
+    """Defaults <- `base` (e.g. the demo profile) <- YAML file <- dotted overrides, validated.
+
+    verl-only keys are reported through `logging` and appended to `notices` when a list is given."""
+    notices = notices if notices is not None else []
+    cfg = OmegaConf.structured(RLConfig)
+    layers = [base] if base is not None else []
+    if path is not None:
+        try:
+            layers.append(OmegaConf.load(path))
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {path!r} not found") from exc
+    layers.append(_parse_overrides(list(overrides or [])))
+    for layer in layers:
+        layer = _vet_user_keys(OmegaConf.create(OmegaConf.to_container(layer, resolve=False)), notices)
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"bad config value: {exc.msg if hasattr(exc, 'msg') else exc}") from exc
+    _check_values(cfg)
+    for line in notices:
+        log.warning("notice: %s", line)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _check_values(cfg: DictConfig) -> None:
+    choices = {
+        "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+        "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+        "actor_rollout_ref.actor.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                                  "seq-mean-token-sum-norm"),
+        "critic.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+        "trainer.resume_mode": ("auto", "disable", "resume_path"),
+        "hardware.precision": ("auto", "fp32", "bf16", "fp16"),
+        "hardware.attn_implementation": ("auto", "flash_attention_2", "sdpa", "eager"),
+        "actor_rollout_ref.rollout.name": ("auto", "fast", "hf"),
+        "data.truncation": ("error", "left", "right"),
+    }
+    for key, allowed in choices.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(allowed)}")
+    positive = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
+                "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs",
+                "actor_rollout_ref.rollout.n"]
+    for key in positive:
+        if OmegaConf.select(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def as_list(value: Any) -> list:
+    """A str, a list, or a ListConfig as a plain list (data.train_files, trainer.logger accept all three)."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, ListConfig)):
+        return list(value)
+    text = str(value).strip()
+    if text.startswith("[") and text.endswith("]"):
+        return [part.strip().strip("'\"") for part in text[1:-1].split(",") if part.strip()]
+    return [text]

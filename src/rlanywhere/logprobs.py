@@ -1,0 +1,311 @@
+"""Chunked token log-probs and entropy from final hidden states.
+
+The memory killer of PPO on a small card is not the weights but the logits: for Qwen2.5-0.5B a batch of
+8 x 512 tokens has 8 * 512 * 151,936 fp32 logits = 2.5 GB, and autograd keeps that tensor (plus a softmax of the
+same size) alive until backward. This module never builds the full [N, T, V] logits, neither in forward nor in
+backward:
+
+* ``chunked_logprobs_and_entropy`` is a ``torch.autograd.Function`` that walks over the flattened N*T tokens in
+  chunks of ``chunk_size``; for each chunk it computes logits, log-sum-exp, the label's log-prob and (optionally) the
+  entropy, and keeps only per-token scalars. Backward recomputes each chunk's logits and accumulates the gradients
+  w.r.t. the hidden states, the lm-head weight (which is also the input embedding when embeddings are tied) and
+  the bias. Peak extra memory is a few ``chunk_size x V`` fp32 buffers instead of ``N x T x V``.
+* ``naive_logprobs_and_entropy`` is the straightforward full-logits reference (tests and the bench).
+* ``response_logprobs`` runs a causal LM's decoder (no lm head), takes the hidden states that predict the last R
+  tokens and feeds them to the chunked function.
+
+Precision choice: every chunk is computed in fp32 by upcasting the hidden chunk and the weight (the weight is
+upcast once per call, which is a no-op for fp32 models). Doing the matmul in bf16/fp16 and upcasting the logits
+afterwards would round logits of magnitude ~20 by ~0.1, which is far too coarse for PPO importance ratios.
+Autocast is disabled inside these functions for the same reason; gradients are returned in the dtype of the
+inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+
+def _no_autocast(device: torch.device):
+    """Disable autocast for ``device`` so the fp32 matmuls below stay fp32."""
+    try:
+        return torch.autocast(device_type=device.type, enabled=False)
+    except RuntimeError:  # a device type autocast does not know: nothing to disable
+        return contextlib.nullcontext()
+
+
+def _check_inputs(hidden, weight, labels, bias, temperature, chunk_size):
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [N, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"lm_head_weight must be [V, H] with H = hidden size {hidden.shape[-1]}, got {tuple(weight.shape)}"
+        )
+    if labels.shape != hidden.shape[:2]:
+        raise ValueError(f"labels must be [N, T] = {tuple(hidden.shape[:2])}, got {tuple(labels.shape)}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"labels must be an integer (long) tensor, got {labels.dtype}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"lm_head_bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
+    if labels.numel() > 0:
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= weight.shape[0]:
+            raise ValueError(
+                f"labels must lie in [0, {weight.shape[0]}) (the vocab size of the lm head), got values in "
+                f"[{low}, {high}]; replace padding/ignore ids (e.g. -100) with a real token id such as the pad id "
+                "and mask the result instead"
+            )
+
+
+def _chunk_logits(hidden_chunk, weight_f32, bias_f32, inv_temperature):
+    """fp32 logits of one chunk, already divided by the temperature."""
+    logits = hidden_chunk.float() @ weight_f32.t()
+    if bias_f32 is not None:
+        logits += bias_f32
+    if inv_temperature != 1.0:
+        logits *= inv_temperature
+    return logits
+
+
+class _ChunkedLogprobEntropy(torch.autograd.Function):
+    """autograd.Function over flattened tokens: hidden [M, H], weight [V, H], bias [V] | None, labels [M]."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy):
+        num_tokens = hidden.shape[0]
+        inv_temperature = 1.0 / temperature
+        logprobs = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
+        logsumexp = torch.empty_like(logprobs)
+        entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
+        with torch.no_grad(), _no_autocast(hidden.device):
+            weight_f32 = weight.float()
+            bias_f32 = bias.float() if bias is not None else None
+            for start in range(0, num_tokens, chunk_size):
+                stop = min(start + chunk_size, num_tokens)
+                logits = _chunk_logits(hidden[start:stop], weight_f32, bias_f32, inv_temperature)
+                lse = torch.logsumexp(logits, dim=-1)
+                logsumexp[start:stop] = lse
+                logprobs[start:stop] = logits.gather(1, labels[start:stop, None]).squeeze(1) - lse
+                if with_entropy:
+                    # H = lse - sum_j p_j z_j; p * z is formed in place in the softmax buffer.
+                    probs = torch.softmax(logits, dim=-1)
+                    entropy[start:stop] = lse - probs.mul_(logits).sum(-1)
+                    del probs
+                del logits
+        ctx.save_for_backward(hidden, weight, bias, labels, logsumexp, entropy)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.with_entropy = with_entropy
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, labels, logsumexp, entropy = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        if not ctx.with_entropy:
+            grad_entropy = None
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None, None, None
+        inv_temperature = 1.0 / ctx.temperature
+        num_tokens = hidden.shape[0]
+        with torch.no_grad(), _no_autocast(hidden.device):
+            weight_f32 = weight.float()
+            bias_f32 = bias.float() if bias is not None else None
+            grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+            grad_weight = torch.zeros_like(weight_f32) if needs_weight else None
+            grad_bias = torch.zeros_like(bias_f32) if (needs_bias and bias is not None) else None
+            for start in range(0, num_tokens, ctx.chunk_size):
+                stop = min(start + ctx.chunk_size, num_tokens)
+                hidden_f32 = hidden[start:stop].float()
+                # log p = z - lse, computed in place in the recomputed logits buffer.
+                log_probs = _chunk_logits(hidden_f32, weight_f32, bias_f32, inv_temperature)
+                log_probs -= logsumexp[start:stop, None]
+                probs = log_probs.exp()
+                # d(log p_y)/dz = onehot(y) - p ;  dH/dz = -p * (log p + H)
+                if grad_entropy is not None:
+                    grad_z = log_probs.add_(entropy[start:stop, None]).mul_(probs)
+                    grad_z.mul_(-grad_entropy[start:stop, None].float())
+                    if grad_logprobs is not None:
+                        grad_z.addcmul_(probs, grad_logprobs[start:stop, None].float(), value=-1.0)
+                else:
+                    grad_z = probs.mul_(-grad_logprobs[start:stop, None].float())
+                if grad_logprobs is not None:
+                    grad_z.scatter_add_(1, labels[start:stop, None], grad_logprobs[start:stop, None].float())
+                # chain rule through z = (h W^T + b) / temperature
+                if inv_temperature != 1.0:
+                    grad_z *= inv_temperature
+                if grad_hidden is not None:
+                    grad_hidden[start:stop] = (grad_z @ weight_f32).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight.addmm_(grad_z.t(), hidden_f32)
+                if grad_bias is not None:
+                    grad_bias += grad_z.sum(0)
+                del log_probs, probs, grad_z
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def chunked_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``labels`` and (optionally) entropy under ``softmax((hidden @ W^T + b) / temperature)``.
+
+    hidden [N, T, H] (any float dtype), lm_head_weight [V, H], labels [N, T] long, lm_head_bias [V] | None.
+    ``chunk_size`` is the number of tokens (over the flattened N*T) whose logits exist at once.
+    Returns (logprobs [N, T] fp32, entropy [N, T] fp32 or None). Both are differentiable w.r.t. hidden, the
+    weight and the bias; the full [N, T, V] logits are never materialised.
+    """
+    _check_inputs(hidden, lm_head_weight, labels, lm_head_bias, temperature, chunk_size)
+    batch, length, hidden_size = hidden.shape
+    flat_hidden = hidden.reshape(batch * length, hidden_size)
+    flat_labels = labels.reshape(batch * length).long()
+    logprobs, entropy = _ChunkedLogprobEntropy.apply(
+        flat_hidden, lm_head_weight, lm_head_bias, flat_labels, float(temperature), chunk_size, with_entropy
+    )
+    logprobs = logprobs.view(batch, length)
+    return logprobs, (entropy.view(batch, length) if with_entropy else None)
+
+
+def naive_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference implementation with the full fp32 [N, T, V] logits (same signature; ``chunk_size`` ignored)."""
+    _check_inputs(hidden, lm_head_weight, labels, lm_head_bias, temperature, chunk_size or 1)
+    with _no_autocast(hidden.device):
+        logits = hidden.float() @ lm_head_weight.float().t()
+        if lm_head_bias is not None:
+            logits = logits + lm_head_bias.float()
+        log_probs = torch.log_softmax(logits / temperature, dim=-1)
+        logprobs = log_probs.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    return logprobs, entropy
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# From a causal LM
+
+
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft PeftModel (its LoRA layers stay injected and active)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft missing: nothing to unwrap
+        return model
+    if isinstance(model, PeftModel):
+        return model.get_base_model()
+    return model
+
+
+def _effective_temperature(config, temperature: float) -> float:
+    """Fold architecture-specific constant logit scalings into the temperature (or refuse what cannot be)."""
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap is not None:
+        raise NotImplementedError(
+            f"{type(config).__name__} applies final_logit_softcapping={softcap} to its logits, which chunked "
+            "log-probs do not implement; use a model without logit soft-capping (Llama, Qwen2, Mistral, Gemma3)"
+        )
+    logit_scale = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
+    if isinstance(logit_scale, (int, float)) and logit_scale not in (0, 1):
+        temperature = temperature / float(logit_scale)
+    logits_scaling = getattr(config, "logits_scaling", None)  # Granite: logits / logits_scaling
+    if isinstance(logits_scaling, (int, float)) and logits_scaling not in (0, 1):
+        temperature = temperature * float(logits_scaling)
+    return temperature
+
+
+def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: (mask.cumsum(-1) - 1).clamp(min=0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of the last ``response_len`` tokens of ``input_ids`` under ``model``.
+
+    ``model`` is a transformers causal LM (Llama, Qwen2, ...) or a peft ``PeftModel`` around one (LoRA stays
+    active; use ``lora.adapter_disabled`` for the reference policy). Runs only the decoder to get the final hidden
+    states, then chunked log-probs with the output embedding, so no [N, L, V] logits exist. Works inside autocast
+    (hidden states may come back in the autocast dtype; the log-prob math is fp32).
+    Returns (logprobs [N, R] fp32, entropy [N, R] fp32 or None); values at response padding are meaningless and
+    must be masked by the caller.
+    """
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids and attention_mask must both be [N, L]; got {tuple(input_ids.shape)} and "
+            f"{tuple(attention_mask.shape)}"
+        )
+    seq_len = input_ids.shape[1]
+    if not (isinstance(response_len, int) and 1 <= response_len < seq_len):
+        raise ValueError(
+            f"response_len must be an int in [1, {seq_len - 1}] (at least one prompt token must precede the "
+            f"response), got {response_len!r}"
+        )
+    inner = _unwrap_peft(model)
+    output_embeddings = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if output_embeddings is None or not hasattr(inner, "get_decoder"):
+        raise TypeError(
+            f"response_logprobs needs a transformers causal LM with get_decoder() and an lm head "
+            f"(get_output_embeddings()); got {type(inner).__name__}"
+        )
+    if hasattr(output_embeddings, "base_layer"):
+        raise NotImplementedError(
+            "the lm head is wrapped by an adapter (LoRA on lm_head); chunked log-probs read its plain weight only. "
+            "Exclude lm_head from the LoRA target_modules ('all-linear' already does)"
+        )
+    temperature = _effective_temperature(inner.config, temperature)
+    decoder = inner.get_decoder()
+    if decoder is inner:
+        raise TypeError(f"{type(inner).__name__}.get_decoder() returned the model itself; cannot separate the lm head")
+    if position_ids is None:
+        position_ids = default_position_ids(attention_mask)
+    outputs = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    # hidden state at position t predicts token t + 1
+    response_hidden = hidden[:, -response_len - 1 : -1]
+    labels = input_ids[:, -response_len:]
+    return chunked_logprobs_and_entropy(
+        response_hidden,
+        output_embeddings.weight,
+        labels,
+        lm_head_bias=getattr(output_embeddings, "bias", None),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )

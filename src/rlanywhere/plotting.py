@@ -1,0 +1,104 @@
+"""PNG training curves from a run's metrics.jsonl (`rlanywhere plot RUN_DIR`).
+
+One PNG per family of metrics (reward, validation, KL, entropy, losses, response length, throughput, timing,
+memory), one panel per metric, drawn only for metrics the run actually logged. Uses matplotlib's Agg canvas directly
+so it never touches the user's pyplot backend and works without a display.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from rlanywhere.tracking import METRICS_FILE, read_metrics
+
+logger = logging.getLogger(__name__)
+
+# (file stem, title, exact keys, key prefixes). A family's panels are its exact keys, then keys with its prefixes.
+PLOT_FAMILIES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("reward", "Reward", ("reward/mean", "reward/acc", "reward/format"), ()),
+    ("validation", "Validation", (), ("val/",)),
+    ("kl", "KL divergence", ("actor/kl", "actor/approx_kl"), ()),
+    ("entropy", "Policy entropy", ("actor/entropy",), ()),
+    ("losses", "Losses", ("actor/pg_loss", "critic/vf_loss", "actor/pg_clipfrac"), ()),
+    ("response_length", "Response length", ("response_length/mean", "response_length/max"), ()),
+    ("throughput", "Throughput", ("perf/tokens_per_s",), ()),
+    ("timing", "Time per phase (s)", (), ("timing/",)),
+    ("memory", "Peak memory", ("perf/peak_memory_gib",), ()),
+)
+BAND_KEYS = {"reward/mean": "reward/std"}  # drawn as a +-1 std band around the curve
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the finite numeric values logged for ``key``."""
+    steps, values = [], []
+    for record in records:
+        value = record.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        steps.append(float(record["step"]))
+        values.append(float(value))
+    return steps, values
+
+
+def _family_keys(records, present: list[str], exact: tuple[str, ...], prefixes: tuple[str, ...]) -> list[str]:
+    keys = [key for key in exact if key in present]
+    keys += sorted(key for key in present if key.startswith(prefixes) and key not in keys) if prefixes else []
+    return [key for key in keys if _series(records, key)[0]]
+
+
+def _plot_family(records, title: str, keys: list[str], path: Path) -> Path:
+    columns = min(len(keys), 3)
+    rows = math.ceil(len(keys) / columns)
+    figure = Figure(figsize=(4.5 * columns, 3.2 * rows), layout="constrained")
+    FigureCanvasAgg(figure)
+    figure.suptitle(title)
+    for panel, key in enumerate(keys, start=1):
+        axes = figure.add_subplot(rows, columns, panel)
+        steps, values = _series(records, key)
+        marker = "o" if len(steps) < 30 else None  # sparse curves (validation) stay visible
+        axes.plot(steps, values, marker=marker, markersize=3, linewidth=1.4)
+        band_key = BAND_KEYS.get(key)
+        if band_key:
+            band = dict(zip(*_series(records, band_key)))
+            pairs = [(s, v, band[s]) for s, v in zip(steps, values) if s in band]
+            if pairs:
+                axes.fill_between(
+                    [s for s, _, _ in pairs],
+                    [v - d for _, v, d in pairs],
+                    [v + d for _, v, d in pairs],
+                    alpha=0.2,
+                    label=f"±{band_key}",
+                )
+                axes.legend(loc="best", fontsize="small")
+        axes.set_title(key, fontsize="medium")
+        axes.set_xlabel("step")
+        axes.grid(True, alpha=0.3)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """Write PNG curves for the run in ``run_dir`` to ``out_dir`` (default ``run_dir/plots``); returns their paths."""
+    run_dir = Path(run_dir)
+    records = [record for record in read_metrics(run_dir) if "step" in record]
+    if not records:
+        source = run_dir / METRICS_FILE if run_dir.is_dir() else run_dir
+        raise ValueError(f"{source} has no metrics yet: train for at least one step before plotting.")
+    out_dir = Path(out_dir) if out_dir is not None else (run_dir if run_dir.is_dir() else run_dir.parent) / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    present = list(dict.fromkeys(key for record in records for key in record if key != "step"))
+    written = []
+    for stem, title, exact, prefixes in PLOT_FAMILIES:
+        keys = _family_keys(records, present, exact, prefixes)
+        if keys:
+            written.append(_plot_family(records, title, keys, out_dir / f"{stem}.png"))
+    if not written:
+        logger.warning("none of the plotted metrics (reward/*, val/*, actor/*, ...) appear in %s", run_dir)
+    return written

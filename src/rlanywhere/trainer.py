@@ -1,0 +1,587 @@
+"""The RL loop: PPO with a critic (GAE), GRPO, RLOO, REINFORCE++ — one process, any hardware.
+
+Read `RLTrainer.train_step` top to bottom; it is the whole algorithm:
+
+    rollout -> reward -> old/ref log-probs -> values -> advantages -> critic update -> actor update
+    then, around it: validate every test_freq, checkpoint every save_freq, log every step.
+
+Every hardware choice (dtypes, attention, micro-batch sizes, offload, where the reference model lives) comes from
+the Plan made by hardware.py before anything was loaded; this file only follows it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from . import algorithms as algo
+from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import as_list, to_yaml
+from .data import PromptLoader, RLDataset
+from .hardware import Plan, autocast_context
+from .logprobs import response_logprobs
+from .microbatch import compact_rows, split_by_token_budget, split_fixed
+from .models import (ModelSource, ValueModel, enable_gradient_checkpointing, load_causal_lm, load_tokenizer,
+                     resolve_model_source, response_values)
+from .oom import OOMGuard
+from .offload import load_optimizer_state, offload_optimizer_state
+from .rewards import RewardManager, load_custom_reward
+from .rollout import make_engine
+from .rollout.base import RolloutBatch, SamplingParams
+from .tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class StepBatch:
+    """Everything known about one step's sequences; tensors are [rows, response_len] unless noted."""
+
+    rollout: RolloutBatch
+    group_index: torch.Tensor  # [rows] which prompt each row answers
+    scores: torch.Tensor  # [rows]
+    reward_info: dict
+    old_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    token_rewards: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.rollout.response_mask.float()
+
+    @property
+    def rows(self) -> int:
+        return self.rollout.response_ids.shape[0]
+
+
+class PhaseTimer:
+    def __init__(self, device: str):
+        self.device = device
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+def _make_scheduler(optimizer, optim_cfg, total_steps: int):
+    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+    warmup = optim_cfg.lr_warmup_steps
+    if warmup < 0:
+        warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
+    if optim_cfg.warmup_style == "cosine":
+        return get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
+    if optim_cfg.warmup_style != "constant":
+        raise ValueError(f"optim.warmup_style={optim_cfg.warmup_style!r}: use constant or cosine")
+    return get_constant_schedule_with_warmup(optimizer, warmup)
+
+
+def _peak_memory_gib(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux: the process's resident high-water mark.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class RLTrainer:
+    def __init__(self, cfg: DictConfig, plan: Plan, run_dir: str, notices: Optional[list[str]] = None):
+        self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
+        self.device = plan.device
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
+            handle.write(to_yaml(cfg))
+        with open(os.path.join(run_dir, "plan.json"), "w") as handle:
+            json.dump({**plan.to_dict(), "notices": list(notices or [])}, handle, indent=2)
+        seed_everything(cfg.trainer.seed)
+
+        acfg, algo_cfg = cfg.actor_rollout_ref, cfg.algorithm
+        self.n = acfg.rollout.n
+        self.use_critic = algo_cfg.adv_estimator == "gae"
+        kl_in_reward = algo_cfg.use_kl_in_reward and algo_cfg.kl_ctrl.kl_coef > 0
+        kl_as_loss = acfg.actor.use_kl_loss and acfg.actor.kl_loss_coef > 0
+        self.use_ref = kl_in_reward or kl_as_loss
+        self.use_lora = acfg.model.lora_rank > 0
+
+        # ---- tokenizer, data, reward
+        self.source = resolve_model_source(acfg.model.path, acfg.model.gguf_file)
+        tok_source = ModelSource(cfg.data.tokenizer or acfg.model.tokenizer_path) if (
+            cfg.data.tokenizer or acfg.model.tokenizer_path) else self.source
+        self.tokenizer = load_tokenizer(tok_source, acfg.model.trust_remote_code)
+        self.train_set = RLDataset(as_list(cfg.data.train_files), self.tokenizer, cfg.data.max_prompt_length,
+                                   prompt_key=cfg.data.prompt_key, truncation=cfg.data.truncation,
+                                   filter_overlong_prompts=cfg.data.filter_overlong_prompts)
+        self.val_set = RLDataset(as_list(cfg.data.val_files), self.tokenizer, cfg.data.max_prompt_length,
+                                 prompt_key=cfg.data.prompt_key, truncation=cfg.data.truncation,
+                                 filter_overlong_prompts=cfg.data.filter_overlong_prompts) if cfg.data.val_files else None
+        self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                   seed=cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed)
+        custom = cfg.custom_reward_function
+        self.reward_manager = RewardManager(load_custom_reward(custom.path, custom.name) if custom.path else None)
+        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.loader.steps_per_epoch
+
+        # ---- models: actor (+LoRA), reference, critic
+        self.actor = load_causal_lm(self.source, plan, acfg.model.trust_remote_code, acfg.model.override_config)
+        if self.use_lora:
+            from .lora import apply_lora
+
+            self.actor = apply_lora(self.actor, acfg.model.lora_rank, acfg.model.lora_alpha,
+                                    OmegaConf.to_container(acfg.model.target_modules)
+                                    if not isinstance(acfg.model.target_modules, str) else acfg.model.target_modules)
+        self.ref = None
+        if self.use_ref and not self.use_lora:
+            # Same weights as the initial actor; a copy avoids loading (and dequantizing) twice.
+            import copy
+
+            self.ref = copy.deepcopy(self.actor).to(plan.ref_device).eval().requires_grad_(False)
+        self.critic = None
+        if self.use_critic:
+            base = self.actor.get_base_model() if self.use_lora else self.actor
+            if cfg.critic.model.path and cfg.critic.model.path != acfg.model.path:
+                base = load_causal_lm(resolve_model_source(cfg.critic.model.path), plan,
+                                      cfg.critic.model.trust_remote_code, cfg.critic.model.override_config)
+            self.critic = ValueModel.from_causal_lm(base).to(self.device)
+        self.actor.to(self.device)
+        if plan.gradient_checkpointing:
+            enable_gradient_checkpointing(self.actor)
+            if self.critic is not None:
+                enable_gradient_checkpointing(self.critic)
+
+        # ---- optimizers and schedules
+        def adamw(model, ocfg):
+            params = [p for p in model.parameters() if p.requires_grad]
+            return torch.optim.AdamW(params, lr=ocfg.lr, betas=tuple(ocfg.betas), weight_decay=ocfg.weight_decay)
+
+        self.optimizers = {"actor": adamw(self.actor, acfg.actor.optim)}
+        self.schedulers = {"actor": _make_scheduler(self.optimizers["actor"], acfg.actor.optim, self.total_steps)}
+        if self.critic is not None:
+            self.optimizers["critic"] = adamw(self.critic, cfg.critic.optim)
+            self.schedulers["critic"] = _make_scheduler(self.optimizers["critic"], cfg.critic.optim, self.total_steps)
+        self.grad_scaler = torch.amp.GradScaler("cuda") if plan.use_grad_scaler else None
+        self.kl_ctrl = algo.make_kl_controller(algo_cfg.kl_ctrl.type, algo_cfg.kl_ctrl.kl_coef,
+                                               algo_cfg.kl_ctrl.target_kl, algo_cfg.kl_ctrl.horizon)
+        self.oom_guard = OOMGuard(plan, log_fn=lambda msg: log.warning("%s", msg))
+
+        # ---- rollout engine (shares the actor's weights)
+        max_len = cfg.data.max_prompt_length + self.response_length
+        self.engine = make_engine(self.actor, self.tokenizer, plan, engine=plan.rollout_engine,
+                                  max_batch_size=cfg.data.train_batch_size * self.n, max_seq_len=max_len)
+        self.global_step = 0
+        self.tracker: Optional[Tracker] = None
+
+    # ------------------------------------------------------------------------------------------ helpers
+    @property
+    def response_length(self) -> int:
+        return self.cfg.actor_rollout_ref.rollout.response_length or self.cfg.data.max_response_length
+
+    def sampling_params(self, validation: bool = False) -> SamplingParams:
+        rcfg = self.cfg.actor_rollout_ref.rollout
+        kw = rcfg.val_kwargs if validation else rcfg
+        greedy = not kw.do_sample or kw.temperature == 0
+        return SamplingParams(max_new_tokens=self.response_length, temperature=0.0 if greedy else kw.temperature,
+                              top_p=kw.top_p, top_k=max(kw.top_k, 0), n=kw.n if validation else rcfg.n,
+                              stop_strings=tuple(as_list(rcfg.stop)))
+
+    def step_generator(self, step: int, salt: int = 0) -> torch.Generator:
+        """Sampling randomness is a function of (seed, step): a resumed run draws exactly what it would have."""
+        gen = torch.Generator(device=self.device if self.device.startswith("cuda") else "cpu")
+        gen.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 7919 + salt)
+        return gen
+
+    def micro_batches(self, batch: StepBatch, rows: list[int], size: int, use_tokens: bool) -> list[list[int]]:
+        if use_tokens:
+            lengths = (batch.rollout.prompt_mask[rows].sum(-1) + batch.rollout.response_mask[rows].sum(-1)).tolist()
+            groups = split_by_token_budget([int(x) for x in lengths], size)
+            return [[rows[i] for i in group] for group in groups]
+        return [[rows[i] for i in group] for group in split_fixed(len(rows), size)]
+
+    def forward_rows(self, batch: StepBatch, rows: list[int]):
+        """Padding-free tensors for a micro-batch: (input_ids, attention_mask, position_ids, response_len)."""
+        r = batch.rollout
+        tensors = compact_rows(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, rows,
+                               self.tokenizer.pad_token_id)
+        return tuple(t.to(self.device) if torch.is_tensor(t) else t for t in tensors)
+
+    @torch.no_grad()
+    def batched_logprobs(self, model, batch: StepBatch, device: Optional[str] = None) -> torch.Tensor:
+        """Log-probs of every response token under `model`, micro-batched by the plan, OOM-guarded."""
+        device = device or self.device
+        temperature = self.cfg.actor_rollout_ref.rollout.temperature or 1.0
+        use_tokens = self.plan.max_token_len_per_micro_batch is not None
+        size_attr = "max_token_len_per_micro_batch" if use_tokens else "logprob_micro_batch_size"
+
+        def run(size: int) -> torch.Tensor:
+            out = torch.zeros(batch.mask.shape, dtype=torch.float32)
+            for rows in self.micro_batches(batch, list(range(batch.rows)), size, use_tokens):
+                ids, mask, pos, resp_len = (t.to(device) if torch.is_tensor(t) else t
+                                            for t in self.forward_rows(batch, rows))
+                with autocast_context(self.plan):
+                    lp, _ = response_logprobs(model, ids, mask, resp_len, temperature=temperature,
+                                              chunk_size=self.plan.logprob_chunk_size, position_ids=pos)
+                out[rows, :resp_len] = lp.float().cpu()
+            return out * batch.mask
+
+        return self.oom_guard.run("log_probs", run, size_attr)
+
+    @torch.no_grad()
+    def batched_values(self, batch: StepBatch) -> torch.Tensor:
+        use_tokens = self.plan.max_token_len_per_micro_batch is not None
+        size_attr = "max_token_len_per_micro_batch" if use_tokens else "logprob_micro_batch_size"
+
+        def run(size: int) -> torch.Tensor:
+            out = torch.zeros(batch.mask.shape, dtype=torch.float32)
+            for rows in self.micro_batches(batch, list(range(batch.rows)), size, use_tokens):
+                ids, mask, pos, resp_len = self.forward_rows(batch, rows)
+                with autocast_context(self.plan):
+                    out[rows, :resp_len] = response_values(self.critic, ids, mask, resp_len, pos).float().cpu()
+            return out * batch.mask
+
+        return self.oom_guard.run("values", run, size_attr)
+
+    def ref_context(self):
+        """The reference policy: a frozen copy, or with LoRA the adapter-disabled base (no extra weights)."""
+        if self.use_lora:
+            from .lora import adapter_disabled
+
+            return self.actor, adapter_disabled(self.actor), self.device
+        return self.ref, contextlib.nullcontext(), self.plan.ref_device
+
+    # ------------------------------------------------------------------------------------------ updates
+    def _accumulate(self, model, optimizer, batch: StepBatch, rows: list[int], size: int, use_tokens: bool,
+                    loss_fn: Callable, grad_clip: float) -> dict:
+        """One optimizer step over `rows`: micro-batches with gradient accumulation; exact token/row weighting."""
+        optimizer.zero_grad(set_to_none=True)
+        mini_tokens = float(batch.mask[rows].sum().clamp(min=1))
+        sums: dict[str, float] = {}
+        for micro in self.micro_batches(batch, rows, size, use_tokens):
+            ids, mask, pos, resp_len = self.forward_rows(batch, micro)
+            resp_mask = batch.mask[micro, :resp_len].to(self.device)
+            with autocast_context(self.plan):
+                loss, metrics = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask)
+            # Token-mean over the mini-batch regardless of how it is split: micro-batch size (and OOM halving)
+            # never changes the gradient.
+            weight = float(resp_mask.sum()) / mini_tokens
+            scaled = loss * weight
+            (self.grad_scaler.scale(scaled) if self.grad_scaler else scaled).backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * weight
+        return sums
+
+    def _optimizer_step(self, model, optimizer, grad_clip: float) -> float:
+        if self.grad_scaler:
+            self.grad_scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], grad_clip)
+        if not torch.isfinite(grad_norm):
+            log.warning("non-finite grad norm %.3g: skipping this optimizer step", float(grad_norm))
+            optimizer.zero_grad(set_to_none=True)
+            if self.grad_scaler:
+                self.grad_scaler.update()
+            return float(grad_norm)
+        if self.grad_scaler:
+            self.grad_scaler.step(optimizer)
+            self.grad_scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def _update(self, name: str, model, optimizer, batch: StepBatch, loss_fn, mini_rows: int, epochs: int,
+                shuffle: bool, grad_clip: float, size_attr: str) -> dict:
+        use_tokens = self.plan.max_token_len_per_micro_batch is not None
+        size_attr = "max_token_len_per_micro_batch" if use_tokens else size_attr
+        if self.plan.optimizer_offload:
+            load_optimizer_state(optimizer, self.device)
+        model.train()
+        totals: dict[str, float] = {}
+        count = 0
+        for epoch in range(epochs):
+            order = list(range(batch.rows))
+            if shuffle:
+                gen = torch.Generator().manual_seed(self.cfg.trainer.seed + 31 * self.global_step + epoch)
+                order = torch.randperm(batch.rows, generator=gen).tolist()
+            for start in range(0, batch.rows, mini_rows):
+                rows = order[start:start + mini_rows]
+                metrics = self.oom_guard.run(
+                    f"{name}_update",
+                    lambda size, rows=rows: self._accumulate(model, optimizer, batch, rows, size, use_tokens,
+                                                             loss_fn, grad_clip), size_attr)
+                metrics["grad_norm"] = self._optimizer_step(model, optimizer, grad_clip)
+                for key, value in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                count += 1
+        model.eval()
+        if self.plan.optimizer_offload:
+            offload_optimizer_state(optimizer, "cpu")
+        return {f"{name}/{k}": v / max(count, 1) for k, v in totals.items()}
+
+    def update_critic(self, batch: StepBatch) -> dict:
+        ccfg = self.cfg.critic
+        values_old, returns = batch.values, batch.returns
+
+        def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask):
+            values = response_values(model, ids, mask, resp_len, pos)
+            loss, metrics = algo.value_loss(values, values_old[rows, :resp_len].to(self.device),
+                                            returns[rows, :resp_len].to(self.device), resp_mask,
+                                            ccfg.cliprange_value, "token-mean")
+            return loss, {"vf_loss": loss.detach(), **metrics}
+
+        mini = (ccfg.ppo_mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size) * self.n
+        epochs = ccfg.ppo_epochs or self.cfg.actor_rollout_ref.actor.ppo_epochs
+        return self._update("critic", self.critic, self.optimizers["critic"], batch, loss_fn, mini, epochs,
+                            ccfg.shuffle, ccfg.grad_clip, "critic_micro_batch_size")
+
+    def update_actor(self, batch: StepBatch) -> dict:
+        acfg = self.cfg.actor_rollout_ref.actor
+        temperature = self.cfg.actor_rollout_ref.rollout.temperature or 1.0
+        clip_low = acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio
+        clip_high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
+
+        def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask):
+            logprob, entropy = response_logprobs(model, ids, mask, resp_len, temperature=temperature,
+                                                 chunk_size=self.plan.logprob_chunk_size, with_entropy=True,
+                                                 position_ids=pos)
+            pick = lambda t: t[rows, :resp_len].to(self.device)  # noqa: E731
+            old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
+            pg_loss, metrics = algo.ppo_policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low,
+                                                    clip_high, acfg.clip_ratio_c, acfg.loss_agg_mode)
+            ent = algo.entropy_loss(entropy, resp_mask, acfg.loss_agg_mode)
+            loss = pg_loss - acfg.entropy_coeff * ent
+            metrics = {"pg_loss": pg_loss.detach(), "entropy": ent.detach(), **metrics}
+            if acfg.use_kl_loss and batch.ref_logprobs is not None:
+                kl = algo.kl_loss(logprob, pick(batch.ref_logprobs), resp_mask, acfg.kl_loss_type, acfg.loss_agg_mode)
+                loss = loss + acfg.kl_loss_coef * kl
+                metrics["kl_loss"] = kl.detach()
+            return loss, metrics
+
+        return self._update("actor", self.actor, self.optimizers["actor"], batch, loss_fn,
+                            acfg.ppo_mini_batch_size * self.n, acfg.ppo_epochs, acfg.shuffle, acfg.grad_clip,
+                            "actor_micro_batch_size")
+
+    # ------------------------------------------------------------------------------------------ one step
+    def generate(self, items: list[dict], params: SamplingParams, generator) -> RolloutBatch:
+        self.actor.eval()
+        with torch.no_grad():
+            return self.engine.generate([item["input_ids"] for item in items], params, generator=generator)
+
+    def score(self, items: list[dict], rollout: RolloutBatch, n: int):
+        texts = self.tokenizer.batch_decode(rollout.response_ids * rollout.response_mask
+                                            + self.tokenizer.pad_token_id * (1 - rollout.response_mask),
+                                            skip_special_tokens=True)
+        expand = lambda key: [item[key] for item in items for _ in range(n)]  # noqa: E731
+        scores, info = self.reward_manager(texts, expand("ground_truth"), expand("data_source"), expand("extra_info"))
+        return scores.float(), info, texts
+
+    def train_step(self, items: list[dict]) -> dict:
+        acfg, algo_cfg = self.cfg.actor_rollout_ref, self.cfg.algorithm
+        timer = PhaseTimer(self.device)
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(self.device)
+        step_start = time.perf_counter()
+
+        # 1. rollout: n samples per prompt from the current policy
+        with timer("rollout"):
+            rollout = self.generate(items, self.sampling_params(), self.step_generator(self.global_step))
+        group_index = torch.arange(len(items)).repeat_interleave(self.n)
+
+        # 2. reward: rule-based scores per sequence
+        with timer("reward"):
+            scores, info, _ = self.score(items, rollout, self.n)
+        batch = StepBatch(rollout=rollout, group_index=group_index, scores=scores, reward_info=info)
+        mask = batch.mask
+
+        # 3. old log-probs (the behaviour policy for the PPO ratio) and reference log-probs (for KL).
+        # With a single on-policy optimizer step the old policy *is* the current one: its log-probs are the
+        # detached log-probs of the update's own forward, so we skip a full forward pass here.
+        single_update = acfg.actor.ppo_epochs == 1 and acfg.actor.ppo_mini_batch_size >= len(items)
+        if not single_update:
+            with timer("old_log_prob"):
+                batch.old_logprobs = self.batched_logprobs(self.actor, batch)
+        if self.use_ref:
+            with timer("ref_log_prob"):
+                ref_model, ctx, ref_device = self.ref_context()
+                with ctx:
+                    batch.ref_logprobs = self.batched_logprobs(ref_model, batch, ref_device)
+        if batch.old_logprobs is None and algo_cfg.use_kl_in_reward and self.use_ref:
+            with timer("old_log_prob"):  # the KL penalty in the reward needs them before the update
+                batch.old_logprobs = self.batched_logprobs(self.actor, batch)
+
+        # 4. values from the critic (PPO/GAE only)
+        if self.critic is not None:
+            with timer("values"):
+                batch.values = self.batched_values(batch)
+
+        # 5. advantages (and the KL penalty folded into the reward when asked)
+        with timer("advantages"):
+            token_scores = algo.scores_to_token_rewards(scores, mask)
+            kl_metrics = {}
+            if algo_cfg.use_kl_in_reward and batch.ref_logprobs is not None:
+                token_rewards, kl_metrics = algo.apply_kl_in_reward(token_scores, batch.old_logprobs,
+                                                                    batch.ref_logprobs, mask, self.kl_ctrl,
+                                                                    algo_cfg.kl_penalty, update_controller=False)
+            else:
+                token_rewards = token_scores
+            batch.token_rewards = token_rewards
+            batch.advantages, batch.returns = algo.compute_advantages(
+                algo_cfg.adv_estimator, scores=scores, token_rewards=token_rewards, values=batch.values, mask=mask,
+                group_index=group_index, gamma=algo_cfg.gamma, lam=algo_cfg.lam,
+                norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo)
+
+        # 6. updates: critic first (it is trained on the same returns), then the actor after the warm-up
+        metrics: dict[str, float] = {}
+        if self.critic is not None:
+            with timer("update_critic"):
+                metrics.update(self.update_critic(batch))
+        if self.global_step >= self.cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                metrics.update(self.update_actor(batch))
+            for scheduler in self.schedulers.values():
+                scheduler.step()
+            self.engine.sync_weights()
+
+        # 7. diagnostics
+        resp_len = mask.sum(-1)
+        total_tokens = float(mask.sum() + rollout.prompt_mask.sum())
+        step_time = time.perf_counter() - step_start
+        metrics.update({
+            "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
+            "reward/acc": float(np.mean(info["acc"])), "reward/format": float(np.mean(info["format"])),
+            "reward/errors": float(info["num_errors"]),
+            "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
+            "response_length/clip_ratio": float((resp_len >= self.response_length).float().mean()),
+            "actor/lr": self.schedulers["actor"].get_last_lr()[0],
+            "perf/step_time_s": step_time, "perf/tokens_per_s": total_tokens / step_time,
+            "perf/rollout_tokens_per_s": float(mask.sum()) / max(timer.times.get("rollout", 1e-9), 1e-9),
+            "perf/peak_memory_gib": _peak_memory_gib(self.device),
+            **{f"timing/{k}": v for k, v in timer.times.items()},
+            **kl_metrics,
+        })
+        if batch.ref_logprobs is not None and batch.old_logprobs is not None:
+            metrics["actor/kl"] = float(algo.masked_mean(
+                algo.kl_penalty(batch.old_logprobs, batch.ref_logprobs, "kl"), mask))
+        if algo_cfg.use_kl_in_reward:
+            self.kl_ctrl.update(metrics.get("actor/kl", 0.0), n_steps=len(items))
+            metrics["actor/kl_coef"] = self.kl_ctrl.value
+        if batch.values is not None:
+            metrics["critic/values_mean"] = float(algo.masked_mean(batch.values, mask))
+            metrics["critic/returns_mean"] = float(algo.masked_mean(batch.returns, mask))
+        metrics["oom/recoveries"] = float(len(self.oom_guard.events))
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ validation
+    def validate(self) -> dict:
+        if self.val_set is None:
+            return {}
+        limit = self.cfg.data.val_max_samples
+        indices = range(len(self.val_set) if limit is None or limit < 0 else min(limit, len(self.val_set)))
+        items = [self.val_set[i] for i in indices]
+        params = self.sampling_params(validation=True)
+        chunk = self.cfg.data.val_batch_size or max(self.cfg.data.train_batch_size * self.n, 64)
+        accs, formats, scores_all, lengths, samples = [], [], [], [], []
+        for start in range(0, len(items), chunk):
+            part = items[start:start + chunk]
+            rollout = self.generate(part, params, self.step_generator(self.global_step, salt=1 + start))
+            scores, info, texts = self.score(part, rollout, params.n)
+            accs += info["acc"]
+            formats += info["format"]
+            scores_all += scores.tolist()
+            lengths += rollout.response_mask.sum(-1).tolist()
+            samples += texts
+        for text, item in list(zip(samples, items))[: self.cfg.trainer.log_val_generations]:
+            log.warning("val sample [truth %s]: %s", item["ground_truth"], text.strip()[:300])
+        return {"val/acc": float(np.mean(accs)), "val/format": float(np.mean(formats)),
+                "val/reward": float(np.mean(scores_all)), "val/response_length": float(np.mean(lengths)),
+                "val/num_samples": float(len(items))}
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def trainer_state(self) -> dict:
+        return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "plan_sizes": {k: getattr(self.plan, k) for k in
+                               ("actor_micro_batch_size", "critic_micro_batch_size", "logprob_micro_batch_size",
+                                "max_token_len_per_micro_batch")}}
+
+    def save(self) -> str:
+        export = None
+        if self.use_lora:
+            from .lora import merged_state_for_export
+
+            export = merged_state_for_export(self.actor)
+        path = save_checkpoint(self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
+                               critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
+                               trainer_state=self.trainer_state(), export_actor=export,
+                               keep=self.cfg.trainer.max_actor_ckpt_to_keep)
+        log.warning("checkpoint saved: %s", path)
+        return path
+
+    def maybe_resume(self) -> None:
+        tcfg = self.cfg.trainer
+        if tcfg.resume_mode == "disable":
+            return
+        path = tcfg.resume_from_path if tcfg.resume_mode == "resume_path" else find_latest_checkpoint(self.run_dir)
+        if not path:
+            return
+        state = load_checkpoint(path, actor=self.actor, critic=self.critic, optimizers=self.optimizers,
+                                schedulers=self.schedulers)
+        self.global_step = state["global_step"]
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        for key, value in state.get("plan_sizes", {}).items():
+            setattr(self.plan, key, value)  # keep what OOM recovery learned
+        self.engine.sync_weights()
+        log.warning("resumed from %s at step %d", path, self.global_step)
+
+    # ------------------------------------------------------------------------------------------ the run
+    def fit(self) -> dict:
+        tcfg = self.cfg.trainer
+        self.maybe_resume()
+        self.tracker = Tracker(self.run_dir, as_list(tcfg.logger), tcfg.project_name, tcfg.experiment_name,
+                               OmegaConf.to_container(self.cfg, resolve=True), self.total_steps,
+                               resume_step=self.global_step)
+        last_val: dict = {}
+        try:
+            if tcfg.val_before_train and self.global_step == 0:
+                last_val = self.validate()
+                if last_val:
+                    self.tracker.log(last_val, step=0)
+            while self.global_step < self.total_steps:
+                items = self.loader.next_batch()
+                metrics = self.train_step(items)
+                self.global_step += 1
+                metrics["train/epoch"] = float(self.loader.epoch)
+                is_last = self.global_step >= self.total_steps
+                if tcfg.test_freq > 0 and (self.global_step % tcfg.test_freq == 0 or is_last):
+                    last_val = self.validate()
+                    metrics.update(last_val)
+                self.tracker.log(metrics, step=self.global_step)
+                if tcfg.save_freq > 0 and (self.global_step % tcfg.save_freq == 0 or is_last):
+                    self.save()
+        finally:
+            self.tracker.close()
+        return last_val

@@ -1,0 +1,196 @@
+"""Tests for rlanywhere.rewards: answer extraction, GSM8K/arithmetic scoring, registry, custom files, manager."""
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlanywhere import rewards as R
+
+GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+
+
+def _gsm8k_rows(n):
+    if not GSM8K_TEST.exists():
+        pytest.skip(f"{GSM8K_TEST} not available")
+    with GSM8K_TEST.open() as f:
+        return [json.loads(next(f)) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- extraction
+
+
+def test_strict_vs_flexible_on_realistic_strings():
+    text = "He makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18"
+    assert R.extract_gsm8k_answer(text, "strict") == "18"
+    assert R.extract_gsm8k_answer(text, "flexible") == "18"
+    no_marker = "So he made a profit of 200,000-130,000=$70,000 in total."
+    assert R.extract_gsm8k_answer(no_marker, "strict") is None
+    assert R.extract_gsm8k_answer(no_marker, "flexible") == "70000"
+    # strict takes the last marker, flexible the last number even after the marker
+    two = "#### 5\nWait, let me redo it.\n#### 7\nThat took 3 minutes."
+    assert R.extract_gsm8k_answer(two, "strict") == "7"
+    assert R.extract_gsm8k_answer(two, "flexible") == "3"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("#### 1,234", "1234"),
+        ("#### $1,234.50", "1234.50"),
+        ("#### -5", "-5"),
+        ("#### 0.75", "0.75"),
+        ("#### 18.", "18"),
+        ("####42", "42"),
+        ("the answer is #### $ 12", "12"),
+    ],
+)
+def test_strict_extraction_number_formats(text, expected):
+    assert R.extract_gsm8k_answer(text, "strict") == expected
+
+
+def test_flexible_extraction_number_formats():
+    assert R.extract_gsm8k_answer("It drops to -3 degrees.", "flexible") == "-3"
+    assert R.extract_gsm8k_answer("The total is $1,050.25.", "flexible") == "1050.25"
+    assert R.extract_gsm8k_answer("Answers: 5, 6,", "flexible") == "6"
+    assert R.extract_gsm8k_answer("no numbers here.", "flexible") is None
+    with pytest.raises(ValueError, match="strict"):
+        R.extract_gsm8k_answer("1", "loose")
+
+
+# ---------------------------------------------------------------- gsm8k score
+
+
+def test_gsm8k_reference_solutions_score_one_and_corrupted_zero():
+    for row in _gsm8k_rows(12):
+        solution = row["answer"]
+        truth = solution.split("####")[-1].strip().replace(",", "")
+        assert R.gsm8k_score(solution, truth) == {"score": 1.0, "acc": 1.0, "format": 1.0}
+        assert R.gsm8k_score(solution, truth, method="flexible")["score"] == 1.0
+        body, final = solution.rsplit("####", 1)
+        corrupted = f"{body}#### {int(final.strip().replace(',', '')) + 1}"
+        assert R.gsm8k_score(corrupted, truth) == {"score": 0.0, "acc": 0.0, "format": 1.0}
+        # without the marker strict finds nothing: no score and no format
+        assert R.gsm8k_score(body, truth) == {"score": 0.0, "acc": 0.0, "format": 0.0}
+
+
+def test_gsm8k_numeric_comparison_and_format_score():
+    assert R.gsm8k_score("#### 18.0", "18")["acc"] == 1.0
+    assert R.gsm8k_score("#### 18", "18.00")["acc"] == 1.0
+    assert R.gsm8k_score("#### 1,000", "1000")["acc"] == 1.0
+    assert R.gsm8k_score("#### -4", "4")["acc"] == 0.0
+    wrong = R.gsm8k_score("#### 17", "18", format_score=0.1, score=2.0)
+    assert wrong == {"score": 0.1, "acc": 0.0, "format": 1.0}
+    assert R.gsm8k_score("#### 18", "18", format_score=0.1, score=2.0)["score"] == 2.0
+    # flexible: answer extracted without the marker -> correct but format 0
+    assert R.gsm8k_score("it is 18", "18", method="flexible") == {"score": 1.0, "acc": 1.0, "format": 0.0}
+
+
+# ---------------------------------------------------------------- arithmetic
+
+
+def test_arithmetic_score():
+    assert R.arithmetic_score("7 + 5 = 12", "12") == {"score": 1.0, "acc": 1.0, "format": 0.0}
+    assert R.arithmetic_score("7 + 5 = 13", "12") == {"score": 0.0, "acc": 0.0, "format": 0.0}
+    # marker wins over a later number
+    assert R.arithmetic_score("#### 12 (checked 3 times)", "12") == {"score": 1.0, "acc": 1.0, "format": 1.0}
+    assert R.arithmetic_score("#### 11 then 12", "12")["score"] == 0.0
+    assert R.arithmetic_score("-3 - 4 = -7", "-7")["acc"] == 1.0
+    assert R.arithmetic_score("", "1")["score"] == 0.0
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_registry_lookup_and_register(monkeypatch):
+    monkeypatch.setattr(R, "REWARD_FUNCTIONS", dict(R.REWARD_FUNCTIONS))
+    assert R.get_reward_fn("openai/gsm8k") is R.gsm8k_score
+    assert R.get_reward_fn("gsm8k") is R.gsm8k_score
+    assert R.get_reward_fn("arithmetic") is R.arithmetic_score
+    with pytest.raises(KeyError, match="custom_reward_function.path"):
+        R.get_reward_fn("my/data")
+    R.register_reward("my/data", lambda s, gt: float(s == gt))
+    assert R.get_reward_fn("my/data")("a", "a") == 1.0
+    with pytest.raises(TypeError):
+        R.register_reward("bad", 3)
+
+
+# ---------------------------------------------------------------- custom reward file
+
+
+def test_load_custom_reward_from_file(tmp_path):
+    file = tmp_path / "my_reward.py"
+    file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):\n"
+        "    return {'score': float(solution_str.strip() == ground_truth) + bonus, 'length': len(solution_str)}\n"
+        "def other(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 0.5\n"
+    )
+    fn = R.load_custom_reward(file, "compute_score")
+    assert fn("x", " 4 ", "4")["score"] == 1.0
+    assert R.load_custom_reward(str(file), "compute_score", {"bonus": 0.5})("x", "4", "4")["score"] == 1.5
+    assert R.load_custom_reward(file, "other")("x", "", "") == 0.5
+    with pytest.raises(AttributeError, match="other"):  # lists the functions that do exist
+        R.load_custom_reward(file, "missing")
+    with pytest.raises(FileNotFoundError, match="custom_reward_function.path"):
+        R.load_custom_reward(tmp_path / "nope.py", "compute_score")
+
+
+# ---------------------------------------------------------------- manager
+
+
+def test_reward_manager_registry_scoring():
+    manager = R.RewardManager()
+    scores, info = manager(
+        ["so #### 18", "it is 12", "#### 5"],
+        ["18", "12", "6"],
+        ["openai/gsm8k", "arithmetic", "gsm8k"],
+    )
+    assert scores.dtype.is_floating_point and scores.shape == (3,)
+    assert scores.tolist() == [1.0, 1.0, 0.0]
+    assert info["acc"] == [1.0, 1.0, 0.0]
+    assert info["format"] == [1.0, 0.0, 1.0]
+    assert info["num_errors"] == 0
+
+
+def test_reward_manager_unknown_source_fails_fast():
+    with pytest.raises(KeyError, match="registered"):
+        R.RewardManager()(["1"], ["1"], ["nowhere"])
+
+
+def test_reward_manager_lengths_must_match():
+    with pytest.raises(ValueError, match="one entry per response"):
+        R.RewardManager()(["1", "2"], ["1"], ["gsm8k", "gsm8k"])
+
+
+def test_reward_manager_counts_and_logs_errors_once(caplog):
+    seen_extra = []
+
+    def flaky(data_source, solution_str, ground_truth, extra_info=None):
+        seen_extra.append(extra_info)
+        if solution_str == "boom":
+            raise RuntimeError("scorer exploded")
+        if solution_str == "nan":
+            return math.nan
+        if solution_str == "plain":
+            return 0.25
+        return {"score": 1.0, "acc": 1.0, "custom": 3}
+
+    manager = R.RewardManager(custom_fn=flaky)
+    responses = ["ok", "boom", "nan", "plain", "boom"]
+    extras = [{"i": i} for i in range(5)]
+    with caplog.at_level(logging.WARNING, logger="rlanywhere.rewards"):
+        scores, info = manager(responses, ["1"] * 5, ["anything"] * 5, extras)
+        manager(["boom"], ["1"], ["anything"])
+    assert scores.tolist() == [1.0, 0.0, 0.0, 0.25, 0.0]
+    assert info["num_errors"] == 3  # two raises and one NaN
+    assert info["acc"] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert info["format"] == [0.0] * 5
+    assert info["custom"] == [3.0, 0.0, 0.0, 0.0, 0.0]
+    assert seen_extra[:5] == extras
+    messages = [r.getMessage() for r in caplog.records if "scorer exploded" in r.getMessage()]
+    assert len(messages) == 1
+    assert isinstance(scores, torch.Tensor)
