@@ -91,7 +91,7 @@ def split_rows_by_token_budget(
     responses right-padded), which can exceed ``rows x longest(prompt + response)``; this uses the exact cost.
     """
     _check_budget(max_tokens)
-    prompt_lens = prompt_mask.sum(-1).tolist()
+    prompt_lens = _prompt_extent(prompt_mask).tolist()
     response_lens = _response_extent(response_mask).tolist()
     return _greedy_pack(list(zip(prompt_lens, response_lens)), max_tokens)
 
@@ -149,6 +149,8 @@ def compact_rows(
         )
     if prompt_ids.shape[0] != response_ids.shape[0]:
         raise ValueError(f"prompt and response row counts differ: {prompt_ids.shape[0]} vs {response_ids.shape[0]}")
+    if response_ids.shape[1] == 0:
+        raise ValueError("response_ids has no columns; a RolloutBatch always has at least one response column")
     index = _as_index(rows, prompt_ids.device)
     sub_prompt_mask = prompt_mask[index]
     sub_response_mask = response_mask[index]

@@ -563,7 +563,7 @@ class RLTrainer:
         self.maybe_resume()
         self.tracker = Tracker(self.run_dir, as_list(tcfg.logger), tcfg.project_name, tcfg.experiment_name,
                                OmegaConf.to_container(self.cfg, resolve=True), self.total_steps,
-                               resume_step=self.global_step)
+                               resume_step=self.global_step if self.global_step > 0 else None)
         last_val: dict = {}
         try:
             if tcfg.val_before_train and self.global_step == 0:

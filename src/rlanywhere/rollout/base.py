@@ -1,0 +1,358 @@
+"""Rollout interface shared by every engine: sampling parameters, the RolloutBatch contract and helpers.
+
+A rollout engine turns unpadded prompts (lists of token ids) into a `RolloutBatch`: for `B` prompts and `n`
+samples each, row `i*n + j` is sample `j` of prompt `i`. Prompts are left-padded, responses right-padded, and
+`response_logprobs` holds the log-probability of each sampled token under the distribution it was drawn from
+(after temperature / top-k / top-p; for greedy decoding, the temperature-1 log-softmax of the raw logits).
+
+This module also holds the pieces both engines share so they agree exactly: the processed-logits functions
+(temperature, top-k, top-p with the same semantics as transformers' warpers), EOS id collection, stop-string
+matching, and the assembly of a `RolloutBatch` from generated tokens.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. `temperature == 0` means greedy; `top_k == 0` and `top_p == 1` switch those filters off.
+
+    `stop_strings`: a sequence stops once its decoded response ends with one of them (the stop string stays in
+    the response). `ignore_eos`: keep generating past EOS (benchmarks with fixed response lengths).
+    `seed`: used when `generate` gets no generator, so a call is reproducible on its own.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop_strings: Sequence[str] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop_strings, str):
+            # A bare string would otherwise be read as a list of one-character stop strings.
+            self.stop_strings = (self.stop_strings,)
+        self.stop_strings = tuple(self.stop_strings)
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n (samples per prompt) must be an int >= 1, got {self.n!r}")
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"SamplingParams.stop_strings must hold non-empty strings, got {s!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RolloutBatch:
+    """Generated rollouts; see the module docstring and docs/ARCHITECTURE.md for the layout."""
+
+    prompt_ids: torch.Tensor  # [B*n, P] long, left-padded
+    prompt_mask: torch.Tensor  # [B*n, P] long, 1 = real token
+    response_ids: torch.Tensor  # [B*n, R] long, right-padded
+    response_mask: torch.Tensor  # [B*n, R] long, 1 = generated token (EOS included)
+    response_logprobs: torch.Tensor  # [B*n, R] float32, 0 at padding
+    num_prompts: int
+    n: int
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids.to(device),
+            prompt_mask=self.prompt_mask.to(device),
+            response_ids=self.response_ids.to(device),
+            response_mask=self.response_mask.to(device),
+            response_logprobs=self.response_logprobs.to(device),
+            num_prompts=self.num_prompts,
+            n=self.n,
+        )
+
+    def response_lengths(self) -> torch.Tensor:
+        """Number of generated tokens per row, [B*n] long."""
+        return self.response_mask.sum(-1)
+
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask, position_ids) of prompt+response, as the training forward passes want."""
+        input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
+        attention_mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return input_ids, attention_mask, position_ids
+
+
+class RolloutEngine(abc.ABC):
+    """Generates responses for a batch of prompts. Subclasses: HFEngine (any model), FastEngine (Llama family)."""
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> RolloutBatch:
+        """Sample `params.n` responses for each unpadded prompt; row i*n+j is sample j of prompt i."""
+
+    def sync_weights(self) -> None:
+        """Called by the trainer after each actor update. Engines that read the live weights may do nothing."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def validate_prompts(prompts: Any, vocab_size: int | None = None) -> list[list[int]]:
+    """Check that prompts are a non-empty list of non-empty lists of token ids; return them as lists of ints."""
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError(
+            "prompts must be a non-empty list of unpadded token-id lists (list[list[int]]); "
+            f"got {type(prompts).__name__}. Strip padding and pass one list per prompt."
+        )
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        if not isinstance(p, (list, tuple)) or len(p) == 0:
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r}")
+        ids = [int(t) for t in p]
+        if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise ValueError(
+                f"prompt {i} has token ids outside [0, {vocab_size}); was it tokenized with this model's tokenizer?"
+            )
+        out.append(ids)
+    return out
+
+
+def collect_eos_ids(tokenizer: Any, model: Any = None) -> list[int]:
+    """EOS ids that end a response: the tokenizer's eos_token_id plus the model's generation_config eos ids."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        if value is None:
+            return
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        if isinstance(value, (list, tuple)):
+            for v in value:
+                add(v)
+        elif int(value) not in ids:
+            ids.append(int(value))
+
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    gen_cfg = getattr(model, "generation_config", None) if model is not None else None
+    if gen_cfg is not None:
+        add(getattr(gen_cfg, "eos_token_id", None))
+    return ids
+
+
+def resolve_pad_token_id(pad_token_id: int | None, tokenizer: Any, eos_ids: Sequence[int]) -> int:
+    """The explicit pad id, else the tokenizer's, else the first EOS id, else 0."""
+    if pad_token_id is not None:
+        return int(pad_token_id)
+    tok_pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    if tok_pad is not None:
+        return int(tok_pad)
+    if eos_ids:
+        return int(eos_ids[0])
+    return 0
+
+
+def unwrap_peft(model: Any) -> Any:
+    """The transformers model inside a peft PeftModel (with LoRA layers injected), or the model itself."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base) and type(model).__module__.startswith("peft"):
+        return get_base()
+    return model
+
+
+def resolve_generator(
+    generator: torch.Generator | None, seed: int | None, device: torch.device
+) -> torch.Generator:
+    """A generator on `device`: the given one if it lives there, else one seeded from it / from `seed` / globally.
+
+    Seeding from the caller's generator (instead of rejecting a CPU generator for a CUDA engine) keeps calls
+    reproducible and advances the caller's generator, so two calls in a row draw different samples.
+    """
+    device = torch.device(device)
+    if generator is not None and torch.device(generator.device).type == device.type:
+        return generator
+    if generator is not None:
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
+    elif seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    out = torch.Generator(device=device)
+    out.manual_seed(seed)
+    return out
+
+
+def apply_temperature_top_k_top_p(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    """Processed scores of the sampling distribution, [N, V] float: logits/T, then top-k, then top-p filtering.
+
+    Same semantics as transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper with
+    min_tokens_to_keep=1 (ties at the k-th value are kept; top-p keeps the smallest set whose mass >= p).
+    """
+    scores = logits / temperature if temperature != 1.0 else logits
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, NEG_INF)
+    if top_p < 1.0:
+        sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cum <= (1.0 - top_p)
+        remove_sorted[..., -1:] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        scores = scores.masked_fill(remove, NEG_INF)
+    return scores
+
+
+def sample_from_logits(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of float logits [N, V]; return (tokens [N] long, log-probs [N] float32).
+
+    Sampling uses the exponential race (argmax of log p - log E, E ~ Exp(1)), which draws exactly from the
+    softmax distribution and needs no host synchronisation.
+    """
+    logits = logits.float()
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)
+        scores = logits
+    else:
+        scores = apply_temperature_top_k_top_p(logits, params.temperature, params.top_k, params.top_p)
+        # Clamp so an exact-zero draw cannot turn a filtered (-inf) token into NaN, which argmax would pick.
+        noise = torch.empty_like(scores).exponential_(generator=generator).clamp_(min=torch.finfo(scores.dtype).tiny)
+        tokens = (scores - noise.log_()).argmax(dim=-1)
+    chosen = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logprobs = chosen - torch.logsumexp(scores, dim=-1)
+    return tokens, logprobs
+
+
+class StopStringMatcher:
+    """Decides whether a decoded response ends with one of the stop strings.
+
+    Decodes only a tail of the response (enough tokens to cover the longest stop string), falling back to the
+    whole response when the tail decodes to too few characters.
+    """
+
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str]):
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer to decode responses; pass the tokenizer to the engine")
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(stop_strings)
+        self.max_chars = max((len(s) for s in self.stop_strings), default=0)
+        self.tail_tokens = self.max_chars + 8
+
+    def __bool__(self) -> bool:
+        return bool(self.stop_strings)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def ends_with_stop(self, ids: Sequence[int]) -> bool:
+        text = self._decode(ids[-self.tail_tokens :])
+        if len(text) < self.max_chars and len(ids) > self.tail_tokens:
+            text = self._decode(ids)
+        return any(text.endswith(s) for s in self.stop_strings)
+
+    def first_stop_length(self, ids: Sequence[int], start: int = 0) -> int | None:
+        """Smallest length L > start such that ids[:L] ends with a stop string, or None."""
+        for length in range(max(start, 0) + 1, len(ids) + 1):
+            if self.ends_with_stop(ids[:length]):
+                return length
+        return None
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int, device: torch.device | str = "cpu"):
+    """Left-pad prompts into (ids [B, P] long, mask [B, P] long)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def eos_lengths(tokens: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
+    """Per-row response length when stopping at (and including) the first EOS; full width if none. [N] long."""
+    n_rows, width = tokens.shape
+    full = torch.full((n_rows,), width, dtype=torch.long, device=tokens.device)
+    if not eos_ids or width == 0:
+        return full
+    is_eos = torch.isin(tokens, torch.tensor(list(eos_ids), dtype=tokens.dtype, device=tokens.device))
+    first = is_eos.to(torch.int8).argmax(dim=-1)
+    return torch.where(is_eos.any(dim=-1), first + 1, full)
+
+
+def build_rollout_batch(
+    prompts: list[list[int]],
+    n: int,
+    response_tokens: torch.Tensor,
+    response_logprobs: torch.Tensor,
+    lengths: torch.Tensor,
+    pad_token_id: int,
+) -> RolloutBatch:
+    """Assemble a RolloutBatch from raw generated tokens [B*n, T] and their lengths [B*n] (on one device)."""
+    device = response_tokens.device
+    lengths = lengths.to(device=device, dtype=torch.long).clamp(max=response_tokens.shape[1])
+    width = int(lengths.max().item()) if lengths.numel() else 0
+    tokens = response_tokens[:, :width]
+    mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+    response_ids = torch.where(mask.bool(), tokens, torch.full_like(tokens, pad_token_id))
+    logprobs = torch.where(mask.bool(), response_logprobs[:, :width].float(), torch.zeros((), device=device))
+    repeated = [p for p in prompts for _ in range(n)]
+    prompt_ids, prompt_mask = left_pad(repeated, pad_token_id, device)
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=mask,
+        response_logprobs=logprobs,
+        num_prompts=len(prompts),
+        n=n,
+    )
+
+
+__all__ = [
+    "SamplingParams",
+    "RolloutBatch",
+    "RolloutEngine",
+    "apply_temperature_top_k_top_p",
+    "sample_from_logits",
+    "StopStringMatcher",
+    "collect_eos_ids",
+    "resolve_pad_token_id",
+    "resolve_generator",
+    "build_rollout_batch",
+    "eos_lengths",
+    "left_pad",
+    "validate_prompts",
+    "unwrap_peft",
+]

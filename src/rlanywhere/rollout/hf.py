@@ -1,0 +1,181 @@
+"""HFEngine: rollouts through transformers' `model.generate` (the reference engine; any causal LM, peft too).
+
+Prompts are left-padded with an attention mask and repeated `n` times (row i*n+j = sample j of prompt i).
+Sampling uses transformers' own temperature / top-k / top-p warpers, passed as explicit logits processors
+followed by a recorder that keeps the log-softmax of the processed scores, so the returned log-probs are those
+of the distribution each token was drawn from without storing `output_scores` for every step (which would be
+steps x rows x vocab floats). The model's own generation_config (hub defaults such as top_k=20 or a repetition
+penalty) is swapped out for the call, so only the given SamplingParams apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
+from transformers import StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from .base import (
+    RolloutBatch,
+    RolloutEngine,
+    SamplingParams,
+    StopStringMatcher,
+    build_rollout_batch,
+    collect_eos_ids,
+    eos_lengths,
+    left_pad,
+    resolve_pad_token_id,
+    unwrap_peft,
+    validate_prompts,
+)
+
+
+class _SampledLogprobRecorder(LogitsProcessor):
+    """Last logits processor: remembers log_softmax(scores) of the previous step, and at each call gathers the
+    log-prob of the token that was sampled from it (the newest column of input_ids)."""
+
+    def __init__(self) -> None:
+        self.logprobs: list[torch.Tensor] = []
+        self._previous: torch.Tensor | None = None
+
+    def _collect(self, tokens: torch.Tensor) -> None:
+        if self._previous is not None:
+            self.logprobs.append(self._previous.gather(-1, tokens[:, None].long()).squeeze(-1))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._collect(input_ids[:, -1])
+        self._previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        self._collect(last_tokens)
+        self._previous = None
+        return torch.stack(self.logprobs, dim=1)
+
+
+class _StopStringCriteria(StoppingCriteria):
+    """Stops a row when its decoded response ends with a stop string; records the response length at that point."""
+
+    def __init__(self, matcher: StopStringMatcher, prompt_width: int, eos_ids: list[int]):
+        self.matcher = matcher
+        self.prompt_width = prompt_width
+        self.eos_ids = set(eos_ids)
+        self.stop_lengths: dict[int, int] = {}
+        self._ended_by_eos: set[int] = set()
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        responses = input_ids[:, self.prompt_width :].tolist()
+        for row, response in enumerate(responses):
+            if row in self.stop_lengths or row in self._ended_by_eos:
+                continue
+            if response and response[-1] in self.eos_ids:
+                self._ended_by_eos.add(row)
+            elif self.matcher.ends_with_stop(response):
+                self.stop_lengths[row] = len(response)
+        done = [row in self.stop_lengths for row in range(len(responses))]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+@contextlib.contextmanager
+def _generation_context(hf_model: Any, module: torch.nn.Module, seed: int | None, device: torch.device):
+    """Eval mode, no grad, a clean generation_config and (when seeded) a forked RNG, all restored afterwards."""
+    was_training = module.training
+    saved_config = getattr(hf_model, "generation_config", None)
+    devices = [device] if device.type == "cuda" else []
+    rng = torch.random.fork_rng(devices=devices) if seed is not None else contextlib.nullcontext()
+    try:
+        module.eval()
+        hf_model.generation_config = GenerationConfig()
+        with rng, torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+            yield
+    finally:
+        hf_model.generation_config = saved_config
+        module.train(was_training)
+
+
+class HFEngine(RolloutEngine):
+    """Rollouts with `model.generate`. Works for any transformers causal LM and for peft-wrapped models."""
+
+    def __init__(self, model: Any, tokenizer: Any, pad_token_id: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.hf_model = unwrap_peft(model)
+        self.eos_ids = collect_eos_ids(tokenizer, self.hf_model)
+        self.pad_token_id = resolve_pad_token_id(pad_token_id, tokenizer, self.eos_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> RolloutBatch:
+        vocab = getattr(self.hf_model.config.get_text_config(), "vocab_size", None)
+        prompts = validate_prompts(prompts, vocab)
+        matcher = StopStringMatcher(self.tokenizer, params.stop_strings)
+        device = self.device
+        eos_ids = [] if params.ignore_eos else list(self.eos_ids)
+
+        repeated = [p for p in prompts for _ in range(params.n)]
+        input_ids, attention_mask = left_pad(repeated, self.pad_token_id, device)
+        prompt_width = input_ids.shape[1]
+
+        # Seed transformers' sampling (global RNG) from the caller's generator or seed, inside a forked RNG.
+        seed = params.seed
+        if generator is not None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
+
+        processors = LogitsProcessorList()
+        if not params.greedy:
+            if params.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k > 0:
+                processors.append(TopKLogitsWarper(top_k=params.top_k))
+            if params.top_p < 1.0:
+                processors.append(TopPLogitsWarper(top_p=params.top_p))
+        recorder = _SampledLogprobRecorder()
+        processors.append(recorder)
+        criteria = StoppingCriteriaList()
+        stop_criteria = None
+        if matcher:
+            stop_criteria = _StopStringCriteria(matcher, prompt_width, eos_ids)
+            criteria.append(stop_criteria)
+
+        generation_config = GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not params.greedy,
+            temperature=1.0,  # applied by our own warpers above, so they run before the recorder
+            top_k=0,
+            top_p=1.0,
+            num_beams=1,
+            num_return_sequences=1,
+            eos_token_id=eos_ids or None,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            use_cache=True,
+        )
+        with _generation_context(self.hf_model, self.model, seed, device):
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=generation_config,
+                logits_processor=processors,
+                stopping_criteria=criteria,
+            )
+        tokens = out.sequences[:, prompt_width:]
+        logprobs = recorder.finish(tokens[:, -1])
+        lengths = eos_lengths(tokens, eos_ids)
+        if stop_criteria is not None:
+            for row, length in stop_criteria.stop_lengths.items():
+                lengths[row] = min(int(lengths[row]), length)
+        return build_rollout_batch(prompts, params.n, tokens, logprobs, lengths, self.pad_token_id)
+
+
+__all__ = ["HFEngine"]

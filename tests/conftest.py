@@ -1,0 +1,101 @@
+"""Shared fixtures: a tiny random Qwen2 model with a real (word-level) tokenizer and chat template, saved to disk
+like any HF checkpoint, and small GSM8K / arithmetic parquet files. No downloads; built in about a second."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+GSM8K_DIR = SHARED / "data" / "gsm8k"
+VERL_P40_ARGS = SHARED / "fixtures" / "verl-p40-ppo.args"
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+def _subset_lines(name: str, count: int) -> list[str]:
+    with open(GSM8K_DIR / name) as handle:
+        return [next(handle) for _ in range(count)]
+
+
+def build_tiny_tokenizer(texts: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    words = sorted({w for text in texts for w in re.findall(r"\w+|[^\w\s]", text)})
+    # Every number 0..199 and every digit, so a random model can "answer" arithmetic and GSM8K prompts.
+    words = sorted(set(words) | {str(i) for i in range(200)} | set("####=+-*.,$"))
+    vocab = {tok: i for i, tok in enumerate(specials + [w for w in words if w not in specials])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins word tokens with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                                        eos_token="<|im_end|>", bos_token=None,
+                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def gsm8k_subset(tmp_path_factory) -> Path:
+    """A 64/32-row copy of the shared GSM8K jsonl files (the real ones are read-only and large)."""
+    out = tmp_path_factory.mktemp("gsm8k_src")
+    (out / "train.jsonl").write_text("".join(_subset_lines("train.jsonl", 64)))
+    (out / "test.jsonl").write_text("".join(_subset_lines("test.jsonl", 32)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, gsm8k_subset) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    texts = [json.loads(line)["question"] + " " + json.loads(line)["answer"]
+             for name in ("train.jsonl", "test.jsonl") for line in (gsm8k_subset / name).read_text().splitlines()]
+    texts.append("What is 12 + 34 ? Output the final answer after \" #### \" . Let ' s think step by step")
+    tokenizer = build_tiny_tokenizer(texts)
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    model = Qwen2ForCausalLM(config)
+    out = tmp_path_factory.mktemp("tiny_qwen2")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def arith_data(tmp_path_factory) -> Path:
+    from rlanywhere.data import prepare_arithmetic
+
+    out = tmp_path_factory.mktemp("arith")
+    prepare_arithmetic(str(out), train_size=64, test_size=16, digits=1, operators="+", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gsm8k_data(tmp_path_factory, gsm8k_subset) -> Path:
+    from rlanywhere.data import prepare_gsm8k
+
+    out = tmp_path_factory.mktemp("gsm8k_parquet")
+    prepare_gsm8k(str(gsm8k_subset), str(out))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _quiet_threads():
+    # Two cores on CI: more torch threads than that only adds contention.
+    import torch
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield

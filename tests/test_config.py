@@ -1,0 +1,63 @@
+"""Config: verl keys, overrides, verl-only notices, unknown-key errors with the closest valid key."""
+
+import pytest
+
+from rlanywhere.config import ConfigError, as_list, load_config, schema_keys
+
+from .conftest import VERL_P40_ARGS
+
+
+def test_defaults_follow_verl():
+    cfg = load_config()
+    assert cfg.algorithm.adv_estimator == "gae"
+    assert cfg.actor_rollout_ref.actor.clip_ratio == 0.2
+    assert cfg.actor_rollout_ref.actor.kl_loss_type == "low_var_kl"
+    assert cfg.trainer.resume_mode == "auto"
+    for key in ("data.train_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                "critic.cliprange_value", "algorithm.kl_ctrl.target_kl", "trainer.default_local_dir"):
+        assert key in schema_keys()
+
+
+def test_overrides_yaml_and_types(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train_batch_size: 16\nalgorithm:\n  adv_estimator: grpo\n")
+    cfg = load_config(str(path), ["data.train_batch_size=32", "+trainer.logger=['console','wandb']"])
+    assert cfg.data.train_batch_size == 32  # overrides win over the file
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert list(cfg.trainer.logger) == ["console", "wandb"]
+
+
+def test_verl_p40_fixture_parses_with_notices():
+    notices = []
+    args = [line for line in VERL_P40_ARGS.read_text().splitlines() if line.strip()]
+    cfg = load_config(None, args, notices=notices)
+    assert cfg.data.train_batch_size == 1 and cfg.critic.optim.lr == 1e-6
+    assert cfg.actor_rollout_ref.rollout.name == "auto"  # vllm -> our engine
+    assert cfg.hardware.param_offload is True  # fsdp_config offload honoured
+    joined = "\n".join(notices)
+    for key in ("gpu_memory_utilization", "max_num_seqs", "tensor_model_parallel_size", "fsdp_config.cpu_offload",
+                "rollout.name=vllm"):
+        assert key in joined
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("data.train_batch_sise=3", "did you mean 'data.train_batch_size'"),
+    ("critic.optim.lrr=1", "did you mean 'critic.optim.lr'"),
+    ("algorithm.adv_estimator=ppo", "choose one of gae, grpo"),
+    ("data.train_batch_size=abc", "train_batch_size"),
+    ("data.train_batch_size=0", "must be positive"),
+    ("hardware.precision=bf32", "choose one of auto, fp32, bf16, fp16"),
+    ("trainer.resume_mode=resume_path", "resume_from_path"),
+    ("no_equals_sign", "has no '='"),
+])
+def test_bad_input_names_problem_and_fix(override, expected):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config(None, [override])
+    assert expected in str(info.value)
+
+
+def test_as_list_accepts_all_spellings():
+    assert as_list("a.parquet") == ["a.parquet"]
+    assert as_list("['a.parquet', 'b.parquet']") == ["a.parquet", "b.parquet"]
+    assert as_list(["x"]) == ["x"]
+    assert as_list(None) == []

@@ -1,0 +1,180 @@
+"""End-to-end runs of the whole loop on CPU with a tiny random Qwen2: PPO (critic, ref, KL), GRPO, RLOO, LoRA,
+checkpoint + kill + resume, HF export, and the real verl P40 command line from shared/fixtures."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from rlanywhere.cli import main as cli_main
+from rlanywhere.config import load_config
+from rlanywhere.hardware import make_plan
+from rlanywhere.tracking import read_metrics
+from rlanywhere.trainer import RLTrainer
+
+from .conftest import VERL_P40_ARGS
+
+pytestmark = pytest.mark.slow
+
+
+def base_overrides(model_dir, data_dir, run_dir, **extra) -> list[str]:
+    items = {
+        "actor_rollout_ref.model.path": str(model_dir),
+        "data.train_files": f"{data_dir}/train.parquet",
+        "data.val_files": f"{data_dir}/test.parquet",
+        "data.train_batch_size": 4,
+        "data.max_prompt_length": 64,
+        "data.max_response_length": 12,
+        "data.val_max_samples": 8,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 3,
+        "actor_rollout_ref.actor.optim.lr": 1e-3,
+        "actor_rollout_ref.rollout.n": 2,
+        "actor_rollout_ref.rollout.temperature": 1.0,
+        "trainer.total_training_steps": 2,
+        "trainer.test_freq": 2,
+        "trainer.save_freq": 2,
+        "trainer.logger": "['console']",
+        "trainer.default_local_dir": str(run_dir),
+        "trainer.seed": 3,
+        "hardware.device": "cpu",
+    }
+    items.update(extra)
+    return [f"{k}={v}" for k, v in items.items()]
+
+
+def run_training(overrides: list[str]) -> tuple[RLTrainer, list[dict]]:
+    cfg = load_config(None, overrides)
+    plan = make_plan(cfg, for_execution=True)
+    trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
+    trainer.fit()
+    return trainer, read_metrics(cfg.trainer.default_local_dir)
+
+
+def train_rows(metrics: list[dict]) -> dict[int, dict]:
+    return {m["step"]: m for m in metrics if "reward/mean" in m}
+
+
+def test_ppo_with_critic_ref_and_kl(tiny_model_dir, gsm8k_data, tmp_path):
+    overrides = base_overrides(tiny_model_dir, gsm8k_data, tmp_path / "run", **{
+        "algorithm.adv_estimator": "gae", "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.kl_coef": 0.05,
+        "algorithm.kl_ctrl.type": "adaptive", "actor_rollout_ref.actor.use_kl_loss": True,
+        "actor_rollout_ref.actor.ppo_epochs": 2, "critic.optim.lr": 1e-3, "data.max_prompt_length": 200})
+    trainer, metrics = run_training(overrides)
+    assert trainer.critic is not None and trainer.ref is not None
+    rows = train_rows(metrics)
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        for key in ("reward/mean", "actor/pg_loss", "critic/vf_loss", "actor/pg_clipfrac", "actor/approx_kl",
+                    "actor/kl", "actor/entropy", "actor/grad_norm", "critic/grad_norm", "response_length/mean",
+                    "perf/tokens_per_s", "perf/peak_memory_gib", "timing/rollout", "timing/update_actor"):
+            assert key in row and row[key] == row[key], key  # present and not NaN
+    # Two PPO epochs: the second epoch sees a moved policy, so the ratio leaves 1 and the KL to old is non-zero.
+    assert rows[1]["actor/approx_kl"] != 0.0
+    # The reference starts equal to the actor: KL(actor || ref) is exactly 0 at the first step, not after.
+    assert rows[1]["actor/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert abs(rows[2]["actor/kl"]) > 0
+    assert any("val/acc" in m for m in metrics)
+    ckpt = tmp_path / "run" / "checkpoints" / "global_step_2"
+    assert (ckpt / "critic" / "value_head.safetensors").exists()
+    assert (tmp_path / "run" / "plan.json").exists() and (tmp_path / "run" / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_group_estimators_train_and_export(tiny_model_dir, arith_data, tmp_path, estimator):
+    from transformers import AutoModelForCausalLM
+
+    trainer, metrics = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "run",
+                                                   **{"algorithm.adv_estimator": estimator}))
+    assert trainer.critic is None and trainer.ref is None  # GRPO-style with no KL loads neither
+    assert sorted(train_rows(metrics)) == [1, 2]
+    export = tmp_path / "run" / "checkpoints" / "global_step_2" / "actor"
+    loaded = AutoModelForCausalLM.from_pretrained(export)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trainer.actor(ids).logits)
+    # The update really changed the weights (lr 1e-3), so the export is not the initial model.
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.equal(initial.model.embed_tokens.weight, loaded.model.embed_tokens.weight)
+
+
+def test_lora_grpo_with_adapter_disabled_reference(tiny_model_dir, arith_data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    overrides = base_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
+        "algorithm.adv_estimator": "grpo", "actor_rollout_ref.model.lora_rank": 4,
+        "actor_rollout_ref.model.lora_alpha": 8, "actor_rollout_ref.actor.use_kl_loss": True,
+        "actor_rollout_ref.actor.kl_loss_coef": 0.1})
+    trainer, metrics = run_training(overrides)
+    assert trainer.ref is None  # the reference is the adapter-disabled base: no second copy of the weights
+    rows = train_rows(metrics)
+    assert all("actor/kl_loss" in row for row in rows.values())
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoints" / "global_step_2" / "actor")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, trainer.actor(ids).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    extra = {"algorithm.adv_estimator": "gae", "trainer.total_training_steps": 4, "trainer.save_freq": 2,
+             "trainer.test_freq": -1, "trainer.val_before_train": False, "critic.optim.lr": 1e-3,
+             "actor_rollout_ref.actor.use_kl_loss": True, "algorithm.kl_ctrl.type": "adaptive",
+             "algorithm.use_kl_in_reward": True}
+    _, uninterrupted = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra))
+
+    original_step = RLTrainer.train_step
+
+    def dying_step(self, items):
+        if self.global_step == 2:  # step 2's checkpoint is on disk; the process dies mid-run
+            raise KeyboardInterrupt("killed")
+        return original_step(self, items)
+
+    monkeypatch.setattr(RLTrainer, "train_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
+    monkeypatch.setattr(RLTrainer, "train_step", original_step)
+    trainer, resumed = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
+    assert trainer.global_step == 4
+    a, b = train_rows(uninterrupted), train_rows(resumed)
+    assert sorted(b) == [1, 2, 3, 4]  # no duplicated or lost lines
+    for step in (3, 4):
+        for key in ("reward/mean", "actor/pg_loss", "critic/vf_loss", "actor/kl", "response_length/mean",
+                    "actor/grad_norm", "critic/values_mean"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_verl_p40_command_line_runs_unchanged(tiny_model_dir, gsm8k_data, tmp_path, capsys):
+    """The real user's verl overrides, paths replaced, run through `rlanywhere train` with no key edited."""
+    replacements = {
+        "data.train_files": f"{gsm8k_data}/train.parquet",
+        "data.val_files": f"{gsm8k_data}/test.parquet",
+        "actor_rollout_ref.model.path": str(tiny_model_dir),
+        "critic.model.path": str(tiny_model_dir),
+    }
+    args = []
+    for line in VERL_P40_ARGS.read_text().splitlines():
+        if not line.strip():
+            continue
+        key = line.split("=", 1)[0]
+        args.append(f"{key}={replacements[key]}" if key in replacements else line.strip())
+    # Only additions: keep the test to two steps on the CPU and inside tmp_path.
+    args += ["trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path / 'run'}",
+             "data.val_max_samples=4", "hardware.device=cpu"]
+    assert cli_main(["train", *args]) == 0
+    out = capsys.readouterr().out
+    assert "run dir:" in out
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["precision"] == "fp32"
+    assert any("gpu_memory_utilization" in n for n in plan["notices"])
+    rows = train_rows(read_metrics(tmp_path / "run"))
+    assert sorted(rows) == [1, 2] and "critic/vf_loss" in rows[1]  # PPO with a critic, as verl's default gae
+
+
+def test_unknown_key_is_rejected_before_loading(tmp_path, capsys):
+    code = cli_main(["train", "data.train_batch_sise=4", f"trainer.default_local_dir={tmp_path}"])
+    assert code == 2
+    assert "did you mean 'data.train_batch_size'" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)  # nothing was written, nothing loaded
