@@ -42,7 +42,7 @@ def test_token_budget_covers_each_index_once_and_respects_budget(seed):
 
 
 def test_row_longer_than_budget_gets_own_group_with_warning():
-    with pytest.warns(UserWarning, match="over the micro-batch token budget"):
+    with pytest.warns(UserWarning, match="longer than the micro-batch token budget"):
         groups = split_by_token_budget([5, 50, 6], 20)
     assert sorted(i for g in groups for i in g) == [0, 1, 2]
     assert [1] in groups

@@ -75,16 +75,16 @@ def test_optimizer_step_after_round_trip_equals_step_without():
 
 def test_model_move_reaches_every_tensor_and_keeps_ties_and_parameter_identity(monkeypatch):
     # one CPU here, so record what the mover sees and hand back copies as if they lived elsewhere
-    seen = []
+    seen, returned = [], []
 
     def fake_move(self, key, tensor):
         seen.append(key)
-        return tensor.clone()
+        returned.append(tensor.clone())
+        return returned[-1]
 
     monkeypatch.setattr(offload._Mover, "__call__", fake_move)
     model, optimizer = _setup()
     params_before = list(model.parameters())
-    ptrs_before = [p.data_ptr() for p in params_before] + [p.grad.data_ptr() for p in params_before]
     values_before = [p.detach().clone() for p in params_before]
     offload_model(model, "cuda:0")
     assert sorted(seen) == sorted(
@@ -92,7 +92,8 @@ def test_model_move_reaches_every_tensor_and_keeps_ties_and_parameter_identity(m
          ("grad", "embed.weight"), ("grad", "hidden.weight"), ("grad", "hidden.bias"), ("buffer", "", "scale")]
     )
     ptrs_after = [p.data_ptr() for p in model.parameters()] + [p.grad.data_ptr() for p in model.parameters()]
-    assert not set(ptrs_before) & set(ptrs_after)  # every tensor was replaced by the moved one
+    ptrs_after.append(model.scale.data_ptr())
+    assert sorted(ptrs_after) == sorted(t.data_ptr() for t in returned)  # every tensor is now the moved one
     assert model.head.weight is model.embed.weight
     assert all(a is b for a, b in zip(params_before, model.parameters()))
     assert all(a is b for a, b in zip(params_before, optimizer.param_groups[0]["params"]))

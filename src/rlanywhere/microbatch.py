@@ -26,7 +26,8 @@ def split_fixed(num_rows: int, micro_batch_size: int) -> list[list[int]]:
         raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
     if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
-    return [list(range(start, min(start + micro_batch_size, num_rows))) for start in range(0, num_rows, micro_batch_size)]
+    starts = range(0, num_rows, micro_batch_size)
+    return [list(range(start, min(start + micro_batch_size, num_rows))) for start in starts]
 
 
 def _greedy_pack(parts: Sequence[tuple[int, ...]], max_tokens: int) -> list[list[int]]:
@@ -40,6 +41,7 @@ def _greedy_pack(parts: Sequence[tuple[int, ...]], max_tokens: int) -> list[list
     groups: list[list[int]] = []
     current: list[int] = []
     current_max: tuple[int, ...] = ()
+    oversized: list[int] = []
     for row in order:
         if current:
             widened = tuple(max(a, b) for a, b in zip(current_max, parts[row]))
@@ -50,16 +52,19 @@ def _greedy_pack(parts: Sequence[tuple[int, ...]], max_tokens: int) -> list[list
             groups.append(current)
         current, current_max = [row], parts[row]
         if sum(current_max) > max_tokens:
-            warnings.warn(
-                f"row {row} alone costs {sum(current_max)} tokens, over the micro-batch token budget of "
-                f"{max_tokens}; it gets a micro-batch of its own (raise max_token_len_per_micro_batch to at least "
-                "the longest prompt + response to silence this)",
-                stacklevel=3,
-            )
+            oversized.append(row)
             groups.append(current)
             current, current_max = [], ()
     if current:
         groups.append(current)
+    if oversized:
+        longest = max(sum(parts[row]) for row in oversized)
+        warnings.warn(
+            f"{len(oversized)} row(s) (e.g. row {oversized[0]}, up to {longest} tokens) are longer than the "
+            f"micro-batch token budget of {max_tokens}; each gets a micro-batch of its own. Raise "
+            "max_token_len_per_micro_batch to at least the longest prompt + response to silence this",
+            stacklevel=3,
+        )
     return [sorted(group) for group in groups]
 
 
@@ -92,7 +97,8 @@ def split_rows_by_token_budget(
     """
     _check_budget(max_tokens)
     prompt_lens = _prompt_extent(prompt_mask).tolist()
-    response_lens = _response_extent(response_mask).tolist()
+    # compact_rows keeps at least one response column
+    response_lens = _response_extent(response_mask).clamp(min=1).tolist()
     return _greedy_pack(list(zip(prompt_lens, response_lens)), max_tokens)
 
 

@@ -32,7 +32,7 @@ from .config import as_list, to_yaml
 from .data import PromptLoader, RLDataset
 from .hardware import Plan, autocast_context
 from .logprobs import response_logprobs
-from .microbatch import compact_rows, split_by_token_budget, split_fixed
+from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
 from .models import (ModelSource, ValueModel, enable_gradient_checkpointing, load_causal_lm, load_tokenizer,
                      resolve_model_source, response_values)
 from .oom import OOMGuard
@@ -188,7 +188,9 @@ class RLTrainer:
         self.grad_scaler = torch.amp.GradScaler("cuda") if plan.use_grad_scaler else None
         self.kl_ctrl = algo.make_kl_controller(algo_cfg.kl_ctrl.type, algo_cfg.kl_ctrl.kl_coef,
                                                algo_cfg.kl_ctrl.target_kl, algo_cfg.kl_ctrl.horizon)
-        self.oom_guard = OOMGuard(plan, log_fn=lambda msg: log.warning("%s", msg))
+        # A token budget can shrink no further than one full-length sequence.
+        self.oom_guard = OOMGuard(plan, log_fn=lambda msg: log.warning("%s", msg), min_size={
+            "max_token_len_per_micro_batch": cfg.data.max_prompt_length + self.response_length})
 
         # ---- rollout engine (shares the actor's weights)
         max_len = cfg.data.max_prompt_length + self.response_length
@@ -198,6 +200,12 @@ class RLTrainer:
         self.tracker: Optional[Tracker] = None
 
     # ------------------------------------------------------------------------------------------ helpers
+    def guarded(self, phase: str, fn: Callable[[int], object], size_attr: str):
+        """fn(size) under OOM recovery (hardware.oom_recovery): on CUDA OOM, halve plan.<size_attr> and redo."""
+        if not self.cfg.hardware.oom_recovery:
+            return fn(getattr(self.plan, size_attr))
+        return self.oom_guard.run(phase, fn, size_attr)
+
     @property
     def response_length(self) -> int:
         return self.cfg.actor_rollout_ref.rollout.response_length or self.cfg.data.max_response_length
@@ -218,8 +226,8 @@ class RLTrainer:
 
     def micro_batches(self, batch: StepBatch, rows: list[int], size: int, use_tokens: bool) -> list[list[int]]:
         if use_tokens:
-            lengths = (batch.rollout.prompt_mask[rows].sum(-1) + batch.rollout.response_mask[rows].sum(-1)).tolist()
-            groups = split_by_token_budget([int(x) for x in lengths], size)
+            groups = split_rows_by_token_budget(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows],
+                                                size)
             return [[rows[i] for i in group] for group in groups]
         return [[rows[i] for i in group] for group in split_fixed(len(rows), size)]
 
@@ -249,7 +257,7 @@ class RLTrainer:
                 out[rows, :resp_len] = lp.float().cpu()
             return out * batch.mask
 
-        return self.oom_guard.run("log_probs", run, size_attr)
+        return self.guarded("log_probs", run, size_attr)
 
     @torch.no_grad()
     def batched_values(self, batch: StepBatch) -> torch.Tensor:
@@ -264,7 +272,7 @@ class RLTrainer:
                     out[rows, :resp_len] = response_values(self.critic, ids, mask, resp_len, pos).float().cpu()
             return out * batch.mask
 
-        return self.oom_guard.run("values", run, size_attr)
+        return self.guarded("values", run, size_attr)
 
     def ref_context(self):
         """The reference policy: a frozen copy, or with LoRA the adapter-disabled base (no extra weights)."""
@@ -329,7 +337,7 @@ class RLTrainer:
                 order = torch.randperm(batch.rows, generator=gen).tolist()
             for start in range(0, batch.rows, mini_rows):
                 rows = order[start:start + mini_rows]
-                metrics = self.oom_guard.run(
+                metrics = self.guarded(
                     f"{name}_update",
                     lambda size, rows=rows: self._accumulate(model, optimizer, batch, rows, size, use_tokens,
                                                              loss_fn, grad_clip), size_attr)

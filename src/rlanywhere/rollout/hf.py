@@ -148,12 +148,13 @@ class HFEngine(RolloutEngine):
             stop_criteria = _StopStringCriteria(matcher, prompt_width, eos_ids)
             criteria.append(stop_criteria)
 
+        # Temperature / top-k / top-p are applied by our own warpers above (so they run before the recorder);
+        # the config's own are set to "off", since unset values would take transformers' defaults (top_k=50).
+        sampling_off = {} if params.greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
         generation_config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
             do_sample=not params.greedy,
-            temperature=1.0,  # applied by our own warpers above, so they run before the recorder
-            top_k=0,
-            top_p=1.0,
+            **sampling_off,
             num_beams=1,
             num_return_sequences=1,
             eos_token_id=eos_ids or None,

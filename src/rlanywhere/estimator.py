@@ -1,0 +1,697 @@
+"""Memory estimator: predicted peak bytes per training phase from a model's shape alone (no weights loaded).
+
+The trainer runs six phases per step; each has its own peak (what is resident on the device plus what that
+phase allocates on top):
+
+    rollout        resident weights + KV cache for the generation batch + prefill/sampling transients
+    old_log_prob   resident + one no-grad micro-batch through the actor + chunked logits
+    ref_log_prob   resident (+ the reference if it is parked on CPU) + one no-grad micro-batch
+    values         resident + one no-grad micro-batch through the critic
+    actor_update   resident + grads + activations of one micro-batch (with or without checkpointing) + logits chunks
+    critic_update  resident + grads + activations of one critic micro-batch
+
+`estimate_memory` gives those numbers with a component breakdown; `fit_settings` searches gradient
+checkpointing, reference placement, offload and micro-batch sizes for the cheapest setting that fits a budget;
+`explain_no_fit` says what would fit when nothing does. All constants that will be calibrated against measured
+peaks are named at the top of this file.
+
+Activation model (Llama / Qwen2 / Mistral decoder layer, SDPA attention, per token per layer). HF's RMSNorm
+upcasts to fp32; under autocast the residual stream stays in the parameter dtype (fp32) while matmul outputs are in
+the compute dtype, and autocast casts the normed input separately for each projection that reads it:
+
+    saved bytes = NORMS_PER_LAYER * RMSNORM_SAVED_COPIES * H * residual_bytes        (norm input + normalized)
+                + compute_bytes * ( qkv_inputs * H         (3 casts under autocast, 1 otherwise)
+                                  + mlp_inputs * H         (2 casts under autocast, 1 otherwise)
+                                  + q_dim                  (o_proj input)
+                                  + I                      (down_proj input)
+                                  + 2 * q_dim + 2 * kv_dim (SDPA saves q, out, and k, v after GQA repeat)
+                                  + MLP_SAVED_INTERMEDIATES * I )   (gate output, SiLU output, up output)
+
+e.g. bf16 autocast with fp32 residual: 36 H + 8 I bytes; plain fp32: 44 H + 16 I bytes. The eager path and SDPA's
+math backend also keep the attention matrix: heads x seq_len x (fp32 softmax + compute-dtype probs) per token.
+With gradient checkpointing each layer keeps only its input (H x residual bytes) and one layer is recomputed at a
+time. Logits are never materialised for the whole batch: log-probs are computed in chunks of
+`logprob_chunk_size` tokens (see logprobs.py), so only a chunk x vocab buffer set is alive.
+
+Sequences are assumed to be full length (prompt_length + response_length): the estimate is a worst case.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+
+GIB = 1024 ** 3
+MIB = 1024 ** 2
+
+# ----------------------------------------------------------------------------------- calibration constants
+# Budget: how much of a card's memory the planner lets itself use.
+SAFETY_FRACTION = 0.90  # headroom for fragmentation, cuBLAS/cuDNN workspaces, allocator rounding
+CUDA_CONTEXT_BYTES = 512 * MIB  # CUDA context + kernels images: outside torch's allocator
+CPU_RAM_FRACTION = 0.80  # of available RAM, when training on CPU
+
+# Training state.
+GRAD_BYTES_PER_PARAM = 4  # gradients in the fp32 master dtype
+ADAM_STATES_PER_PARAM = 2  # exp_avg and exp_avg_sq
+ADAM_STATE_BYTES = 4  # fp32
+OPTIMIZER_STEP_TEMP_COPIES = 1.0  # foreach Adam: one parameter-sized fp32 temporary list during step()
+
+# Activations (per token per layer, see the module docstring).
+NORMS_PER_LAYER = 2
+RMSNORM_SAVED_COPIES = 2
+MLP_SAVED_INTERMEDIATES = 3
+NOGRAD_RESIDUAL_COPIES = 3  # residual, normed, and the sum being formed, alive at once inside a layer
+NOGRAD_MLP_INTERMEDIATES = 3  # gate, up, SiLU(gate)*up alive at once
+BACKWARD_TRANSIENT_I = 2  # grads of the two widest intermediates (gate, up) alive during one layer's backward
+BACKWARD_TRANSIENT_H = 2  # residual grad + the grad being added to it
+ATTENTION_SCORE_EXTRA_BYTES = 4  # eager/math attention: fp32 softmax on top of the compute-dtype probs
+ACTIVATION_CALIBRATION = 1.0  # multiplies every activation term; set from measured peaks on real GPUs
+
+# Logits, computed in chunks of logprob_chunk_size tokens.
+LOGIT_CHUNK_FP32_COPIES_GRAD = 3  # fp32 logits, log_softmax, softmax (entropy / grad) of one chunk
+LOGIT_CHUNK_FP32_COPIES_NOGRAD = 2
+LOGIT_CHUNK_TARGET_FRACTION = 0.04  # logits chunk buffers may take this share of the budget ...
+LOGIT_CHUNK_MAX_BYTES = 1 * GIB  # ... but no more than this
+LOGIT_CHUNK_MIN_TOKENS = 16
+LOGIT_CHUNK_MAX_TOKENS = 8192
+
+# Rollout.
+KV_TENSORS = 2  # keys and values
+SAMPLING_BYTES_PER_LOGIT = 24  # last-position logits: fp32 logits, probs, sorted values (4) + indices (8), cumsum
+
+# Search.
+MIN_TOKENS_PER_MICRO_BATCH = 2048  # below this a GPU matmul is badly under-used: prefer checkpointing
+DEFAULT_LORA_RANK_SUGGESTION = 16
+
+PHASES = ("rollout", "old_log_prob", "ref_log_prob", "values", "actor_update", "critic_update")
+
+
+# ------------------------------------------------------------------------------------------- model shape
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer that memory depends on (read from config.json, never weights)."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    model_type: str = "llama"
+    max_position_embeddings: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_shapes(self) -> list[tuple[str, int, int]]:
+        """(name, in_features, out_features) of the seven linear layers of one decoder block."""
+        hidden, inter = self.hidden_size, self.intermediate_size
+        return [("q_proj", hidden, self.q_dim), ("k_proj", hidden, self.kv_dim), ("v_proj", hidden, self.kv_dim),
+                ("o_proj", self.q_dim, hidden), ("gate_proj", hidden, inter), ("up_proj", hidden, inter),
+                ("down_proj", inter, hidden)]
+
+    def layer_params(self) -> int:
+        weights = sum(n_in * n_out for _, n_in, n_out in self.linear_shapes())
+        biases = (self.q_dim + 2 * self.kv_dim) if self.attention_bias else 0
+        return weights + biases + NORMS_PER_LAYER * self.hidden_size
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def backbone_params(self) -> int:
+        """Embedding + decoder layers + final norm (what a critic keeps)."""
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.hidden_size
+
+    def num_params(self, with_lm_head: bool = True) -> int:
+        head = self.embedding_params() if (with_lm_head and not self.tie_word_embeddings) else 0
+        return self.backbone_params() + head
+
+    def lora_params(self, rank: int) -> int:
+        """Trainable parameters of a rank-`rank` LoRA on all seven linear layers of every block."""
+        return self.num_layers * sum(rank * (n_in + n_out) for _, n_in, n_out in self.linear_shapes())
+
+    def largest_tensor_numel(self) -> int:
+        return max(self.embedding_params(), max(n_in * n_out for _, n_in, n_out in self.linear_shapes()))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------- the workload
+@dataclass
+class Workload:
+    """What the run asks for (fixed by config and the precision / attention decisions)."""
+
+    param_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    rollout_dtype: torch.dtype
+    use_autocast: bool
+    prompts_per_step: int  # data.train_batch_size per device
+    samples_per_prompt: int  # rollout.n
+    prompt_length: int
+    response_length: int
+    actor_mini_batch: int  # sequences per optimizer step
+    critic_mini_batch: int
+    has_critic: bool
+    has_ref: bool  # a separate reference model (False with LoRA: the ref is the adapter-disabled base)
+    actor_lora_rank: int = 0
+    critic_lora_rank: int = 0
+    attention_materializes_scores: bool = False  # eager attention or SDPA's math backend
+    on_cuda: bool = True
+    use_dynamic_bsz: bool = False
+    token_budget_cap: Optional[int] = None  # ppo_max_token_len_per_gpu when use_dynamic_bsz
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_length + self.response_length
+
+    @property
+    def rollout_sequences(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclass
+class Placement:
+    """The knobs fit_settings searches (and the plan reports)."""
+
+    gradient_checkpointing: bool = False
+    optimizer_offload: bool = False
+    param_offload: bool = False
+    ref_on_device: bool = True  # False: the reference is parked on CPU, moved in only for its forward
+    actor_micro_batch: int = 1  # sequences
+    critic_micro_batch: int = 1
+    logprob_micro_batch: int = 1  # no-grad forwards: old log-probs, ref log-probs, values
+    max_token_len: Optional[int] = None  # token budget per update micro-batch (use_dynamic_bsz)
+    logprob_chunk_size: int = 1024
+    rollout_batch: int = 1  # sequences generated at once
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _nbytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def format_bytes(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------------- activation formulas
+def layer_saved_bytes_per_token(shape: ModelShape, compute_bytes: int, residual_bytes: int, autocast: bool) -> int:
+    """Bytes one decoder layer saves for backward, per token (module docstring has the derivation)."""
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    norms = NORMS_PER_LAYER * RMSNORM_SAVED_COPIES * hidden * residual_bytes
+    linear_inputs = (3 if autocast else 1) * hidden + (2 if autocast else 1) * hidden + shape.q_dim + inter
+    # HF repeats k/v to the query head count before SDPA unless the kernel does GQA natively: assume repeated.
+    attention = 2 * shape.q_dim + 2 * shape.q_dim
+    mlp = MLP_SAVED_INTERMEDIATES * inter
+    return norms + compute_bytes * (linear_inputs + attention + mlp)
+
+
+def attention_scores_bytes_per_token(shape: ModelShape, seq_len: int, compute_bytes: int) -> int:
+    """Eager / math attention keeps a heads x seq_len row of probabilities per token."""
+    return shape.num_heads * seq_len * (compute_bytes + ATTENTION_SCORE_EXTRA_BYTES)
+
+
+def nograd_layer_bytes_per_token(shape: ModelShape, compute_bytes: int, residual_bytes: int) -> int:
+    """Peak working set inside one layer of a no-grad forward, per token (layers run one after another)."""
+    return (NOGRAD_RESIDUAL_COPIES * shape.hidden_size * residual_bytes
+            + compute_bytes * (4 * shape.q_dim + NOGRAD_MLP_INTERMEDIATES * shape.intermediate_size))
+
+
+def training_activation_bytes(shape: ModelShape, tokens: int, seq_len: int, compute_bytes: int,
+                              residual_bytes: int, autocast: bool, checkpointing: bool,
+                              scores_materialized: bool) -> int:
+    """Activations alive at the peak of one micro-batch's backward."""
+    per_layer = layer_saved_bytes_per_token(shape, compute_bytes, residual_bytes, autocast)
+    if scores_materialized:
+        per_layer += attention_scores_bytes_per_token(shape, seq_len, compute_bytes)
+    if checkpointing:
+        # every layer keeps its input; one layer at a time is recomputed with full activations
+        saved = shape.num_layers * shape.hidden_size * residual_bytes + per_layer
+    else:
+        saved = shape.num_layers * per_layer
+    final_norm = RMSNORM_SAVED_COPIES * shape.hidden_size * residual_bytes
+    transient = (BACKWARD_TRANSIENT_I * shape.intermediate_size * compute_bytes
+                 + BACKWARD_TRANSIENT_H * shape.hidden_size * residual_bytes)
+    return int(ACTIVATION_CALIBRATION * tokens * (saved + final_norm + transient))
+
+
+def nograd_activation_bytes(shape: ModelShape, tokens: int, seq_len: int, compute_bytes: int, residual_bytes: int,
+                            scores_materialized: bool) -> int:
+    per_layer = nograd_layer_bytes_per_token(shape, compute_bytes, residual_bytes)
+    if scores_materialized:
+        per_layer += attention_scores_bytes_per_token(shape, seq_len, compute_bytes)
+    return int(ACTIVATION_CALIBRATION * tokens * (per_layer + shape.hidden_size * residual_bytes))
+
+
+def logits_chunk_bytes(shape: ModelShape, tokens: int, chunk_size: int, compute_bytes: int, with_grad: bool) -> int:
+    chunk = min(chunk_size, tokens)
+    copies = LOGIT_CHUNK_FP32_COPIES_GRAD if with_grad else LOGIT_CHUNK_FP32_COPIES_NOGRAD
+    buffers = chunk * shape.vocab_size * (compute_bytes + 4 * copies)
+    # the backward accumulates d(hidden) for the whole micro-batch, one chunk at a time
+    hidden_grad = tokens * shape.hidden_size * 4 if with_grad else 0
+    return buffers + hidden_grad
+
+
+def kv_cache_bytes(shape: ModelShape, sequences: int, seq_len: int, rollout_bytes: int) -> int:
+    return KV_TENSORS * shape.num_layers * shape.kv_dim * sequences * seq_len * rollout_bytes
+
+
+def choose_logprob_chunk_size(vocab_size: int, budget_bytes: int, compute_bytes: int = 4) -> int:
+    """Largest power of two of tokens whose logits buffers stay under a small share of the budget."""
+    target = min(LOGIT_CHUNK_MAX_BYTES, LOGIT_CHUNK_TARGET_FRACTION * budget_bytes)
+    per_token = vocab_size * (compute_bytes + 4 * LOGIT_CHUNK_FP32_COPIES_GRAD)
+    tokens = max(1, int(target // per_token))
+    chunk = 2 ** int(math.floor(math.log2(tokens)))
+    return int(min(LOGIT_CHUNK_MAX_TOKENS, max(LOGIT_CHUNK_MIN_TOKENS, chunk)))
+
+
+def memory_budget_bytes(device_bytes: int, on_cuda: bool) -> int:
+    """What the planner may use of a device: minus the CUDA context, times the safety fraction."""
+    if on_cuda:
+        return int(max(0, device_bytes - CUDA_CONTEXT_BYTES) * SAFETY_FRACTION)
+    return int(device_bytes * CPU_RAM_FRACTION)
+
+
+# ----------------------------------------------------------------------------------------- the estimate
+@dataclass
+class _ModelMemory:
+    weights: int
+    grads: int
+    adam: int
+    step_temp: int  # optimizer.step() temporaries
+    autocast_cache: int  # autocast's cached low-precision copies of trainable fp32 weights
+    largest_trainable: int  # numel of the largest trainable tensor (offloaded optimizer steps one at a time)
+
+
+def _model_memory(params: int, trainable: int, largest_trainable: int, workload: Workload) -> _ModelMemory:
+    param_bytes = _nbytes(workload.param_dtype)
+    compute_bytes = _nbytes(workload.compute_dtype)
+    cast = workload.use_autocast and compute_bytes != param_bytes
+    return _ModelMemory(
+        weights=params * param_bytes,
+        grads=trainable * GRAD_BYTES_PER_PARAM,
+        adam=trainable * ADAM_STATES_PER_PARAM * ADAM_STATE_BYTES,
+        step_temp=int(trainable * 4 * OPTIMIZER_STEP_TEMP_COPIES),
+        autocast_cache=trainable * compute_bytes if cast else 0,
+        largest_trainable=largest_trainable,
+    )
+
+
+def _models(shape: ModelShape, workload: Workload, critic_shape: Optional[ModelShape]) -> dict[str, _ModelMemory]:
+    out = {}
+    if workload.actor_lora_rank > 0:
+        lora = shape.lora_params(workload.actor_lora_rank)
+        largest = max(workload.actor_lora_rank * max(n_in, n_out) for _, n_in, n_out in shape.linear_shapes())
+        out["actor"] = _model_memory(shape.num_params() + lora, lora, largest, workload)
+    else:
+        out["actor"] = _model_memory(shape.num_params(), shape.num_params(), shape.largest_tensor_numel(), workload)
+    if workload.has_ref:
+        out["ref"] = _model_memory(shape.num_params(), 0, 0, workload)
+    if workload.has_critic:
+        cshape = critic_shape or shape
+        value_head = cshape.hidden_size + 1
+        if workload.critic_lora_rank > 0:
+            lora = cshape.lora_params(workload.critic_lora_rank) + value_head
+            largest = max(workload.critic_lora_rank * max(n_in, n_out) for _, n_in, n_out in cshape.linear_shapes())
+            out["critic"] = _model_memory(cshape.backbone_params() + lora, lora, largest, workload)
+        else:
+            params = cshape.backbone_params() + value_head
+            out["critic"] = _model_memory(params, params, cshape.largest_tensor_numel(), workload)
+    return out
+
+
+# Which phases use which model (with param offload a model is on the device only in these phases).
+_MODEL_PHASES = {"actor": ("rollout", "old_log_prob", "actor_update"), "ref": ("ref_log_prob",),
+                 "critic": ("values", "critic_update")}
+_UPDATE_PHASE = {"actor": "actor_update", "critic": "critic_update"}
+
+
+def _resident(models: dict[str, _ModelMemory], placement: Placement, phase: str, on_cuda: bool) -> dict[str, int]:
+    """Bytes of model state on the device during `phase`, by component."""
+    parts: dict[str, int] = {}
+    for name, mem in models.items():
+        in_use = phase in _MODEL_PHASES[name]
+        offloaded = on_cuda and (placement.param_offload or (name == "ref" and not placement.ref_on_device))
+        if in_use or not offloaded:
+            parts[f"{name}_weights"] = mem.weights
+        if mem.adam:
+            if not (on_cuda and placement.optimizer_offload):
+                parts[f"{name}_adam"] = mem.adam
+        if phase == _UPDATE_PHASE.get(name):
+            parts[f"{name}_grads"] = mem.grads
+    return parts
+
+
+def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
+                    critic_shape: Optional[ModelShape] = None, budget_bytes: Optional[int] = None) -> dict:
+    """Predicted peak bytes per phase, with a breakdown. JSON-able.
+
+    Returns {"phases": {phase: bytes}, "breakdown": {phase: {component: bytes}}, "peak_bytes", "peak_phase",
+    "budget_bytes", "fits", "model": {...}, "settings": placement}. Phases that do not run (no critic, no ref)
+    are absent."""
+    models = _models(shape, workload, critic_shape)
+    cshape = critic_shape or shape
+    compute_bytes = _nbytes(workload.compute_dtype)
+    rollout_bytes = _nbytes(workload.rollout_dtype)
+    # The residual stream stays in the parameter dtype under autocast (fp32 embedding + fp32 adds).
+    residual_bytes = _nbytes(workload.param_dtype) if workload.use_autocast else compute_bytes
+    seq = workload.seq_len
+    scores = workload.attention_materializes_scores
+    on_cuda = workload.on_cuda
+    breakdown: dict[str, dict[str, int]] = {}
+
+    # rollout
+    parts = _resident(models, placement, "rollout", on_cuda)
+    if _nbytes(workload.rollout_dtype) != _nbytes(workload.param_dtype):
+        parts["rollout_weight_copy"] = models["actor"].weights // _nbytes(workload.param_dtype) * rollout_bytes
+    batch = placement.rollout_batch
+    parts["kv_cache"] = kv_cache_bytes(shape, batch, seq, rollout_bytes)
+    prefill = nograd_activation_bytes(shape, batch * workload.prompt_length, workload.prompt_length,
+                                      rollout_bytes, residual_bytes, scores)
+    sampling = batch * shape.vocab_size * SAMPLING_BYTES_PER_LOGIT
+    parts["prefill_or_sampling"] = max(prefill, sampling)
+    breakdown["rollout"] = parts
+
+    # no-grad forwards
+    lp_tokens = placement.logprob_micro_batch * seq
+    forward = nograd_activation_bytes(shape, lp_tokens, seq, compute_bytes, residual_bytes, scores)
+    lp_logits = logits_chunk_bytes(shape, lp_tokens, placement.logprob_chunk_size, compute_bytes, False)
+    parts = _resident(models, placement, "old_log_prob", on_cuda)
+    parts.update(autocast_cache=models["actor"].autocast_cache, activations=forward, logits_chunks=lp_logits)
+    breakdown["old_log_prob"] = parts
+    if "ref" in models:
+        parts = _resident(models, placement, "ref_log_prob", on_cuda)
+        parts.update(activations=forward, logits_chunks=lp_logits)
+        breakdown["ref_log_prob"] = parts
+    if "critic" in models:
+        parts = _resident(models, placement, "values", on_cuda)
+        parts.update(autocast_cache=models["critic"].autocast_cache,
+                     activations=nograd_activation_bytes(cshape, lp_tokens, seq, compute_bytes, residual_bytes,
+                                                         scores))
+        breakdown["values"] = parts
+
+    # updates
+    def update_parts(name: str, model_shape: ModelShape, micro_batch: int, with_logits: bool) -> dict[str, int]:
+        mem = models[name]
+        tokens = placement.max_token_len if placement.max_token_len else micro_batch * seq
+        parts = _resident(models, placement, _UPDATE_PHASE[name], on_cuda)
+        parts["autocast_cache"] = mem.autocast_cache
+        parts["activations"] = training_activation_bytes(
+            model_shape, tokens, seq, compute_bytes, residual_bytes, workload.use_autocast,
+            placement.gradient_checkpointing, scores)
+        if with_logits:
+            parts["logits_chunks"] = logits_chunk_bytes(model_shape, tokens, placement.logprob_chunk_size,
+                                                        compute_bytes, True)
+        # optimizer.step() runs after the activations are freed: count whichever is larger
+        if on_cuda and placement.optimizer_offload:
+            step = 2 * mem.largest_trainable * ADAM_STATE_BYTES + mem.largest_trainable * 4
+        else:
+            step = mem.step_temp
+        transient_keys = ("autocast_cache", "activations", "logits_chunks")
+        forward_backward = sum(parts.get(k, 0) for k in transient_keys)
+        if step > forward_backward:
+            for key in transient_keys:
+                parts.pop(key, None)
+            parts["optimizer_step"] = step
+        return parts
+
+    breakdown["actor_update"] = update_parts("actor", shape, placement.actor_micro_batch, True)
+    if "critic" in models:
+        breakdown["critic_update"] = update_parts("critic", cshape, placement.critic_micro_batch, False)
+
+    phases = {phase: int(sum(parts.values())) for phase, parts in breakdown.items()}
+    peak_phase = max(phases, key=phases.get)
+    actor = models["actor"]
+    return {
+        "phases": phases,
+        "breakdown": {phase: {k: int(v) for k, v in parts.items()} for phase, parts in breakdown.items()},
+        "peak_bytes": phases[peak_phase],
+        "peak_phase": peak_phase,
+        "budget_bytes": budget_bytes,
+        "fits": None if budget_bytes is None else phases[peak_phase] <= budget_bytes,
+        "model": {"name": shape.name, "params": shape.num_params(),
+                  "actor_trainable": actor.grads // GRAD_BYTES_PER_PARAM,
+                  "critic_params": (models["critic"].weights // _nbytes(workload.param_dtype)
+                                    if "critic" in models else 0),
+                  "seq_len": seq, "rollout_sequences": workload.rollout_sequences},
+        "settings": placement.to_dict(),
+    }
+
+
+# ------------------------------------------------------------------------------------------- the search
+@dataclass
+class FitResult:
+    placement: Placement
+    estimate: dict
+    notes: dict[str, str] = field(default_factory=dict)  # decision -> why
+
+
+# Escalation order: cheapest first. Checkpointing costs ~30% more compute, parking the ref costs one transfer of
+# its weights per step, offloading the optimizer costs its states' transfer (or a CPU step) per update, param
+# offload moves every model every phase.
+LEVELS: tuple[dict[str, bool], ...] = (
+    dict(gradient_checkpointing=False, ref_on_device=True, optimizer_offload=False, param_offload=False),
+    dict(gradient_checkpointing=True, ref_on_device=True, optimizer_offload=False, param_offload=False),
+    dict(gradient_checkpointing=True, ref_on_device=False, optimizer_offload=False, param_offload=False),
+    dict(gradient_checkpointing=True, ref_on_device=False, optimizer_offload=True, param_offload=False),
+    dict(gradient_checkpointing=True, ref_on_device=False, optimizer_offload=True, param_offload=True),
+)
+SEARCHED_SWITCHES = ("gradient_checkpointing", "ref_on_device", "optimizer_offload", "param_offload")
+MICRO_BATCH_KEYS = ("actor_micro_batch", "critic_micro_batch", "logprob_micro_batch", "rollout_batch",
+                    "max_token_len")
+
+
+def _candidates(cap: int, floor: int = 1) -> list[int]:
+    """cap itself, then the powers of two below it, largest first, then floor itself."""
+    out = [cap]
+    power = 2 ** int(math.floor(math.log2(cap))) if cap >= 1 else 0
+    if power == cap:
+        power //= 2
+    while power >= floor:
+        out.append(power)
+        power //= 2
+    if out[-1] != floor and floor <= cap:
+        out.append(floor)
+    return [c for c in out if c >= floor]
+
+
+def _largest_fitting(candidates: list[int], phase_bytes) -> Optional[tuple[int, int]]:
+    for value in candidates:
+        need = phase_bytes(value)
+        if need is not None:
+            return value, need
+    return None
+
+
+def _phase_fits(estimate: dict, phases: tuple[str, ...], budget: int) -> bool:
+    return all(estimate["phases"].get(p, 0) <= budget for p in phases)
+
+
+def _choose_batches(shape: ModelShape, workload: Workload, budget: int, base: Placement,
+                    fixed: dict[str, Any], critic_shape: Optional[ModelShape]) -> Optional[Placement]:
+    """For a fixed set of switches, the largest micro-batches that fit each phase (explicit values kept)."""
+    placement = replace(base)
+
+    def try_value(key: str, phases: tuple[str, ...]):
+        def check(value: int):
+            trial = replace(placement, **{key: value})
+            est = estimate_memory(shape, workload, trial, critic_shape)
+            return est["phases"] if _phase_fits(est, phases, budget) else None
+        return check
+
+    def pick(key: str, cap: int, phases: tuple[str, ...], floor: int = 1) -> bool:
+        if key in fixed and fixed[key] is not None:
+            setattr(placement, key, int(fixed[key]))
+            return _phase_fits(estimate_memory(shape, workload, placement, critic_shape), phases, budget)
+        found = _largest_fitting(_candidates(max(cap, floor), floor), try_value(key, phases))
+        if found is None:
+            setattr(placement, key, floor)
+            return False
+        setattr(placement, key, found[0])
+        return True
+
+    ok = pick("rollout_batch", workload.rollout_sequences, ("rollout",))
+    ok &= pick("logprob_micro_batch", workload.rollout_sequences, ("old_log_prob", "ref_log_prob", "values"))
+    if workload.use_dynamic_bsz:
+        cap = min(workload.token_budget_cap or workload.seq_len * workload.actor_mini_batch,
+                  workload.seq_len * workload.actor_mini_batch)
+        ok &= pick("max_token_len", max(cap, workload.seq_len), ("actor_update", "critic_update"),
+                   floor=workload.seq_len)
+    else:
+        placement.max_token_len = None
+        ok &= pick("actor_micro_batch", workload.actor_mini_batch, ("actor_update",))
+        if workload.has_critic:
+            ok &= pick("critic_micro_batch", workload.critic_mini_batch, ("critic_update",))
+    return placement if ok else None
+
+
+def _levels(workload: Workload, fixed: dict[str, Any]) -> list[dict[str, bool]]:
+    levels = []
+    for level in LEVELS:
+        level = dict(level)
+        if not workload.on_cuda:  # nothing to offload to on a CPU-only run
+            level.update(ref_on_device=True, optimizer_offload=False, param_offload=False)
+        if not workload.has_ref:
+            level["ref_on_device"] = True
+        for key in SEARCHED_SWITCHES:
+            if fixed.get(key) is not None:
+                level[key] = bool(fixed[key])
+        if level not in levels:
+            levels.append(level)
+    return levels
+
+
+def _update_tokens(workload: Workload, placement: Placement, micro_key: str) -> int:
+    if placement.max_token_len:
+        return placement.max_token_len
+    return getattr(placement, micro_key) * workload.seq_len
+
+
+# The costly value of each searched switch.
+_COSTLY = {"gradient_checkpointing": True, "ref_on_device": False, "optimizer_offload": True, "param_offload": True}
+
+
+def fit_settings(shape: ModelShape, workload: Workload, budget_bytes: int, fixed: Optional[dict[str, Any]] = None,
+                 critic_shape: Optional[ModelShape] = None, logprob_chunk_size: Optional[int] = None
+                 ) -> Optional[FitResult]:
+    """The cheapest setting whose every phase fits `budget_bytes`, or None.
+
+    `fixed` holds explicit choices (Placement field names -> value; None means "search it"). Switches are
+    escalated in LEVELS order until something fits, then every costly switch that is not needed is turned back
+    off. Within a setting each micro-batch is the whole mini-batch or the largest power of two that fits. When
+    checkpointing is not fixed, it is also switched on if without it an actor micro-batch would hold fewer than
+    MIN_TOKENS_PER_MICRO_BATCH tokens and checkpointing allows more."""
+    fixed = dict(fixed or {})
+    chunk = logprob_chunk_size or choose_logprob_chunk_size(shape.vocab_size, budget_bytes,
+                                                            _nbytes(workload.compute_dtype))
+
+    def attempt(switches: dict[str, bool]) -> Optional[Placement]:
+        return _choose_batches(shape, workload, budget_bytes, Placement(logprob_chunk_size=chunk, **switches),
+                               fixed, critic_shape)
+
+    found: Optional[Placement] = None
+    switches: dict[str, bool] = {}
+    for level in _levels(workload, fixed):
+        found = attempt(level)
+        if found is not None:
+            switches = dict(level)
+            break
+    if found is None:
+        return None
+
+    notes: dict[str, str] = {}
+    # Turn back off whatever is not needed, most expensive first.
+    for key in ("param_offload", "optimizer_offload", "ref_on_device", "gradient_checkpointing"):
+        if fixed.get(key) is not None or switches[key] != _COSTLY[key]:
+            continue
+        cheaper = attempt(dict(switches, **{key: not _COSTLY[key]}))
+        if cheaper is not None:
+            switches[key] = not _COSTLY[key]
+            found = cheaper
+        else:
+            notes[key] = f"needed to fit in {format_bytes(budget_bytes)}"
+
+    if fixed.get("gradient_checkpointing") is None and not switches["gradient_checkpointing"]:
+        want = min(MIN_TOKENS_PER_MICRO_BATCH, workload.actor_mini_batch * workload.seq_len)
+        tokens = _update_tokens(workload, found, "actor_micro_batch")
+        if tokens < want:
+            alt = attempt(dict(switches, gradient_checkpointing=True))
+            if alt is not None and _update_tokens(workload, alt, "actor_micro_batch") > tokens:
+                notes["gradient_checkpointing"] = (
+                    f"without it only {tokens} tokens per actor micro-batch fit (< {want}); with it "
+                    f"{_update_tokens(workload, alt, 'actor_micro_batch')}")
+                switches["gradient_checkpointing"] = True
+                found = alt
+
+    for key in SEARCHED_SWITCHES:
+        value = switches[key]
+        if key == "ref_on_device" and not workload.has_ref:
+            continue
+        if fixed.get(key) is not None:
+            notes[key] = "explicit"
+        elif key not in notes:
+            notes[key] = ("not needed to fit" if workload.on_cuda or key == "gradient_checkpointing"
+                          else "CPU run: nothing to offload to")
+    estimate = estimate_memory(shape, workload, found, critic_shape, budget_bytes)
+    return FitResult(found, estimate, notes)
+
+
+def explain_no_fit(shape: ModelShape, workload: Workload, budget_bytes: int, fixed: Optional[dict[str, Any]] = None,
+                   critic_shape: Optional[ModelShape] = None, budget_label: str = "") -> str:
+    """'nothing fits; what would: ...' with the predicted peak of each alternative."""
+    fixed = dict(fixed or {})
+    chunk = choose_logprob_chunk_size(shape.vocab_size, budget_bytes, _nbytes(workload.compute_dtype))
+    frugal_switches = dict(LEVELS[-1]) if workload.on_cuda else dict(LEVELS[1], ref_on_device=True)
+
+    def frugal_peak(wl: Workload, keep_fixed: bool = True, cs: Optional[ModelShape] = critic_shape) -> dict:
+        switches = dict(frugal_switches)
+        batches = dict(actor_micro_batch=1, critic_micro_batch=1, logprob_micro_batch=1, rollout_batch=1,
+                       max_token_len=wl.seq_len if wl.use_dynamic_bsz else None)
+        if keep_fixed:
+            switches.update({k: bool(v) for k, v in fixed.items() if k in SEARCHED_SWITCHES and v is not None})
+            batches.update({k: v for k, v in fixed.items() if k in MICRO_BATCH_KEYS and v is not None})
+        placement = Placement(logprob_chunk_size=min(chunk, 256), **switches, **batches)
+        return estimate_memory(shape, wl, placement, cs, budget_bytes)
+
+    best = frugal_peak(workload)
+    worst_phase = best["peak_phase"]
+    top = sorted(best["breakdown"][worst_phase].items(), key=lambda kv: -kv[1])[:3]
+    how = ("gradient checkpointing, optimizer and param offload, the reference parked on CPU, "
+           "micro-batch 1 and generating one sequence at a time" if workload.on_cuda
+           else "gradient checkpointing and micro-batch 1")
+    lines = [f"nothing fits in the memory budget of {format_bytes(budget_bytes)}{budget_label}: "
+             f"even with {how} the peak is {format_bytes(best['peak_bytes'])} in {worst_phase} "
+             f"({', '.join(f'{k} {format_bytes(v)}' for k, v in top)}).", "what would:"]
+
+    def line(label: str, est: dict) -> str:
+        verdict = "fits" if est["peak_bytes"] <= budget_bytes else "still too big"
+        return f"  - {label}: {format_bytes(est['peak_bytes'])} ({verdict})"
+
+    explicit = {k: v for k, v in fixed.items() if v is not None}
+    if explicit:
+        lines.append(line("letting the planner choose " + ", ".join(sorted(explicit)), frugal_peak(workload, False)))
+    if workload.actor_lora_rank == 0:
+        rank = DEFAULT_LORA_RANK_SUGGESTION
+        lora = replace(workload, actor_lora_rank=rank, critic_lora_rank=rank if workload.has_critic else 0,
+                       has_ref=False)
+        lines.append(line(f"LoRA r={rank} (actor_rollout_ref.model.lora_rank={rank}"
+                          f"{f', critic.model.lora_rank={rank}' if workload.has_critic else ''}; "
+                          "the reference becomes the adapter-disabled base)", frugal_peak(lora)))
+    if workload.has_critic:
+        lines.append(line("no critic (algorithm.adv_estimator=grpo)",
+                          frugal_peak(replace(workload, has_critic=False))))
+    if workload.response_length > 64:
+        shorter = max(64, workload.response_length // 2)
+        lines.append(line(f"response length {shorter} (data.max_response_length={shorter})",
+                          frugal_peak(replace(workload, response_length=shorter))))
+    if workload.prompts_per_step > 1:
+        smaller = max(1, workload.prompts_per_step // 4)
+        lines.append(line(f"train_batch_size {smaller} (data.train_batch_size={smaller})",
+                          frugal_peak(replace(workload, prompts_per_step=smaller,
+                                              actor_mini_batch=min(workload.actor_mini_batch, smaller),
+                                              critic_mini_batch=min(workload.critic_mini_batch, smaller)))))
+    # With everything offloaded the actor update still holds weights + grads on the device; leave ~20% for
+    # activations. A rough size hint, not a search.
+    per_param = _nbytes(workload.param_dtype) + GRAD_BYTES_PER_PARAM
+    lines.append(f"  - a smaller model: roughly {budget_bytes * 0.8 / per_param / 1e9:.2f}B parameters at most "
+                 f"with full fine-tuning here ({shape.name} has {shape.num_params() / 1e9:.2f}B)")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""Rollout engines and `make_engine`, which picks one for a model and a Plan.
+
+`engine="auto"` uses FastEngine (static KV cache, CUDA graphs) where `FastEngine.supports(model)` and the plan
+allows it, and falls back to HFEngine (transformers generate, any model) with a logged reason otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .base import RolloutBatch, RolloutEngine, SamplingParams
+from .fast import FastEngine
+from .hf import HFEngine
+
+logger = logging.getLogger(__name__)
+
+ENGINE_CHOICES = ("auto", "fast", "hf")
+
+
+def make_engine(
+    model: Any,
+    tokenizer: Any,
+    plan: Any = None,
+    engine: str = "auto",
+    dtype: torch.dtype | None = None,
+    max_batch_size: int | None = None,
+    max_seq_len: int | None = None,
+) -> RolloutEngine:
+    """Build the rollout engine for `model`.
+
+    engine: "fast", "hf" or "auto". With "auto", `plan.rollout_engine` (when a plan is given) is the request, and
+    "fast" falls back to "hf" when the model is unsupported. dtype: explicit engine dtype, else
+    `plan.rollout_dtype`, else the model's own dtype.
+    """
+    if engine not in ENGINE_CHOICES:
+        raise ValueError(f"engine must be one of {ENGINE_CHOICES}, got {engine!r}")
+    requested = engine
+    if engine == "auto" and plan is not None and getattr(plan, "rollout_engine", None) in ("fast", "hf"):
+        requested = plan.rollout_engine
+    if dtype is None and plan is not None:
+        dtype = getattr(plan, "rollout_dtype", None)
+
+    if requested == "hf":
+        if engine == "auto":
+            logger.info("rollout engine: hf (chosen by the plan)")
+        return HFEngine(model, tokenizer)
+
+    ok, reason = FastEngine.supports(model)
+    if not ok:
+        if engine == "fast":
+            raise ValueError(f"engine='fast' cannot run this model: {reason}. Use engine='hf' or 'auto'.")
+        logger.warning("rollout engine: hf (FastEngine does not support this model: %s)", reason)
+        return HFEngine(model, tokenizer)
+    logger.info("rollout engine: fast")
+    return FastEngine(model, tokenizer, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+
+
+__all__ = ["make_engine", "RolloutBatch", "RolloutEngine", "SamplingParams", "FastEngine", "HFEngine"]

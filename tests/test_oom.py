@@ -1,0 +1,161 @@
+import types
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from rlanywhere.oom import OOMGuard, OutOfMemoryAtMinimumError, is_oom_error
+
+
+def fake_oom(size):
+    return torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} MiB")
+
+
+def test_is_oom_error_recognises_devices_and_chains():
+    assert is_oom_error(torch.OutOfMemoryError("x"))
+    assert is_oom_error(torch.cuda.OutOfMemoryError("x"))
+    assert is_oom_error(RuntimeError("CUDA error: out of memory"))
+    assert is_oom_error(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
+    assert is_oom_error(RuntimeError("XPU out of memory. Tried to allocate 2 GiB"))
+    assert is_oom_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)"))
+    try:
+        try:
+            raise torch.OutOfMemoryError("inner")
+        except RuntimeError as inner:
+            raise ValueError("wrapped") from inner
+    except ValueError as outer:
+        assert is_oom_error(outer)
+    assert not is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_oom_error(ValueError("bad config"))
+
+
+def test_sizes_halve_until_it_fits_and_plan_remembers():
+    plan = types.SimpleNamespace(actor_micro_batch_size=16)
+    logs, calls = [], []
+
+    def fn(size):
+        calls.append(size)
+        if size > 4:
+            raise fake_oom(size)
+        return size * 10
+
+    guard = OOMGuard(plan, log_fn=logs.append)
+    assert guard.run("actor_update", fn, "actor_micro_batch_size") == 40
+    assert calls == [16, 8, 4]
+    assert plan.actor_micro_batch_size == 4
+    assert [(e["phase"], e["attribute"], e["old_size"], e["new_size"]) for e in guard.events] == [
+        ("actor_update", "actor_micro_batch_size", 16, 8),
+        ("actor_update", "actor_micro_batch_size", 8, 4),
+    ]
+    assert len(logs) == 2 and "actor_update" in logs[0] and "16" in logs[0] and "8" in logs[0]
+    # next step starts at the remembered size: no new OOM, no new event
+    calls.clear()
+    assert guard.run("actor_update", fn, "actor_micro_batch_size") == 40
+    assert calls == [4] and len(guard.events) == 2
+
+
+def test_only_first_k_calls_fail():
+    plan = types.SimpleNamespace(max_token_len_per_micro_batch=4096)
+    failures = {"left": 1}
+
+    def fn(size):
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise RuntimeError("CUDA error: out of memory")
+        return size
+
+    guard = OOMGuard(plan, log_fn=lambda _: None)
+    assert guard.run("logprobs", fn, "max_token_len_per_micro_batch") == 2048
+
+
+def test_restarted_mini_batch_accumulates_the_same_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, targets = torch.randn(8, 5), torch.randn(8, 1)
+
+    def accumulate(size, fail_above=None):
+        optimizer.zero_grad(set_to_none=True)  # restartable: forget the failed attempt's partial gradient
+        for start in range(0, 8, size):
+            x, y = inputs[start : start + size], targets[start : start + size]
+            loss = nn.functional.mse_loss(model(x), y, reduction="sum") / 8
+            loss.backward()
+            if fail_above is not None and size > fail_above:
+                raise fake_oom(size)  # after a partial backward, like a real OOM mid mini-batch
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected_full = accumulate(8)
+    expected_at_2 = accumulate(2)
+    plan = types.SimpleNamespace(actor_micro_batch_size=8)
+    guard = OOMGuard(plan, log_fn=lambda _: None)
+    got = guard.run("actor_update", lambda size: accumulate(size, fail_above=2), "actor_micro_batch_size")
+    assert plan.actor_micro_batch_size == 2
+    for g, e2, e8 in zip(got, expected_at_2, expected_full):
+        assert torch.equal(g, e2)  # same micro-batching, same numbers
+        torch.testing.assert_close(g, e8, atol=1e-6, rtol=1e-6)  # and the same gradient as without OOM
+
+
+def test_failed_attempt_memory_is_released_before_retry():
+    plan = types.SimpleNamespace(critic_micro_batch_size=4)
+    refs = []
+
+    def fn(size):
+        big = torch.ones(1000, 1000)
+        refs.append(weakref.ref(big))
+        if size == 4:
+            try:
+                raise fake_oom(size)
+            except RuntimeError as error:
+                kept = error  # noqa: F841 - frame <-> traceback cycle, as library code often creates
+                raise
+        # the first attempt's tensor is gone: the traceback no longer pins its frame
+        assert refs[0]() is None
+        return size
+
+    assert OOMGuard(plan, log_fn=lambda _: None).run("critic_update", fn, "critic_micro_batch_size") == 2
+
+
+def test_minimum_size_reraises_with_advice():
+    plan = types.SimpleNamespace(actor_micro_batch_size=2)
+    guard = OOMGuard(plan, log_fn=lambda _: None)
+
+    def always_oom(size):
+        raise fake_oom(size)
+
+    with pytest.raises(OutOfMemoryAtMinimumError) as info:
+        guard.run("actor_update", always_oom, "actor_micro_batch_size")
+    message = str(info.value)
+    for hint in ("actor_micro_batch_size=1", "lora_rank", "offload", "max_response_length", "train_batch_size"):
+        assert hint in message
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert [e["new_size"] for e in guard.events] == [1]
+
+
+def test_minimum_per_attribute_for_token_budgets():
+    plan = types.SimpleNamespace(max_token_len_per_micro_batch=2048)
+    guard = OOMGuard(plan, log_fn=lambda _: None, min_size={"max_token_len_per_micro_batch": 1024})
+
+    def always_oom(size):
+        raise fake_oom(size)
+
+    with pytest.raises(OutOfMemoryAtMinimumError, match="max_token_len_per_micro_batch=1024"):
+        guard.run("logprobs", always_oom, "max_token_len_per_micro_batch")
+
+
+def test_other_errors_are_not_retried_and_bad_attributes_are_explained():
+    plan = types.SimpleNamespace(actor_micro_batch_size=8, max_token_len_per_micro_batch=None)
+    calls = []
+
+    def broken(size):
+        calls.append(size)
+        raise ValueError("a real bug")
+
+    guard = OOMGuard(plan, log_fn=lambda _: None)
+    with pytest.raises(ValueError, match="a real bug"):
+        guard.run("actor_update", broken, "actor_micro_batch_size")
+    assert calls == [8] and guard.events == []
+    with pytest.raises(AttributeError, match="no attribute"):
+        guard.run("actor_update", broken, "actor_mbs")
+    with pytest.raises(ValueError, match="positive int"):
+        guard.run("logprobs", broken, "max_token_len_per_micro_batch")

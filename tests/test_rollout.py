@@ -1,0 +1,378 @@
+"""Rollout engines on CPU with tiny random Qwen2 / Llama / Qwen3 models in fp32.
+
+References are independent of the engines: transformers' own `generate` for greedy tokens, a full forward pass
+over prompt+response for log-probs, and a naive temperature / top-k / top-p distribution for sampling statistics.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from rlanywhere.rollout import FastEngine, HFEngine, SamplingParams, make_engine
+from rlanywhere.rollout.base import RolloutBatch
+
+VOCAB = 128
+PAD = 0
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27], [40, 41, 42]]
+
+
+def tiny_model(kind: str = "qwen2", seed: int = 0):
+    torch.manual_seed(seed)
+    # initializer_range 0.2 gives peaked, varied logits, so greedy runs do not just repeat a token
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.2)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
+    elif kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, rope_theta=5000.0, **common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=False, head_dim=16, **common))
+    else:
+        raise ValueError(kind)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def char_tokenizer():
+    """Character-level tokenizer: id 0 <pad>, id 1 <eos>, other ids one printable character each."""
+    from tokenizers import Tokenizer, decoders, models
+
+    chars = [chr(c) for c in range(33, 33 + VOCAB - 2)]
+    vocab = {"<pad>": 0, "<eos>": 1, **{ch: i + 2 for i, ch in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def reference_greedy(model, prompts, max_new_tokens, eos_id=None):
+    """transformers' generate, row by row (no padding involved), cut at the first EOS (included)."""
+    rows = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=PAD)
+        resp = out[0, len(p):].tolist()
+        if eos_id is not None and eos_id in resp:
+            resp = resp[: resp.index(eos_id) + 1]
+        rows.append(resp)
+    return rows
+
+
+def responses(batch: RolloutBatch) -> list[list[int]]:
+    return [ids[: int(m.sum())].tolist() for ids, m in zip(batch.response_ids, batch.response_mask)]
+
+
+def naive_processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """log of the sampling distribution for one logits vector, written out step by step in float64."""
+    x = logits.double() / temperature
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if top_k:
+        kth = sorted(x.tolist(), reverse=True)[top_k - 1]
+        keep &= x >= kth
+    x = torch.where(keep, x, torch.tensor(-math.inf, dtype=x.dtype))
+    if top_p < 1.0:
+        probs = torch.softmax(x, -1)
+        order = sorted(range(len(probs)), key=lambda i: -probs[i].item())
+        mass, kept = 0.0, set()
+        for i in order:  # smallest set of most likely tokens with mass >= top_p
+            kept.add(i)
+            mass += probs[i].item()
+            if mass >= top_p:
+                break
+        mask = torch.tensor([i in kept for i in range(len(x))])
+        x = torch.where(mask, x, torch.tensor(-math.inf, dtype=x.dtype))
+    return torch.log_softmax(x, -1)
+
+
+def forward_logits(model, batch: RolloutBatch) -> torch.Tensor:
+    ids, mask, pos = batch.sequences()
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.double()
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square test; categories with expected count < 5 are pooled into one bin."""
+    total = counts.sum().item()
+    expected = probs.double() * total
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    if exp[-1] < 5:  # pool too small to test on its own: fold it into the largest bin
+        obs, exp = obs[:-1].clone(), exp[:-1].clone()
+        obs[exp.argmax()] += counts[~big].sum()
+        exp[exp.argmax()] += expected[~big].sum()
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = len(exp) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(max_new_tokens=4, temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(max_new_tokens=4, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(max_new_tokens=4, top_k=-3)
+    with pytest.raises(ValueError, match="n "):
+        SamplingParams(max_new_tokens=4, n=0)
+    with pytest.raises(ValueError, match="stop_strings"):
+        SamplingParams(max_new_tokens=4, stop_strings=("",))
+    assert SamplingParams(max_new_tokens=4, stop_strings="</a>").stop_strings == ("</a>",)
+    assert SamplingParams(max_new_tokens=4, temperature=0).greedy
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_fast_greedy_matches_transformers(kind, attention):
+    model = tiny_model(kind)
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    expected = reference_greedy(model, PROMPTS, 12)
+    engine = FastEngine(model, None, pad_token_id=PAD, decode_attention=attention, check_every=2)
+    assert responses(engine.generate(PROMPTS, params)) == expected
+    # EOS in play: a token the model emits mid-response for one prompt becomes EOS; rows stop at different steps
+    eos = expected[0][4]
+    expected_eos = reference_greedy(model, PROMPTS, 12, eos_id=eos)
+    assert len(expected_eos[0]) == 5 and any(len(r) == 12 for r in expected_eos)
+    model.generation_config.eos_token_id = eos
+    batch = FastEngine(model, None, pad_token_id=PAD, decode_attention=attention, check_every=2).generate(PROMPTS, params)
+    assert responses(batch) == expected_eos
+    assert batch.response_ids.shape[1] == max(len(r) for r in expected_eos)
+    assert responses(HFEngine(model, None, pad_token_id=PAD).generate(PROMPTS, params)) == expected_eos
+    # ignore_eos runs to the full length
+    fixed = FastEngine(model, None, pad_token_id=PAD).generate(PROMPTS, SamplingParams(12, temperature=0, ignore_eos=True))
+    assert fixed.response_lengths().tolist() == [12] * len(PROMPTS)
+
+
+def test_batch_layout_and_shared_prefill(monkeypatch):
+    model = tiny_model("qwen2")
+    engine = FastEngine(model, None, pad_token_id=PAD)
+    prefill_rows = []
+    original = engine._prefill
+
+    def counting_prefill(ids, lengths, row_start, copies):
+        prefill_rows.append(ids.shape[0])
+        return original(ids, lengths, row_start, copies)
+
+    monkeypatch.setattr(engine, "_prefill", counting_prefill)
+    batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0, n=3))
+    assert sum(prefill_rows) == len(PROMPTS)  # each prompt prefilled once for its 3 samples
+    assert batch.num_prompts == 4 and batch.n == 3 and batch.prompt_ids.shape == (12, 8)
+    single = responses(engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0)))
+    got = responses(batch)
+    for i, p in enumerate(PROMPTS):
+        for j in range(3):
+            row = i * 3 + j
+            assert got[row] == single[i]
+            assert batch.prompt_ids[row, -len(p):].tolist() == p
+            assert batch.prompt_mask[row].tolist() == [0] * (8 - len(p)) + [1] * len(p)
+            assert (batch.prompt_ids[row, : 8 - len(p)] == PAD).all()
+    ids, mask, pos = batch.sequences()
+    assert pos[1].tolist()[-8:] == list(range(3, 11))  # prompt of length 5 -> positions continue after it
+
+
+def test_waves_and_buckets_match_single_batch():
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = 50
+    params = SamplingParams(max_new_tokens=10, temperature=0, n=3)
+    full = FastEngine(model, None, pad_token_id=PAD).generate(PROMPTS, params)
+    waves = FastEngine(model, None, pad_token_id=PAD, max_batch_size=2, max_seq_len=16).generate(PROMPTS, params)
+    assert responses(full) == responses(waves)
+    assert torch.allclose(full.response_logprobs, waves.response_logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_logprobs_match_forward_pass(engine_cls, kind):
+    model = tiny_model(kind)
+    engine = engine_cls(model, None, pad_token_id=PAD)
+    for temperature, top_k, top_p in [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 20, 0.9)]:
+        params = SamplingParams(max_new_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p, n=2)
+        batch = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(3))
+        logits = forward_logits(model, batch)
+        width = batch.prompt_ids.shape[1]
+        for row in range(batch.response_ids.shape[0]):
+            for t in range(int(batch.response_mask[row].sum())):
+                token = batch.response_ids[row, t]
+                step_logits = logits[row, width + t - 1]
+                if temperature == 0:
+                    ref = torch.log_softmax(step_logits, -1)[token]
+                    assert token == step_logits.argmax()
+                else:
+                    ref = naive_processed_logprobs(step_logits, temperature, top_k, top_p)[token]
+                assert math.isfinite(ref)
+                assert abs(batch.response_logprobs[row, t].item() - ref.item()) < 1e-4
+        assert (batch.response_logprobs[batch.response_mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (12, 1.0), (0, 0.75), (20, 0.85)])
+def test_first_token_distribution_chi_square(engine_cls, top_k, top_p):
+    model = tiny_model("qwen2")
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    exact = naive_processed_logprobs(logits, 0.7, top_k, top_p).exp()
+    draws = 4000
+    engine = engine_cls(model, None, pad_token_id=PAD)
+    params = SamplingParams(max_new_tokens=1, temperature=0.7, top_k=top_k, top_p=top_p, n=draws)
+    batch = engine.generate([prompt], params, generator=torch.Generator().manual_seed(1234))
+    counts = torch.bincount(batch.response_ids[:, 0], minlength=VOCAB)
+    assert counts[exact == 0].sum() == 0  # nothing drawn outside the top-k / top-p set
+    assert chi_square_pvalue(counts, exact) > 1e-3
+    # the test can fail: the same draws are rejected against the distribution at temperature 1.2
+    wrong = naive_processed_logprobs(logits, 1.2, top_k, top_p).exp()
+    assert chi_square_pvalue(counts, wrong) < 1e-3
+
+
+def test_sampling_is_reproducible_with_generator_and_seed():
+    model = tiny_model("qwen2")
+    engine = FastEngine(model, None, pad_token_id=PAD)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
+    a = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(7))
+    b = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(7))
+    c = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert not torch.equal(a.response_ids, c.response_ids)
+    seeded = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=11)
+    assert torch.equal(engine.generate(PROMPTS, seeded).response_ids, engine.generate(PROMPTS, seeded).response_ids)
+    hf = HFEngine(model, None, pad_token_id=PAD)
+    assert torch.equal(hf.generate(PROMPTS, seeded).response_ids, hf.generate(PROMPTS, seeded).response_ids)
+
+
+@pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
+def test_stop_strings(engine_cls):
+    model = tiny_model("llama")
+    tokenizer = char_tokenizer()
+    model.generation_config.eos_token_id = None
+    full = reference_greedy(model, PROMPTS, 14)
+    # a stop string made of two characters the model emits for prompt 0 at steps 3-4
+    stop = tokenizer.decode(full[0][3:5])
+    engine = engine_cls(model, tokenizer, pad_token_id=PAD) if engine_cls is HFEngine else engine_cls(
+        model, tokenizer, pad_token_id=PAD, check_every=3)
+    batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=14, temperature=0, stop_strings=(stop,), ignore_eos=True))
+    got = responses(batch)
+    for ref, resp in zip(full, got):
+        text = tokenizer.decode(ref)
+        if stop in text:
+            # cut right after the first token whose prefix ends with the stop string
+            cut = next(k for k in range(1, len(ref) + 1) if tokenizer.decode(ref[:k]).endswith(stop))
+            assert resp == ref[:cut] and tokenizer.decode(resp).endswith(stop)
+        else:
+            assert resp == ref
+    assert len(got[0]) == 5
+
+
+def test_peft_lora_model_uses_adapted_policy():
+    peft = pytest.importorskip("peft")
+    model = tiny_model("qwen2")
+    base_out = reference_greedy(model, PROMPTS, 10)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+    torch.manual_seed(1)
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5)  # non-zero B so the adapter changes the outputs
+    before = {k: v.clone() for k, v in lora.state_dict().items()}
+    expected = reference_greedy(lora, PROMPTS, 10)
+    assert expected != base_out
+    engine = FastEngine(lora, None, pad_token_id=PAD)
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    batch = engine.generate(PROMPTS, params)
+    assert responses(batch) == expected
+    assert responses(HFEngine(lora, None, pad_token_id=PAD).generate(PROMPTS, params)) == expected
+    logits = forward_logits(lora, batch)
+    ref = torch.log_softmax(logits[:, batch.prompt_ids.shape[1] - 1 : -1], -1)
+    ref = ref.gather(-1, batch.response_ids[..., None])[..., 0]
+    assert torch.allclose(batch.response_logprobs.double(), ref * batch.response_mask, atol=1e-4)
+    for k, v in lora.state_dict().items():  # generation left the model's weights untouched
+        assert torch.equal(v, before[k]), k
+    # disabling the adapter gives the base policy
+    with lora.disable_adapter():
+        assert responses(engine.generate(PROMPTS, params)) == base_out
+
+
+def test_sync_weights_after_in_place_update():
+    model = tiny_model("qwen2")
+    engine = FastEngine(model, None, pad_token_id=PAD, fuse_weights=True)  # engine-owned fused copies
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    before = responses(engine.generate(PROMPTS, params))
+    assert before == reference_greedy(model, PROMPTS, 8)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.up_proj.weight.mul_(-1.5)
+            layer.self_attn.q_proj.bias.add_(0.5)
+    engine.sync_weights()
+    qkv = engine._layers[0]["qkv"]
+    assert torch.equal(qkv[:64], model.model.layers[0].self_attn.q_proj.weight)
+    after = responses(engine.generate(PROMPTS, params))
+    assert after != before
+    assert after == reference_greedy(model, PROMPTS, 8)
+
+
+def test_cast_copy_engine_dtype():
+    model = tiny_model("llama")
+    engine = FastEngine(model, None, pad_token_id=PAD, dtype=torch.float64)
+    assert engine._layers[0]["qkv"].dtype == torch.float64  # one cast copy, fused
+    assert engine._layers[0]["o"].data_ptr() != model.model.layers[0].self_attn.o_proj.weight.data_ptr()
+    plain = FastEngine(model, None, pad_token_id=PAD)
+    assert plain._layers[0]["o"].data_ptr() == model.model.layers[0].self_attn.o_proj.weight.data_ptr()  # no copy
+    batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
+    assert responses(batch) == reference_greedy(model, PROMPTS, 8)
+
+
+def test_make_engine_and_supports(caplog):
+    qwen = tiny_model("qwen2")
+    assert FastEngine.supports(qwen) == (True, "")
+    assert isinstance(make_engine(qwen, None), FastEngine)
+    assert isinstance(make_engine(qwen, None, engine="hf"), HFEngine)
+
+    class Plan:
+        rollout_engine = "hf"
+        rollout_dtype = torch.float32
+
+    assert isinstance(make_engine(qwen, None, plan=Plan()), HFEngine)
+    Plan.rollout_engine = "fast"
+    Plan.rollout_dtype = torch.float64
+    engine = make_engine(qwen, None, plan=Plan())
+    assert isinstance(engine, FastEngine) and engine.dtype == torch.float64
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=64))
+    ok, reason = FastEngine.supports(gpt2)
+    assert not ok and "gpt2" in reason
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(make_engine(gpt2, None), HFEngine)
+    assert "gpt2" in caplog.text
+    with pytest.raises(ValueError, match="engine='hf'"):
+        make_engine(gpt2, None, engine="fast")
+    with pytest.raises(ValueError, match="engine must be"):
+        make_engine(qwen, None, engine="vllm")
+
+
+def test_bad_prompts_are_rejected():
+    engine = FastEngine(tiny_model("qwen2"), None, pad_token_id=PAD)
+    params = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ValueError, match="non-empty list"):
+        engine.generate([[1, 2], []], params)
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate([[1, VOCAB + 5]], params)
+    with pytest.raises(ValueError, match="list\\[list\\[int\\]\\]"):
+        engine.generate(torch.tensor([[1, 2]]), params)
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, stop_strings=("x",)))
