@@ -12,6 +12,7 @@ import torch
 from rlanywhere.cli import main as cli_main
 from rlanywhere.config import load_config
 from rlanywhere.hardware import make_plan
+from rlanywhere.rollout.base import SamplingParams
 from rlanywhere.tracking import read_metrics
 from rlanywhere.trainer import RLTrainer
 
@@ -178,3 +179,35 @@ def test_unknown_key_is_rejected_before_loading(tmp_path, capsys):
     assert code == 2
     assert "did you mean 'data.train_batch_size'" in capsys.readouterr().err
     assert not os.listdir(tmp_path)  # nothing was written, nothing loaded
+
+
+def test_rollout_in_chunks_equals_one_call_and_survives_oom(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    """plan.rollout_batch_size splits generation; a simulated OOM in rollout halves it and the step goes on."""
+    cfg = load_config(None, base_overrides(tiny_model_dir, arith_data, tmp_path / "run",
+                                           **{"algorithm.adv_estimator": "grpo"}))
+    plan = make_plan(cfg, for_execution=True)
+    trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
+    items = trainer.loader.next_batch()
+    params = trainer.sampling_params()
+    plan.rollout_batch_size = 8
+    whole = trainer.generate(items, params, trainer.step_generator(0))
+    calls = []
+    original = trainer.engine.generate
+
+    def flaky_generate(prompts, p, generator=None):
+        calls.append(len(prompts))
+        if len(prompts) * p.n > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(prompts, p, generator=generator)
+
+    monkeypatch.setattr(trainer.engine, "generate", flaky_generate)
+    params = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=params.n)
+    greedy_whole = original([it["input_ids"] for it in items], params)
+    chunked = trainer.generate(items, params, None)
+    assert plan.rollout_batch_size == 2 and len(trainer.oom_guard.events) == 2  # 8 -> 4 -> 2
+    assert calls[-4:] == [1, 1, 1, 1]
+    # Greedy: the same tokens whether generated at once or one prompt at a time.
+    for row in range(whole.response_ids.shape[0]):
+        length = int(greedy_whole.response_mask[row].sum())
+        assert int(chunked.response_mask[row].sum()) == length
+        assert torch.equal(chunked.response_ids[row, :length], greedy_whole.response_ids[row, :length])

@@ -139,20 +139,23 @@ def test_sampling_params_validation():
     assert SamplingParams(max_new_tokens=4, temperature=0).greedy
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
-@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
-def test_fast_greedy_matches_transformers(kind, attention):
+@pytest.mark.parametrize("kind,attention,fuse,match_hf", [
+    ("qwen2", "sdpa", False, False), ("qwen2", "matmul", True, True), ("llama", "sdpa", True, False),
+    ("llama", "matmul", False, True), ("qwen3", "sdpa", True, False), ("qwen3", "matmul", False, False)])
+def test_fast_greedy_matches_transformers(kind, attention, fuse, match_hf):
     model = tiny_model(kind)
     params = SamplingParams(max_new_tokens=12, temperature=0)
     expected = reference_greedy(model, PROMPTS, 12)
-    engine = FastEngine(model, None, pad_token_id=PAD, decode_attention=attention, check_every=2)
+    engine = FastEngine(model, None, pad_token_id=PAD, decode_attention=attention, check_every=2, fuse_weights=fuse,
+                        match_hf_numerics=match_hf)
     assert responses(engine.generate(PROMPTS, params)) == expected
     # EOS in play: a token the model emits mid-response for one prompt becomes EOS; rows stop at different steps
     eos = expected[0][4]
     expected_eos = reference_greedy(model, PROMPTS, 12, eos_id=eos)
     assert len(expected_eos[0]) == 5 and any(len(r) == 12 for r in expected_eos)
     model.generation_config.eos_token_id = eos
-    batch = FastEngine(model, None, pad_token_id=PAD, decode_attention=attention, check_every=2).generate(PROMPTS, params)
+    batch = FastEngine(model, None, pad_token_id=PAD, decode_attention=attention, check_every=2,
+                       fuse_weights=fuse).generate(PROMPTS, params)
     assert responses(batch) == expected_eos
     assert batch.response_ids.shape[1] == max(len(r) for r in expected_eos)
     assert responses(HFEngine(model, None, pad_token_id=PAD).generate(PROMPTS, params)) == expected_eos
@@ -278,6 +281,12 @@ def test_stop_strings(engine_cls):
         else:
             assert resp == ref
     assert len(got[0]) == 5
+    if engine_cls is FastEngine:  # a row that hit its stop string stops costing decode steps
+        calls = []
+        original = engine._decode_step
+        engine._decode_step = lambda batch, span: calls.append(batch) or original(batch, span)
+        engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=14, temperature=0, stop_strings=(stop,)))
+        assert len(calls) < 5 + 3
 
 
 def test_peft_lora_model_uses_adapted_policy():

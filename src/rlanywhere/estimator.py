@@ -84,6 +84,8 @@ SAMPLING_BYTES_PER_LOGIT = 24  # last-position logits: fp32 logits, probs, sorte
 
 # Search.
 MIN_TOKENS_PER_MICRO_BATCH = 2048  # below this a GPU matmul is badly under-used: prefer checkpointing
+MAX_TOKENS_PER_MICRO_BATCH = 16384  # update micro-batches stop here: bigger ones run no faster, only riskier
+MAX_TOKENS_PER_FORWARD_MICRO_BATCH = 32768  # no-grad forwards keep far less, so they may take twice as many
 DEFAULT_LORA_RANK_SUGGESTION = 16
 
 PHASES = ("rollout", "old_log_prob", "ref_log_prob", "values", "actor_update", "critic_update")
@@ -506,6 +508,24 @@ def _phase_fits(estimate: dict, phases: tuple[str, ...], budget: int) -> bool:
     return all(estimate["phases"].get(p, 0) <= budget for p in phases)
 
 
+def micro_batch_caps(workload: Workload) -> dict[str, tuple[int, str]]:
+    """The most sequences each searched batch may hold, and why that is the limit."""
+    seq = workload.seq_len
+
+    def cap(limit_sequences: int, limit_why: str, tokens: int) -> tuple[int, str]:
+        by_tokens = max(1, tokens // seq)
+        if by_tokens < limit_sequences:
+            return by_tokens, f"capped at {tokens} tokens per micro-batch"
+        return limit_sequences, limit_why
+
+    return {
+        "rollout_batch": (workload.rollout_sequences, "the whole batch"),
+        "logprob_micro_batch": cap(workload.rollout_sequences, "the whole batch", MAX_TOKENS_PER_FORWARD_MICRO_BATCH),
+        "actor_micro_batch": cap(workload.actor_mini_batch, "the whole mini-batch", MAX_TOKENS_PER_MICRO_BATCH),
+        "critic_micro_batch": cap(workload.critic_mini_batch, "the whole mini-batch", MAX_TOKENS_PER_MICRO_BATCH),
+    }
+
+
 def _choose_batches(shape: ModelShape, workload: Workload, budget: int, base: Placement,
                     fixed: dict[str, Any], critic_shape: Optional[ModelShape]) -> Optional[Placement]:
     """For a fixed set of switches, the largest micro-batches that fit each phase (explicit values kept)."""
@@ -529,8 +549,9 @@ def _choose_batches(shape: ModelShape, workload: Workload, budget: int, base: Pl
         setattr(placement, key, found[0])
         return True
 
-    ok = pick("rollout_batch", workload.rollout_sequences, ("rollout",))
-    ok &= pick("logprob_micro_batch", workload.rollout_sequences, ("old_log_prob", "ref_log_prob", "values"))
+    caps = micro_batch_caps(workload)
+    ok = pick("rollout_batch", caps["rollout_batch"][0], ("rollout",))
+    ok &= pick("logprob_micro_batch", caps["logprob_micro_batch"][0], ("old_log_prob", "ref_log_prob", "values"))
     if workload.use_dynamic_bsz:
         cap = min(workload.token_budget_cap or workload.seq_len * workload.actor_mini_batch,
                   workload.seq_len * workload.actor_mini_batch)
@@ -538,9 +559,9 @@ def _choose_batches(shape: ModelShape, workload: Workload, budget: int, base: Pl
                    floor=workload.seq_len)
     else:
         placement.max_token_len = None
-        ok &= pick("actor_micro_batch", workload.actor_mini_batch, ("actor_update",))
+        ok &= pick("actor_micro_batch", caps["actor_micro_batch"][0], ("actor_update",))
         if workload.has_critic:
-            ok &= pick("critic_micro_batch", workload.critic_mini_batch, ("critic_update",))
+            ok &= pick("critic_micro_batch", caps["critic_micro_batch"][0], ("critic_update",))
     return placement if ok else None
 
 
@@ -611,7 +632,7 @@ def fit_settings(shape: ModelShape, workload: Workload, budget_bytes: int, fixed
             notes[key] = f"needed to fit in {format_bytes(budget_bytes)}"
 
     if fixed.get("gradient_checkpointing") is None and not switches["gradient_checkpointing"]:
-        want = min(MIN_TOKENS_PER_MICRO_BATCH, workload.actor_mini_batch * workload.seq_len)
+        want = min(MIN_TOKENS_PER_MICRO_BATCH, micro_batch_caps(workload)["actor_micro_batch"][0] * workload.seq_len)
         tokens = _update_tokens(workload, found, "actor_micro_batch")
         if tokens < want:
             alt = attempt(dict(switches, gradient_checkpointing=True))
@@ -623,7 +644,6 @@ def fit_settings(shape: ModelShape, workload: Workload, budget_bytes: int, fixed
                 found = alt
 
     for key in SEARCHED_SWITCHES:
-        value = switches[key]
         if key == "ref_on_device" and not workload.has_ref:
             continue
         if fixed.get(key) is not None:

@@ -29,9 +29,9 @@ import math
 import os
 import re
 import warnings
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -989,7 +989,9 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
     plan.max_token_len_per_micro_batch = placement.max_token_len
     plan.logprob_chunk_size = placement.logprob_chunk_size
     plan.rollout_batch_size = placement.rollout_batch
-    plan.ref_device = (plan.device if placement.ref_on_device else "cpu") if separate_ref else "none"
+    # planning-only runs (emulated card, no GPU here) still name the card's device for what lives on it
+    on_device = plan.device if (plan.device != "cpu" or not target.is_cuda) else "cuda:0"
+    plan.ref_device = (on_device if placement.ref_on_device else "cpu") if separate_ref else "none"
     phases = estimate["phases"]
     seq = workload.seq_len
 
@@ -998,10 +1000,13 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
         name = max(present, key=phases.get)
         return f"{name} peak {est.format_bytes(phases[name])} of {est.format_bytes(budget)}"
 
-    def batch_reason(key: str, value: int, explicit_from: str, cap: int, *phase_names: str) -> str:
+    caps = est.micro_batch_caps(workload)
+
+    def batch_reason(key: str, value: int, explicit_from: str, *phase_names: str) -> str:
         if fixed.get(key) is not None:
             return f"{explicit_from}={value} ({peak(*phase_names)})"
-        how = "the whole mini-batch" if value == cap else "the largest power of two that fits"
+        cap, cap_why = caps[key]
+        how = cap_why if value == cap else "the largest power of two that fits"
         return f"{value} sequences x {seq} tokens: {how} ({peak(*phase_names)})"
 
     for key in ("gradient_checkpointing", "optimizer_offload", "param_offload"):
@@ -1016,17 +1021,18 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
             f"use_dynamic_bsz: ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}"
             + (f" lowered to {placement.max_token_len} to fit" if placement.max_token_len
                < int(actor.ppo_max_token_len_per_gpu) else "") + f" ({peak('actor_update', 'critic_update')})")
+        reasons["actor_micro_batch_size"] = "use_dynamic_bsz: micro-batches are cut by the token budget"
+        reasons["critic_micro_batch_size"] = reasons["actor_micro_batch_size"]
     else:
         reasons["actor_micro_batch_size"] = batch_reason(
-            "actor_micro_batch", placement.actor_micro_batch, "actor.ppo_micro_batch_size_per_gpu",
-            workload.actor_mini_batch, "actor_update")
+            "actor_micro_batch", placement.actor_micro_batch, "actor.ppo_micro_batch_size_per_gpu", "actor_update")
         if plan.use_critic:
             reasons["critic_micro_batch_size"] = batch_reason(
                 "critic_micro_batch", placement.critic_micro_batch, "critic.ppo_micro_batch_size_per_gpu",
-                workload.critic_mini_batch, "critic_update")
+                "critic_update")
     reasons["logprob_micro_batch_size"] = batch_reason(
         "logprob_micro_batch", placement.logprob_micro_batch, "log_prob_micro_batch_size_per_gpu",
-        workload.rollout_sequences, "old_log_prob", "ref_log_prob", "values") + "; old/ref log-probs and values"
+        "old_log_prob", "ref_log_prob", "values") + "; old/ref log-probs and values"
     reasons["rollout_batch_size"] = (
         f"{'all ' if placement.rollout_batch == workload.rollout_sequences else ''}{placement.rollout_batch} of "
         f"{workload.rollout_sequences} sequences at once ({peak('rollout')})")
@@ -1139,20 +1145,38 @@ def _estimate_table(plan: Plan) -> str:
     return format_table(("phase", "predicted peak", "of budget", "largest parts"), rows, max_width=100)
 
 
-def plan_main(config_path: Optional[str] = None, overrides: Optional[list[str]] = None,
-              emulate: Optional[str] = None, json_out: Optional[str] = None) -> int:
-    """`rlanywhere plan`: print the probe, the plan table and the predicted per-phase peaks. 0 ok, 2 no plan.
+def _config(config: Any, overrides: Optional[list[str]]) -> Any:
+    """A loaded config passes through; a path (or None: the defaults) is loaded with the overrides."""
+    from omegaconf import DictConfig
 
-    json_out: a path to write plan + probe as JSON ("-" prints the JSON instead of the tables)."""
     from rlanywhere.config import load_config
 
-    cfg = load_config(config_path, list(overrides or []))
-    hw = probe_machine()
+    if isinstance(config, DictConfig):
+        if overrides:
+            raise ValueError("overrides are applied when loading: pass a config path, or fold them into the config")
+        return config
+    return load_config(config, list(overrides or []))
+
+
+def plan_main(config: Any = None, overrides: Optional[list[str]] = None, emulate: Optional[str] = None,
+              json_out: Optional[str] = None, probe: Optional[HardwareProbe] = None) -> int:
+    """`rlanywhere plan`: print the probe, the plan table and the predicted per-phase peaks. 0 ok, 2 no plan.
+
+    config: a loaded DictConfig, or a YAML path (None: defaults) loaded with `overrides`. emulate: a CARDS key
+    (default: cfg.hardware.emulate). json_out: a path to also write {"probe", "plan"} as JSON; "-" or True prints
+    only the JSON."""
+    cfg = _config(config, overrides)
+    if json_out is True:
+        json_out = "-"
+    hw = probe if probe is not None else probe_machine()
     try:
         plan = make_plan(cfg, hw, for_execution=False, emulate=emulate)
     except PlanError as exc:
-        print("machine:\n" + hw.summary())
-        print(f"\nno plan: {exc}")
+        if json_out == "-":
+            print(json.dumps({"probe": hw.to_dict(), "error": str(exc)}, indent=2))
+        else:
+            print("machine:\n" + hw.summary())
+            print(f"\nno plan: {exc}")
         return 2
     payload = {"probe": hw.to_dict(), "plan": plan.to_dict()}
     if json_out == "-":
@@ -1172,13 +1196,8 @@ def plan_main(config_path: Optional[str] = None, overrides: Optional[list[str]] 
     return 0
 
 
-def doctor_main(config_path: Optional[str] = None, overrides: Optional[list[str]] = None,
-                emulate: Optional[str] = None) -> int:
-    """`rlanywhere doctor`: 0 when every check passes, 1 otherwise."""
-    from rlanywhere.config import load_config
-    from rlanywhere.doctor import run_doctor
+def doctor_main(config: Any = None, overrides: Optional[list[str]] = None, emulate: Optional[str] = None) -> int:
+    """`rlanywhere doctor` (see doctor.doctor_main): 0 when every check passes, 1 otherwise."""
+    from rlanywhere.doctor import doctor_main as run
 
-    cfg = load_config(config_path, list(overrides or []))
-    prepare_environment(cfg)
-    ok, _ = run_doctor(cfg, emulate=emulate)
-    return 0 if ok else 1
+    return run(config, overrides, emulate)

@@ -30,13 +30,13 @@ from . import algorithms as algo
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import as_list, to_yaml
 from .data import PromptLoader, RLDataset
-from .hardware import Plan, autocast_context
+from .hardware import Plan, autocast_context, make_grad_scaler
 from .logprobs import response_logprobs
 from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
 from .models import (ModelSource, ValueModel, enable_gradient_checkpointing, load_causal_lm, load_tokenizer,
                      resolve_model_source, response_values)
 from .oom import OOMGuard
-from .offload import load_optimizer_state, offload_optimizer_state
+from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .rewards import RewardManager, load_custom_reward
 from .rollout import make_engine
 from .rollout.base import RolloutBatch, SamplingParams
@@ -74,6 +74,23 @@ class StepBatch:
     @property
     def rows(self) -> int:
         return self.rollout.response_ids.shape[0]
+
+
+def concat_rollouts(parts: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """Stack rollouts generated in several engine calls: prompts stay left-padded, responses right-padded."""
+    if len(parts) == 1:
+        return parts[0]
+    width_p = max(p.prompt_ids.shape[1] for p in parts)
+    width_r = max(p.response_ids.shape[1] for p in parts)
+    left = lambda t, v: torch.nn.functional.pad(t, (width_p - t.shape[1], 0), value=v)  # noqa: E731
+    right = lambda t, v: torch.nn.functional.pad(t, (0, width_r - t.shape[1]), value=v)  # noqa: E731
+    return RolloutBatch(
+        prompt_ids=torch.cat([left(p.prompt_ids, pad_token_id) for p in parts]),
+        prompt_mask=torch.cat([left(p.prompt_mask, 0) for p in parts]),
+        response_ids=torch.cat([right(p.response_ids, pad_token_id) for p in parts]),
+        response_mask=torch.cat([right(p.response_mask, 0) for p in parts]),
+        response_logprobs=torch.cat([right(p.response_logprobs, 0.0) for p in parts]),
+        num_prompts=sum(p.num_prompts for p in parts), n=parts[0].n)
 
 
 class PhaseTimer:
@@ -185,7 +202,7 @@ class RLTrainer:
         if self.critic is not None:
             self.optimizers["critic"] = adamw(self.critic, cfg.critic.optim)
             self.schedulers["critic"] = _make_scheduler(self.optimizers["critic"], cfg.critic.optim, self.total_steps)
-        self.grad_scaler = torch.amp.GradScaler("cuda") if plan.use_grad_scaler else None
+        self.grad_scaler = make_grad_scaler(plan)
         self.kl_ctrl = algo.make_kl_controller(algo_cfg.kl_ctrl.type, algo_cfg.kl_ctrl.kl_coef,
                                                algo_cfg.kl_ctrl.target_kl, algo_cfg.kl_ctrl.horizon)
         # A token budget can shrink no further than one full-length sequence.
@@ -275,12 +292,23 @@ class RLTrainer:
         return self.guarded("values", run, size_attr)
 
     def ref_context(self):
-        """The reference policy: a frozen copy, or with LoRA the adapter-disabled base (no extra weights)."""
+        """The reference policy: a frozen copy, or with LoRA the adapter-disabled base (no extra weights).
+
+        A reference kept on the CPU (to leave the card to actor and critic) visits the GPU for its forward only."""
         if self.use_lora:
             from .lora import adapter_disabled
 
             return self.actor, adapter_disabled(self.actor), self.device
-        return self.ref, contextlib.nullcontext(), self.plan.ref_device
+        visiting = self.plan.ref_device == "cpu" and self.device != "cpu"
+        return self.ref, on_device(self.ref, self.device, enabled=visiting), self.device
+
+    def offloaded_while(self, phase: str):
+        """With param offload, the model not being trained leaves the GPU during the other's update."""
+        enabled = self.plan.param_offload and self.device != "cpu"
+        other = self.actor if phase == "critic" else self.critic
+        if other is None or not enabled:
+            return contextlib.nullcontext()
+        return on_device(other, "cpu")
 
     # ------------------------------------------------------------------------------------------ updates
     def _accumulate(self, model, optimizer, batch: StepBatch, rows: list[int], size: int, use_tokens: bool,
@@ -363,8 +391,9 @@ class RLTrainer:
 
         mini = (ccfg.ppo_mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size) * self.n
         epochs = ccfg.ppo_epochs or self.cfg.actor_rollout_ref.actor.ppo_epochs
-        return self._update("critic", self.critic, self.optimizers["critic"], batch, loss_fn, mini, epochs,
-                            ccfg.shuffle, ccfg.grad_clip, "critic_micro_batch_size")
+        with self.offloaded_while("critic"):
+            return self._update("critic", self.critic, self.optimizers["critic"], batch, loss_fn, mini, epochs,
+                                ccfg.shuffle, ccfg.grad_clip, "critic_micro_batch_size")
 
     def update_actor(self, batch: StepBatch) -> dict:
         acfg = self.cfg.actor_rollout_ref.actor
@@ -389,15 +418,27 @@ class RLTrainer:
                 metrics["kl_loss"] = kl.detach()
             return loss, metrics
 
-        return self._update("actor", self.actor, self.optimizers["actor"], batch, loss_fn,
-                            acfg.ppo_mini_batch_size * self.n, acfg.ppo_epochs, acfg.shuffle, acfg.grad_clip,
-                            "actor_micro_batch_size")
+        with self.offloaded_while("actor"):
+            return self._update("actor", self.actor, self.optimizers["actor"], batch, loss_fn,
+                                acfg.ppo_mini_batch_size * self.n, acfg.ppo_epochs, acfg.shuffle, acfg.grad_clip,
+                                "actor_micro_batch_size")
 
     # ------------------------------------------------------------------------------------------ one step
     def generate(self, items: list[dict], params: SamplingParams, generator) -> RolloutBatch:
+        """Sample params.n responses per prompt, plan.rollout_batch_size sequences at a time (OOM-guarded)."""
         self.actor.eval()
-        with torch.no_grad():
-            return self.engine.generate([item["input_ids"] for item in items], params, generator=generator)
+        prompts = [item["input_ids"] for item in items]
+        if self.plan.rollout_batch_size is None:
+            self.plan.rollout_batch_size = len(prompts) * params.n
+
+        def run(size: int) -> RolloutBatch:
+            per_call = max(1, size // params.n)
+            with torch.no_grad():
+                parts = [self.engine.generate(prompts[i:i + per_call], params, generator=generator)
+                         for i in range(0, len(prompts), per_call)]
+            return concat_rollouts(parts, self.tokenizer.pad_token_id)
+
+        return self.guarded("rollout", run, "rollout_batch_size")
 
     def score(self, items: list[dict], rollout: RolloutBatch, n: int):
         texts = self.tokenizer.batch_decode(rollout.response_ids * rollout.response_mask

@@ -237,21 +237,22 @@ def sample_from_logits(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of float logits [N, V]; return (tokens [N] long, log-probs [N] float32).
 
-    Sampling uses the exponential race (argmax of log p - log E, E ~ Exp(1)), which draws exactly from the
-    softmax distribution and needs no host synchronisation.
+    Sampling uses the exponential race (argmax of p / E, E ~ Exp(1)), which draws exactly from the softmax
+    distribution and needs no host synchronisation.
     """
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(dim=-1)
-        scores = logits
-    else:
-        scores = apply_temperature_top_k_top_p(logits, params.temperature, params.top_k, params.top_p)
-        # Clamp so an exact-zero draw cannot turn a filtered (-inf) token into NaN, which argmax would pick.
-        noise = torch.empty_like(scores).exponential_(generator=generator).clamp_(min=torch.finfo(scores.dtype).tiny)
-        tokens = (scores - noise.log_()).argmax(dim=-1)
-    chosen = scores.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    logprobs = chosen - torch.logsumexp(scores, dim=-1)
-    return tokens, logprobs
+        chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return tokens, chosen - torch.logsumexp(logits, dim=-1)
+    scores = apply_temperature_top_k_top_p(logits, params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(scores, dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    if noise.device.type != "cuda":
+        # The CPU sampler can draw exactly 0 (CUDA's never does); p/0 would win the race regardless of p.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    tokens = (probs / noise).argmax(dim=-1)  # exponential race: P(i) = p_i (fewer passes than Gumbel + logsumexp)
+    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
 
 
 class StopStringMatcher:

@@ -138,20 +138,36 @@ def _peft_problem(model: Any) -> str | None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back before the weight multiply, as transformers does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, match_hf: bool = False) -> torch.Tensor:
+    """RMSNorm. Default: one (fused on CUDA) kernel, half-precision inputs normalised in fp32 inside it.
+    match_hf: transformers' rounding (normalise in fp32, round to the input dtype, then multiply the weight)."""
+    if match_hf:
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def residual_linear(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    match_hf: bool = False) -> torch.Tensor:
+    """h + x @ weight.T (+ bias). Default without bias: one GEMM with the residual add in its epilogue (rounded
+    once). match_hf: round the product first, then add, as transformers does."""
+    if bias is not None or match_hf:
+        return h + F.linear(x, weight, bias)
+    return torch.addmm(h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t()).view(h.shape)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated, so rotate_half(x) * sin == roll(x, D/2) * signed_sin(sin) exactly."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, match_hf: bool = False) -> torch.Tensor:
+    """transformers' x*cos + rotate_half(x)*sin with rotate_half as one roll; by default the second product and
+    the sum are one fused multiply-add (match_hf: separate, as transformers rounds them)."""
+    rolled = torch.roll(x, shifts=x.shape[-1] // 2, dims=-1)
+    if match_hf:
+        return x * cos + rolled * sin_signed
+    return torch.addcmul(x * cos, rolled, sin_signed)
 
 
 @dataclass
@@ -184,10 +200,14 @@ class FastEngine(RolloutEngine):
         max_seq_len: KV cache length (prompt + response); grown on demand.
         use_cuda_graphs: default True on CUDA.
         fuse_weights: keep fused QKV and gate/up weights (an extra copy of the layer weights when the dtype
-            matches; free when a cast copy exists anyway). Default: only when a cast copy is needed.
+            matches; free when a cast copy exists anyway). Default: when a cast copy is needed, or on CUDA when
+            the copy takes <= 5% of the card's memory.
         decode_attention: "sdpa" (default) or "matmul".
         check_every: decode steps between host checks for finished rows (and stop strings).
         pad_token_id: default: the tokenizer's pad id, else the first EOS id.
+        prefill_tokens_per_chunk: padded prompt tokens per prefill forward (bounds prefill memory).
+        match_hf_numerics: round like transformers inside RMSNorm, RoPE and residual adds (more kernels per
+            layer; only changes half-precision results, by rounding-level amounts).
     """
 
     def __init__(
@@ -203,6 +223,7 @@ class FastEngine(RolloutEngine):
         check_every: int = 8,
         pad_token_id: int | None = None,
         prefill_tokens_per_chunk: int = 16384,
+        match_hf_numerics: bool = False,
     ):
         ok, reason = self.supports(model)
         if not ok:
@@ -218,6 +239,7 @@ class FastEngine(RolloutEngine):
         self.hf_model = unwrap_peft(model)
         self.is_peft = self.hf_model is not model
         self.decode_attention = decode_attention
+        self.match_hf_numerics = bool(match_hf_numerics)
         self.check_every = max(1, int(check_every))
         self.prefill_tokens_per_chunk = max(1, int(prefill_tokens_per_chunk))
 
@@ -244,8 +266,7 @@ class FastEngine(RolloutEngine):
         self.use_cuda_graphs = (self.device.type == "cuda") if use_cuda_graphs is None else bool(use_cuda_graphs)
         if self.use_cuda_graphs and self.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs the model on a CUDA device")
-        needs_cast = q_weight.dtype != self.dtype
-        self.fuse_weights = needs_cast if fuse_weights is None else bool(fuse_weights)
+        self.fuse_weights = self._default_fuse(q_weight.dtype) if fuse_weights is None else bool(fuse_weights)
         self.eos_ids = collect_eos_ids(tokenizer, self.hf_model)
         self.pad_token_id = resolve_pad_token_id(pad_token_id, tokenizer, self.eos_ids)
         self.max_batch_size = max_batch_size
@@ -264,6 +285,22 @@ class FastEngine(RolloutEngine):
             self.sync_weights()
             if max_batch_size is not None and max_seq_len is not None:
                 self._ensure_capacity(max_batch_size, max_seq_len)
+
+    def _default_fuse(self, weight_dtype: torch.dtype) -> bool:
+        """Fuse QKV and gate/up when a cast copy exists anyway, or on CUDA when the copy is small (<= 5% of the
+        card's memory): fewer, larger GEMMs per layer (~10% faster decode steps on an H200)."""
+        if weight_dtype != self.dtype:
+            return True
+        if self.device.type != "cuda":
+            return False
+        d = self.dims
+        inter = self.hf_model.model.layers[0].mlp.gate_proj
+        inter_size = _effective_weight(inter)[0].shape[0]
+        per_layer = d.hidden * ((d.heads + 2 * d.kv_heads) * d.head_dim + 2 * inter_size)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        copy_bytes = d.layers * per_layer * itemsize
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return copy_bytes <= 0.05 * total
 
     # ------------------------------------------------------------------------------------------------------------
     # Support check
@@ -464,7 +501,7 @@ class FastEngine(RolloutEngine):
         probe = torch.zeros((), dtype=torch.float32, device=self.device)
         cos, sin = self.hf_model.model.rotary_emb(probe, positions)
         self._cos = cos[0].to(self.dtype).contiguous()
-        self._sin = sin[0].to(self.dtype).contiguous()
+        self._sin = signed_sin(sin[0].to(self.dtype)).contiguous()
 
     def _rows_per_wave(self, rows_needed: int, length: int) -> int:
         if self.max_batch_size is not None:
@@ -489,37 +526,41 @@ class FastEngine(RolloutEngine):
     # Forward passes
     # ------------------------------------------------------------------------------------------------------------
 
-    def _project(self, x: torch.Tensor, w: dict[str, torch.Tensor], names: tuple[str, ...], fused: str):
+    def _mlp_residual(self, h: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """h + SwiGLU(x)."""
         if self.fuse_weights:
-            y = F.linear(x, w[fused], w.get(fused + "_b"))
-            d = self.dims
-            sizes = {"qkv": [d.heads * d.head_dim, d.kv_heads * d.head_dim, d.kv_heads * d.head_dim]}
-            return y.split(sizes[fused] if fused in sizes else y.shape[-1] // 2, dim=-1)
-        return tuple(F.linear(x, w[n], w.get(n + "_b")) for n in names)
-
-    def _mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        gate, up = self._project(x, w, ("gate", "up"), "gate_up")
-        return F.linear(F.silu(gate) * up, w["down"], w.get("down_b"))
+            gate, up = F.linear(x, w["gate_up"], w.get("gate_up_b")).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(x, w["gate"], w.get("gate_b")), F.linear(x, w["up"], w.get("up_b"))
+        return residual_linear(h, F.silu(gate) * up, w["down"], w.get("down_b"), self.match_hf_numerics)
 
     def _qkv(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor):
-        """q [.., heads, T, D], k/v [.., kv_heads, T, D] for x [N, T, hidden] (rope applied)."""
-        d = self.dims
-        q, k, v = self._project(x, w, ("q", "k", "v"), "qkv")
+        """q [N, heads, T, D], k/v [N, kv_heads, T, D] for x [N, T, hidden], rope applied (sin: signed_sin)."""
+        d, hf = self.dims, self.match_hf_numerics
         n, t = x.shape[0], x.shape[1]
-        q = q.view(n, t, d.heads, d.head_dim)
-        k = k.view(n, t, d.kv_heads, d.head_dim)
-        if d.qk_norm:
-            q = rms_norm(q, w["q_norm"], d.eps)
-            k = rms_norm(k, w["k_norm"], d.eps)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.view(n, t, d.kv_heads, d.head_dim).transpose(1, 2)
-        return q, k, v
+        if self.fuse_weights:
+            y = F.linear(x, w["qkv"], w.get("qkv_b")).view(n, t, d.heads + 2 * d.kv_heads, d.head_dim)
+            qk, v = y[:, :, : d.heads + d.kv_heads], y[:, :, d.heads + d.kv_heads :]
+            if d.qk_norm:
+                qk = torch.cat((rms_norm(qk[:, :, : d.heads], w["q_norm"], d.eps, hf),
+                                rms_norm(qk[:, :, d.heads :], w["k_norm"], d.eps, hf)), dim=2)
+            qk = apply_rope(qk.transpose(1, 2), cos, sin, hf)  # q and k heads in one pass
+            q, k = qk[:, : d.heads], qk[:, d.heads :]
+        else:
+            q = F.linear(x, w["q"], w.get("q_b")).view(n, t, d.heads, d.head_dim)
+            k = F.linear(x, w["k"], w.get("k_b")).view(n, t, d.kv_heads, d.head_dim)
+            v = F.linear(x, w["v"], w.get("v_b")).view(n, t, d.kv_heads, d.head_dim)
+            if d.qk_norm:
+                q = rms_norm(q, w["q_norm"], d.eps, hf)
+                k = rms_norm(k, w["k_norm"], d.eps, hf)
+            q = apply_rope(q.transpose(1, 2), cos, sin, hf)
+            k = apply_rope(k.transpose(1, 2), cos, sin, hf)
+        return q, k, v.transpose(1, 2)
 
     def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor, row_start: int, copies: torch.Tensor) -> torch.Tensor:
         """Run left-padded prompts ids [U, P]; write their K/V into cache rows row_start.. (each prompt repeated
         `copies[u]` times); return last-position logits [U, vocab] float32."""
-        d = self.dims
+        d, hf = self.dims, self.match_hf_numerics
         n_prompts, width = ids.shape
         rows = int(copies.sum())
         start = width - lengths  # first real slot of each prompt
@@ -534,7 +575,7 @@ class FastEngine(RolloutEngine):
         mask = ((causal[None] & key_ok[:, None, :]) | eye[None])[:, None]  # [U, 1, P, P]
         h = F.embedding(ids, self._global["embed"])
         for i, w in enumerate(self._layers):
-            x = rms_norm(h, w["ln1"], d.eps)
+            x = rms_norm(h, w["ln1"], d.eps, hf)
             q, k, v = self._qkv(x, w, cos, sin)
             self.k_cache[i, row_start : row_start + rows, :, :width] = k.repeat_interleave(copies, dim=0, output_size=rows)
             self.v_cache[i, row_start : row_start + rows, :, :width] = v.repeat_interleave(copies, dim=0, output_size=rows)
@@ -543,9 +584,9 @@ class FastEngine(RolloutEngine):
                 v = v.repeat_interleave(d.groups, dim=1)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d.scaling)
             a = a.transpose(1, 2).reshape(n_prompts, width, d.heads * d.head_dim)
-            h = h + F.linear(a, w["o"], w.get("o_b"))
-            h = h + self._mlp(rms_norm(h, w["ln2"], d.eps), w)
-        last = rms_norm(h[:, -1], self._global["norm"], d.eps)
+            h = residual_linear(h, a, w["o"], w.get("o_b"), hf)
+            h = self._mlp_residual(h, rms_norm(h, w["ln2"], d.eps, hf), w)
+        last = rms_norm(h[:, -1], self._global["norm"], d.eps, hf)
         return F.linear(last, self._global["head"]).float()
 
     def _decode_forward(self, batch: int, span: int) -> None:
@@ -553,21 +594,19 @@ class FastEngine(RolloutEngine):
 
         Fixed shapes and no host reads, so it can be captured in a CUDA graph.
         """
-        d = self.dims
+        d, hf = self.dims, self.match_hf_numerics
         tokens, positions = self._tok_buf[:batch], self._pos_buf[:batch]
         slot = self._slot_buf
         cols = self._slot_range[:span]
         valid = (cols[None, :] >= self._start_buf[:batch, None]) & (cols[None, :] <= slot)  # [batch, span]
-        if self.decode_attention == "sdpa":
-            mask = valid[:, None, None, :]
-        else:
-            mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, float("-inf"))
-            mask = mask[:, None, None, :]
+        # additive mask built once per step (not converted again inside every layer's attention call)
+        mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, float("-inf"))
+        mask = mask[:, None, None, :]
         cos = self._cos[positions][:, None, None]  # [batch, 1, 1, D]
         sin = self._sin[positions][:, None, None]
         h = F.embedding(tokens, self._global["embed"])[:, None]  # [batch, 1, hidden]
         for i, w in enumerate(self._layers):
-            x = rms_norm(h, w["ln1"], d.eps)
+            x = rms_norm(h, w["ln1"], d.eps, hf)
             q, k, v = self._qkv(x, w, cos, sin)  # q [batch, heads, 1, D], k/v [batch, kv, 1, D]
             k_cache, v_cache = self.k_cache[i, :batch], self.v_cache[i, :batch]
             k_cache.index_copy_(2, slot, k)
@@ -580,9 +619,9 @@ class FastEngine(RolloutEngine):
             else:
                 scores = torch.matmul(q, keys.transpose(-1, -2)) * d.scaling + mask
                 a = torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(self.dtype), values)
-            h = h + F.linear(a.reshape(batch, 1, d.heads * d.head_dim), w["o"], w.get("o_b"))
-            h = h + self._mlp(rms_norm(h, w["ln2"], d.eps), w)
-        last = rms_norm(h[:, 0], self._global["norm"], d.eps)
+            h = residual_linear(h, a.reshape(batch, 1, d.heads * d.head_dim), w["o"], w.get("o_b"), hf)
+            h = self._mlp_residual(h, rms_norm(h, w["ln2"], d.eps, hf), w)
+        last = rms_norm(h[:, 0], self._global["norm"], d.eps, hf)
         self._logits_buf[:batch].copy_(F.linear(last, self._global["head"]))
 
     def _decode_step(self, batch: int, span: int) -> torch.Tensor:
@@ -770,4 +809,4 @@ class FastEngine(RolloutEngine):
         return upto
 
 
-__all__ = ["FastEngine", "SUPPORTED_MODEL_TYPES", "rms_norm", "apply_rope"]
+__all__ = ["FastEngine", "SUPPORTED_MODEL_TYPES", "rms_norm", "apply_rope", "signed_sin", "residual_linear"]

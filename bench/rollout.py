@@ -1,0 +1,297 @@
+"""Rollout throughput: FastEngine against HFEngine (transformers generate) on one model, in one run.
+
+Examples (a CUDA GPU; figures and exact commands in docs/rollout.md):
+
+    # bf16, 256 prompts x 128 tokens, 256 new tokens each, EOS ignored (fixed length)
+    python bench/rollout.py --model qwen2.5-0.5b-shape --dtype bf16 --batch 256 --prompt-len 128 \
+        --new-tokens 256 --fixed-length --engines fast,hf
+    # the Tesla P40 path: fp32 with TF32 off
+    python bench/rollout.py --model qwen2.5-0.5b-shape --dtype fp32 --no-tf32 --batch 64 --prompt-len 128 \
+        --new-tokens 256 --fixed-length
+    # a real model: SmolLM2 GGUF + GSM8K prompts (verl parquet or jsonl with a "question" field)
+    python bench/rollout.py --gguf ~/.cache/rlanywhere/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --prompts data/gsm8k/test.parquet --batch 128 --new-tokens 256 --dtype bf16
+    # FastEngine variants (ablations) and a greedy correctness check against transformers first
+    python bench/rollout.py --check --fast-variants "fuse_weights=1;fuse_weights=0;decode_attention=matmul"
+
+`--model qwen2.5-0.5b-shape` builds a random-weight model with Qwen2.5-0.5B's configuration (hidden 896, 24
+layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied embeddings); nothing is downloaded.
+Each engine is warmed up first (the fast engine captures its CUDA graphs then); timings synchronize the device.
+Throughput counts generated tokens (response_mask) per second of wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from rlanywhere.rollout import FastEngine, HFEngine, SamplingParams  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def qwen25_05b_shape(device: str, dtype: torch.dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = None
+    return model.to(dtype).eval(), None
+
+
+def load_model(args, device: str, dtype: torch.dtype):
+    if args.gguf:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        directory, name = os.path.split(os.path.abspath(os.path.expanduser(args.gguf)))
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
+        return model.to(device).eval(), tokenizer
+    if args.model == "qwen2.5-0.5b-shape":
+        return qwen25_05b_shape(device, dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    return model.to(device).eval(), tokenizer
+
+
+def load_prompts(args, tokenizer, vocab: int) -> list[list[int]]:
+    if args.prompts:
+        if tokenizer is None:
+            raise SystemExit("--prompts needs a model with a tokenizer (--gguf or an HF path)")
+        questions = []
+        if args.prompts.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            for row in pq.read_table(args.prompts).to_pylist():
+                questions.append(row["prompt"] if "prompt" in row else [{"role": "user", "content": row["question"]}])
+        else:
+            with open(args.prompts) as f:
+                for line in f:
+                    row = json.loads(line)
+                    questions.append(row.get("prompt") or [{"role": "user", "content": row["question"]}])
+        questions = (questions * (args.batch // max(len(questions), 1) + 1))[: args.batch]
+        return [tokenizer.apply_chat_template(q, add_generation_prompt=True, tokenize=True) for q in questions]
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(10, vocab, (args.batch, args.prompt_len), generator=gen).tolist()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_engine(engine, prompts, params, device, repeats: int, warmup_params) -> tuple[float, int, float]:
+    """(best seconds, generated tokens, warm-up seconds)."""
+    sync(device)
+    start = time.perf_counter()
+    engine.generate(prompts, warmup_params, generator=torch.Generator(device=device).manual_seed(0))
+    sync(device)
+    warm = time.perf_counter() - start
+    best, tokens = float("inf"), 0
+    for r in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        batch = engine.generate(prompts, params, generator=torch.Generator(device=device).manual_seed(r + 1))
+        sync(device)
+        elapsed = time.perf_counter() - start
+        tokens = int(batch.response_mask.sum())
+        best = min(best, elapsed)
+    return best, tokens, warm
+
+
+def step_breakdown(engine, params, device: str, batch: int, span: int) -> str:
+    """Milliseconds per decode-step graph replay and per sampling call at one (batch, span), CUDA events."""
+    from rlanywhere.rollout.base import sample_from_logits
+
+    engine._slot_buf.fill_(span - 1)
+    gen = torch.Generator(device=device).manual_seed(0)
+    timings = {}
+    for label, fn in (("forward", lambda: engine._decode_step(batch, span)),
+                      ("sample", lambda: sample_from_logits(engine._logits_buf[:batch], params, gen))):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        timings[label] = start.elapsed_time(end) / 20
+    return f"forward {timings['forward']:.3f} ms + sample {timings['sample']:.3f} ms per step (batch {batch}, span {span})"
+
+
+def parse_variants(text: str) -> list[dict]:
+    variants = []
+    for chunk in filter(None, (c.strip() for c in text.split(";"))):
+        kw = {}
+        for item in filter(None, (i.strip() for i in chunk.split(","))):
+            key, value = item.split("=")
+            kw[key] = {"1": True, "0": False, "true": True, "false": False}.get(value.lower(), value)
+            if key == "check_every":
+                kw[key] = int(value)
+        variants.append(kw)
+    return variants or [{}]
+
+
+def correctness_check(device: str) -> None:
+    """Greedy FastEngine (CUDA graphs, compaction, EOS) against per-row transformers generate, fp32 and bf16."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512, initializer_range=0.2)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 1000, (int(n),), generator=gen).tolist() for n in torch.randint(3, 40, (24,), generator=gen)]
+    steps = 40
+
+    def reference(eos):
+        rows = []
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=steps, eos_token_id=eos, pad_token_id=0)[0, len(p):].tolist()
+            rows.append(out[: out.index(eos) + 1] if eos is not None and eos in out else out)
+        return rows
+
+    def got(batch):
+        return [r[: int(m.sum())].tolist() for r, m in zip(batch.response_ids, batch.response_mask)]
+
+    plain = reference(None)
+    eos = max(set(t for r in plain for t in r), key=lambda t: sum(r.count(t) for r in plain))  # most frequent
+    expected = reference(eos)
+    model.generation_config.eos_token_id = eos
+    engine = FastEngine(model, None, pad_token_id=0, check_every=4)
+    params = SamplingParams(max_new_tokens=steps, temperature=0)
+    batch = engine.generate(prompts, params)
+    same = sum(a == b for a, b in zip(got(batch), expected))
+    lengths = [len(r) for r in expected]
+    ids, mask, pos = batch.sequences()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+    width = batch.prompt_ids.shape[1]
+    ref = torch.log_softmax(logits[:, width - 1 : -1], -1).gather(-1, batch.response_ids[..., None])[..., 0]
+    diff = ((ref - batch.response_logprobs) * batch.response_mask).abs().max().item()
+    print(f"check fp32 cuda-graphs: {same}/{len(prompts)} rows token-identical to transformers generate "
+          f"(EOS={eos}, lengths {min(lengths)}..{max(lengths)}); max |logprob - forward| = {diff:.2e}")
+    sampled = engine.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.8, top_k=50, top_p=0.9, n=2),
+                              generator=torch.Generator(device=device).manual_seed(0))
+    print(f"check fp32 sampling: {int(sampled.response_mask.sum())} tokens, logprobs finite: "
+          f"{bool(torch.isfinite(sampled.response_logprobs).all())}")
+    # bf16: how far each engine's sampling log-probs are from a bf16 transformers forward over the same tokens
+    # (the training-side numbers a PPO ratio is computed against)
+    model.to(torch.bfloat16)
+    sample = SamplingParams(max_new_tokens=steps, temperature=1.0)
+    for label, eng in (("HFEngine", HFEngine(model, None, pad_token_id=0)),
+                       ("FastEngine", FastEngine(model, None, pad_token_id=0)),
+                       ("FastEngine match_hf_numerics", FastEngine(model, None, pad_token_id=0, match_hf_numerics=True))):
+        out = eng.generate(prompts, sample, generator=torch.Generator(device=device).manual_seed(0))
+        ids, mask, pos = out.sequences()
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+        width = out.prompt_ids.shape[1]
+        ref = torch.log_softmax(logits[:, width - 1 : -1], -1).gather(-1, out.response_ids[..., None])[..., 0]
+        delta = (ref - out.response_logprobs)[out.response_mask.bool()].abs()
+        print(f"check bf16 {label:<30} |logprob - HF forward|: mean {delta.mean():.2e}  max {delta.max():.2e}")
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-0.5b-shape", help="HF path/hub id, or qwen2.5-0.5b-shape")
+    parser.add_argument("--gguf", default=None, help="path to a .gguf file (e.g. SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompts", default=None, help="parquet (verl schema) or jsonl with 'question'")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--batch", type=int, default=256, help="number of prompts")
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--fixed-length", action="store_true", help="ignore EOS: every response has --new-tokens")
+    parser.add_argument("--engines", default="fast,hf")
+    parser.add_argument("--no-tf32", action="store_true", help="fp32 matmuls without TF32 (the Tesla P40 path)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--fast-variants", default="", help="';'-separated FastEngine kwargs, e.g. 'fuse_weights=0'")
+    parser.add_argument("--check", action="store_true", help="greedy correctness check against transformers first")
+    parser.add_argument("--breakdown", action="store_true", help="time one decode step's forward and sampling")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+
+    device = args.device
+    if args.check:
+        correctness_check(device)
+    tf32 = not args.no_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    dtype = DTYPES[args.dtype]
+    model, tokenizer = load_model(args, device, dtype)
+    vocab = model.config.get_text_config().vocab_size
+    prompts = load_prompts(args, tokenizer, vocab)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.n,
+                            ignore_eos=args.fixed_length)
+    name = f"gguf:{os.path.basename(args.gguf)}" if args.gguf else args.model
+    gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    print(f"model {name} | {args.dtype} | tf32 {'on' if tf32 else 'off'} | {len(prompts)} prompts x n={args.n} | "
+          f"prompt {args.prompt_len if not args.prompts else 'dataset'} | new {args.new_tokens} | "
+          f"{'fixed length' if args.fixed_length else 'EOS stops'} | {gpu} | torch {torch.__version__}")
+
+    results = []
+    for engine_name in [e.strip() for e in args.engines.split(",") if e.strip()]:
+        variants = parse_variants(args.fast_variants) if engine_name == "fast" else [{}]
+        for kw in variants:
+            label = engine_name + ("" if not kw else " " + ",".join(f"{k}={v}" for k, v in kw.items()))
+            try:
+                if engine_name == "fast":
+                    engine = FastEngine(model, tokenizer, **kw)
+                    warm_params = params
+                else:
+                    engine = HFEngine(model, tokenizer)
+                    warm_params = SamplingParams(max_new_tokens=8, temperature=args.temperature, n=args.n,
+                                                 ignore_eos=args.fixed_length)
+                seconds, tokens, warm = time_engine(engine, prompts, params, device, args.repeats if engine_name == "fast" else 1, warm_params)
+                results.append({"engine": label, "seconds": seconds, "tokens": tokens, "tok_per_s": tokens / seconds,
+                                "warmup_s": warm})
+                print(f"  {label:<40} {tokens:>8} tokens  {seconds:8.3f} s  {tokens / seconds:10.0f} tok/s  "
+                      f"(warm-up {warm:.2f} s)", flush=True)
+                if engine_name == "fast" and args.breakdown and device.startswith("cuda"):
+                    rows = len(prompts) * args.n
+                    print("    " + step_breakdown(engine, params, device, engine._bucket(rows),
+                                                  engine._span(args.prompt_len + args.new_tokens - 1)), flush=True)
+                del engine
+            except Exception as exc:  # keep the other measurements of a run
+                import traceback
+
+                traceback.print_exc()
+                print(f"  {label}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+    hf = next((r for r in results if r["engine"] == "hf"), None)
+    print()
+    print(f"{'engine':<40} {'tok/s':>10} {'x HF':>7}")
+    for r in results:
+        ratio = f"{r['tok_per_s'] / hf['tok_per_s']:.1f}" if hf else "-"
+        print(f"{r['engine']:<40} {r['tok_per_s']:>10.0f} {ratio:>7}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": gpu, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

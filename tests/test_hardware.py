@@ -1,0 +1,351 @@
+"""The planner on fake probes (P40, T4, A100, H100, CPU): no GPU needed. Plus the real probe of this machine,
+model shapes from config.json / PretrainedConfig / GGUF, runtime helpers and the `plan` command."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlanywhere import estimator as est
+from rlanywhere import hardware as hw
+from rlanywhere.config import load_config
+from rlanywhere.hardware import HardwareProbe, NoFitError, PlanError, make_plan
+
+VERL_P40_ARGS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "verl-p40-ppo.args"
+
+# The PPO workload of the brief: Qwen2.5-0.5B actor + critic + reference, 64 prompts, 256 + 256 tokens, n=1.
+PPO_05B = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=gae",
+           "actor_rollout_ref.actor.use_kl_loss=true", "data.train_batch_size=64", "data.max_prompt_length=256",
+           "data.max_response_length=256", "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+           "actor_rollout_ref.rollout.n=1"]
+SMALL = ["data.train_batch_size=8", "data.max_prompt_length=64", "data.max_response_length=64",
+         "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+
+
+def cfg_of(*overrides: str):
+    return load_config(None, list(overrides))
+
+
+def fake(card=None, flash=False) -> HardwareProbe:
+    return HardwareProbe.fake(card, flash_attn_installed=flash)
+
+
+# -------------------------------------------------------------------------------------------- helpers
+def test_dtype_names_round_trip():
+    for name, dtype in (("fp32", torch.float32), ("float32", torch.float32), ("bf16", torch.bfloat16),
+                        ("bfloat16", torch.bfloat16), ("fp16", torch.float16), ("half", torch.float16)):
+        assert hw.dtype_from_name(name) is dtype
+        assert hw.dtype_from_name(hw.dtype_name(dtype)) is dtype
+    assert hw.dtype_name(torch.bfloat16) == "bfloat16"
+    with pytest.raises(ValueError, match="fp32, bf16, fp16"):
+        hw.dtype_from_name("int8")
+
+
+def test_card_table():
+    p40 = hw.card_spec("P40")
+    assert p40.compute_capability == (6, 1) and p40.smem_per_block_kib == 48
+    assert not (p40.bf16 or p40.tf32 or p40.flash_attn_capable or p40.fp16_tensor_cores)
+    t4 = hw.card_spec("tesla-t4")
+    assert t4.fp16_tensor_cores and not t4.bf16 and 14 < t4.memory_gib <= 16
+    for key in ("a10", "rtx3090", "a100-40g", "a100-80g", "h100"):
+        card = hw.CARDS[key]
+        assert card.bf16 and card.tf32 and card.flash_attn_capable and card.compute_capability >= (8, 0)
+    assert hw.CARDS["h100"].compute_capability == (9, 0) and hw.CARDS["v100-32g"].memory_gib > 31
+    with pytest.raises(PlanError) as err:
+        hw.card_spec("p4")
+    assert "p40" in str(err.value) and "h100" in str(err.value)
+
+
+# ------------------------------------------------------------------------------------ precision/attention
+@pytest.mark.parametrize("card", ["p40", "t4"])
+def test_old_cards_plan_fp32_without_flash(card):
+    plan = make_plan(cfg_of(*SMALL), fake(card, flash=True))  # flash_attn installed, but the card can't run it
+    assert plan.precision == "fp32" and plan.param_dtype == plan.compute_dtype == plan.rollout_dtype == torch.float32
+    assert not plan.use_autocast and not plan.use_grad_scaler and not plan.allow_tf32
+    assert plan.attn_implementation in ("sdpa", "eager")
+    assert "no bf16" in plan.reasons["precision"] and hw.card_spec(card).name in plan.card
+    assert plan.device == "cuda:0" and plan.alloc_conf == "expandable_segments:True"
+
+
+def test_t4_reason_offers_fp16_opt_in_and_fp16_plans_a_scaler():
+    assert "hardware.precision=fp16" in make_plan(cfg_of(*SMALL), fake("t4")).reasons["precision"]
+    plan = make_plan(cfg_of(*SMALL, "hardware.precision=fp16"), fake("t4"))
+    assert plan.compute_dtype == torch.float16 and plan.param_dtype == torch.float32
+    assert plan.use_autocast and plan.use_grad_scaler
+
+
+@pytest.mark.parametrize("card", ["a100-80g", "h100"])
+@pytest.mark.parametrize("flash", [True, False])
+def test_ampere_and_hopper_plan_bf16_autocast_and_tf32(card, flash):
+    plan = make_plan(cfg_of(*SMALL), fake(card, flash=flash))
+    assert plan.precision == "bf16" and plan.param_dtype == torch.float32 and plan.compute_dtype == torch.bfloat16
+    assert plan.use_autocast and not plan.use_grad_scaler and plan.allow_tf32
+    assert plan.rollout_dtype == torch.bfloat16
+    assert plan.attn_implementation == ("flash_attention_2" if flash else "sdpa")
+
+
+def test_cpu_plan():
+    plan = make_plan(cfg_of(*SMALL), fake(None))
+    assert plan.device == "cpu" and plan.precision == "fp32" and plan.attn_implementation == "sdpa"
+    assert plan.alloc_conf is None and plan.memory_fraction is None and not plan.allow_tf32
+    assert not plan.optimizer_offload and not plan.param_offload
+
+
+def test_bf16_on_p40_is_an_error_naming_cc_and_fix():
+    with pytest.raises(PlanError) as err:
+        make_plan(cfg_of(*SMALL, "hardware.precision=bf16"), fake("p40"))
+    message = str(err.value)
+    assert "6.1" in message and "Tesla P40" in message and "hardware.precision=fp32" in message
+
+
+def test_flash_attention_errors():
+    with pytest.raises(PlanError) as err:
+        make_plan(cfg_of(*SMALL, "hardware.attn_implementation=flash_attention_2"), fake("t4", flash=True))
+    assert "7.5" in str(err.value) and "hardware.attn_implementation=sdpa" in str(err.value)
+    with pytest.raises(PlanError, match="not installed"):
+        make_plan(cfg_of(*SMALL, "hardware.attn_implementation=flash_attention_2"), fake("a100-80g"))
+    with pytest.raises(PlanError, match="bf16/fp16"):
+        make_plan(cfg_of(*SMALL, "hardware.attn_implementation=flash_attention_2", "hardware.precision=fp32"),
+                  fake("a100-80g", flash=True))
+    plan = make_plan(cfg_of(*SMALL, "hardware.attn_implementation=flash_attention_2"), fake("h100", flash=True))
+    assert plan.attn_implementation == "flash_attention_2"
+
+
+def test_fp16_on_cpu_is_an_error():
+    with pytest.raises(PlanError, match="not supported on CPU"):
+        make_plan(cfg_of(*SMALL, "hardware.precision=fp16"), fake(None))
+
+
+def test_verl_rollout_dtype_bfloat16_is_adapted_not_an_error():
+    plan = make_plan(cfg_of(*SMALL, "actor_rollout_ref.rollout.dtype=bfloat16"), fake("p40"))
+    assert plan.rollout_dtype == torch.float32 and "overridden" in plan.reasons["rollout_dtype"]
+    plan = make_plan(cfg_of(*SMALL, "actor_rollout_ref.rollout.dtype=bfloat16"), fake("a100-80g"))
+    assert plan.rollout_dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------- device
+def test_emulation_without_cuda_plans_only():
+    with pytest.raises(PlanError, match="no CUDA device"):
+        make_plan(cfg_of(*SMALL), fake(None), emulate="p40")
+    plan = make_plan(cfg_of(*SMALL), fake(None), for_execution=False, emulate="p40")
+    assert plan.device == "cpu" and plan.emulated == "p40" and plan.card == "Tesla P40"
+    assert plan.compute_capability == (6, 1) and plan.alloc_conf == "expandable_segments:True"
+    assert "planning only" in plan.reasons["device"]
+
+
+def test_emulation_on_a_real_gpu_caps_memory_and_drops_tf32():
+    plan = make_plan(cfg_of(*SMALL, "hardware.emulate=p40"), fake("h100"))
+    assert plan.device == "cuda:0" and plan.card == "Tesla P40" and plan.precision == "fp32"
+    assert not plan.allow_tf32  # the H100 has TF32, the P40 does not
+    assert plan.memory_fraction == pytest.approx(22.38 / 79.11)
+
+
+def test_emulating_a_bigger_card_is_an_error():
+    with pytest.raises(PlanError, match="more memory than this GPU"):
+        make_plan(cfg_of(*SMALL), fake("t4"), emulate="a100-80g")
+
+
+def test_cuda_requested_without_cuda():
+    with pytest.raises(PlanError, match="hardware.device=cpu"):
+        make_plan(cfg_of(*SMALL, "hardware.device=cuda"), fake(None))
+    with pytest.raises(PlanError, match="cuda:0..cuda:0"):
+        make_plan(cfg_of(*SMALL, "hardware.device=cuda:1"), fake("t4"))
+
+
+# ------------------------------------------------------------------------------------- models and memory
+def test_which_models_exist():
+    grpo = make_plan(cfg_of(*SMALL, "algorithm.adv_estimator=grpo"), fake("t4"))
+    assert not grpo.use_critic and grpo.critic_micro_batch_size is None and grpo.ref_device == "none"
+    ppo_kl = make_plan(cfg_of(*SMALL, "actor_rollout_ref.actor.use_kl_loss=true"), fake("t4"))
+    assert ppo_kl.use_critic and ppo_kl.use_ref and ppo_kl.ref_device in ("cuda:0", "cpu")
+    zero_coef = make_plan(cfg_of(*SMALL, "actor_rollout_ref.actor.use_kl_loss=true",
+                                 "actor_rollout_ref.actor.kl_loss_coef=0"), fake("t4"))
+    assert not zero_coef.use_ref
+    lora = make_plan(cfg_of(*SMALL, "actor_rollout_ref.actor.use_kl_loss=true",
+                            "actor_rollout_ref.model.lora_rank=8"), fake("t4"))
+    assert lora.use_lora and lora.use_ref and lora.ref_device == "none"
+    assert "adapter disabled" in lora.reasons["ref_device"]
+
+
+def test_p40_fits_the_05b_ppo_workload_and_says_how():
+    plan = make_plan(cfg_of(*PPO_05B), fake(None), for_execution=False, emulate="p40")
+    budget = plan.memory_budget_bytes
+    assert budget < 24 * est.GIB
+    assert plan.estimate["peak_bytes"] <= budget
+    assert set(plan.estimate["phases"]) == set(est.PHASES)  # critic and reference both present
+    assert plan.use_critic and plan.use_ref and plan.ref_device in ("cuda:0", "cpu")
+    for key in ("gradient_checkpointing", "actor_micro_batch_size", "critic_micro_batch_size",
+                "logprob_micro_batch_size", "optimizer_offload", "param_offload", "ref_device", "memory_budget"):
+        assert plan.reasons[key], key
+    assert str(plan.actor_micro_batch_size) in plan.reasons["actor_micro_batch_size"]
+    assert plan.actor_micro_batch_size >= 1 and plan.rollout_batch_size >= 1
+
+
+def test_explicit_micro_batches_and_offload_are_honoured():
+    plan = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+                            "critic.ppo_micro_batch_size_per_gpu=2",
+                            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5",
+                            "hardware.optimizer_offload=true"), fake("p40"))
+    assert (plan.actor_micro_batch_size, plan.critic_micro_batch_size, plan.logprob_micro_batch_size) == (3, 2, 5)
+    assert plan.optimizer_offload and "hardware.optimizer_offload=True" in plan.reasons["optimizer_offload"]
+    assert "ppo_micro_batch_size_per_gpu=3" in plan.reasons["actor_micro_batch_size"]
+
+
+def test_offload_on_cpu_is_ignored_with_a_reason():
+    plan = make_plan(cfg_of(*SMALL, "hardware.optimizer_offload=true"), fake(None))
+    assert not plan.optimizer_offload and "ignored" in plan.reasons["optimizer_offload"]
+
+
+def test_dynamic_bsz_gives_a_token_budget():
+    plan = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"), fake("p40"))
+    assert 512 <= plan.max_token_len_per_micro_batch <= 4096
+
+
+def test_seven_b_on_p40_does_not_fit_and_says_what_would():
+    with pytest.raises(NoFitError) as err:
+        make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct"), fake("p40"))
+    message = str(err.value)
+    assert "nothing fits" in message and "Tesla P40" in message
+    assert "LoRA r=16" in message and "response length" in message and "GiB" in message
+
+
+def test_memory_budget_override():
+    plan = make_plan(cfg_of(*SMALL, "hardware.memory_budget_gib=8"), fake("a100-80g"))
+    assert plan.memory_budget_bytes == est.memory_budget_bytes(8 * est.GIB, True)
+
+
+def test_verl_p40_command_line_plans_on_p40():
+    if not VERL_P40_ARGS.exists():
+        pytest.skip("shared fixture missing")
+    overrides = [line.strip() for line in VERL_P40_ARGS.read_text().splitlines() if line.strip()]
+    plan = make_plan(load_config(None, overrides), fake("p40"))
+    assert plan.precision == "fp32" and plan.attn_implementation == "sdpa" and plan.rollout_engine == "fast"
+    assert plan.param_offload  # verl's fsdp_config.offload_params=true, translated by config.py
+    assert plan.actor_micro_batch_size == 1 and plan.critic_micro_batch_size == 1
+    assert plan.use_critic and not plan.use_ref  # kl_coef is set but neither KL switch is on
+
+
+def test_plan_to_dict_and_summary():
+    plan = make_plan(cfg_of(*PPO_05B), fake("p40"))
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["param_dtype"] == "float32" and data["compute_capability"] == [6, 1]
+    assert data["estimate"]["peak_bytes"] == plan.estimate["peak_bytes"]
+    text = plan.summary()
+    assert text.splitlines()[0].split("|")[0].strip() == "decision"
+    assert "grad checkpointing" in text and "no bf16" in text
+
+
+# -------------------------------------------------------------------------------------- probe and shapes
+def test_probe_this_machine():
+    probe = hw.probe_machine()
+    assert probe.cpu_cores >= 1 and probe.ram_total_bytes > 0
+    assert len(probe.devices) == torch.cuda.device_count()
+    assert "math" in probe.cpu_sdpa_backends[f"float32/{hw.PROBE_HEAD_DIM}"]
+    json.dumps(probe.to_dict())
+    assert "CPU:" in probe.summary()
+
+
+def test_sdpa_backend_probe_runs_math_everywhere():
+    backends = hw.sdpa_backends_that_run(torch.float32, 64, "cpu")
+    assert "math" in backends and set(backends) <= set(hw.SDPA_BACKEND_NAMES)
+
+
+def test_named_shape_from_hub_style_name():
+    shape = hw.model_config_from_path("Qwen/Qwen2.5-0.5B-Instruct")
+    assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (896, 24, 14, 2)
+    assert shape.num_params() == 494_032_768
+    assert hw.model_config_from_path("smollm2-135m-instruct").hidden_size == 576
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_shape_from_config_json_and_pretrained_config(tmp_path, tied):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=tied)
+    config.save_pretrained(tmp_path)
+    model = Qwen2ForCausalLM(config)
+    real = sum({id(p): p.numel() for p in model.parameters()}.values())
+    for source in (tmp_path, str(tmp_path / "config.json"), config):
+        shape = hw.model_config_from_path(source)
+        assert shape.num_params() == real and shape.tie_word_embeddings == tied and shape.head_dim == 16
+
+
+def test_shape_from_gguf(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "tiny-q.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(64)
+    writer.add_block_count(3)
+    writer.add_feed_forward_length(160)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_vocab_size(100)
+    writer.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float32))
+    writer.add_tensor("output.weight", np.zeros((100, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    shape = hw.model_config_from_path(path)
+    assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (64, 3, 4, 2)
+    assert (shape.intermediate_size, shape.vocab_size, shape.head_dim) == (160, 100, 16)
+    assert not shape.tie_word_embeddings  # it has an output.weight
+    assert hw.model_config_from_path(tmp_path).hidden_size == 64  # a directory holding the .gguf
+
+
+def test_unknown_model_error_lists_named_shapes():
+    with pytest.raises(PlanError) as err:
+        hw.model_config_from_path("./no/such/model")
+    assert "qwen2.5-0.5b" in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------ runtime
+def test_autocast_context():
+    a = torch.randn(4, 4)
+    with hw.autocast_context(hw.Plan()):
+        assert (a @ a).dtype == torch.float32
+    bf16 = hw.Plan(precision="bf16", compute_dtype=torch.bfloat16, use_autocast=True)
+    with hw.autocast_context(bf16):
+        assert (a @ a).dtype == torch.bfloat16
+    with hw.autocast_context(bf16, enabled=False):
+        assert (a @ a).dtype == torch.float32
+    assert hw.make_grad_scaler(hw.Plan()) is None
+
+
+def test_apply_runtime_on_cpu():
+    torch.set_float32_matmul_precision("high")
+    hw.apply_runtime(hw.Plan())
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_prepare_environment(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    hw.prepare_environment(cfg_of("hardware.device=cpu"))
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    hw.prepare_environment(cfg_of())
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")  # the user's own setting wins
+    hw.prepare_environment(cfg_of())
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+def test_plan_main(capsys):
+    assert hw.plan_main(None, PPO_05B, emulate="p40", probe=fake(None)) == 0
+    out = capsys.readouterr().out
+    assert "Tesla P40" in out and "predicted peak" in out and "actor_update" in out and "micro-batches:" in out
+    assert hw.plan_main(None, PPO_05B + ["actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct"], emulate="p40",
+                        probe=fake(None)) == 2
+    assert "nothing fits" in capsys.readouterr().out
+    assert hw.plan_main(cfg_of(*SMALL), json_out="-", probe=fake("t4")) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["card"] == "Tesla T4" and data["plan"]["precision"] == "fp32"
