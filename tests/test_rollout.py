@@ -199,6 +199,11 @@ def test_waves_and_buckets_match_single_batch():
     waves = FastEngine(model, None, pad_token_id=PAD, max_batch_size=2, max_seq_len=16).generate(PROMPTS, params)
     assert responses(full) == responses(waves)
     assert torch.allclose(full.response_logprobs, waves.response_logprobs, atol=1e-5)
+    waves_engine = FastEngine(model, None, pad_token_id=PAD, max_batch_size=2, max_seq_len=16)
+    assert waves_engine.k_cache.shape[1] == 2  # pre-allocated rows
+    waves_engine.release_memory()
+    assert waves_engine.k_cache is None
+    assert responses(waves_engine.generate(PROMPTS, params)) == responses(full)
 
 
 @pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
@@ -370,8 +375,31 @@ def test_make_engine_and_supports(caplog):
     assert "gpt2" in caplog.text
     with pytest.raises(ValueError, match="engine='hf'"):
         make_engine(gpt2, None, engine="fast")
+    # the trainer passes the plan's automatic "fast" as engine=: that may still fall back
+    Plan.reasons = {"rollout_engine": "auto: the fast engine ..."}
+    assert isinstance(make_engine(gpt2, None, plan=Plan(), engine=Plan.rollout_engine), HFEngine)
+    Plan.reasons = {"rollout_engine": "actor_rollout_ref.rollout.name=fast"}
+    with pytest.raises(ValueError, match="engine='hf'"):
+        make_engine(gpt2, None, plan=Plan(), engine="fast")
     with pytest.raises(ValueError, match="engine must be"):
         make_engine(qwen, None, engine="vllm")
+
+
+def test_rope_scaling_llama3_and_unsupported_rope():
+    torch.manual_seed(0)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.2)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16}
+    model = LlamaForCausalLM(LlamaConfig(rope_scaling=llama3, rope_theta=5000.0, **common)).eval()
+    model.generation_config.eos_token_id = None
+    batch = FastEngine(model, None, pad_token_id=PAD).generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0))
+    assert responses(batch) == reference_greedy(model, PROMPTS, 20)  # positions beyond the original 16 too
+    dynamic = LlamaForCausalLM(LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, **common))
+    ok, reason = FastEngine.supports(dynamic)
+    assert not ok and "dynamic" in reason
+    with pytest.raises(ValueError, match="engine='hf'"):
+        FastEngine(dynamic, None)
 
 
 def test_bad_prompts_are_rejected():

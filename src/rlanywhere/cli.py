@@ -35,18 +35,18 @@ def demo_profile(on_gpu: bool) -> dict:
     small = not on_gpu
     return {
         "data": {"train_files": f"{DEMO_DATA_DIR}/train.parquet", "val_files": f"{DEMO_DATA_DIR}/test.parquet",
-                 "train_batch_size": 8 if small else 64, "max_prompt_length": 128,
-                 "max_response_length": 48 if small else 96, "val_max_samples": 48 if small else 200},
+                 "train_batch_size": 4 if small else 64, "max_prompt_length": 128,
+                 "max_response_length": 40 if small else 96, "val_max_samples": 24 if small else 200},
         "actor_rollout_ref": {
             "model": {"path": "smollm2-135m-instruct"},
-            "actor": {"optim": {"lr": 5e-6 if small else 3e-6}, "ppo_mini_batch_size": 8 if small else 32,
+            "actor": {"optim": {"lr": 5e-6}, "ppo_mini_batch_size": 4 if small else 32,
                       "ppo_epochs": 1, "entropy_coeff": 0.0, "use_kl_loss": False},
             "rollout": {"n": 4 if small else 8, "temperature": 0.7, "top_p": 1.0},
         },
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {"project_name": "demo", "experiment_name": "smollm2-grpo-arith",
-                    "total_training_steps": 8 if small else 60, "test_freq": 4 if small else 10,
-                    "save_freq": 8 if small else 30, "logger": ["console", "tensorboard"],
+                    "total_training_steps": 6 if small else 60, "test_freq": 3 if small else 10,
+                    "save_freq": 6 if small else 30, "logger": ["console", "tensorboard"],
                     "val_before_train": True, "log_val_generations": 2},
     }
 

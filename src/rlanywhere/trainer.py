@@ -211,8 +211,14 @@ class RLTrainer:
 
         # ---- rollout engine (shares the actor's weights)
         max_len = cfg.data.max_prompt_length + self.response_length
-        self.engine = make_engine(self.actor, self.tokenizer, plan, engine=plan.rollout_engine,
-                                  max_batch_size=cfg.data.train_batch_size * self.n, max_seq_len=max_len)
+        self.engine = make_engine(self.actor, self.tokenizer, plan, engine=acfg.rollout.name,
+                                  max_batch_size=plan.rollout_batch_size or cfg.data.train_batch_size * self.n,
+                                  max_seq_len=max_len)
+        # On a tight card the KV cache must not sit beside the update's activations (the estimator assumes so).
+        estimate = plan.estimate or {}
+        self.release_rollout_memory = self.device != "cpu" and (
+            plan.memory_fraction is not None
+            or estimate.get("peak_bytes", 0) > 0.6 * (estimate.get("budget_bytes") or float("inf")))
         self.global_step = 0
         self.tracker: Optional[Tracker] = None
 
@@ -458,6 +464,8 @@ class RLTrainer:
         # 1. rollout: n samples per prompt from the current policy
         with timer("rollout"):
             rollout = self.generate(items, self.sampling_params(), self.step_generator(self.global_step))
+            if self.release_rollout_memory:
+                self.engine.release_memory()
         group_index = torch.arange(len(items)).repeat_interleave(self.n)
 
         # 2. reward: rule-based scores per sequence

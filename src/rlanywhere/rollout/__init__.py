@@ -32,14 +32,20 @@ def make_engine(
     """Build the rollout engine for `model`.
 
     engine: "fast", "hf" or "auto". With "auto", `plan.rollout_engine` (when a plan is given) is the request, and
-    "fast" falls back to "hf" when the model is unsupported. dtype: explicit engine dtype, else
+    "fast" falls back to "hf" (logged) when `FastEngine.supports(model)` says no; an explicit "fast" raises
+    instead, unless it is the plan's automatic choice (plan.reasons["rollout_engine"] starts with "auto"). dtype: explicit engine dtype, else
     `plan.rollout_dtype`, else the model's own dtype.
     """
     if engine not in ENGINE_CHOICES:
         raise ValueError(f"engine must be one of {ENGINE_CHOICES}, got {engine!r}")
     requested = engine
-    if engine == "auto" and plan is not None and getattr(plan, "rollout_engine", None) in ("fast", "hf"):
-        requested = plan.rollout_engine
+    planned = getattr(plan, "rollout_engine", None) if plan is not None else None
+    if engine == "auto" and planned in ("fast", "hf"):
+        requested = planned
+    # "fast" may fall back to hf when it was an automatic choice: engine="auto", or the plan's own "fast" from
+    # rollout.name=auto passed through as engine=plan.rollout_engine.
+    plan_reason = str((getattr(plan, "reasons", None) or {}).get("rollout_engine", "")) if plan is not None else ""
+    may_fall_back = engine == "auto" or (engine == planned and plan_reason.startswith("auto"))
     if dtype is None and plan is not None:
         dtype = getattr(plan, "rollout_dtype", None)
 
@@ -50,7 +56,7 @@ def make_engine(
 
     ok, reason = FastEngine.supports(model)
     if not ok:
-        if engine == "fast":
+        if not may_fall_back:
             raise ValueError(f"engine='fast' cannot run this model: {reason}. Use engine='hf' or 'auto'.")
         logger.warning("rollout engine: hf (FastEngine does not support this model: %s)", reason)
         return HFEngine(model, tokenizer)

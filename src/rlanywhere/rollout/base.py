@@ -118,6 +118,9 @@ class RolloutEngine(abc.ABC):
     def sync_weights(self) -> None:
         """Called by the trainer after each actor update. Engines that read the live weights may do nothing."""
 
+    def release_memory(self) -> None:
+        """Free memory the engine holds between calls (KV cache, graphs); the next generate re-allocates it."""
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Shared helpers
