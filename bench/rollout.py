@@ -83,7 +83,9 @@ def load_prompts(args, tokenizer, vocab: int) -> list[list[int]]:
                     row = json.loads(line)
                     questions.append(row.get("prompt") or [{"role": "user", "content": row["question"]}])
         questions = (questions * (args.batch // max(len(questions), 1) + 1))[: args.batch]
-        return [tokenizer.apply_chat_template(q, add_generation_prompt=True, tokenize=True) for q in questions]
+        # tokenize=False then encode: transformers 5 returns a dict from tokenize=True
+        texts = [tokenizer.apply_chat_template(q, add_generation_prompt=True, tokenize=False) for q in questions]
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     gen = torch.Generator().manual_seed(1)
     return torch.randint(10, vocab, (args.batch, args.prompt_len), generator=gen).tolist()
 

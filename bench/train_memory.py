@@ -56,6 +56,9 @@ CONFIGS = {
         "algorithm.adv_estimator": "gae", "actor_rollout_ref.actor.ppo_mini_batch_size": 64,
         "hardware.memory_budget_gib": 40}),
     "tiny-grpo": ("tiny", 4, 2, 32, 16, {"algorithm.adv_estimator": "grpo"}),
+    "tiny-ppo": ("tiny", 4, 1, 32, 16, {"algorithm.adv_estimator": "gae", "algorithm.use_kl_in_reward": True,
+                                        "actor_rollout_ref.actor.use_kl_loss": True,
+                                        "actor_rollout_ref.actor.ppo_mini_batch_size": 2}),
 }
 
 

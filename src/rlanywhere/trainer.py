@@ -442,7 +442,8 @@ class RLTrainer:
             with torch.no_grad():
                 parts = [self.engine.generate(prompts[i:i + per_call], params, generator=generator)
                          for i in range(0, len(prompts), per_call)]
-            return concat_rollouts(parts, self.tokenizer.pad_token_id)
+            # Step-level tensors live on the CPU; micro-batches visit the device (forward_rows).
+            return concat_rollouts([part.to("cpu") for part in parts], self.tokenizer.pad_token_id)
 
         return self.guarded("rollout", run, "rollout_batch_size")
 
