@@ -211,3 +211,22 @@ def test_rollout_in_chunks_equals_one_call_and_survives_oom(tiny_model_dir, arit
         length = int(greedy_whole.response_mask[row].sum())
         assert int(chunked.response_mask[row].sum()) == length
         assert torch.equal(chunked.response_ids[row, :length], greedy_whole.response_ids[row, :length])
+
+
+def test_ppo_with_lora_actor_and_lora_critic_resumes(tiny_model_dir, arith_data, tmp_path):
+    extra = {"algorithm.adv_estimator": "gae", "actor_rollout_ref.model.lora_rank": 4,
+             "critic.model.lora_rank": 4, "critic.optim.lr": 1e-3, "trainer.val_before_train": False,
+             "trainer.test_freq": -1}
+    trainer, metrics = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "run", **extra))
+    assert trainer.critic.is_lora
+    trainable = [n for n, p in trainer.critic.named_parameters() if p.requires_grad]
+    assert any("lora_" in n for n in trainable) and any(n.startswith("value_head") for n in trainable)
+    assert not any("lora_" not in n and not n.startswith("value_head") for n in trainable)  # base frozen
+    rows = train_rows(metrics)
+    assert all("critic/vf_loss" in r for r in rows.values())
+    # A new trainer on the same run dir resumes from step 2 with the LoRA critic's weights.
+    before = {k: v.clone() for k, v in trainer.critic.state_dict().items()}
+    resumed, _ = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "run", **extra))
+    assert resumed.global_step == 2
+    for key, value in resumed.critic.state_dict().items():
+        assert torch.equal(value.cpu(), before[key].cpu()), key

@@ -143,16 +143,8 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
-class CriticModelConfig:
+class CriticModelConfig(ModelConfig):
     path: Optional[str] = None  # None: the actor's model
-    tokenizer_path: Optional[str] = None
-    override_config: Any = field(default_factory=dict)
-    enable_gradient_checkpointing: Any = "auto"
-    use_remove_padding: bool = True
-    trust_remote_code: bool = False
-    lora_rank: int = 0
-    lora_alpha: int = 16
-    target_modules: Any = "all-linear"
 
 
 @dataclass

@@ -181,7 +181,12 @@ class ValueModel(nn.Module):
                                use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
+    @property
+    def is_lora(self) -> bool:
+        return hasattr(self.backbone, "peft_config")
+
     def save(self, directory: str) -> None:
+        """Backbone in HF format (a LoRA critic saves its adapter) + value_head.safetensors."""
         from safetensors.torch import save_file
 
         os.makedirs(directory, exist_ok=True)
@@ -193,6 +198,12 @@ class ValueModel(nn.Module):
         """Load a critic saved by `save` into this (same-shaped) model."""
         from safetensors.torch import load_file
 
+        self.value_head.load_state_dict(load_file(os.path.join(directory, "value_head.safetensors")))
+        if self.is_lora:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.backbone, load_file(os.path.join(directory, "adapter_model.safetensors")))
+            return
         backbone_files = sorted(glob.glob(os.path.join(directory, "model*.safetensors")))
         if not backbone_files:
             raise FileNotFoundError(f"no critic weights in {directory}")
@@ -202,7 +213,6 @@ class ValueModel(nn.Module):
         missing, unexpected = self.backbone.load_state_dict(state, strict=False)
         if unexpected or [m for m in missing if "rotary" not in m]:
             raise RuntimeError(f"critic checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
-        self.value_head.load_state_dict(load_file(os.path.join(directory, "value_head.safetensors")))
 
 
 def response_values(critic: ValueModel, input_ids, attention_mask, response_len: int, position_ids=None):

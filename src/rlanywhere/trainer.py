@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from . import algorithms as algo
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
@@ -122,6 +122,11 @@ def _make_scheduler(optimizer, optim_cfg, total_steps: int):
     return get_constant_schedule_with_warmup(optimizer, warmup)
 
 
+def _plain(value):
+    """An OmegaConf list as a plain list (peft wants list or str)."""
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
 def _peak_memory_gib(device: str) -> float:
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -167,25 +172,32 @@ class RLTrainer:
 
         # ---- models: actor (+LoRA), reference, critic
         self.actor = load_causal_lm(self.source, plan, acfg.model.trust_remote_code, acfg.model.override_config)
+        # The critic is built first: it copies the actor's backbone before LoRA layers are injected into it.
+        self.critic = None
+        if self.use_critic:
+            base = self.actor  # the critic starts from the actor's weights (before any LoRA is injected)
+            if cfg.critic.model.path and cfg.critic.model.path != acfg.model.path:
+                base = load_causal_lm(resolve_model_source(cfg.critic.model.path), plan,
+                                      cfg.critic.model.trust_remote_code, cfg.critic.model.override_config)
+            self.critic = ValueModel.from_causal_lm(base).to(self.device)
+            cmodel = cfg.critic.model
+            if cmodel.lora_rank > 0:
+                from .lora import apply_lora
+
+                # LoRA on the backbone only: the value head is new and is trained in full.
+                self.critic.backbone = apply_lora(self.critic.backbone, cmodel.lora_rank, cmodel.lora_alpha,
+                                                  _plain(cmodel.target_modules))
         if self.use_lora:
             from .lora import apply_lora
 
             self.actor = apply_lora(self.actor, acfg.model.lora_rank, acfg.model.lora_alpha,
-                                    OmegaConf.to_container(acfg.model.target_modules)
-                                    if not isinstance(acfg.model.target_modules, str) else acfg.model.target_modules)
+                                    _plain(acfg.model.target_modules))
         self.ref = None
         if self.use_ref and not self.use_lora:
             # Same weights as the initial actor; a copy avoids loading (and dequantizing) twice.
             import copy
 
             self.ref = copy.deepcopy(self.actor).to(plan.ref_device).eval().requires_grad_(False)
-        self.critic = None
-        if self.use_critic:
-            base = self.actor.get_base_model() if self.use_lora else self.actor
-            if cfg.critic.model.path and cfg.critic.model.path != acfg.model.path:
-                base = load_causal_lm(resolve_model_source(cfg.critic.model.path), plan,
-                                      cfg.critic.model.trust_remote_code, cfg.critic.model.override_config)
-            self.critic = ValueModel.from_causal_lm(base).to(self.device)
         self.actor.to(self.device)
         if plan.gradient_checkpointing:
             enable_gradient_checkpointing(self.actor)
