@@ -12,9 +12,9 @@ the Plan made by hardware.py before anything was loaded; this file only follows 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
-import math
 import os
 import random
 import resource
@@ -32,6 +32,7 @@ from .config import as_list, to_yaml
 from .data import PromptLoader, RLDataset
 from .hardware import Plan, autocast_context, make_grad_scaler
 from .logprobs import response_logprobs
+from .lora import adapter_disabled, apply_lora, merged_state_for_export
 from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
 from .models import (ModelSource, ValueModel, enable_gradient_checkpointing, load_causal_lm, load_tokenizer,
                      resolve_model_source, response_values)
@@ -158,12 +159,13 @@ class RLTrainer:
         tok_source = ModelSource(cfg.data.tokenizer or acfg.model.tokenizer_path) if (
             cfg.data.tokenizer or acfg.model.tokenizer_path) else self.source
         self.tokenizer = load_tokenizer(tok_source, acfg.model.trust_remote_code)
-        self.train_set = RLDataset(as_list(cfg.data.train_files), self.tokenizer, cfg.data.max_prompt_length,
-                                   prompt_key=cfg.data.prompt_key, truncation=cfg.data.truncation,
-                                   filter_overlong_prompts=cfg.data.filter_overlong_prompts)
-        self.val_set = RLDataset(as_list(cfg.data.val_files), self.tokenizer, cfg.data.max_prompt_length,
-                                 prompt_key=cfg.data.prompt_key, truncation=cfg.data.truncation,
-                                 filter_overlong_prompts=cfg.data.filter_overlong_prompts) if cfg.data.val_files else None
+
+        def dataset(files):
+            return RLDataset(as_list(files), self.tokenizer, cfg.data.max_prompt_length, prompt_key=cfg.data.prompt_key,
+                             truncation=cfg.data.truncation, filter_overlong_prompts=cfg.data.filter_overlong_prompts)
+
+        self.train_set = dataset(cfg.data.train_files)
+        self.val_set = dataset(cfg.data.val_files) if cfg.data.val_files else None
         self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed)
         custom = cfg.custom_reward_function
@@ -182,21 +184,15 @@ class RLTrainer:
             self.critic = ValueModel.from_causal_lm(base).to(self.device)
             cmodel = cfg.critic.model
             if cmodel.lora_rank > 0:
-                from .lora import apply_lora
-
                 # LoRA on the backbone only: the value head is new and is trained in full.
                 self.critic.backbone = apply_lora(self.critic.backbone, cmodel.lora_rank, cmodel.lora_alpha,
                                                   _plain(cmodel.target_modules))
         if self.use_lora:
-            from .lora import apply_lora
-
             self.actor = apply_lora(self.actor, acfg.model.lora_rank, acfg.model.lora_alpha,
                                     _plain(acfg.model.target_modules))
         self.ref = None
         if self.use_ref and not self.use_lora:
             # Same weights as the initial actor; a copy avoids loading (and dequantizing) twice.
-            import copy
-
             self.ref = copy.deepcopy(self.actor).to(plan.ref_device).eval().requires_grad_(False)
         self.actor.to(self.device)
         if plan.gradient_checkpointing:
@@ -314,8 +310,6 @@ class RLTrainer:
 
         A reference kept on the CPU (to leave the card to actor and critic) visits the GPU for its forward only."""
         if self.use_lora:
-            from .lora import adapter_disabled
-
             return self.actor, adapter_disabled(self.actor), self.device
         visiting = self.plan.ref_device == "cpu" and self.device != "cpu"
         return self.ref, on_device(self.ref, self.device, enabled=visiting), self.device
@@ -600,8 +594,6 @@ class RLTrainer:
     def save(self) -> str:
         export = None
         if self.use_lora:
-            from .lora import merged_state_for_export
-
             export = merged_state_for_export(self.actor)
         path = save_checkpoint(self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
                                critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
