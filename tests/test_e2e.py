@@ -230,3 +230,19 @@ def test_ppo_with_lora_actor_and_lora_critic_resumes(tiny_model_dir, arith_data,
     assert resumed.global_step == 2
     for key, value in resumed.critic.state_dict().items():
         assert torch.equal(value.cpu(), before[key].cpu()), key
+
+
+def test_token_budget_micro_batches_give_the_same_training(tiny_model_dir, arith_data, tmp_path):
+    """use_dynamic_bsz splits by tokens instead of rows; the loss weighting is exact, so training is unchanged."""
+    extra = {"algorithm.adv_estimator": "grpo", "trainer.val_before_train": False, "trainer.test_freq": -1,
+             "trainer.save_freq": -1, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8}
+    fixed_trainer, fixed = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "fixed", **extra))
+    dynamic_trainer, dynamic = run_training(base_overrides(
+        tiny_model_dir, arith_data, tmp_path / "dyn", **extra,
+        **{"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 80}))
+    assert dynamic_trainer.plan.max_token_len_per_micro_batch is not None
+    assert fixed_trainer.plan.max_token_len_per_micro_batch is None
+    a, b = train_rows(fixed), train_rows(dynamic)
+    for step in (1, 2):
+        for key in ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
