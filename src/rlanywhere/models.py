@@ -44,6 +44,11 @@ class ModelSource:
     def load_kwargs(self) -> dict:
         if self.gguf_file is None:
             return {}
+        import importlib.util
+
+        if importlib.util.find_spec("gguf") is None:
+            raise ImportError(f"loading {self.gguf_file} needs the gguf package: pip install gguf "
+                              "(or pip install 'rlanywhere[gguf]')")
         from transformers import GgufConfig
 
         # Dequantize on load: training needs real tensors, and save_pretrained refuses a quantized GGUF model.
