@@ -41,14 +41,17 @@ class ModelSource:
     path: str
     gguf_file: Optional[str] = None
 
+    def require_gguf(self) -> None:
+        import importlib.util
+
+        if self.gguf_file and importlib.util.find_spec("gguf") is None:
+            raise ImportError(f"loading {self.gguf_file} needs the gguf package: pip install gguf "
+                              "(or pip install 'rlanywhere[gguf]')")
+
     def load_kwargs(self) -> dict:
         if self.gguf_file is None:
             return {}
-        import importlib.util
-
-        if importlib.util.find_spec("gguf") is None:
-            raise ImportError(f"loading {self.gguf_file} needs the gguf package: pip install gguf "
-                              "(or pip install 'rlanywhere[gguf]')")
+        self.require_gguf()
         from transformers import GgufConfig
 
         # Dequantize on load: training needs real tensors, and save_pretrained refuses a quantized GGUF model.
@@ -120,6 +123,7 @@ def _looks_like_hub_id(path: str) -> bool:
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    source.require_gguf()
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
     if tokenizer.pad_token_id is None:
