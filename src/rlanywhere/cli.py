@@ -265,7 +265,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (ConfigError, FileNotFoundError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
