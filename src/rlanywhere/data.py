@@ -145,10 +145,15 @@ def _read_table_file(path: Path) -> list[dict[str, Any]]:
 
 
 def extract_gsm8k_answer(answer: str) -> str:
-    """The number after the final ``####`` of a GSM8K solution, without thousands separators."""
-    if "####" not in answer:
-        raise ValueError(f"GSM8K answer has no '####' marker: {answer[-80:]!r}")
-    return answer.split("####")[-1].replace(",", "").strip()
+    """The number after the final ``####`` of a GSM8K solution, without thousands separators.
+
+    Parsed by the reward's own strict extractor, so a ground truth is exactly what a correct response yields."""
+    from .rewards import extract_gsm8k_answer as extract_number
+
+    number = extract_number(answer, "strict")
+    if number is None:
+        raise ValueError(f"GSM8K answer has no '#### <number>' marker: {answer[-80:]!r}")
+    return number
 
 
 def gsm8k_rows(records: Sequence[dict[str, Any]], split: str) -> list[dict[str, Any]]:

@@ -29,6 +29,8 @@ import math
 import torch
 from torch import nn
 
+from .lora import unwrap_peft
+
 
 def _no_autocast(device: torch.device):
     """Disable autocast for ``device`` so the fp32 matmuls below stay fp32."""
@@ -212,17 +214,6 @@ def naive_logprobs_and_entropy(
 # From a causal LM
 
 
-def _unwrap_peft(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft PeftModel (its LoRA layers stay injected and active)."""
-    try:
-        from peft import PeftModel
-    except ImportError:  # peft missing: nothing to unwrap
-        return model
-    if isinstance(model, PeftModel):
-        return model.get_base_model()
-    return model
-
-
 def _effective_temperature(config, temperature: float) -> float:
     """Fold architecture-specific constant logit scalings into the temperature (or refuse what cannot be)."""
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -275,7 +266,7 @@ def response_logprobs(
             f"response_len must be an int in [1, {seq_len - 1}] (at least one prompt token must precede the "
             f"response), got {response_len!r}"
         )
-    inner = _unwrap_peft(model)
+    inner = unwrap_peft(model)
     output_embeddings = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if output_embeddings is None or not hasattr(inner, "get_decoder"):
         raise TypeError(

@@ -37,6 +37,11 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft PeftModel (its LoRA layers stay injected and active), or the model."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
 def _all_linear_targets(model: nn.Module, modules_to_save: Sequence[str]) -> list[str]:
     """Names of every nn.Linear except the lm head and ``modules_to_save`` (e.g. a critic's value head).
 

@@ -192,7 +192,9 @@ class ValueModel(nn.Module):
 
     @property
     def is_lora(self) -> bool:
-        return hasattr(self.backbone, "peft_config")
+        from .lora import is_peft_model
+
+        return is_peft_model(self.backbone)
 
     def save(self, directory: str) -> None:
         """Backbone in HF format (a LoRA critic saves its adapter) + value_head.safetensors."""

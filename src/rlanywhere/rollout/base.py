@@ -184,14 +184,6 @@ def resolve_pad_token_id(pad_token_id: int | None, tokenizer: Any, eos_ids: Sequ
     return 0
 
 
-def unwrap_peft(model: Any) -> Any:
-    """The transformers model inside a peft PeftModel (with LoRA layers injected), or the model itself."""
-    get_base = getattr(model, "get_base_model", None)
-    if callable(get_base) and type(model).__module__.startswith("peft"):
-        return get_base()
-    return model
-
-
 def resolve_generator(
     generator: torch.Generator | None, seed: int | None, device: torch.device
 ) -> torch.Generator:
@@ -358,5 +350,4 @@ __all__ = [
     "eos_lengths",
     "left_pad",
     "validate_prompts",
-    "unwrap_peft",
 ]

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..lora import unwrap_peft
 from .base import (
     RolloutBatch,
     RolloutEngine,
@@ -40,7 +41,6 @@ from .base import (
     resolve_generator,
     resolve_pad_token_id,
     sample_from_logits,
-    unwrap_peft,
     validate_prompts,
 )
 

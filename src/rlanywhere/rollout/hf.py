@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
 from transformers import StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from ..lora import unwrap_peft
 from .base import (
     RolloutBatch,
     RolloutEngine,
@@ -27,7 +28,6 @@ from .base import (
     eos_lengths,
     left_pad,
     resolve_pad_token_id,
-    unwrap_peft,
     validate_prompts,
 )
 
