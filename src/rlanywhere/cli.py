@@ -169,8 +169,7 @@ def cmd_eval(args) -> int:
         with torch.no_grad():
             out = engine.generate([it["input_ids"] for it in part],
                                   SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0))
-        texts = tokenizer.batch_decode(out.response_ids.masked_fill(out.response_mask == 0, tokenizer.pad_token_id),
-                                       skip_special_tokens=True)
+        texts = out.decode(tokenizer)
         _, info = manager(texts, [it["ground_truth"] for it in part], [it["data_source"] for it in part],
                           [it["extra_info"] for it in part])
         accs += info["acc"]

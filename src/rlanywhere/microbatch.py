@@ -19,6 +19,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from .logprobs import default_position_ids
+
 
 def split_fixed(num_rows: int, micro_batch_size: int) -> list[list[int]]:
     """Row indices 0..num_rows-1 in consecutive groups of ``micro_batch_size`` (the last may be smaller)."""
@@ -173,7 +175,7 @@ def compact_rows(
     attention_mask = torch.cat([prompt_part_mask, response_part_mask], dim=1).long()
     input_ids = torch.cat([prompt_ids[index][:, start:], response_ids[index][:, :response_width]], dim=1)
     input_ids = input_ids.masked_fill(attention_mask == 0, pad_token_id)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = default_position_ids(attention_mask)
     return MicroBatch(input_ids, attention_mask, position_ids, response_width)
 
 

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .logprobs import default_position_ids
+
 log = logging.getLogger(__name__)
 
 DEMO_MODEL = "smollm2-135m-instruct"
@@ -185,7 +187,7 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
         if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            position_ids = default_position_ids(attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()

@@ -255,8 +255,16 @@ class RLTrainer:
         gen.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 7919 + salt)
         return gen
 
-    def micro_batches(self, batch: StepBatch, rows: list[int], size: int, use_tokens: bool) -> list[list[int]]:
-        if use_tokens:
+    @property
+    def uses_token_budget(self) -> bool:
+        return self.plan.max_token_len_per_micro_batch is not None
+
+    def size_attr(self, fixed_size_attr: str) -> str:
+        """The plan field that sizes a phase's micro-batches: the token budget when there is one."""
+        return "max_token_len_per_micro_batch" if self.uses_token_budget else fixed_size_attr
+
+    def micro_batches(self, batch: StepBatch, rows: list[int], size: int) -> list[list[int]]:
+        if self.uses_token_budget:
             groups = split_rows_by_token_budget(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows],
                                                 size)
             return [[rows[i] for i in group] for group in groups]
@@ -270,49 +278,39 @@ class RLTrainer:
         return tuple(t.to(self.device) if torch.is_tensor(t) else t for t in tensors)
 
     @torch.no_grad()
-    def batched_logprobs(self, model, batch: StepBatch, device: Optional[str] = None) -> torch.Tensor:
-        """Log-probs of every response token under `model`, micro-batched by the plan, OOM-guarded."""
-        device = device or self.device
-        temperature = self.cfg.actor_rollout_ref.rollout.temperature or 1.0
-        use_tokens = self.plan.max_token_len_per_micro_batch is not None
-        size_attr = "max_token_len_per_micro_batch" if use_tokens else "logprob_micro_batch_size"
+    def forward_all(self, phase: str, batch: StepBatch, compute: Callable) -> torch.Tensor:
+        """compute(ids, mask, position_ids, response_len) -> [rows, response_len] over every micro-batch, gathered
+        into a [rows, R] CPU tensor (0 at padding); micro-batched by the plan, OOM-guarded."""
 
         def run(size: int) -> torch.Tensor:
             out = torch.zeros(batch.mask.shape, dtype=torch.float32)
-            for rows in self.micro_batches(batch, list(range(batch.rows)), size, use_tokens):
-                ids, mask, pos, resp_len = (t.to(device) if torch.is_tensor(t) else t
-                                            for t in self.forward_rows(batch, rows))
-                with autocast_context(self.plan):
-                    lp, _ = response_logprobs(model, ids, mask, resp_len, temperature=temperature,
-                                              chunk_size=self.plan.logprob_chunk_size, position_ids=pos)
-                out[rows, :resp_len] = lp.float().cpu()
-            return out * batch.mask
-
-        return self.guarded("log_probs", run, size_attr)
-
-    @torch.no_grad()
-    def batched_values(self, batch: StepBatch) -> torch.Tensor:
-        use_tokens = self.plan.max_token_len_per_micro_batch is not None
-        size_attr = "max_token_len_per_micro_batch" if use_tokens else "logprob_micro_batch_size"
-
-        def run(size: int) -> torch.Tensor:
-            out = torch.zeros(batch.mask.shape, dtype=torch.float32)
-            for rows in self.micro_batches(batch, list(range(batch.rows)), size, use_tokens):
+            for rows in self.micro_batches(batch, list(range(batch.rows)), size):
                 ids, mask, pos, resp_len = self.forward_rows(batch, rows)
                 with autocast_context(self.plan):
-                    out[rows, :resp_len] = response_values(self.critic, ids, mask, resp_len, pos).float().cpu()
+                    out[rows, :resp_len] = compute(ids, mask, pos, resp_len).float().cpu()
             return out * batch.mask
 
-        return self.guarded("values", run, size_attr)
+        return self.guarded(phase, run, self.size_attr("logprob_micro_batch_size"))
+
+    def batched_logprobs(self, model, batch: StepBatch) -> torch.Tensor:
+        """Log-probs of every response token under `model`."""
+        temperature = self.cfg.actor_rollout_ref.rollout.temperature or 1.0
+        return self.forward_all("log_probs", batch, lambda ids, mask, pos, resp_len: response_logprobs(
+            model, ids, mask, resp_len, temperature=temperature, chunk_size=self.plan.logprob_chunk_size,
+            position_ids=pos)[0])
+
+    def batched_values(self, batch: StepBatch) -> torch.Tensor:
+        return self.forward_all("values", batch, lambda ids, mask, pos, resp_len: response_values(
+            self.critic, ids, mask, resp_len, pos))
 
     def ref_context(self):
         """The reference policy: a frozen copy, or with LoRA the adapter-disabled base (no extra weights).
 
         A reference kept on the CPU (to leave the card to actor and critic) visits the GPU for its forward only."""
         if self.use_lora:
-            return self.actor, adapter_disabled(self.actor), self.device
+            return self.actor, adapter_disabled(self.actor)
         visiting = self.plan.ref_device == "cpu" and self.device != "cpu"
-        return self.ref, on_device(self.ref, self.device, enabled=visiting), self.device
+        return self.ref, on_device(self.ref, self.device, enabled=visiting)
 
     def offloaded_while(self, phase: str):
         """With param offload, the model not being trained leaves the GPU during the other's update."""
@@ -323,13 +321,13 @@ class RLTrainer:
         return on_device(other, "cpu")
 
     # ------------------------------------------------------------------------------------------ updates
-    def _accumulate(self, model, optimizer, batch: StepBatch, rows: list[int], size: int, use_tokens: bool,
-                    loss_fn: Callable, grad_clip: float) -> dict:
+    def _accumulate(self, model, optimizer, batch: StepBatch, rows: list[int], size: int,
+                    loss_fn: Callable) -> dict:
         """One optimizer step over `rows`: micro-batches with gradient accumulation; exact token/row weighting."""
         optimizer.zero_grad(set_to_none=True)
         mini_tokens = float(batch.mask[rows].sum().clamp(min=1))
         sums: dict[str, float] = {}
-        for micro in self.micro_batches(batch, rows, size, use_tokens):
+        for micro in self.micro_batches(batch, rows, size):
             ids, mask, pos, resp_len = self.forward_rows(batch, micro)
             resp_mask = batch.mask[micro, :resp_len].to(self.device)
             with autocast_context(self.plan):
@@ -363,8 +361,6 @@ class RLTrainer:
 
     def _update(self, name: str, model, optimizer, batch: StepBatch, loss_fn, mini_rows: int, epochs: int,
                 shuffle: bool, grad_clip: float, size_attr: str) -> dict:
-        use_tokens = self.plan.max_token_len_per_micro_batch is not None
-        size_attr = "max_token_len_per_micro_batch" if use_tokens else size_attr
         if self.plan.optimizer_offload:
             load_optimizer_state(optimizer, self.device)
         model.train()
@@ -379,8 +375,8 @@ class RLTrainer:
                 rows = order[start:start + mini_rows]
                 metrics = self.guarded(
                     f"{name}_update",
-                    lambda size, rows=rows: self._accumulate(model, optimizer, batch, rows, size, use_tokens,
-                                                             loss_fn, grad_clip), size_attr)
+                    lambda size, rows=rows: self._accumulate(model, optimizer, batch, rows, size, loss_fn),
+                    self.size_attr(size_attr))
                 metrics["grad_norm"] = self._optimizer_step(model, optimizer, grad_clip)
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
@@ -454,9 +450,7 @@ class RLTrainer:
         return self.guarded("rollout", run, "rollout_batch_size")
 
     def score(self, items: list[dict], rollout: RolloutBatch, n: int):
-        texts = self.tokenizer.batch_decode(rollout.response_ids * rollout.response_mask
-                                            + self.tokenizer.pad_token_id * (1 - rollout.response_mask),
-                                            skip_special_tokens=True)
+        texts = rollout.decode(self.tokenizer)
         expand = lambda key: [item[key] for item in items for _ in range(n)]  # noqa: E731
         scores, info = self.reward_manager(texts, expand("ground_truth"), expand("data_source"), expand("extra_info"))
         return scores.float(), info, texts
@@ -490,9 +484,9 @@ class RLTrainer:
                 batch.old_logprobs = self.batched_logprobs(self.actor, batch)
         if self.use_ref:
             with timer("ref_log_prob"):
-                ref_model, ctx, ref_device = self.ref_context()
+                ref_model, ctx = self.ref_context()
                 with ctx:
-                    batch.ref_logprobs = self.batched_logprobs(ref_model, batch, ref_device)
+                    batch.ref_logprobs = self.batched_logprobs(ref_model, batch)
         if batch.old_logprobs is None and algo_cfg.use_kl_in_reward and self.use_ref:
             with timer("old_log_prob"):  # the KL penalty in the reward needs them before the update
                 batch.old_logprobs = self.batched_logprobs(self.actor, batch)

@@ -19,6 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..logprobs import default_position_ids
+
 NEG_INF = float("-inf")
 
 
@@ -91,6 +93,11 @@ class RolloutBatch:
             n=self.n,
         )
 
+    def decode(self, tokenizer: Any) -> list[str]:
+        """Response texts, special tokens (EOS) and padding dropped: what a reward function reads."""
+        ids = self.response_ids.masked_fill(self.response_mask == 0, tokenizer.pad_token_id)
+        return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
     def response_lengths(self) -> torch.Tensor:
         """Number of generated tokens per row, [B*n] long."""
         return self.response_mask.sum(-1)
@@ -99,7 +106,7 @@ class RolloutBatch:
         """(input_ids, attention_mask, position_ids) of prompt+response, as the training forward passes want."""
         input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
         attention_mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        position_ids = default_position_ids(attention_mask)
         return input_ids, attention_mask, position_ids
 
 
