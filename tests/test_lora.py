@@ -8,14 +8,7 @@ from torch import nn
 from rlanywhere.logprobs import default_position_ids, response_logprobs
 from rlanywhere.lora import adapter_disabled, apply_lora, merged_state_for_export, trainable_parameter_summary
 
-
-def tiny_qwen2(seed=0):
-    torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=256, tie_word_embeddings=True,
-    )
-    return transformers.Qwen2ForCausalLM(config).eval()
+from .test_logprobs import tiny_qwen2
 
 
 def batch(seed=0):
