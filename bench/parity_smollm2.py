@@ -65,6 +65,31 @@ def main() -> int:
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                   for a, b in zip(got, expected) if a != b]
 
+    # Rows that differ: how close was the reference's own choice? A gap of ~1e-5 between the top two logits at
+    # the first differing position is a near-tie that any change of GEMM kernel (batched vs single row) can flip.
+    for row, (a, b) in enumerate(zip(got, expected)):
+        if a == b:
+            continue
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix = torch.tensor([prompts[row] + b[:at]], device=args.device)
+        with torch.no_grad():
+            top2 = model(input_ids=prefix).logits[0, -1].float().topk(2).values
+        print(f"  row {row}: first difference at response position {at}; reference top-2 logit gap there "
+              f"{(top2[0] - top2[1]).item():.2e}")
+    # The same prompts through transformers' own batched (left-padded) generate: how often HF differs from itself.
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    width = max(len(p) for p in prompts)
+    padded = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=args.device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=args.device)
+    with torch.no_grad():
+        hf_batched = model.generate(input_ids=padded, attention_mask=attention, do_sample=False,
+                                    max_new_tokens=args.new_tokens, eos_token_id=eos, pad_token_id=pad)[:, width:]
+    hf_rows = [r.tolist() for r in hf_batched]
+    hf_rows = [r[: r.index(eos) + 1] if eos in r else r for r in hf_rows]
+    hf_same = sum(a == b for a, b in zip(hf_rows, expected))
+    print(f"transformers batched generate (left-padded, same device/dtype): {hf_same}/{len(prompts)} rows identical "
+          "to its own per-prompt generate")
+
     ids, mask, pos = batch.sequences()
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()

@@ -147,7 +147,7 @@ def parse_variants(text: str) -> list[dict]:
     return variants or [{}]
 
 
-def correctness_check(device: str) -> None:
+def correctness_check(device: str, variants: list[dict]) -> None:
     """Greedy FastEngine (CUDA graphs, compaction, EOS) against per-row transformers generate, fp32 and bf16."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -171,14 +171,41 @@ def correctness_check(device: str) -> None:
             rows.append(out[: out.index(eos) + 1] if eos is not None and eos in out else out)
         return rows
 
-    def got(batch):
-        return [r[: int(m.sum())].tolist() for r, m in zip(batch.response_ids, batch.response_mask)]
-
     plain = reference(None)
     eos = max(set(t for r in plain for t in r), key=lambda t: sum(r.count(t) for r in plain))  # most frequent
     expected = reference(eos)
     model.generation_config.eos_token_id = eos
-    engine = FastEngine(model, None, pad_token_id=0, check_every=4)
+    for kw in variants:
+        check_fp32(model, prompts, expected, eos, device, steps, kw)
+    # bf16: how far each engine's sampling log-probs are from a bf16 transformers forward over the same tokens
+    # (the training-side numbers a PPO ratio is computed against)
+    model.to(torch.bfloat16)
+    sample = SamplingParams(max_new_tokens=steps, temperature=1.0)
+    engines = [("HFEngine", HFEngine(model, None, pad_token_id=0))]
+    engines += [(f"FastEngine {variant_label(kw)}", FastEngine(model, None, pad_token_id=0, **kw)) for kw in variants]
+    for label, eng in engines:
+        out = eng.generate(prompts, sample, generator=torch.Generator(device=device).manual_seed(0))
+        ids, mask, pos = out.sequences()
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+        width = out.prompt_ids.shape[1]
+        ref = torch.log_softmax(logits[:, width - 1 : -1], -1).gather(-1, out.response_ids[..., None])[..., 0]
+        delta = (ref - out.response_logprobs)[out.response_mask.bool()].abs()
+        print(f"check bf16 {label:<40} |logprob - HF forward|: mean {delta.mean():.2e}  max {delta.max():.2e}")
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def variant_label(kw: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in kw.items()) or "default"
+
+
+def check_fp32(model, prompts, expected, eos, device, steps, kw) -> None:
+    """Greedy fp32 FastEngine (variant kw) against transformers: tokens and log-probs."""
+
+    def got(batch):
+        return [r[: int(m.sum())].tolist() for r, m in zip(batch.response_ids, batch.response_mask)]
+
+    engine = FastEngine(model, None, pad_token_id=0, check_every=4, **kw)
     params = SamplingParams(max_new_tokens=steps, temperature=0)
     batch = engine.generate(prompts, params)
     same = sum(a == b for a, b in zip(got(batch), expected))
@@ -189,28 +216,12 @@ def correctness_check(device: str) -> None:
     width = batch.prompt_ids.shape[1]
     ref = torch.log_softmax(logits[:, width - 1 : -1], -1).gather(-1, batch.response_ids[..., None])[..., 0]
     diff = ((ref - batch.response_logprobs) * batch.response_mask).abs().max().item()
-    print(f"check fp32 cuda-graphs: {same}/{len(prompts)} rows token-identical to transformers generate "
+    print(f"check fp32 cuda-graphs [{variant_label(kw)}]: {same}/{len(prompts)} rows token-identical to transformers generate "
           f"(EOS={eos}, lengths {min(lengths)}..{max(lengths)}); max |logprob - forward| = {diff:.2e}")
     sampled = engine.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.8, top_k=50, top_p=0.9, n=2),
                               generator=torch.Generator(device=device).manual_seed(0))
     print(f"check fp32 sampling: {int(sampled.response_mask.sum())} tokens, logprobs finite: "
           f"{bool(torch.isfinite(sampled.response_logprobs).all())}")
-    # bf16: how far each engine's sampling log-probs are from a bf16 transformers forward over the same tokens
-    # (the training-side numbers a PPO ratio is computed against)
-    model.to(torch.bfloat16)
-    sample = SamplingParams(max_new_tokens=steps, temperature=1.0)
-    for label, eng in (("HFEngine", HFEngine(model, None, pad_token_id=0)),
-                       ("FastEngine", FastEngine(model, None, pad_token_id=0)),
-                       ("FastEngine match_hf_numerics", FastEngine(model, None, pad_token_id=0, match_hf_numerics=True))):
-        out = eng.generate(prompts, sample, generator=torch.Generator(device=device).manual_seed(0))
-        ids, mask, pos = out.sequences()
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
-        width = out.prompt_ids.shape[1]
-        ref = torch.log_softmax(logits[:, width - 1 : -1], -1).gather(-1, out.response_ids[..., None])[..., 0]
-        delta = (ref - out.response_logprobs)[out.response_mask.bool()].abs()
-        print(f"check bf16 {label:<30} |logprob - HF forward|: mean {delta.mean():.2e}  max {delta.max():.2e}")
-    torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def main() -> None:
@@ -237,7 +248,7 @@ def main() -> None:
 
     device = args.device
     if args.check:
-        correctness_check(device)
+        correctness_check(device, parse_variants(args.fast_variants))
     tf32 = not args.no_tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
@@ -257,7 +268,7 @@ def main() -> None:
     for engine_name in [e.strip() for e in args.engines.split(",") if e.strip()]:
         variants = parse_variants(args.fast_variants) if engine_name == "fast" else [{}]
         for kw in variants:
-            label = engine_name + ("" if not kw else " " + ",".join(f"{k}={v}" for k, v in kw.items()))
+            label = engine_name + ("" if not kw else " " + variant_label(kw))
             try:
                 if engine_name == "fast":
                     engine = FastEngine(model, tokenizer, **kw)

@@ -351,6 +351,38 @@ def test_cast_copy_engine_dtype():
     assert responses(batch) == reference_greedy(model, PROMPTS, 8)
 
 
+def test_decode_attention_auto_and_gate_up_layout():
+    model = tiny_model("qwen2")
+    expected = reference_greedy(model, PROMPTS, 10)
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    assert FastEngine(model, None, pad_token_id=PAD).decode_attention == "matmul"  # fp32: batched GEMMs
+    assert FastEngine(model, None, pad_token_id=PAD, dtype=torch.bfloat16).decode_attention == "sdpa"
+    for transpose in (True, False):
+        engine = FastEngine(model, None, pad_token_id=PAD, fuse_weights=True, transpose_gate_up=transpose)
+        hidden, inter = model.config.hidden_size, model.config.intermediate_size
+        assert engine._layers[0]["gate_up"].shape == ((hidden, 2 * inter) if transpose else (2 * inter, hidden))
+        assert responses(engine.generate(PROMPTS, params)) == expected
+    with pytest.raises(ValueError, match="decode_attention"):
+        FastEngine(model, None, decode_attention="flash")
+
+
+def test_bf16_logprobs_round_like_transformers():
+    """In bf16 the default engine reproduces a transformers bf16 forward pass (the training side of a PPO ratio);
+    the fused-numerics mode is measurably further off, so this comparison can tell them apart."""
+    model = tiny_model("qwen2").to(torch.bfloat16)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0)
+    gaps = {}
+    for match_hf in (True, False):
+        engine = FastEngine(model, None, pad_token_id=PAD, match_hf_numerics=match_hf)
+        batch = engine.generate(PROMPTS * 4, params, generator=torch.Generator().manual_seed(0))
+        width = batch.prompt_ids.shape[1]
+        logits = forward_logits(model, batch).float()[:, width - 1 : -1]
+        ref = torch.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None])[..., 0]
+        gaps[match_hf] = (ref - batch.response_logprobs)[batch.response_mask.bool()].abs()
+    assert gaps[True].max() < 1e-5
+    assert gaps[False].mean() > 1e-3
+
+
 def test_make_engine_and_supports(caplog):
     qwen = tiny_model("qwen2")
     assert FastEngine.supports(qwen) == (True, "")

@@ -141,8 +141,8 @@ def _peft_problem(model: Any) -> str | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, match_hf: bool = False) -> torch.Tensor:
     """RMSNorm. Default: one (fused on CUDA) kernel, half-precision inputs normalised in fp32 inside it.
     match_hf: transformers' rounding (normalise in fp32, round to the input dtype, then multiply the weight)."""
-    if match_hf:
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    if match_hf:  # the kernel normalises half-precision input in fp32 and rounds once, as transformers does
+        return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -202,7 +202,10 @@ class FastEngine(RolloutEngine):
         fuse_weights: keep fused QKV and gate/up weights (an extra copy of the layer weights when the dtype
             matches; free when a cast copy exists anyway). Default: when a cast copy is needed, or on CUDA when
             the copy takes <= 5% of the card's memory.
-        decode_attention: "sdpa" (default) or "matmul".
+        transpose_gate_up: store the fused gate/up weight as [hidden, 2 x intermediate] (an "NN" GEMM, faster
+            for 64-256 decode rows on an H200; measured in docs/rollout.md).
+        decode_attention: "sdpa", "matmul" (batched GEMMs, softmax in fp32) or "auto" (default: matmul in fp32,
+            sdpa in half precision).
         check_every: decode steps between host checks for finished rows (and stop strings).
         pad_token_id: default: the tokenizer's pad id, else the first EOS id.
         prefill_tokens_per_chunk: padded prompt tokens per prefill forward (bounds prefill memory).
@@ -221,17 +224,18 @@ class FastEngine(RolloutEngine):
         max_seq_len: int | None = None,
         use_cuda_graphs: bool | None = None,
         fuse_weights: bool | None = None,
-        decode_attention: str = "sdpa",
+        decode_attention: str = "auto",
         check_every: int = 8,
         pad_token_id: int | None = None,
         prefill_tokens_per_chunk: int = 16384,
         match_hf_numerics: bool = True,
+        transpose_gate_up: bool = True,
     ):
         ok, reason = self.supports(model)
         if not ok:
             raise ValueError(f"FastEngine cannot run this model: {reason}. Use the HF engine (engine='hf').")
-        if decode_attention not in ("sdpa", "matmul"):
-            raise ValueError(f"decode_attention must be 'sdpa' or 'matmul', got {decode_attention!r}")
+        if decode_attention not in ("auto", "sdpa", "matmul"):
+            raise ValueError(f"decode_attention must be 'auto', 'sdpa' or 'matmul', got {decode_attention!r}")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len is not None and max_seq_len < 2:
@@ -240,8 +244,8 @@ class FastEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.hf_model = unwrap_peft(model)
         self.is_peft = self.hf_model is not model
-        self.decode_attention = decode_attention
         self.match_hf_numerics = bool(match_hf_numerics)
+        self.transpose_gate_up = bool(transpose_gate_up)
         self.check_every = max(1, int(check_every))
         self.prefill_tokens_per_chunk = max(1, int(prefill_tokens_per_chunk))
 
@@ -269,6 +273,12 @@ class FastEngine(RolloutEngine):
         if self.use_cuda_graphs and self.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs the model on a CUDA device")
         self.fuse_weights = self._default_fuse(q_weight.dtype) if fuse_weights is None else bool(fuse_weights)
+        # fp32: batched GEMMs beat the fused attention kernels for a decode step's few queries (2x on an H200);
+        # half precision: SDPA keeps the scores in fp32 inside the kernel, where a bf16 GEMM would round them
+        self.decode_attention = decode_attention if decode_attention != "auto" else (
+            "matmul" if self.dtype == torch.float32 else "sdpa")
+        # fp32 rounds the same either way (up to an ulp), so only half precision pays for transformers' rounding
+        self._round_like_hf = self.match_hf_numerics and self.dtype != torch.float32
         self.eos_ids = collect_eos_ids(tokenizer, self.hf_model)
         self.pad_token_id = resolve_pad_token_id(pad_token_id, tokenizer, self.eos_ids)
         self.max_batch_size = max_batch_size
@@ -366,7 +376,8 @@ class FastEngine(RolloutEngine):
             return tensor, False
         return tensor.to(device=self.device, dtype=self.dtype, copy=True), True
 
-    def _fused(self, modules: list[Any], bias: bool) -> tuple[torch.Tensor | None, bool]:
+    def _fused(self, modules: list[Any], bias: bool, transpose: bool = False) -> tuple[torch.Tensor | None, bool]:
+        """Weights (or biases) of `modules` concatenated along the output dim; transpose: stored [in, out]."""
         parts = [_effective_weight(m) for m in modules]
         if bias:
             if all(p[1] is None for p in parts):
@@ -374,7 +385,8 @@ class FastEngine(RolloutEngine):
             tensors = [p[1] if p[1] is not None else p[0].new_zeros(p[0].shape[0]) for p in parts]
         else:
             tensors = [p[0] for p in parts]
-        return torch.cat([t.to(device=self.device, dtype=self.dtype) for t in tensors], dim=0), True
+        fused = torch.cat([t.to(device=self.device, dtype=self.dtype) for t in tensors], dim=0)
+        return (fused.t().contiguous() if transpose and not bias else fused), True
 
     def _producers(self) -> dict[tuple[int, str], Callable[[], tuple[torch.Tensor | None, bool]]]:
         """Functions that produce each engine weight; key (layer index or -1, name)."""
@@ -395,8 +407,8 @@ class FastEngine(RolloutEngine):
 
             return make
 
-        def fused(modules: list[Any], bias: bool) -> Callable[[], tuple[torch.Tensor | None, bool]]:
-            return lambda: self._fused(modules, bias)
+        def fused(modules: list[Any], bias: bool, transpose: bool = False) -> Callable[[], tuple[torch.Tensor | None, bool]]:
+            return lambda: self._fused(modules, bias, transpose)
 
         prods[(-1, "embed")] = weight_of(inner.embed_tokens)
         prods[(-1, "norm")] = weight_of(inner.norm)
@@ -417,7 +429,7 @@ class FastEngine(RolloutEngine):
             if self.fuse_weights:
                 prods[(i, "qkv")] = fused([attn.q_proj, attn.k_proj, attn.v_proj], bias=False)
                 prods[(i, "qkv_b")] = fused([attn.q_proj, attn.k_proj, attn.v_proj], bias=True)
-                prods[(i, "gate_up")] = fused([mlp.gate_proj, mlp.up_proj], bias=False)
+                prods[(i, "gate_up")] = fused([mlp.gate_proj, mlp.up_proj], bias=False, transpose=self.transpose_gate_up)
                 prods[(i, "gate_up_b")] = fused([mlp.gate_proj, mlp.up_proj], bias=True)
             else:
                 for name, mod in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj)):
@@ -545,14 +557,19 @@ class FastEngine(RolloutEngine):
     def _mlp_residual(self, h: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """h + SwiGLU(x)."""
         if self.fuse_weights:
-            gate, up = F.linear(x, w["gate_up"], w.get("gate_up_b")).chunk(2, dim=-1)
+            if self.transpose_gate_up:  # weight stored [hidden, 2 * intermediate]
+                y = torch.matmul(x, w["gate_up"])
+                y = y if w.get("gate_up_b") is None else y + w["gate_up_b"]
+            else:
+                y = F.linear(x, w["gate_up"], w.get("gate_up_b"))
+            gate, up = y.chunk(2, dim=-1)
         else:
             gate, up = F.linear(x, w["gate"], w.get("gate_b")), F.linear(x, w["up"], w.get("up_b"))
-        return residual_linear(h, F.silu(gate) * up, w["down"], w.get("down_b"), self.match_hf_numerics)
+        return residual_linear(h, F.silu(gate) * up, w["down"], w.get("down_b"), self._round_like_hf)
 
     def _qkv(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor):
         """q [N, heads, T, D], k/v [N, kv_heads, T, D] for x [N, T, hidden], rope applied (sin: signed_sin)."""
-        d, hf = self.dims, self.match_hf_numerics
+        d, hf = self.dims, self._round_like_hf
         n, t = x.shape[0], x.shape[1]
         if self.fuse_weights:
             y = F.linear(x, w["qkv"], w.get("qkv_b")).view(n, t, d.heads + 2 * d.kv_heads, d.head_dim)
@@ -576,7 +593,7 @@ class FastEngine(RolloutEngine):
     def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor, row_start: int, copies: torch.Tensor) -> torch.Tensor:
         """Run left-padded prompts ids [U, P]; write their K/V into cache rows row_start.. (each prompt repeated
         `copies[u]` times); return last-position logits [U, vocab] float32."""
-        d, hf = self.dims, self.match_hf_numerics
+        d, hf = self.dims, self._round_like_hf
         n_prompts, width = ids.shape
         rows = int(copies.sum())
         start = width - lengths  # first real slot of each prompt
@@ -610,14 +627,17 @@ class FastEngine(RolloutEngine):
 
         Fixed shapes and no host reads, so it can be captured in a CUDA graph.
         """
-        d, hf = self.dims, self.match_hf_numerics
+        d, hf = self.dims, self._round_like_hf
         tokens, positions = self._tok_buf[:batch], self._pos_buf[:batch]
         slot = self._slot_buf
         cols = self._slot_range[:span]
         valid = (cols[None, :] >= self._start_buf[:batch, None]) & (cols[None, :] <= slot)  # [batch, span]
         # additive mask built once per step (not converted again inside every layer's attention call)
         mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, float("-inf"))
-        mask = mask[:, None, None, :]
+        if self.decode_attention == "sdpa":
+            mask = mask[:, None, None, :]
+        else:  # [batch * kv_heads, groups, span]: the addend of one batched GEMM per layer
+            mask = mask[:, None, None, :].expand(batch, d.kv_heads, d.groups, span).reshape(-1, d.groups, span)
         cos = self._cos[positions][:, None, None]  # [batch, 1, 1, D]
         sin = self._sin[positions][:, None, None]
         h = F.embedding(tokens, self._global["embed"])[:, None]  # [batch, 1, hidden]
@@ -628,13 +648,17 @@ class FastEngine(RolloutEngine):
             k_cache.index_copy_(2, slot, k)
             v_cache.index_copy_(2, slot, v)
             # The query heads of one KV group act as G query positions against that group's keys (no GQA copy).
-            q = q.reshape(batch, d.kv_heads, d.groups, d.head_dim)
             keys, values = k_cache[:, :, :span], v_cache[:, :, :span]
             if self.decode_attention == "sdpa":
+                q = q.reshape(batch, d.kv_heads, d.groups, d.head_dim)
                 a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d.scaling)
             else:
-                scores = torch.matmul(q, keys.transpose(-1, -2)) * d.scaling + mask
-                a = torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(self.dtype), values)
+                # Batched GEMMs over (row, kv head): scale and mask fused into the first, softmax in fp32.
+                q = q.reshape(batch * d.kv_heads, d.groups, d.head_dim)
+                keys = keys.reshape(batch * d.kv_heads, span, d.head_dim)
+                values = values.reshape(batch * d.kv_heads, span, d.head_dim)
+                scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=d.scaling)
+                a = torch.bmm(scores.softmax(dim=-1, dtype=torch.float32).to(self.dtype), values)
             h = residual_linear(h, a.reshape(batch, 1, d.heads * d.head_dim), w["o"], w.get("o_b"), hf)
             h = self._mlp_residual(h, rms_norm(h, w["ln2"], d.eps, hf), w)
         last = rms_norm(h[:, 0], self._global["norm"], d.eps, hf)

@@ -1,0 +1,214 @@
+"""Where a FastEngine decode step spends its time, and how fast each of its GEMM shapes can run.
+
+Prints (1) a kernel-level profile of one decode step (torch.profiler, eager, CUDA time per kernel family) and
+(2) a micro-benchmark of every GEMM shape in the step under several formulations (cuBLAS / cuBLASLt, weight
+layout, split-K), in TFLOP/s, so the step time can be compared with what the GEMMs alone need.
+
+    python bench/decode_profile.py --dtype fp32 --no-tf32 --batch 64          # the Tesla P40 path
+    python bench/decode_profile.py --dtype bf16 --batch 256
+
+Needs a CUDA GPU. Uses the random-weight Qwen2.5-0.5B-shaped model of bench/rollout.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from rollout import DTYPES, qwen25_05b_shape  # noqa: E402
+
+from rlanywhere.rollout import FastEngine, SamplingParams  # noqa: E402
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    if "fmha" in low or "attention" in low or "softmax" in low or "sdpa" in low:
+        return "attention: " + name[:80]
+    for key in ("gemm", "gemv", "splitk", "xmma", "nvjet", "cublas"):
+        if key in low:
+            return "gemm: " + name[:90]
+    return "other: " + name[:80]
+
+
+def profile_step(engine: FastEngine, batch: int, span: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        engine._decode_forward(batch, span)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine._decode_forward(batch, span)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.defaultdict(int)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            totals[evt.name] += evt.device_time / 5 / 1000.0  # ms per step
+            counts[evt.name] += 1
+    total = sum(totals.values())
+    launches = sum(counts.values()) // 5
+    print(f"\n== eager decode step, batch {batch}, span {span}: {total:.3f} ms of kernel time, {launches} kernels ==")
+    fam: dict[str, float] = collections.defaultdict(float)
+    for name, ms in totals.items():
+        fam[kernel_family(name).split(":")[0]] += ms
+    for k, v in sorted(fam.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:10s} {v:7.3f} ms  ({100 * v / total:4.1f} %)")
+    print("  top kernels (ms/step, calls/step):")
+    for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"  {ms:7.3f}  {counts[name] // 5:4d}  {name[:110]}")
+
+
+def time_graph(fn, iters: int = 10, replays: int = 10) -> float:
+    """Milliseconds per call of fn, captured `iters` times in one CUDA graph (no launch overhead counted)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (iters * replays)
+
+
+def gemm_variants(x: torch.Tensor, weights: list[torch.Tensor], weights_t: list[torch.Tensor]) -> dict:
+    """Formulations of y = x @ W.T, each cycling through distinct per-layer weights (as a real step does, so the
+    L2 cache does not hold the weight)."""
+    rows, k = x.shape
+    count = len(weights)
+    variants = {
+        "linear": lambda: [F.linear(x, w) for w in weights],
+        "x@Wt": lambda: [torch.mm(x, wt) for wt in weights_t],
+        "W@xT": lambda: [torch.mm(w, x.t()) for w in weights],
+    }
+    for parts in (2, 4, 7, 8):
+        if k % parts == 0:
+            xs = x.view(rows, parts, k // parts).transpose(0, 1)
+            variants[f"splitk{parts}"] = (
+                lambda xs=xs, parts=parts: [torch.bmm(xs, wt.view(parts, k // parts, -1)).sum(0) for wt in weights_t])
+    return {name: time_graph(fn, iters=2) / count for name, fn in variants.items()}
+
+
+def gemm_bench(rows: int, dtype: torch.dtype, shapes: dict[str, tuple[int, int, int]]) -> None:
+    print(f"\n== GEMMs of one decode step at {rows} rows ({dtype}), CUDA-graph timed, distinct weights per layer ==")
+    names = None
+    best_total = default_total = 0.0
+    for label, (k, n, count) in shapes.items():
+        x = torch.randn(rows, k, device="cuda", dtype=dtype)
+        weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(max(count, 1))]
+        weights_t = [w.t().contiguous() for w in weights]
+        results = gemm_variants(x, weights, weights_t)
+        flops = 2 * rows * k * n
+        if names is None:
+            names = list(results)
+            print("  " + " | ".join(f"{h:>14s}" for h in ["shape (K->N) x", *names]))
+        cells = [f"{label} {k}->{n} x{count}"[:14].rjust(14)]
+        for name in names:
+            ms = results.get(name, float("nan"))
+            cells.append(f"{1000 * ms:6.1f}us {flops / ms / 1e9:4.1f}T" if ms == ms else f"{'n/a':>14s}")
+        print("  " + " | ".join(cells))
+        best_total += count * min(v for v in results.values() if v == v)
+        default_total += count * results["linear"]
+        del weights, weights_t
+    print(f"  GEMM time per step: F.linear {default_total:.3f} ms; best formulation per shape {best_total:.3f} ms")
+
+
+def attention_bench(rows: int, dtype: torch.dtype, kv_heads: int, groups: int, head_dim: int, span: int,
+                    layers: int) -> None:
+    """Decode attention formulations for one step: q [rows, kv, G, D] against [rows, kv, span, D] K/V per layer."""
+    print(f"\n== decode attention, {rows} rows x {kv_heads} kv heads x {groups} q/kv, span {span} ({dtype}) ==")
+    scale = head_dim**-0.5
+    q = torch.randn(rows, kv_heads, groups, head_dim, device="cuda", dtype=dtype)
+    ks = [torch.randn(rows, kv_heads, span, head_dim, device="cuda", dtype=dtype) for _ in range(layers)]
+    vs = [torch.randn(rows, kv_heads, span, head_dim, device="cuda", dtype=dtype) for _ in range(layers)]
+    start = torch.randint(0, span // 2, (rows,), device="cuda")
+    valid = torch.arange(span, device="cuda")[None] >= start[:, None]
+    mask = torch.zeros(rows, 1, 1, span, device="cuda", dtype=dtype).masked_fill_(~valid[:, None, None], float("-inf"))
+    bias3 = mask.expand(rows, kv_heads, groups, span).reshape(rows * kv_heads, groups, span).contiguous()
+
+    def sdpa():
+        return [F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale) for k, v in zip(ks, vs)]
+
+    def matmul():
+        out = []
+        for k, v in zip(ks, vs):
+            s = torch.matmul(q, k.transpose(-1, -2)) * scale + mask
+            out.append(torch.matmul(s.softmax(-1, dtype=torch.float32).to(dtype), v))
+        return out
+
+    def baddbmm():
+        out = []
+        qb = q.reshape(rows * kv_heads, groups, head_dim)
+        for k, v in zip(ks, vs):
+            s = torch.baddbmm(bias3, qb, k.reshape(rows * kv_heads, span, head_dim).transpose(1, 2), alpha=scale)
+            out.append(torch.bmm(s.softmax(-1, dtype=torch.float32).to(dtype), v.reshape(rows * kv_heads, span, head_dim)))
+        return out
+
+    ref = sdpa()[0].float()
+    for name, fn in (("sdpa", sdpa), ("matmul", matmul), ("baddbmm", baddbmm)):
+        got = fn()[0].reshape(ref.shape).float()
+        ms = time_graph(fn, iters=2) / layers
+        kv_bytes = 2 * ks[0].numel() * ks[0].element_size()
+        print(f"  {name:8s} {1000 * ms:7.1f} us/layer  ({kv_bytes / ms / 1e6:6.0f} GB/s of K+V)  "
+              f"max|diff vs sdpa| {(got - ref).abs().max().item():.1e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--no-tf32", action="store_true")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--span", type=int, default=512)
+    parser.add_argument("--attention", default="auto", choices=["auto", "sdpa", "matmul"])
+    parser.add_argument("--skip-profile", action="store_true")
+    args = parser.parse_args()
+    if args.no_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+    dtype = DTYPES[args.dtype]
+    model, _ = qwen25_05b_shape("cuda", dtype)
+    engine = FastEngine(model, None, use_cuda_graphs=False, decode_attention=args.attention)
+    prompts = torch.randint(10, 1000, (args.batch, 128)).tolist()
+    engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.0))
+    engine._ensure_capacity(args.batch, args.span)
+    engine._slot_buf.fill_(args.span - 1)
+    if not args.skip_profile:
+        profile_step(engine, args.batch, args.span)
+    cfg = model.config
+    kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    shapes = {
+        "qkv": (cfg.hidden_size, cfg.hidden_size + 2 * kv, cfg.num_hidden_layers),
+        "o": (cfg.hidden_size, cfg.hidden_size, cfg.num_hidden_layers),
+        "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size, cfg.num_hidden_layers),
+        "down": (cfg.intermediate_size, cfg.hidden_size, cfg.num_hidden_layers),
+        "lm_head": (cfg.hidden_size, cfg.vocab_size, 1),
+    }
+    gemm_bench(args.batch, dtype, shapes)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    for span in sorted({256, args.span}):
+        attention_bench(args.batch, dtype, cfg.num_key_value_heads,
+                        cfg.num_attention_heads // cfg.num_key_value_heads, head_dim, span, cfg.num_hidden_layers)
+
+
+if __name__ == "__main__":
+    main()
