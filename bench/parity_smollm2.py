@@ -5,12 +5,16 @@ FastEngine (batched, left-padded, compaction as rows finish, CUDA graphs on a GP
 token-identical and the largest |log-prob - full forward| over the generated tokens.
 
     python bench/parity_smollm2.py --prompts data/gsm8k/test.parquet --count 32 --new-tokens 128
-    python bench/parity_smollm2.py --gguf /root/models/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda
+    python bench/parity_smollm2.py --gguf /root/models/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --dump rows.json
+
+Rows that differ are explained: tokens around the first difference, the unpadded forward pass's top-3 after
+each side's prefix, and our log-prob there; `--dump` writes every row (ours, per-prompt and batched HF).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -34,6 +38,7 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dump", default=None, help="write every row (ours, reference, HF batched) to this JSON")
     args = parser.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
@@ -65,17 +70,27 @@ def main() -> int:
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                   for a, b in zip(got, expected) if a != b]
 
-    # Rows that differ: how close was the reference's own choice? A gap of ~1e-5 between the top two logits at
-    # the first differing position is a near-tie that any change of GEMM kernel (batched vs single row) can flip.
+    # Rows that differ: what each side saw at the first differing position. A top-2 gap of ~1e-5 is a near-tie
+    # that any change of GEMM kernel (batched vs single row) can flip; a large gap means one side is wrong.
+    details = []
     for row, (a, b) in enumerate(zip(got, expected)):
         if a == b:
             continue
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        prefix = torch.tensor([prompts[row] + b[:at]], device=args.device)
-        with torch.no_grad():
-            top2 = model(input_ids=prefix).logits[0, -1].float().topk(2).values
-        print(f"  row {row}: first difference at response position {at}; reference top-2 logit gap there "
-              f"{(top2[0] - top2[1]).item():.2e}")
+        info = {"row": row, "at": at, "ours_len": len(a), "reference_len": len(b),
+                "ours_tokens": a[max(0, at - 4) : at + 4], "reference_tokens": b[max(0, at - 4) : at + 4],
+                "ours_logprob_at": float(batch.response_logprobs[row, at]) if at < len(a) else None}
+        for side, seq in (("reference_prefix", b), ("ours_prefix", a)):
+            prefix = torch.tensor([prompts[row] + seq[:at]], device=args.device)
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(input_ids=prefix).logits[0, -1].float(), -1)
+            top = logprobs.topk(3)
+            info[side] = {"top_ids": top.indices.tolist(), "top_logprobs": [round(v, 5) for v in top.values.tolist()]}
+        details.append(info)
+        print(f"  row {row}: first difference at {at} (lengths ours {len(a)}, reference {len(b)}); "
+              f"tokens ours {info['ours_tokens']} reference {info['reference_tokens']}; unpadded forward top-3 "
+              f"after the reference prefix {info['reference_prefix']}, after ours {info['ours_prefix']}; "
+              f"our log-prob there {info['ours_logprob_at']}")
     # The same prompts through transformers' own batched (left-padded) generate: how often HF differs from itself.
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     width = max(len(p) for p in prompts)
@@ -100,6 +115,10 @@ def main() -> int:
     print(f"device {args.device}: {same}/{len(prompts)} rows token-identical to per-prompt transformers generate "
           f"(lengths {min(lengths)}..{max(lengths)}; first differing position of others: {first_diff}); "
           f"max |logprob - forward| = {diff:.2e}; HF {hf_seconds:.1f}s, fast {fast_seconds:.1f}s")
+    if args.dump:
+        with open(args.dump, "w") as f:
+            json.dump({"ours": got, "reference": expected, "hf_batched": hf_rows, "differences": details,
+                       "prompts": prompts}, f)
     return 0 if same == len(prompts) else 1
 
 
