@@ -231,3 +231,50 @@ def test_no_fit_returns_none_and_explains_with_numbers():
     assert "nothing fits" in text and "LoRA r=16" in text and "response length 128" in text
     # 7.6B fp32 weights alone are 28 GiB: more than the whole budget
     assert "actor_weights 28.37 GiB" in text
+
+
+# ------------------------------------------------------------------------------ rollout engine's own weights
+def _engine_owned_bytes(engine) -> int:
+    total = 0
+    for layer, name in engine._owned:
+        store = engine._global if layer < 0 else engine._layers[layer]
+        total += store[name].numel() * store[name].element_size()
+    return total
+
+
+@pytest.mark.parametrize("case", ["lora", "cast", "plain"])
+def test_engine_weight_copies_match_a_real_fast_engine(case):
+    """The estimate of FastEngine's own weight copies equals what a real engine allocates (CPU, so no fusing of
+    same-dtype weights), and is added to every phase."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2ForCausalLM
+
+    from rlanywhere.rollout import FastEngine
+
+    config = tiny_qwen2_config(tied=True)
+    model = Qwen2ForCausalLM(config)
+    rollout_dtype = torch.float64 if case == "cast" else torch.float32
+    lora_rank = 4 if case == "lora" else 0
+    if case == "lora":
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=8, target_modules="all-linear",
+                                                 init_lora_weights=False))
+    engine = FastEngine(model, None, pad_token_id=0, dtype=rollout_dtype)
+    wl = workload(rollout_dtype=rollout_dtype, actor_lora_rank=lora_rank, on_cuda=False, has_critic=False,
+                  has_ref=False)
+    predicted = est.rollout_engine_weight_bytes(shape_of(config), wl, budget_bytes=None)
+    assert predicted == _engine_owned_bytes(engine)
+    assert (predicted > 0) == (case != "plain")
+    estimate = est.estimate_memory(shape_of(config), wl, Placement())
+    for parts in estimate["breakdown"].values():
+        assert parts.get("rollout_engine_weights", 0) == predicted
+    hf = est.rollout_engine_weight_bytes(shape_of(config), workload(rollout_engine="hf", rollout_dtype=rollout_dtype,
+                                                                    actor_lora_rank=lora_rank), None)
+    assert hf == 0
+
+
+def test_fused_copies_counted_only_when_small_on_cuda():
+    wl = workload(on_cuda=True)
+    fused = QWEN_05B.num_layers * 4 * (896 * (896 + 2 * 128) + 2 * 896 * 4864)
+    assert est.rollout_engine_weight_bytes(QWEN_05B, wl, budget_bytes=40 * GIB) == fused
+    assert est.rollout_engine_weight_bytes(QWEN_05B, wl, budget_bytes=10 * GIB) == 0  # over 5 % of the budget
+    assert est.rollout_engine_weight_bytes(QWEN_05B, workload(on_cuda=False), budget_bytes=40 * GIB) == 0

@@ -4,6 +4,9 @@ The trainer runs six phases per step; each has its own peak (what is resident on
 phase allocates on top):
 
     rollout        resident weights + KV cache for the generation batch + prefill/sampling transients
+
+Every phase also holds the fast rollout engine's own weight copies (it keeps them between rollouts): a cast copy
+when rollouts run in another dtype, LoRA-merged linear weights, or small fused QKV / gate-up copies.
     old_log_prob   resident + one no-grad micro-batch through the actor + chunked logits
     ref_log_prob   resident (+ the reference if it is parked on CPU) + one no-grad micro-batch
     values         resident + one no-grad micro-batch through the critic
@@ -80,6 +83,9 @@ LOGIT_CHUNK_MAX_TOKENS = 8192
 
 # Rollout.
 KV_TENSORS = 2  # keys and values
+# FastEngine keeps fused QKV and gate/up copies (same dtype, no LoRA) only when they take <= this share of the
+# memory budget; rollout/fast.py reads it from here so the engine and the estimate agree.
+FUSED_COPY_BUDGET_FRACTION = 0.05
 SAMPLING_BYTES_PER_LOGIT = 24  # last-position logits: fp32 logits, probs, sorted values (4) + indices (8), cumsum
 
 # Search.
@@ -178,6 +184,7 @@ class Workload:
     on_cuda: bool = True
     use_dynamic_bsz: bool = False
     token_budget_cap: Optional[int] = None  # ppo_max_token_len_per_gpu when use_dynamic_bsz
+    rollout_engine: str = "fast"  # "hf" owns no weight copies
 
     @property
     def seq_len(self) -> int:
@@ -275,6 +282,25 @@ def logits_chunk_bytes(shape: ModelShape, tokens: int, chunk_size: int, compute_
 
 def kv_cache_bytes(shape: ModelShape, sequences: int, seq_len: int, rollout_bytes: int) -> int:
     return KV_TENSORS * shape.num_layers * shape.kv_dim * sequences * seq_len * rollout_bytes
+
+
+def rollout_engine_weight_bytes(shape: ModelShape, workload: Workload, budget_bytes: Optional[int]) -> int:
+    """Weights FastEngine owns for the whole run, next to the actor's: a cast copy of the model when rollouts run
+    in another dtype; else LoRA-merged copies of the linear layers (counted for all seven); else fused QKV and
+    gate/up copies when they take <= FUSED_COPY_BUDGET_FRACTION of the budget (on CUDA). HFEngine owns none."""
+    if workload.rollout_engine != "fast":
+        return 0
+    rollout_bytes = _nbytes(workload.rollout_dtype)
+    if workload.rollout_dtype != workload.param_dtype:
+        return shape.num_params() * rollout_bytes
+    linear = {name: n_in * n_out for name, n_in, n_out in shape.linear_shapes()}
+    if workload.actor_lora_rank > 0:
+        return shape.num_layers * sum(linear.values()) * rollout_bytes
+    fused = shape.num_layers * rollout_bytes * sum(linear[k] for k in ("q_proj", "k_proj", "v_proj", "gate_proj",
+                                                                         "up_proj"))
+    if workload.on_cuda and (budget_bytes is None or fused <= FUSED_COPY_BUDGET_FRACTION * budget_bytes):
+        return fused
+    return 0
 
 
 def choose_logprob_chunk_size(vocab_size: int, budget_bytes: int, compute_bytes: int = 4) -> int:
@@ -380,11 +406,10 @@ def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
     scores = workload.attention_materializes_scores
     on_cuda = workload.on_cuda
     breakdown: dict[str, dict[str, int]] = {}
+    engine_weights = rollout_engine_weight_bytes(shape, workload, budget_bytes)
 
     # rollout
     parts = _resident(models, placement, "rollout", on_cuda)
-    if _nbytes(workload.rollout_dtype) != _nbytes(workload.param_dtype):
-        parts["rollout_weight_copy"] = models["actor"].weights // _nbytes(workload.param_dtype) * rollout_bytes
     batch = placement.rollout_batch
     parts["kv_cache"] = kv_cache_bytes(shape, batch, seq, rollout_bytes)
     prefill = nograd_activation_bytes(shape, batch * workload.prompt_length, workload.prompt_length,
@@ -440,6 +465,9 @@ def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
     if "critic" in models:
         breakdown["critic_update"] = update_parts("critic", cshape, placement.critic_micro_batch, False)
 
+    if engine_weights:
+        for parts in breakdown.values():
+            parts["rollout_engine_weights"] = engine_weights
     phases = {phase: int(sum(parts.values())) for phase, parts in breakdown.items()}
     peak_phase = max(phases, key=phases.get)
     actor = models["actor"]

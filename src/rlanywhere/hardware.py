@@ -951,7 +951,8 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
         actor_lora_rank=int(arr.model.lora_rank), critic_lora_rank=critic_lora,
         attention_materializes_scores=scores_materialized, on_cuda=target.is_cuda,
         use_dynamic_bsz=bool(actor.use_dynamic_bsz),
-        token_budget_cap=int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None)
+        token_budget_cap=int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
+        rollout_engine=plan.rollout_engine)
 
     fixed: dict[str, Any] = {
         "gradient_checkpointing": _auto(arr.model.enable_gradient_checkpointing),

@@ -61,7 +61,9 @@ def make_engine(
         logger.warning("rollout engine: hf (FastEngine does not support this model: %s)", reason)
         return HFEngine(model, tokenizer)
     logger.info("rollout engine: fast")
-    return FastEngine(model, tokenizer, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    budget = getattr(plan, "memory_budget_bytes", None) if plan is not None else None
+    return FastEngine(model, tokenizer, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                      memory_budget_bytes=budget)
 
 
 __all__ = ["make_engine", "RolloutBatch", "RolloutEngine", "SamplingParams", "FastEngine", "HFEngine"]

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..estimator import FUSED_COPY_BUDGET_FRACTION
 from ..lora import unwrap_peft
 from .base import (
     RolloutBatch,
@@ -201,9 +202,11 @@ class FastEngine(RolloutEngine):
         use_cuda_graphs: default True on CUDA.
         fuse_weights: keep fused QKV and gate/up weights (an extra copy of the layer weights when the dtype
             matches; free when a cast copy exists anyway). Default: when a cast copy is needed, or on CUDA when
-            the copy takes <= 5% of the card's memory.
+            the copy takes <= 5% of `memory_budget_bytes`.
         transpose_gate_up: store the fused gate/up weight as [hidden, 2 x intermediate] (an "NN" GEMM, faster
             for 64-256 decode rows on an H200; measured in docs/rollout.md).
+        memory_budget_bytes: the device memory the run plans for (the plan's budget, e.g. an emulated P40's);
+            default: the card's total memory.
         decode_attention: "sdpa", "matmul" (batched GEMMs, softmax in fp32) or "auto" (default: matmul in fp32,
             sdpa in half precision).
         check_every: decode steps between host checks for finished rows (and stop strings).
@@ -230,6 +233,7 @@ class FastEngine(RolloutEngine):
         prefill_tokens_per_chunk: int = 16384,
         match_hf_numerics: bool = True,
         transpose_gate_up: bool = True,
+        memory_budget_bytes: int | None = None,
     ):
         ok, reason = self.supports(model)
         if not ok:
@@ -272,6 +276,7 @@ class FastEngine(RolloutEngine):
         self.use_cuda_graphs = (self.device.type == "cuda") if use_cuda_graphs is None else bool(use_cuda_graphs)
         if self.use_cuda_graphs and self.device.type != "cuda":
             raise ValueError("use_cuda_graphs=True needs the model on a CUDA device")
+        self.memory_budget_bytes = memory_budget_bytes
         self.fuse_weights = self._default_fuse(q_weight.dtype) if fuse_weights is None else bool(fuse_weights)
         # fp32: batched GEMMs beat the fused attention kernels for a decode step's few queries (2x on an H200);
         # half precision: SDPA keeps the scores in fp32 inside the kernel, where a bf16 GEMM would round them
@@ -300,7 +305,7 @@ class FastEngine(RolloutEngine):
 
     def _default_fuse(self, weight_dtype: torch.dtype) -> bool:
         """Fuse QKV and gate/up when a cast copy exists anyway, or on CUDA when the copy is small (<= 5% of the
-        card's memory): fewer, larger GEMMs per layer (~10% faster decode steps on an H200)."""
+        memory budget; the estimator counts it the same way): fewer, larger GEMMs (~10% faster decode steps)."""
         if weight_dtype != self.dtype:
             return True
         if self.device.type != "cuda":
@@ -311,8 +316,8 @@ class FastEngine(RolloutEngine):
         per_layer = d.hidden * ((d.heads + 2 * d.kv_heads) * d.head_dim + 2 * inter_size)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         copy_bytes = d.layers * per_layer * itemsize
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return copy_bytes <= 0.05 * total
+        budget = self.memory_budget_bytes or torch.cuda.get_device_properties(self.device).total_memory
+        return copy_bytes <= FUSED_COPY_BUDGET_FRACTION * budget
 
     # ------------------------------------------------------------------------------------------------------------
     # Support check
