@@ -4,14 +4,14 @@ The trainer runs six phases per step; each has its own peak (what is resident on
 phase allocates on top):
 
     rollout        resident weights + KV cache for the generation batch + prefill/sampling transients
-
-Every phase also holds the fast rollout engine's own weight copies (it keeps them between rollouts): a cast copy
-when rollouts run in another dtype, LoRA-merged linear weights, or small fused QKV / gate-up copies.
     old_log_prob   resident + one no-grad micro-batch through the actor + chunked logits
     ref_log_prob   resident (+ the reference if it is parked on CPU) + one no-grad micro-batch
     values         resident + one no-grad micro-batch through the critic
     actor_update   resident + grads + activations of one micro-batch (with or without checkpointing) + logits chunks
     critic_update  resident + grads + activations of one critic micro-batch
+
+Every phase also holds the fast rollout engine's own weight copies (it keeps them between rollouts): a cast copy
+when rollouts run in another dtype, LoRA-merged linear weights, or small fused QKV / gate-up copies.
 
 `estimate_memory` gives those numbers with a component breakdown; `fit_settings` searches gradient
 checkpointing, reference placement, offload and micro-batch sizes for the cheapest setting that fits a budget;
