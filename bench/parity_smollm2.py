@@ -22,6 +22,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from rollout import forward_logprobs  # noqa: E402  (bench/rollout.py)
 
 
 def main() -> int:
@@ -105,11 +108,7 @@ def main() -> int:
     print(f"transformers batched generate (left-padded, same device/dtype): {hf_same}/{len(prompts)} rows identical "
           "to its own per-prompt generate")
 
-    ids, mask, pos = batch.sequences()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
-    width = batch.prompt_ids.shape[1]
-    ref = torch.log_softmax(logits[:, width - 1:-1], -1).gather(-1, batch.response_ids[..., None])[..., 0]
+    ref = forward_logprobs(model, batch)
     diff = ((ref - batch.response_logprobs) * batch.response_mask).abs().max().item()
     lengths = [len(r) for r in expected]
     print(f"device {args.device}: {same}/{len(prompts)} rows token-identical to per-prompt transformers generate "

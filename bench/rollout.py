@@ -147,6 +147,16 @@ def parse_variants(text: str) -> list[dict]:
     return variants or [{}]
 
 
+def forward_logprobs(model, batch) -> torch.Tensor:
+    """Log-probs [N, R] of a RolloutBatch's response tokens under one full transformers forward pass (fp32
+    log-softmax of the model's own logits): the reference the engines' returned log-probs are checked against."""
+    ids, mask, pos = batch.sequences()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+    width = batch.prompt_ids.shape[1]
+    return torch.log_softmax(logits[:, width - 1 : -1], -1).gather(-1, batch.response_ids[..., None])[..., 0]
+
+
 def correctness_check(device: str, variants: list[dict]) -> None:
     """Greedy FastEngine (CUDA graphs, compaction, EOS) against per-row transformers generate, fp32 and bf16."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -185,11 +195,7 @@ def correctness_check(device: str, variants: list[dict]) -> None:
     engines += [(f"FastEngine {variant_label(kw)}", FastEngine(model, None, pad_token_id=0, **kw)) for kw in variants]
     for label, eng in engines:
         out = eng.generate(prompts, sample, generator=torch.Generator(device=device).manual_seed(0))
-        ids, mask, pos = out.sequences()
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
-        width = out.prompt_ids.shape[1]
-        ref = torch.log_softmax(logits[:, width - 1 : -1], -1).gather(-1, out.response_ids[..., None])[..., 0]
+        ref = forward_logprobs(model, out)
         delta = (ref - out.response_logprobs)[out.response_mask.bool()].abs()
         print(f"check bf16 {label:<40} |logprob - HF forward|: mean {delta.mean():.2e}  max {delta.max():.2e}")
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -210,11 +216,7 @@ def check_fp32(model, prompts, expected, eos, device, steps, kw) -> None:
     batch = engine.generate(prompts, params)
     same = sum(a == b for a, b in zip(got(batch), expected))
     lengths = [len(r) for r in expected]
-    ids, mask, pos = batch.sequences()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
-    width = batch.prompt_ids.shape[1]
-    ref = torch.log_softmax(logits[:, width - 1 : -1], -1).gather(-1, batch.response_ids[..., None])[..., 0]
+    ref = forward_logprobs(model, batch)
     diff = ((ref - batch.response_logprobs) * batch.response_mask).abs().max().item()
     print(f"check fp32 cuda-graphs [{variant_label(kw)}]: {same}/{len(prompts)} rows token-identical to transformers generate "
           f"(EOS={eos}, lengths {min(lengths)}..{max(lengths)}); max |logprob - forward| = {diff:.2e}")
