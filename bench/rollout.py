@@ -135,9 +135,13 @@ def step_breakdown(engine, params, device: str, batch: int, span: int) -> str:
 
 
 def parse_variants(text: str) -> list[dict]:
+    """'a=1,b=x;c=0' -> [{'a': True, 'b': 'x'}, {'c': False}]; 'default' is the engine with no kwargs."""
     variants = []
     for chunk in filter(None, (c.strip() for c in text.split(";"))):
         kw = {}
+        if chunk == "default":
+            variants.append(kw)
+            continue
         for item in filter(None, (i.strip() for i in chunk.split(","))):
             key, value = item.split("=")
             kw[key] = {"1": True, "0": False, "true": True, "false": False}.get(value.lower(), value)
@@ -147,14 +151,26 @@ def parse_variants(text: str) -> list[dict]:
     return variants or [{}]
 
 
-def forward_logprobs(model, batch) -> torch.Tensor:
+def forward_logprobs(model, batch, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs [N, R] of a RolloutBatch's response tokens under one full transformers forward pass (fp32
-    log-softmax of the model's own logits): the reference the engines' returned log-probs are checked against."""
+    log-softmax of the model's own logits / temperature, the sampling distribution): the reference the engines'
+    returned log-probs are checked against."""
     ids, mask, pos = batch.sequences()
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
     width = batch.prompt_ids.shape[1]
-    return torch.log_softmax(logits[:, width - 1 : -1], -1).gather(-1, batch.response_ids[..., None])[..., 0]
+    return torch.log_softmax(logits[:, width - 1 : -1] / temperature, -1).gather(-1, batch.response_ids[..., None])[..., 0]
+
+
+def trainer_logprobs(model, batch, temperature: float = 1.0) -> torch.Tensor:
+    """The same log-probs as the trainer computes them (rlanywhere.logprobs: transformers' decoder, then the LM
+    head with fp32 output): the other side of a PPO ratio."""
+    from rlanywhere.logprobs import response_logprobs
+
+    ids, mask, pos = batch.sequences()
+    with torch.no_grad():
+        return response_logprobs(model, ids, mask, batch.response_ids.shape[1], temperature=temperature,
+                                 position_ids=pos)[0]
 
 
 def correctness_check(device: str, variants: list[dict]) -> None:
@@ -187,17 +203,18 @@ def correctness_check(device: str, variants: list[dict]) -> None:
     model.generation_config.eos_token_id = eos
     for kw in variants:
         check_fp32(model, prompts, expected, eos, device, steps, kw)
-    # bf16: how far each engine's sampling log-probs are from a bf16 transformers forward over the same tokens
-    # (the training-side numbers a PPO ratio is computed against)
+    # bf16: how far each engine's sampling log-probs are from the trainer's (the numbers a PPO ratio is computed
+    # against: bf16 decoder, fp32-output LM head) and from a plain bf16 transformers forward over the same tokens
     model.to(torch.bfloat16)
     sample = SamplingParams(max_new_tokens=steps, temperature=1.0)
     engines = [("HFEngine", HFEngine(model, None, pad_token_id=0))]
     engines += [(f"FastEngine {variant_label(kw)}", FastEngine(model, None, pad_token_id=0, **kw)) for kw in variants]
     for label, eng in engines:
         out = eng.generate(prompts, sample, generator=torch.Generator(device=device).manual_seed(0))
-        ref = forward_logprobs(model, out)
-        delta = (ref - out.response_logprobs)[out.response_mask.bool()].abs()
-        print(f"check bf16 {label:<40} |logprob - HF forward|: mean {delta.mean():.2e}  max {delta.max():.2e}")
+        mask = out.response_mask.bool()
+        for name, ref in (("trainer", trainer_logprobs(model, out)), ("HF forward", forward_logprobs(model, out))):
+            delta = (ref - out.response_logprobs)[mask].abs()
+            print(f"check bf16 {label:<40} |logprob - {name}|: mean {delta.mean():.2e}  max {delta.max():.2e}")
     torch.backends.cuda.matmul.allow_tf32 = True
 
 

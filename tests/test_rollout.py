@@ -21,6 +21,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from rlanywhere.logprobs import response_logprobs
 from rlanywhere.rollout import FastEngine, HFEngine, SamplingParams, make_engine
 from rlanywhere.rollout.base import RolloutBatch
 
@@ -366,21 +367,36 @@ def test_decode_attention_auto_and_gate_up_layout():
         FastEngine(model, None, decode_attention="flash")
 
 
-def test_bf16_logprobs_round_like_transformers():
-    """In bf16 the default engine reproduces a transformers bf16 forward pass (the training side of a PPO ratio);
-    the fused-numerics mode is measurably further off, so this comparison can tell them apart."""
+def test_bf16_logprobs_match_the_trainer():
+    """In bf16 the default engine reproduces the trainer's log-probs (transformers' bf16 decoder, LM head with fp32
+    output: rlanywhere.logprobs), the other side of a PPO ratio; with fp32_logits=False it reproduces a plain
+    transformers bf16 forward (logits rounded to bf16) instead. Fused numerics are measurably further off, so
+    these comparisons can tell the modes apart."""
     model = tiny_model("qwen2").to(torch.bfloat16)
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
-    gaps = {}
-    for match_hf in (True, False):
-        engine = FastEngine(model, None, pad_token_id=PAD, match_hf_numerics=match_hf)
-        batch = engine.generate(PROMPTS * 4, params, generator=torch.Generator().manual_seed(0))
+
+    def trainer_logprobs(batch):
+        ids, mask, pos = batch.sequences()
+        with torch.no_grad():
+            return response_logprobs(model, ids, mask, batch.response_ids.shape[1], position_ids=pos)[0]
+
+    def hf_forward_logprobs(batch):
         width = batch.prompt_ids.shape[1]
         logits = forward_logits(model, batch).float()[:, width - 1 : -1]
-        ref = torch.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None])[..., 0]
-        gaps[match_hf] = (ref - batch.response_logprobs)[batch.response_mask.bool()].abs()
-    assert gaps[True].max() < 1e-5
-    assert gaps[False].mean() > 1e-3
+        return torch.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None])[..., 0]
+
+    gaps = {}
+    for label, kwargs, reference in (("default", {}, trainer_logprobs),
+                                     ("bf16 logits", {"fp32_logits": False}, hf_forward_logprobs),
+                                     ("default vs bf16 forward", {}, hf_forward_logprobs),
+                                     ("fused", {"match_hf_numerics": False}, trainer_logprobs)):
+        engine = FastEngine(model, None, pad_token_id=PAD, **kwargs)
+        batch = engine.generate(PROMPTS * 4, params, generator=torch.Generator().manual_seed(0))
+        gaps[label] = (reference(batch) - batch.response_logprobs)[batch.response_mask.bool()].abs()
+    assert gaps["default"].max() < 1e-5
+    assert gaps["bf16 logits"].max() < 1e-5
+    assert gaps["default vs bf16 forward"].mean() > 1e-4  # the bf16 rounding of the logits the default avoids
+    assert gaps["fused"].mean() > 1e-3
 
 
 def test_make_engine_and_supports(caplog):

@@ -433,7 +433,8 @@ def _shape_from_hf_dict(config: dict, name: str) -> ModelShape:
         model_type=model_type, max_position_embeddings=config.get("max_position_embeddings"))
 
 
-def _gguf_value(field_: Any) -> Any:
+def gguf_value(field_: Any) -> Any:
+    """The value of one GGUF metadata field (a scalar or string), for old and new `gguf` releases."""
     if hasattr(field_, "contents"):
         return field_.contents()
     part = field_.parts[field_.data[0]]  # older gguf: scalar value stored in one part
@@ -451,7 +452,7 @@ def _shape_from_gguf(path: Path) -> ModelShape:
 
     def get(key: str, default: Any = None) -> Any:
         field_ = reader.fields.get(key)
-        return _gguf_value(field_) if field_ is not None else default
+        return gguf_value(field_) if field_ is not None else default
 
     arch = get("general.architecture")
     if arch is None:

@@ -128,11 +128,38 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     source.require_gguf()
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
+    if source.gguf_file:
+        align_eos_with_gguf(tokenizer, os.path.join(source.path, source.gguf_file))
     if tokenizer.pad_token_id is None:
         # Padding is always masked out; any real token id works, and EOS is always present.
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def align_eos_with_gguf(tokenizer, gguf_path: str) -> None:
+    """Make the tokenizer's EOS the one the GGUF file names (`tokenizer.ggml.eos_token_id`).
+
+    Some transformers releases (5.17 among them) build SmolLM2's GGUF tokenizer with eos_token <|im_start|>
+    although the file says <|im_end|>: responses would then not end where the chat template ends a turn."""
+    from gguf import GGUFReader
+
+    from .hardware import gguf_value
+
+    field = GGUFReader(gguf_path).fields.get("tokenizer.ggml.eos_token_id")
+    if field is None:
+        return
+    eos_id = int(gguf_value(field))
+    if eos_id == tokenizer.eos_token_id:
+        return
+    if not 0 <= eos_id < len(tokenizer):
+        log.warning("%s names EOS id %d, outside the tokenizer's %d tokens: keeping eos_token %r",
+                    os.path.basename(gguf_path), eos_id, len(tokenizer), tokenizer.eos_token)
+        return
+    eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+    log.info("tokenizer eos_token %r -> %r (id %d), as %s says", tokenizer.eos_token, eos_token, eos_id,
+             os.path.basename(gguf_path))
+    tokenizer.eos_token = eos_token
 
 
 def load_causal_lm(source: ModelSource, plan, trust_remote_code: bool = False, override_config: Optional[dict] = None):

@@ -171,6 +171,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mat
     return torch.addcmul(x * cos, rolled, sin_signed)
 
 
+def half_gemm_has_fp32_output(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch.mm(..., out_dtype=torch.float32)` runs for `dtype` inputs on `device` (CUDA, torch >= 2.8)."""
+    if device.type != "cuda" or dtype == torch.float32:
+        return False
+    try:
+        probe = torch.ones(2, 8, dtype=dtype, device=device)
+        return torch.mm(probe, probe.t(), out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor, out_dtype_gemm: bool) -> torch.Tensor:
+    """Logits [rows, vocab] in fp32 from hidden states [rows, hidden] of any dtype: fp32 accumulation *and* fp32
+    output, as the trainer's log-probs are computed (logprobs.py). Rounding half-precision logits (~20 in size,
+    steps of 0.125 in bf16) alone moves log-probs by a few 1e-2 between two otherwise equal passes.
+    out_dtype_gemm: half inputs, fp32 output in one GEMM (CUDA); else the inputs are upcast."""
+    if weight.dtype == torch.float32:
+        return F.linear(hidden.float(), weight)
+    if out_dtype_gemm:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden.float(), weight.float())
+
+
 @dataclass
 class _Dims:
     layers: int
@@ -213,9 +236,12 @@ class FastEngine(RolloutEngine):
         pad_token_id: default: the tokenizer's pad id, else the first EOS id.
         prefill_tokens_per_chunk: padded prompt tokens per prefill forward (bounds prefill memory).
         match_hf_numerics: round like transformers inside RMSNorm, RoPE and residual adds (default). In bf16 this
-            keeps the sampling log-probs within ~1e-4 of a transformers forward pass, the numbers a PPO ratio is
-            computed against; False fuses those ops (~12% faster decode steps on an H200, but a 10-100x larger
+            keeps the sampling log-probs within ~1e-4 (mean, random-weight model) of the trainer's, the numbers a
+            PPO ratio is computed against; False fuses those ops (~12% faster decode steps on an H200, but a 10-100x larger
             rollout/training log-prob mismatch in bf16; identical in fp32 up to rounding).
+        fp32_logits: compute the LM head with fp32 output in half precision (default), as the trainer computes
+            its log-probs; False rounds the logits to the model dtype as transformers' forward does. On CUDA it
+            needs torch >= 2.8 (`torch.mm(..., out_dtype=)`); older versions keep half-precision logits.
     """
 
     def __init__(
@@ -234,6 +260,7 @@ class FastEngine(RolloutEngine):
         match_hf_numerics: bool = True,
         transpose_gate_up: bool = True,
         memory_budget_bytes: int | None = None,
+        fp32_logits: bool = True,
     ):
         ok, reason = self.supports(model)
         if not ok:
@@ -284,6 +311,10 @@ class FastEngine(RolloutEngine):
             "matmul" if self.dtype == torch.float32 else "sdpa")
         # fp32 rounds the same either way (up to an ulp), so only half precision pays for transformers' rounding
         self._round_like_hf = self.match_hf_numerics and self.dtype != torch.float32
+        self._out_dtype_gemm = bool(fp32_logits) and half_gemm_has_fp32_output(self.device, self.dtype)
+        # Without a half-in/fp32-out GEMM (CUDA with torch < 2.8) fp32 logits would need an fp32 copy of the LM
+        # head weight every step: keep half-precision logits there.
+        self.fp32_logits = bool(fp32_logits) and (self._out_dtype_gemm or self.device.type != "cuda")
         self.eos_ids = collect_eos_ids(tokenizer, self.hf_model)
         self.pad_token_id = resolve_pad_token_id(pad_token_id, tokenizer, self.eos_ids)
         self.max_batch_size = max_batch_size
@@ -624,7 +655,12 @@ class FastEngine(RolloutEngine):
             a = a.transpose(1, 2).reshape(n_prompts, width, d.heads * d.head_dim)
             h = residual_linear(h, a, w["o"], w.get("o_b"), hf)
             h = self._mlp_residual(h, rms_norm(h, w["ln2"], d.eps, hf), w)
-        last = rms_norm(h[:, -1], self._global["norm"], d.eps, hf)
+        return self._logits(rms_norm(h[:, -1], self._global["norm"], d.eps, hf))
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of the final normed hidden states [rows, hidden]."""
+        if self.fp32_logits:
+            return fp32_logits(last, self._global["head"], self._out_dtype_gemm)
         return F.linear(last, self._global["head"]).float()
 
     def _decode_forward(self, batch: int, span: int) -> None:
@@ -666,8 +702,7 @@ class FastEngine(RolloutEngine):
                 a = torch.bmm(scores.softmax(dim=-1, dtype=torch.float32).to(self.dtype), values)
             h = residual_linear(h, a.reshape(batch, 1, d.heads * d.head_dim), w["o"], w.get("o_b"), hf)
             h = self._mlp_residual(h, rms_norm(h, w["ln2"], d.eps, hf), w)
-        last = rms_norm(h[:, 0], self._global["norm"], d.eps, hf)
-        self._logits_buf[:batch].copy_(F.linear(last, self._global["head"]))
+        self._logits_buf[:batch].copy_(self._logits(rms_norm(h[:, 0], self._global["norm"], d.eps, hf)))
 
     def _decode_step(self, batch: int, span: int) -> torch.Tensor:
         if not self.use_cuda_graphs:
