@@ -31,16 +31,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rollout import forward_logprobs, parse_variants, trainer_logprobs, variant_label  # noqa: E402  (bench/rollout.py)
+from rollout import (forward_logprobs, parse_variants, response_rows, trainer_logprobs,  # noqa: E402  (bench/rollout.py)
+                     variant_label)
 
 
 def top3(logits: torch.Tensor) -> dict:
     top = torch.log_softmax(logits.float(), -1).topk(3)
     return {"ids": top.indices.tolist(), "logprobs": [round(v, 5) for v in top.values.tolist()]}
-
-
-def response_rows(batch) -> list[list[int]]:
-    return [r[: int(m.sum())].tolist() for r, m in zip(batch.response_ids.cpu(), batch.response_mask.cpu())]
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -53,6 +50,8 @@ def explain(model, engine, prompts, batch, got, expected, device, params) -> lis
     The shared prefix is the same on both sides, so (a) and (b) below are the same question asked with and without
     the batch's left padding. A top-2 gap of ~1e-5 is a near-tie that any GEMM kernel change can flip; a large
     gap with (a) != (b) means padding changes the model's answer."""
+    if got == expected:
+        return []
     ids, mask, pos = batch.sequences()
     width = batch.prompt_ids.shape[1]
     with torch.no_grad():

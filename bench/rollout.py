@@ -151,6 +151,11 @@ def parse_variants(text: str) -> list[dict]:
     return variants or [{}]
 
 
+def response_rows(batch) -> list[list[int]]:
+    """Each row's response tokens (up to its mask) as a plain list."""
+    return [r[: int(m.sum())].tolist() for r, m in zip(batch.response_ids.cpu(), batch.response_mask.cpu())]
+
+
 def forward_logprobs(model, batch, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs [N, R] of a RolloutBatch's response tokens under one full transformers forward pass (fp32
     log-softmax of the model's own logits / temperature, the sampling distribution): the reference the engines'
@@ -225,13 +230,10 @@ def variant_label(kw: dict) -> str:
 def check_fp32(model, prompts, expected, eos, device, steps, kw) -> None:
     """Greedy fp32 FastEngine (variant kw) against transformers: tokens and log-probs."""
 
-    def got(batch):
-        return [r[: int(m.sum())].tolist() for r, m in zip(batch.response_ids, batch.response_mask)]
-
     engine = FastEngine(model, None, pad_token_id=0, check_every=4, **kw)
     params = SamplingParams(max_new_tokens=steps, temperature=0)
     batch = engine.generate(prompts, params)
-    same = sum(a == b for a, b in zip(got(batch), expected))
+    same = sum(a == b for a, b in zip(response_rows(batch), expected))
     lengths = [len(r) for r in expected]
     ref = forward_logprobs(model, batch)
     diff = ((ref - batch.response_logprobs) * batch.response_mask).abs().max().item()

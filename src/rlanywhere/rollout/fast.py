@@ -237,8 +237,8 @@ class FastEngine(RolloutEngine):
         prefill_tokens_per_chunk: padded prompt tokens per prefill forward (bounds prefill memory).
         match_hf_numerics: round like transformers inside RMSNorm, RoPE and residual adds (default). In bf16 this
             keeps the sampling log-probs within ~1e-4 (mean, random-weight model) of the trainer's, the numbers a
-            PPO ratio is computed against; False fuses those ops (~12% faster decode steps on an H200, but a 10-100x larger
-            rollout/training log-prob mismatch in bf16; identical in fp32 up to rounding).
+            PPO ratio is computed against; False fuses those ops (~12% faster decode steps on an H200, but a
+            10-100x larger rollout/training log-prob mismatch in bf16; identical in fp32 up to rounding).
         fp32_logits: compute the LM head with fp32 output in half precision (default), as the trainer computes
             its log-probs; False rounds the logits to the model dtype as transformers' forward does. On CUDA it
             needs torch >= 2.8 (`torch.mm(..., out_dtype=)`); older versions keep half-precision logits.
