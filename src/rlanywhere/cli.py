@@ -260,11 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    from .config import ConfigError
+    from .errors import UserError
 
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, ImportError) as exc:
+    except (UserError, FileNotFoundError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -37,6 +37,8 @@ import torch
 
 from rlanywhere import estimator as est
 
+from .errors import UserError
+
 log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------ dtype and attention names
@@ -524,7 +526,7 @@ def _shape_from_hub(repo_id: str) -> ModelShape:
 
 
 # ------------------------------------------------------------------------------------------------ plan
-class PlanError(RuntimeError):
+class PlanError(UserError, RuntimeError):
     """An impossible request, found before anything loads. The message names the problem and the fix."""
 
 
