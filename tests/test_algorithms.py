@@ -325,17 +325,47 @@ def test_aggregate_loss_modes():
     close(A.aggregate_loss(LOSS, LOSS_MASK, "token-mean"), 7 / 3)
     close(A.aggregate_loss(LOSS, LOSS_MASK, "seq-mean-token-mean"), (1.5 + 4) / 2)
     close(A.aggregate_loss(LOSS, LOSS_MASK, "seq-mean-token-sum"), (3 + 4) / 2)
-    close(A.aggregate_loss(LOSS, LOSS_MASK, "seq-mean-token-sum-norm"), 7 / 4)
+    # Dr. GRPO / verl >= #5417: mean over the 2 sequences of (token sum / T), T = width 4 -> (3/4 + 4/4) / 2
+    close(A.aggregate_loss(LOSS, LOSS_MASK, "seq-mean-token-sum-norm"), 7 / 8)
+    # T is the run's configured response length, not the tensor's width
+    scale = A.LossScale.of(LOSS_MASK, norm_length=10)
+    close(A.aggregate_loss(LOSS, LOSS_MASK, "seq-mean-token-sum-norm", scale), (3 / 10 + 4 / 10) / 2)
     with pytest.raises(ValueError, match="token-mean"):
         A.aggregate_loss(LOSS, LOSS_MASK, "mean")
 
 
-def test_aggregate_loss_normalizer_sums_over_micro_batches():
-    full_tokens = float(LOSS_MASK.sum())
-    parts = [A.aggregate_loss(LOSS[i : i + 1], LOSS_MASK[i : i + 1], "token-mean", normalizer=full_tokens) for i in range(3)]
-    close(sum(parts), A.aggregate_loss(LOSS, LOSS_MASK, "token-mean"))
-    parts = [A.aggregate_loss(LOSS[i : i + 1], LOSS_MASK[i : i + 1], "seq-mean-token-mean", normalizer=2) for i in range(3)]
-    close(sum(parts), 2.75)
+def test_seq_mean_token_sum_norm_is_a_mean_over_sequences():
+    # issue 19's case: B = 2 one-token rows, T = 1; the sum over all tokens / T (the old formula) is N = 2 times
+    # too large: -0.5836 instead of verl's -0.2918.
+    loss = torch.tensor([[-0.3], [-0.2836]])
+    mask = torch.ones(2, 1)
+    close(A.aggregate_loss(loss, mask, "seq-mean-token-sum-norm"), -0.2918)
+    # rows of different lengths, T = 3: row sums 0.6 and -0.9 -> (0.6/3 - 0.9/3) / 2 = -0.05
+    loss = torch.tensor([[0.1, 0.2, 0.3], [-0.9, 7.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    close(A.aggregate_loss(loss, mask, "seq-mean-token-sum-norm"), -0.05)
+
+
+def test_loss_scale_counts_tokens_sequences_and_merges():
+    scale = A.LossScale.of(LOSS_MASK)
+    assert (scale.tokens, scale.sequences, scale.norm_length) == (3.0, 2.0, 4.0)
+    merged = A.LossScale.of(LOSS_MASK[:1]).merged(A.LossScale.of(LOSS_MASK[1:]))
+    assert merged == scale
+    with pytest.raises(ValueError, match="norm_length"):
+        scale.merged(A.LossScale.of(LOSS_MASK, norm_length=9))
+
+
+@pytest.mark.parametrize("mode", A.LOSS_AGG_MODES)
+def test_aggregate_loss_with_the_mini_batch_scale_sums_over_any_split(mode):
+    scale = A.LossScale.of(LOSS_MASK)
+    whole = A.aggregate_loss(LOSS, LOSS_MASK, mode)
+    for split in ([0, 1, 2], [0, 2], [1]):  # row slices: singles, pairs, all
+        parts, start = [], 0
+        for end in split + [3]:
+            if end > start:
+                parts.append(A.aggregate_loss(LOSS[start:end], LOSS_MASK[start:end], mode, scale))
+            start = end
+        close(sum(parts), whole)
 
 
 # ---------------------------------------------------------------- PPO policy loss

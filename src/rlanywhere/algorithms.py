@@ -18,6 +18,7 @@ Metric dicts hold plain Python floats so they can go straight to logging.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -520,40 +521,73 @@ def apply_kl_in_reward(
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
+@dataclass(frozen=True)
+class LossScale:
+    """The denominators of a loss over a whole mini-batch, fixed before it is split into micro-batches.
+
+    With these, each micro-batch's ``aggregate_loss`` is its exact share of the mini-batch loss, so summing the
+    micro-batch losses (gradient accumulation) gives the same value and gradient however the mini-batch is split
+    (micro-batch size, token budget, OOM halving) — verl's global batch info, TRL's ``num_items_in_batch``.
+
+    * ``tokens``: real (mask = 1) tokens in the mini-batch;
+    * ``sequences``: rows with at least one real token;
+    * ``norm_length``: the constant ``T`` of ``seq-mean-token-sum-norm`` — the configured response length, one
+      number for the whole run (not the width of whichever micro-batch was trimmed to its longest row).
+
+    Under data parallelism the counts are the sums over all ranks (see ``merged``).
+    """
+
+    tokens: float
+    sequences: float
+    norm_length: float
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, norm_length: float | None = None) -> "LossScale":
+        """The scale of the rows in ``mask`` alone; ``norm_length`` defaults to the mask's width."""
+        _check_token_tensors(mask)
+        per_row = mask.to(torch.float64).sum(dim=-1)
+        width = mask.shape[-1] if norm_length is None else norm_length
+        return cls(tokens=float(per_row.sum()), sequences=float((per_row > 0).sum()), norm_length=float(width))
+
+    def merged(self, other: "LossScale") -> "LossScale":
+        """Counts of two disjoint sets of rows (e.g. two ranks' shares); ``norm_length`` must agree."""
+        if other.norm_length != self.norm_length:
+            raise ValueError(f"norm_length differs: {self.norm_length} vs {other.norm_length}")
+        return LossScale(self.tokens + other.tokens, self.sequences + other.sequences, self.norm_length)
+
+
 def aggregate_loss(
-    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", normalizer: float | None = None
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", scale: LossScale | None = None
 ) -> torch.Tensor:
-    """Reduce a ``[batch, T]`` per-token loss to a scalar (verl's ``agg_loss``).
+    """Reduce a ``[batch, T]`` per-token loss to a scalar (verl's ``agg_loss``; semantics of verl >= PR #5417).
 
-    * ``token-mean``: sum over real tokens / number of real tokens.
-    * ``seq-mean-token-mean``: mean over sequences of each sequence's token mean.
-    * ``seq-mean-token-sum``: mean over sequences of each sequence's token sum.
-    * ``seq-mean-token-sum-norm``: sum of sequence token sums / ``T`` (Dr.GRPO's constant normaliser).
+    With ``N`` non-empty sequences, ``n_i`` real tokens in row ``i``, ``s_i`` = row ``i``'s token sum:
 
-    Sequences with no real token are left out of the sequence means. ``normalizer`` overrides the denominator
-    (tokens for token-mean, sequences for the seq-mean modes, ``T`` for -norm): pass the whole mini-batch's
-    count when accumulating gradients over micro-batches so that the sum of micro-batch losses equals the
-    mini-batch loss.
+    * ``token-mean``: ``sum_i s_i / sum_i n_i`` (every token weighs the same; DAPO's token-level loss);
+    * ``seq-mean-token-mean``: ``mean_i (s_i / n_i)`` (GRPO paper);
+    * ``seq-mean-token-sum``: ``mean_i s_i``;
+    * ``seq-mean-token-sum-norm``: ``mean_i (s_i / T)`` with a constant ``T`` (Dr. GRPO's ``MAX_TOKENS``).
+
+    Rows with no real token are left out. ``scale`` supplies the denominators (tokens, ``N``, ``T``) of the whole
+    mini-batch this slice belongs to: then the slices' losses sum to the mini-batch loss. Without it they are
+    those of ``mask`` itself (``T`` = the mask's width).
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {list(LOSS_AGG_MODES)} (actor.loss_agg_mode)")
     _check_token_tensors(mask, loss_mat=loss_mat)
+    if scale is None:
+        scale = LossScale.of(mask)
     mask_f = _as_float_mask(mask, loss_mat)
     seq_sums = (loss_mat * mask_f).sum(dim=-1)
     if mode == "token-mean":
-        denominator = mask_f.sum() if normalizer is None else normalizer
-        return seq_sums.sum() / max(float(denominator), _MASK_SUM_FLOOR)
+        return seq_sums.sum() / max(scale.tokens, _MASK_SUM_FLOOR)
+    sequences = max(scale.sequences, _MASK_SUM_FLOOR)
     if mode == "seq-mean-token-sum-norm":
-        denominator = mask_f.shape[-1] if normalizer is None else normalizer
-        return seq_sums.sum() / denominator
-    seq_tokens = mask_f.sum(dim=-1)
-    nonempty = (seq_tokens > 0).to(loss_mat.dtype)
-    if mode == "seq-mean-token-mean":
-        per_seq = seq_sums / seq_tokens.clamp(min=_MASK_SUM_FLOOR)
-    else:
-        per_seq = seq_sums
-    denominator = nonempty.sum() if normalizer is None else normalizer
-    return (per_seq * nonempty).sum() / max(float(denominator), _MASK_SUM_FLOOR)
+        return seq_sums.sum() / scale.norm_length / sequences
+    if mode == "seq-mean-token-sum":
+        return seq_sums.sum() / sequences
+    seq_tokens = mask_f.sum(dim=-1)  # seq-mean-token-mean: empty rows have s_i = 0 and stay out
+    return (seq_sums / seq_tokens.clamp(min=_MASK_SUM_FLOOR)).sum() / sequences
 
 
 def ppo_policy_loss(
@@ -565,7 +599,7 @@ def ppo_policy_loss(
     clip_ratio_high: float | None = None,
     clip_ratio_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
-    normalizer: float | None = None,
+    scale: LossScale | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate loss with dual clip (verl's vanilla ``compute_policy_loss``).
 
@@ -604,7 +638,7 @@ def ppo_policy_loss(
         pg_losses = clipped_loss
         clipfrac_lower = torch.zeros((), dtype=mask_f.dtype)
 
-    pg_loss = aggregate_loss(pg_losses, mask_f, loss_agg_mode, normalizer)
+    pg_loss = aggregate_loss(pg_losses, mask_f, loss_agg_mode, scale)
     with torch.no_grad():
         approx_kl = masked_mean(-log_ratio, mask_f).item()
         real = mask_f.bool()
@@ -626,7 +660,7 @@ def value_loss(
     mask: torch.Tensor,
     cliprange_value: float | None = 0.5,
     loss_agg_mode: str = "token-mean",
-    normalizer: float | None = None,
+    scale: LossScale | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Clipped critic loss ``0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2)`` aggregated over real tokens.
 
@@ -646,17 +680,17 @@ def value_loss(
         clipped = (clipped_values - returns) ** 2
         losses = torch.maximum(unclipped, clipped)
         clipfrac = masked_mean(torch.gt(clipped, unclipped).to(mask_f.dtype), mask_f)
-    loss = 0.5 * aggregate_loss(losses, mask_f, loss_agg_mode, normalizer)
+    loss = 0.5 * aggregate_loss(losses, mask_f, loss_agg_mode, scale)
     with torch.no_grad():
         metrics = {"vf_clipfrac": clipfrac.item(), "vpred_mean": masked_mean(values, mask_f).item()}
     return loss, metrics
 
 
 def entropy_loss(
-    entropy: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str = "token-mean", normalizer: float | None = None
+    entropy: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str = "token-mean", scale: LossScale | None = None
 ) -> torch.Tensor:
     """Aggregated token entropy (positive). The actor loss is ``pg_loss - entropy_coeff * entropy_loss``."""
-    return aggregate_loss(entropy, mask, loss_agg_mode, normalizer)
+    return aggregate_loss(entropy, mask, loss_agg_mode, scale)
 
 
 def kl_loss(
@@ -665,11 +699,11 @@ def kl_loss(
     mask: torch.Tensor,
     kind: str = "low_var_kl",
     loss_agg_mode: str = "token-mean",
-    normalizer: float | None = None,
+    scale: LossScale | None = None,
 ) -> torch.Tensor:
     """KL(pi || pi_ref) as a loss term (``actor.use_kl_loss``); the actor adds ``kl_loss_coef * kl_loss``."""
     _check_token_tensors(mask, logprob=logprob, ref_logprob=ref_logprob)
-    return aggregate_loss(kl_penalty(logprob, ref_logprob.detach(), kind), mask, loss_agg_mode, normalizer)
+    return aggregate_loss(kl_penalty(logprob, ref_logprob.detach(), kind), mask, loss_agg_mode, scale)
 
 
 __all__: Sequence[str] = [
@@ -691,6 +725,7 @@ __all__: Sequence[str] = [
     "make_kl_controller",
     "apply_kl_in_reward",
     "LOSS_AGG_MODES",
+    "LossScale",
     "aggregate_loss",
     "ppo_policy_loss",
     "value_loss",
