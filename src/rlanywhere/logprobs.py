@@ -67,9 +67,14 @@ def _check_inputs(hidden, weight, labels, bias, temperature, chunk_size):
             )
 
 
+def _head_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The LM head's math runs in fp32 at least (fp64 weights, as in exactness tests, stay fp64)."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
 def _chunk_logits(hidden_chunk, weight_f32, bias_f32, inv_temperature):
-    """fp32 logits of one chunk, already divided by the temperature."""
-    logits = hidden_chunk.float() @ weight_f32.t()
+    """Logits of one chunk in the head dtype, already divided by the temperature."""
+    logits = hidden_chunk.to(weight_f32.dtype) @ weight_f32.t()
     if bias_f32 is not None:
         logits += bias_f32
     if inv_temperature != 1.0:
@@ -84,12 +89,13 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy):
         num_tokens = hidden.shape[0]
         inv_temperature = 1.0 / temperature
-        logprobs = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
+        head = _head_dtype(weight)
+        logprobs = torch.empty(num_tokens, dtype=head, device=hidden.device)
         logsumexp = torch.empty_like(logprobs)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
         with torch.no_grad(), _no_autocast(hidden.device):
-            weight_f32 = weight.float()
-            bias_f32 = bias.float() if bias is not None else None
+            weight_f32 = weight.to(_head_dtype(weight))
+            bias_f32 = bias.to(weight_f32.dtype) if bias is not None else None
             for start in range(0, num_tokens, chunk_size):
                 stop = min(start + chunk_size, num_tokens)
                 logits = _chunk_logits(hidden[start:stop], weight_f32, bias_f32, inv_temperature)
@@ -123,14 +129,14 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         inv_temperature = 1.0 / ctx.temperature
         num_tokens = hidden.shape[0]
         with torch.no_grad(), _no_autocast(hidden.device):
-            weight_f32 = weight.float()
-            bias_f32 = bias.float() if bias is not None else None
+            weight_f32 = weight.to(_head_dtype(weight))
+            bias_f32 = bias.to(weight_f32.dtype) if bias is not None else None
             grad_hidden = torch.empty_like(hidden) if needs_hidden else None
             grad_weight = torch.zeros_like(weight_f32) if needs_weight else None
             grad_bias = torch.zeros_like(bias_f32) if (needs_bias and bias is not None) else None
             for start in range(0, num_tokens, ctx.chunk_size):
                 stop = min(start + ctx.chunk_size, num_tokens)
-                hidden_f32 = hidden[start:stop].float()
+                hidden_f32 = hidden[start:stop].to(weight_f32.dtype)
                 # log p = z - lse, computed in place in the recomputed logits buffer.
                 log_probs = _chunk_logits(hidden_f32, weight_f32, bias_f32, inv_temperature)
                 log_probs -= logsumexp[start:stop, None]
@@ -138,13 +144,13 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 # d(log p_y)/dz = onehot(y) - p ;  dH/dz = -p * (log p + H)
                 if grad_entropy is not None:
                     grad_z = log_probs.add_(entropy[start:stop, None]).mul_(probs)
-                    grad_z.mul_(-grad_entropy[start:stop, None].float())
+                    grad_z.mul_(-grad_entropy[start:stop, None].to(weight_f32.dtype))
                     if grad_logprobs is not None:
-                        grad_z.addcmul_(probs, grad_logprobs[start:stop, None].float(), value=-1.0)
+                        grad_z.addcmul_(probs, grad_logprobs[start:stop, None].to(weight_f32.dtype), value=-1.0)
                 else:
-                    grad_z = probs.mul_(-grad_logprobs[start:stop, None].float())
+                    grad_z = probs.mul_(-grad_logprobs[start:stop, None].to(weight_f32.dtype))
                 if grad_logprobs is not None:
-                    grad_z.scatter_add_(1, labels[start:stop, None], grad_logprobs[start:stop, None].float())
+                    grad_z.scatter_add_(1, labels[start:stop, None], grad_logprobs[start:stop, None].to(weight_f32.dtype))
                 # chain rule through z = (h W^T + b) / temperature
                 if inv_temperature != 1.0:
                     grad_z *= inv_temperature

@@ -323,23 +323,27 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------ updates
     def _accumulate(self, model, optimizer, batch: StepBatch, rows: list[int], size: int,
                     loss_fn: Callable) -> dict:
-        """One optimizer step over `rows`: micro-batches with gradient accumulation; exact token/row weighting."""
+        """One optimizer step's gradient over `rows`, accumulated over micro-batches of `size`.
+
+        The mini-batch's denominators (tokens, sequences, T) are fixed once, before the split, and every
+        micro-batch loss is its exact share of the mini-batch loss: the gradient does not depend on the
+        micro-batch size, the token budget or OOM halving, for every loss_agg_mode."""
         optimizer.zero_grad(set_to_none=True)
-        mini_tokens = float(batch.mask[rows].sum().clamp(min=1))
-        sums: dict[str, float] = {}
+        scale = algo.LossScale.of(batch.mask[rows], norm_length=self.response_length)
+        totals: dict[str, float] = {}
         for micro in self.micro_batches(batch, rows, size):
             ids, mask, pos, resp_len = self.forward_rows(batch, micro)
             resp_mask = batch.mask[micro, :resp_len].to(self.device)
             with autocast_context(self.plan):
-                loss, metrics = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask)
-            # Token-mean over the mini-batch regardless of how it is split: micro-batch size (and OOM halving)
-            # never changes the gradient.
-            weight = float(resp_mask.sum()) / mini_tokens
-            scaled = loss * weight
-            (self.grad_scaler.scale(scaled) if self.grad_scaler else scaled).backward()
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * weight
-        return sums
+                loss, shares, means = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask, scale)
+            (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+            # loss terms add up to the mini-batch's value; diagnostics (token means) are weighted by tokens
+            token_share = float(resp_mask.sum()) / max(scale.tokens, 1.0)
+            for key, value in shares.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+            for key, value in means.items():
+                totals[key] = totals.get(key, 0.0) + float(value) * token_share
+        return totals
 
     def _optimizer_step(self, model, optimizer, grad_clip: float) -> float:
         if self.grad_scaler:
@@ -386,48 +390,58 @@ class RLTrainer:
             offload_optimizer_state(optimizer, "cpu")
         return {f"{name}/{k}": v / max(count, 1) for k, v in totals.items()}
 
-    def update_critic(self, batch: StepBatch) -> dict:
+    def critic_loss(self, batch: StepBatch) -> Callable:
+        """The critic's loss_fn for _accumulate: clipped value loss against the batch's returns."""
         ccfg = self.cfg.critic
-        values_old, returns = batch.values, batch.returns
 
-        def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask):
+        def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask, scale):
+            pick = lambda t: t[rows, :resp_len].to(self.device)  # noqa: E731
             values = response_values(model, ids, mask, resp_len, pos)
-            loss, metrics = algo.value_loss(values, values_old[rows, :resp_len].to(self.device),
-                                            returns[rows, :resp_len].to(self.device), resp_mask,
-                                            ccfg.cliprange_value, "token-mean")
-            return loss, {"vf_loss": loss.detach(), **metrics}
+            loss, metrics = algo.value_loss(values, pick(batch.values), pick(batch.returns), resp_mask,
+                                            ccfg.cliprange_value, ccfg.loss_agg_mode, scale)
+            return loss, {"vf_loss": loss.detach()}, metrics
 
-        mini = (ccfg.ppo_mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size) * self.n
-        epochs = ccfg.ppo_epochs or self.cfg.actor_rollout_ref.actor.ppo_epochs
-        with self.offloaded_while("critic"):
-            return self._update("critic", self.critic, self.optimizers["critic"], batch, loss_fn, mini, epochs,
-                                ccfg.shuffle, ccfg.grad_clip, "critic_micro_batch_size")
+        return loss_fn
 
-    def update_actor(self, batch: StepBatch) -> dict:
+    def actor_loss(self, batch: StepBatch) -> Callable:
+        """The actor's loss_fn for _accumulate: PPO clip - entropy bonus + KL loss, one aggregation mode."""
         acfg = self.cfg.actor_rollout_ref.actor
         temperature = self.cfg.actor_rollout_ref.rollout.temperature or 1.0
         clip_low = acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio
         clip_high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
+        mode = acfg.loss_agg_mode
 
-        def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask):
+        def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask, scale):
             logprob, entropy = response_logprobs(model, ids, mask, resp_len, temperature=temperature,
                                                  chunk_size=self.plan.logprob_chunk_size, with_entropy=True,
                                                  position_ids=pos)
             pick = lambda t: t[rows, :resp_len].to(self.device)  # noqa: E731
             old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
-            pg_loss, metrics = algo.ppo_policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low,
-                                                    clip_high, acfg.clip_ratio_c, acfg.loss_agg_mode)
-            ent = algo.entropy_loss(entropy, resp_mask, acfg.loss_agg_mode)
+            pg_loss, means = algo.ppo_policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low,
+                                                  clip_high, acfg.clip_ratio_c, mode, scale)
+            ent = algo.entropy_loss(entropy, resp_mask, mode, scale)
             loss = pg_loss - acfg.entropy_coeff * ent
-            metrics = {"pg_loss": pg_loss.detach(), "entropy": ent.detach(), **metrics}
+            shares = {"pg_loss": pg_loss.detach(), "entropy": ent.detach()}
             if acfg.use_kl_loss and batch.ref_logprobs is not None:
-                kl = algo.kl_loss(logprob, pick(batch.ref_logprobs), resp_mask, acfg.kl_loss_type, acfg.loss_agg_mode)
+                kl = algo.kl_loss(logprob, pick(batch.ref_logprobs), resp_mask, acfg.kl_loss_type, mode, scale)
                 loss = loss + acfg.kl_loss_coef * kl
-                metrics["kl_loss"] = kl.detach()
-            return loss, metrics
+                shares["kl_loss"] = kl.detach()
+            return loss, shares, means
 
+        return loss_fn
+
+    def update_critic(self, batch: StepBatch) -> dict:
+        ccfg = self.cfg.critic
+        mini = (ccfg.ppo_mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size) * self.n
+        epochs = ccfg.ppo_epochs or self.cfg.actor_rollout_ref.actor.ppo_epochs
+        with self.offloaded_while("critic"):
+            return self._update("critic", self.critic, self.optimizers["critic"], batch, self.critic_loss(batch),
+                                mini, epochs, ccfg.shuffle, ccfg.grad_clip, "critic_micro_batch_size")
+
+    def update_actor(self, batch: StepBatch) -> dict:
+        acfg = self.cfg.actor_rollout_ref.actor
         with self.offloaded_while("actor"):
-            return self._update("actor", self.actor, self.optimizers["actor"], batch, loss_fn,
+            return self._update("actor", self.actor, self.optimizers["actor"], batch, self.actor_loss(batch),
                                 acfg.ppo_mini_batch_size * self.n, acfg.ppo_epochs, acfg.shuffle, acfg.grad_clip,
                                 "actor_micro_batch_size")
 

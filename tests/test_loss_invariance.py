@@ -1,0 +1,95 @@
+"""The gradient of one optimizer step must not depend on how its mini-batch is split (issue 10).
+
+For every loss_agg_mode, actor and critic: micro-batches of 1, 2 and all rows, token-budget micro-batches and a
+step whose first attempt runs out of memory (OOM recovery halves the micro-batch and redoes it) all give the
+gradient of the whole mini-batch in one piece. Float64 weights on the CPU, rows of very different lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlanywhere import algorithms as algo
+from rlanywhere.config import load_config
+from rlanywhere.hardware import make_plan
+from rlanywhere.trainer import RLTrainer, StepBatch
+
+from .test_e2e import base_overrides
+
+RESPONSE_LENGTHS = [1, 12, 3, 7, 12, 2, 9, 5]  # 4 prompts x n = 2
+
+
+@pytest.fixture(scope="module")
+def trainer_and_batch(tiny_model_dir, arith_data, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("invariance")
+    overrides = base_overrides(tiny_model_dir, arith_data, run_dir, **{
+        "algorithm.adv_estimator": "gae", "actor_rollout_ref.actor.use_kl_loss": True,
+        "actor_rollout_ref.actor.kl_loss_coef": 0.1, "actor_rollout_ref.actor.entropy_coeff": 0.01,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "critic.cliprange_value": 0.05})
+    cfg = load_config(None, overrides)
+    trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), str(run_dir))
+    items = trainer.loader.next_batch()
+    rollout = trainer.generate(items, trainer.sampling_params(), trainer.step_generator(0))
+    # rows of very different lengths (a random model rarely stops early by itself)
+    for row, length in enumerate(RESPONSE_LENGTHS):
+        rollout.response_mask[row, length:] = 0
+        rollout.response_ids[row, length:] = trainer.tokenizer.pad_token_id
+    trainer.actor.double()
+    trainer.critic.double()
+    rows = rollout.response_ids.shape[0]
+    batch = StepBatch(rollout=rollout, group_index=torch.arange(4).repeat_interleave(2),
+                      scores=torch.zeros(rows), reward_info={})
+    gen = torch.Generator().manual_seed(0)
+    noise = lambda scale: scale * torch.randn(batch.mask.shape, generator=gen, dtype=torch.float64) * batch.mask  # noqa: E731
+    current = trainer.batched_logprobs(trainer.actor, batch).double()
+    batch.old_logprobs = current + noise(0.3)  # ratios away from 1: the clipped branches are active
+    batch.ref_logprobs = current + noise(0.5)
+    batch.advantages = noise(1.0)
+    batch.values = trainer.batched_values(batch).double() + noise(0.1)
+    batch.returns = noise(1.0)
+    return trainer, batch
+
+
+def _gradient(trainer, model, loss_fn, batch, size, token_budget=False, fail_first=False):
+    """The accumulated gradient (and metrics) with micro-batches of `size` rows, or of `size` tokens."""
+    trainer.plan.max_token_len_per_micro_batch = size if token_budget else None
+    rows = list(range(batch.rows))
+    attr = trainer.size_attr("actor_micro_batch_size")
+    setattr(trainer.plan, attr, size)
+    calls = {"n": 0}
+
+    def flaky(*args):
+        calls["n"] += 1
+        if fail_first and calls["n"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return loss_fn(*args)
+
+    optimizer = trainer.optimizers["critic" if model is trainer.critic else "actor"]
+    metrics = trainer.guarded("update", lambda s: trainer._accumulate(model, optimizer, batch, rows, s, flaky), attr)
+    if fail_first:
+        assert getattr(trainer.plan, attr) == size // 2, "OOM recovery did not halve the micro-batch"
+    trainer.plan.max_token_len_per_micro_batch = None
+    grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return grad.clone(), metrics
+
+
+@pytest.mark.parametrize("mode", algo.LOSS_AGG_MODES)
+@pytest.mark.parametrize("which", ["actor", "critic"])
+def test_gradient_does_not_depend_on_the_split(trainer_and_batch, which, mode):
+    trainer, batch = trainer_and_batch
+    section = trainer.cfg.actor_rollout_ref.actor if which == "actor" else trainer.cfg.critic
+    section.loss_agg_mode = mode
+    model = trainer.actor if which == "actor" else trainer.critic
+    loss_fn = (trainer.actor_loss if which == "actor" else trainer.critic_loss)(batch)
+    reference, ref_metrics = _gradient(trainer, model, loss_fn, batch, size=batch.rows)
+    assert reference.abs().max() > 0
+    longest = int((batch.rollout.prompt_mask.sum(-1) + batch.mask.sum(-1)).max())
+    splits = {"micro 1": dict(size=1), "micro 2": dict(size=2), "micro 3": dict(size=3),
+              "token budget": dict(size=longest + 4, token_budget=True),
+              "OOM halved": dict(size=batch.rows, fail_first=True),
+              "token budget, OOM halved": dict(size=4 * longest, token_budget=True, fail_first=True)}
+    for name, kwargs in splits.items():
+        grad, metrics = _gradient(trainer, model, loss_fn, batch, **kwargs)
+        torch.testing.assert_close(grad, reference, rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
+        loss_key = "pg_loss" if which == "actor" else "vf_loss"
+        assert metrics[loss_key] == pytest.approx(ref_metrics[loss_key], rel=1e-6, abs=1e-9), name
