@@ -279,6 +279,25 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r"|launch_reward_fn_async|sandbox_fusion(\..*)?)": "rule rewards only (custom_reward_function for your own)",
 }
 
+# Schema keys accepted (verl configs set them) that change nothing here: a user who sets one to a non-default value
+# is told what happens instead. tests/test_config_keys.py fails on a key that is neither read by a run nor listed.
+ACCEPTED_WITHOUT_EFFECT: dict[str, str] = {
+    r"data\.return_raw_(chat|input_ids)": "rewards score the decoded response text; no reward model re-tokenises it",
+    r"(actor_rollout_ref|critic)\.model\.use_remove_padding": "padding is always removed inside each micro-batch",
+    r"(actor_rollout_ref\.actor|critic)\.strategy": "one process trains the model directly, no FSDP/Megatron wrapper",
+    r"(actor_rollout_ref\.actor|critic)\.optim\.total_training_steps": "schedules span trainer.total_training_steps "
+    "(verl's trainer sets this key itself)",
+    r"actor_rollout_ref\.(ref|rollout)\.log_prob_(use_dynamic_bsz|max_token_len_per_gpu)"
+    r"|critic\.forward_max_token_len_per_gpu|critic\.(use_dynamic_bsz|ppo_max_token_len_per_gpu)":
+    "forward passes and the critic use the actor's token budget (actor.use_dynamic_bsz), else planned micro-batches",
+    r"trainer\.max_critic_ckpt_to_keep": "actor and critic share each checkpoint; max_actor_ckpt_to_keep limits both",
+    r"actor_rollout_ref\.rollout\.dtype": "the planner picks the rollout dtype for the card (hardware.precision forces one)",
+    r"trainer\.device": "the planner picks the device (hardware.device forces one)",
+    r"critic\.model\.tokenizer_path": "the critic reads the actor's tokens, so it uses the actor's tokenizer",
+    r"critic\.model\.enable_gradient_checkpointing": "the plan decides checkpointing for actor and critic together "
+    "(actor_rollout_ref.model.enable_gradient_checkpointing)",
+}
+
 # verl values that mean something else here: rollout engines we don't have map to our own.
 VERL_VALUE_MAP = {
     "actor_rollout_ref.rollout.name": {"vllm": "auto", "sglang": "auto", "hf": "hf", "auto": "auto", "fast": "fast"},
@@ -312,6 +331,13 @@ def schema_keys() -> list[str]:
     """Every valid dotted key of the schema."""
     plain = OmegaConf.to_container(OmegaConf.structured(RLConfig), resolve=False)
     return _leaf_keys(plain)
+
+
+def _without_effect_reason(key: str) -> Optional[str]:
+    for pattern, reason in ACCEPTED_WITHOUT_EFFECT.items():
+        if re.fullmatch(pattern, key):
+            return reason
+    return None
 
 
 def _verl_only_reason(key: str) -> Optional[str]:
@@ -361,8 +387,13 @@ def _pop_key(cfg: DictConfig, dotted: str) -> Any:
 def _vet_user_keys(user: DictConfig, notices: list[str]) -> DictConfig:
     """Drop verl-only keys (with a notice), translate offload switches, reject unknown keys."""
     valid = set(schema_keys())
+    defaults = OmegaConf.structured(RLConfig)
     for key in _leaf_keys(OmegaConf.to_container(user, resolve=False)):
         if key in valid:
+            without_effect = _without_effect_reason(key)
+            value = OmegaConf.select(user, key)
+            if without_effect and value != OmegaConf.select(defaults, key):
+                notices.append(f"{key}={value}: accepted, no effect here ({without_effect})")
             continue
         # A dict-valued schema field (override_config) accepts any sub-keys.
         if any(key.startswith(v + ".") for v in valid if v.endswith("override_config")):
@@ -443,6 +474,12 @@ def _check_values(cfg: DictConfig) -> None:
     for key in positive:
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
+    if cfg.reward_model.enable:
+        raise ConfigError("reward_model.enable=true asks for a learned reward model, which rlanywhere does not run; "
+                          "score with rules (the default) or your own function (custom_reward_function.path)")
+    if cfg.reward_model.reward_manager not in ("naive", "batch"):
+        raise ConfigError(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r} is not available; "
+                          "'naive' (the default) scores each response with the rule or custom function")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
 

@@ -495,8 +495,8 @@ class RLDataset:
 
     Overlong prompts (more than ``max_prompt_length`` tokens) are dropped (``filter_overlong_prompts=True``, count
     logged) or else handled by ``truncation``: ``"error"`` raises, ``"left"`` keeps the last tokens, ``"right"``
-    keeps the first tokens. ``dataset[i]`` is a prompt item: ``input_ids``, ``ground_truth``, ``data_source``,
-    ``index``, ``extra_info``.
+    keeps the first tokens. ``dataset[i]`` is a prompt item: ``input_ids``, ``ground_truth``, ``data_source`` (the
+    value of the ``reward_fn_key`` column, which picks the reward function), ``index``, ``extra_info``.
     """
 
     def __init__(
@@ -507,6 +507,7 @@ class RLDataset:
         prompt_key: str = "prompt",
         truncation: str = "error",
         filter_overlong_prompts: bool = True,
+        reward_fn_key: str = "data_source",
     ):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}.")
@@ -519,10 +520,12 @@ class RLDataset:
         if not rows:
             raise ValueError(f"No rows in {paths}.")
         missing = [key for key in (prompt_key, "reward_model") if key not in rows[0]]
+        if reward_fn_key != "data_source" and reward_fn_key not in rows[0]:
+            missing.append(reward_fn_key)
         if missing:
             raise KeyError(
                 f"{paths}: column(s) {missing} missing; columns are {sorted(rows[0])}. "
-                "Set data.prompt_key, or re-create the files with `rlanywhere prepare ...`."
+                "Set data.prompt_key / data.reward_fn_key, or re-create the files with `rlanywhere prepare ...`."
             )
 
         texts = [self.render_prompt(row[prompt_key]) for row in rows]
@@ -547,7 +550,8 @@ class RLDataset:
                 {
                     "input_ids": list(ids),
                     "ground_truth": str(row["reward_model"]["ground_truth"]),
-                    "data_source": str(row.get("data_source", "")),
+                    # data.reward_fn_key: the column whose value picks the reward function (verl's rule)
+                    "data_source": str(row.get(reward_fn_key, "")),
                     "index": int(extra_info.get("index", position)),
                     "extra_info": extra_info,
                 }

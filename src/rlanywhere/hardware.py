@@ -966,10 +966,13 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
                                     _per_device(actor.ppo_micro_batch_size, world)),
         "critic_micro_batch": _first(critic.ppo_micro_batch_size_per_gpu,
                                      _per_device(critic.ppo_micro_batch_size, world)),
+        # one size for the forward-only passes (old/ref log-probs, critic values): the first one given
         "logprob_micro_batch": _first(arr.rollout.log_prob_micro_batch_size_per_gpu,
                                       arr.ref.log_prob_micro_batch_size_per_gpu,
+                                      critic.forward_micro_batch_size_per_gpu,
                                       _per_device(arr.rollout.log_prob_micro_batch_size, world),
-                                      _per_device(arr.ref.log_prob_micro_batch_size, world)),
+                                      _per_device(arr.ref.log_prob_micro_batch_size, world),
+                                      _per_device(critic.forward_micro_batch_size, world)),
     }
     if not target.is_cuda:
         for key in ("optimizer_offload", "param_offload"):

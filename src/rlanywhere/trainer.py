@@ -111,13 +111,15 @@ class PhaseTimer:
 
 
 def _make_scheduler(optimizer, optim_cfg, total_steps: int):
-    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+    """verl's schedules: linear warm-up, then constant or cosine decay to min_lr_ratio * lr."""
+    from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
 
     warmup = optim_cfg.lr_warmup_steps
     if warmup < 0:
         warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
     if optim_cfg.warmup_style == "cosine":
-        return get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
+        return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total_steps,
+                                                           min_lr_rate=optim_cfg.min_lr_ratio)
     if optim_cfg.warmup_style != "constant":
         raise ValueError(f"optim.warmup_style={optim_cfg.warmup_style!r}: use constant or cosine")
     return get_constant_schedule_with_warmup(optimizer, warmup)
@@ -162,7 +164,8 @@ class RLTrainer:
 
         def dataset(files):
             return RLDataset(as_list(files), self.tokenizer, cfg.data.max_prompt_length, prompt_key=cfg.data.prompt_key,
-                             truncation=cfg.data.truncation, filter_overlong_prompts=cfg.data.filter_overlong_prompts)
+                             truncation=cfg.data.truncation, filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+                             reward_fn_key=cfg.data.reward_fn_key)
 
         self.train_set = dataset(cfg.data.train_files)
         self.val_set = dataset(cfg.data.val_files) if cfg.data.val_files else None
@@ -179,7 +182,7 @@ class RLTrainer:
         if self.use_critic:
             base = self.actor  # the critic starts from the actor's weights (before any LoRA is injected)
             if cfg.critic.model.path and cfg.critic.model.path != acfg.model.path:
-                base = load_causal_lm(resolve_model_source(cfg.critic.model.path), plan,
+                base = load_causal_lm(resolve_model_source(cfg.critic.model.path, cfg.critic.model.gguf_file), plan,
                                       cfg.critic.model.trust_remote_code, cfg.critic.model.override_config)
             self.critic = ValueModel.from_causal_lm(base).to(self.device)
             cmodel = cfg.critic.model
@@ -247,7 +250,7 @@ class RLTrainer:
         greedy = not kw.do_sample or kw.temperature == 0
         return SamplingParams(max_new_tokens=self.response_length, temperature=0.0 if greedy else kw.temperature,
                               top_p=kw.top_p, top_k=max(kw.top_k, 0), n=kw.n if validation else rcfg.n,
-                              stop_strings=tuple(as_list(rcfg.stop)))
+                              stop_strings=tuple(as_list(rcfg.stop)), ignore_eos=bool(rcfg.ignore_eos and not validation))
 
     def step_generator(self, step: int, salt: int = 0) -> torch.Generator:
         """Sampling randomness is a function of (seed, step): a resumed run draws exactly what it would have."""
