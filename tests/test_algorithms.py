@@ -313,6 +313,27 @@ def test_apply_kl_in_reward():
     close(ctrl.value, 0.51)
 
 
+def test_adaptive_kl_trajectory_follows_verls_rule():
+    # verl: beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon, with kl the batch mean of each
+    # sequence's mean KL and n_steps the number of rows. Row A has 1 token, row B 3: the sequence mean differs
+    # from the token mean, so feeding the wrong one shows.
+    ctrl = A.AdaptiveKLController(0.1, target_kl=0.05, horizon=10)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    scores = torch.zeros(2, 3)
+    ref = torch.zeros(2, 3)
+    steps = [  # (log-probs, expected per-sequence-mean KL, expected beta after the step)
+        (torch.tensor([[0.2, 9.0, 9.0], [0.0, 0.0, 0.0]]), 0.1, 0.1 * 1.04),  # kl/target - 1 = 1 -> +0.2 * 2/10
+        (torch.tensor([[0.1, 9.0, 9.0], [0.0, 0.0, 0.0]]), 0.05, 0.104),  # on target: unchanged
+        (torch.tensor([[0.0, 9.0, 9.0], [0.03, 0.03, 0.03]]), 0.015, 0.104 * (1 - 0.2 * 2 / 10)),  # clipped at -0.2
+    ]
+    for logprob, kl, beta_after in steps:
+        beta_before = ctrl.value
+        _, metrics = A.apply_kl_in_reward(scores, logprob, ref, mask, ctrl, kind="kl")
+        close(metrics["actor/reward_kl_penalty"], kl)
+        close(metrics["actor/reward_kl_penalty_coeff"], beta_before)
+        close(ctrl.value, beta_after)
+
+
 # ---------------------------------------------------------------- aggregation
 
 

@@ -246,3 +246,21 @@ def test_token_budget_micro_batches_give_the_same_training(tiny_model_dir, arith
     for step in (1, 2):
         for key in ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_adaptive_kl_controller_is_fed_like_verl(tiny_model_dir, arith_data, tmp_path):
+    """The controller sees the batch mean of per-sequence KL (the configured kind) and n_steps = rows."""
+    extra = {"algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": True, "algorithm.kl_penalty": "k2",
+             "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.2,
+             "algorithm.kl_ctrl.target_kl": 1e-9, "algorithm.kl_ctrl.horizon": 40,
+             "trainer.val_before_train": False, "trainer.test_freq": -1, "trainer.save_freq": -1}
+    trainer, metrics = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path, **extra))
+    rows = train_rows(metrics)
+    beta = 0.2
+    for step in (1, 2):
+        assert rows[step]["actor/reward_kl_penalty_coeff"] == pytest.approx(beta)
+        kl = rows[step]["actor/reward_kl_penalty"]
+        error = max(-0.2, min(0.2, kl / 1e-9 - 1))
+        beta *= 1 + error * 8 / 40  # 4 prompts x n = 2 rows
+        assert rows[step]["actor/kl_coef"] == pytest.approx(beta), step
+    assert rows[2]["actor/reward_kl_penalty"] > 0  # the policy moved: the controller saw a real KL

@@ -518,9 +518,11 @@ class RLTrainer:
             token_scores = algo.scores_to_token_rewards(scores, mask)
             kl_metrics = {}
             if algo_cfg.use_kl_in_reward and batch.ref_logprobs is not None:
+                # as verl: beta is the value before this step; the controller then sees the batch mean of the
+                # per-sequence mean KL (of the configured kind) with n_steps = rows
                 token_rewards, kl_metrics = algo.apply_kl_in_reward(token_scores, batch.old_logprobs,
                                                                     batch.ref_logprobs, mask, self.kl_ctrl,
-                                                                    algo_cfg.kl_penalty, update_controller=False)
+                                                                    algo_cfg.kl_penalty, update_controller=True)
             else:
                 token_rewards = token_scores
             batch.token_rewards = token_rewards
@@ -562,8 +564,7 @@ class RLTrainer:
             metrics["actor/kl"] = float(algo.masked_mean(
                 algo.kl_penalty(batch.old_logprobs, batch.ref_logprobs, "kl"), mask))
         if algo_cfg.use_kl_in_reward:
-            self.kl_ctrl.update(metrics.get("actor/kl", 0.0), n_steps=len(items))
-            metrics["actor/kl_coef"] = self.kl_ctrl.value
+            metrics["actor/kl_coef"] = self.kl_ctrl.value  # after this step's update: the next step's beta
         if batch.values is not None:
             metrics["critic/values_mean"] = float(algo.masked_mean(batch.values, mask))
             metrics["critic/returns_mean"] = float(algo.masked_mean(batch.returns, mask))
