@@ -205,6 +205,8 @@ def test_rollout_in_chunks_equals_one_call_and_survives_oom(tiny_model_dir, arit
     greedy_whole = original([it["input_ids"] for it in items], params)
     chunked = trainer.generate(items, params, None)
     assert plan.rollout_batch_size == 2 and len(trainer.oom_guard.events) == 2  # 8 -> 4 -> 2
+    record = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert record["rollout_batch_size"] == 2 and len(record["oom_events"]) == 2  # the record follows the run
     assert calls[-4:] == [1, 1, 1, 1]
     # Greedy: the same tokens whether generated at once or one prompt at a time.
     for row in range(whole.response_ids.shape[0]):
@@ -264,3 +266,30 @@ def test_adaptive_kl_controller_is_fed_like_verl(tiny_model_dir, arith_data, tmp
         beta *= 1 + error * 8 / 40  # 4 prompts x n = 2 rows
         assert rows[step]["actor/kl_coef"] == pytest.approx(beta), step
     assert rows[2]["actor/reward_kl_penalty"] > 0  # the policy moved: the controller saw a real KL
+
+
+def test_plan_record_shows_an_engine_fallback(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    from rlanywhere.rollout import FastEngine, HFEngine
+
+    monkeypatch.setattr(FastEngine, "supports", staticmethod(lambda model: (False, "no kernel for this model")))
+    cfg = load_config(None, base_overrides(tiny_model_dir, arith_data, tmp_path, **{"algorithm.adv_estimator": "grpo"}))
+    plan = make_plan(cfg, for_execution=True)
+    assert plan.rollout_engine == "fast"
+    trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
+    assert isinstance(trainer.engine, HFEngine)
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert record["rollout_engine"] == "hf" and "no kernel for this model" in record["reasons"]["rollout_engine"]
+
+
+def test_sizes_lowered_by_oom_recovery_survive_a_resume(tiny_model_dir, arith_data, tmp_path):
+    cfg = load_config(None, base_overrides(tiny_model_dir, arith_data, tmp_path, **{"algorithm.adv_estimator": "grpo"}))
+    trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
+    trainer.plan.rollout_batch_size, trainer.plan.actor_micro_batch_size = 3, 1  # as OOM recovery would leave them
+    trainer.global_step = 1
+    trainer.save()
+    resumed = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
+    assert resumed.plan.actor_micro_batch_size != 1
+    resumed.maybe_resume()
+    assert (resumed.plan.rollout_batch_size, resumed.plan.actor_micro_batch_size) == (3, 1)
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert (record["rollout_batch_size"], record["actor_micro_batch_size"]) == (3, 1)

@@ -94,6 +94,11 @@ def concat_rollouts(parts: list[RolloutBatch], pad_token_id: int) -> RolloutBatc
         num_prompts=sum(p.num_prompts for p in parts), n=parts[0].n)
 
 
+# The plan fields OOM recovery may lower during a run; saved with each checkpoint and restored on resume.
+OOM_ADJUSTED_SIZES = ("actor_micro_batch_size", "critic_micro_batch_size", "logprob_micro_batch_size",
+                      "max_token_len_per_micro_batch", "rollout_batch_size")
+
+
 class PhaseTimer:
     def __init__(self, device: str):
         self.device = device
@@ -141,11 +146,10 @@ class RLTrainer:
     def __init__(self, cfg: DictConfig, plan: Plan, run_dir: str, notices: Optional[list[str]] = None):
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
         self.device = plan.device
+        self.notices = list(notices or [])
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
             handle.write(to_yaml(cfg))
-        with open(os.path.join(run_dir, "plan.json"), "w") as handle:
-            json.dump({**plan.to_dict(), "notices": list(notices or [])}, handle, indent=2)
         seed_everything(cfg.trainer.seed)
 
         acfg, algo_cfg = cfg.actor_rollout_ref, cfg.algorithm
@@ -225,6 +229,11 @@ class RLTrainer:
         self.engine = make_engine(self.actor, self.tokenizer, plan, engine=acfg.rollout.name,
                                   max_batch_size=plan.rollout_batch_size or cfg.data.train_batch_size * self.n,
                                   max_seq_len=max_len)
+        fallback = getattr(self.engine, "fallback_reason", None)
+        if fallback and plan.rollout_engine != "hf":
+            plan.rollout_engine = "hf"
+            plan.reasons["rollout_engine"] = f"{plan.reasons.get('rollout_engine', '')}; fell back to hf: {fallback}"
+        self.write_plan_record()  # after the engine is known: the record shows what runs
         # On a tight card the KV cache must not sit beside the update's activations (the estimator assumes so).
         estimate = plan.estimate or {}
         self.release_rollout_memory = self.device != "cpu" and (
@@ -234,11 +243,24 @@ class RLTrainer:
         self.tracker: Optional[Tracker] = None
 
     # ------------------------------------------------------------------------------------------ helpers
+    def write_plan_record(self) -> None:
+        """plan.json: every decision with its reason, as it runs now (engine fallback, sizes OOM recovery lowered)."""
+        record = {**self.plan.to_dict(), "notices": self.notices, "oom_events": self.oom_guard.events}
+        tmp = os.path.join(self.run_dir, "plan.json.tmp")
+        with open(tmp, "w") as handle:
+            json.dump(record, handle, indent=2)
+        os.replace(tmp, os.path.join(self.run_dir, "plan.json"))
+
     def guarded(self, phase: str, fn: Callable[[int], object], size_attr: str):
         """fn(size) under OOM recovery (hardware.oom_recovery): on CUDA OOM, halve plan.<size_attr> and redo."""
         if not self.cfg.hardware.oom_recovery:
             return fn(getattr(self.plan, size_attr))
-        return self.oom_guard.run(phase, fn, size_attr)
+        events = len(self.oom_guard.events)
+        try:
+            return self.oom_guard.run(phase, fn, size_attr)
+        finally:
+            if len(self.oom_guard.events) != events:
+                self.write_plan_record()
 
     @property
     def response_length(self) -> int:
@@ -590,7 +612,8 @@ class RLTrainer:
             scores_all += scores.tolist()
             lengths += rollout.response_mask.sum(-1).tolist()
             samples += texts
-        for text, item in list(zip(samples, items))[: self.cfg.trainer.log_val_generations]:
+        answered = [item for item in items for _ in range(params.n)]  # the engine returns n rows per prompt
+        for text, item in list(zip(samples, answered))[: self.cfg.trainer.log_val_generations]:
             log.warning("val sample [truth %s]: %s", item["ground_truth"], text.strip()[:300])
         return {"val/acc": float(np.mean(accs)), "val/format": float(np.mean(formats)),
                 "val/reward": float(np.mean(scores_all)), "val/response_length": float(np.mean(lengths)),
@@ -599,9 +622,7 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict:
         return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "plan_sizes": {k: getattr(self.plan, k) for k in
-                               ("actor_micro_batch_size", "critic_micro_batch_size", "logprob_micro_batch_size",
-                                "max_token_len_per_micro_batch")}}
+                "plan_sizes": {k: getattr(self.plan, k) for k in OOM_ADJUSTED_SIZES}}
 
     def save(self) -> str:
         export = None
@@ -628,6 +649,7 @@ class RLTrainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         for key, value in state.get("plan_sizes", {}).items():
             setattr(self.plan, key, value)  # keep what OOM recovery learned
+        self.write_plan_record()
         self.engine.sync_weights()
         log.warning("resumed from %s at step %d", path, self.global_step)
 

@@ -59,7 +59,9 @@ def make_engine(
         if not may_fall_back:
             raise ValueError(f"engine='fast' cannot run this model: {reason}. Use engine='hf' or 'auto'.")
         logger.warning("rollout engine: hf (FastEngine does not support this model: %s)", reason)
-        return HFEngine(model, tokenizer)
+        fallback = HFEngine(model, tokenizer)
+        fallback.fallback_reason = f"FastEngine does not support this model: {reason}"  # for the run's record
+        return fallback
     logger.info("rollout engine: fast")
     budget = getattr(plan, "memory_budget_bytes", None) if plan is not None else None
     return FastEngine(model, tokenizer, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
