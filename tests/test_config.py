@@ -61,3 +61,12 @@ def test_as_list_accepts_all_spellings():
     assert as_list("['a.parquet', 'b.parquet']") == ["a.parquet", "b.parquet"]
     assert as_list(["x"]) == ["x"]
     assert as_list(None) == []
+
+
+def test_gamma_with_reinforce_plus_plus_baseline_is_noticed():
+    notices: list[str] = []
+    load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus_baseline", "algorithm.gamma=0.99"], notices=notices)
+    assert any("verl ignores gamma" in line for line in notices)
+    notices.clear()
+    load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus_baseline"], notices=notices)
+    assert notices == []

@@ -18,6 +18,7 @@ Metric dicts hold plain Python floats so they can go straight to logging.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -365,10 +366,17 @@ def compute_advantages(
             f"advantage estimator {estimator!r} compares responses to the same prompt and needs group_index "
             "(one prompt id per row)"
         )
+    # Statistics in float64: squares of rewards near 1e20 overflow fp32 and a group's std becomes inf (GRPO and
+    # REINFORCE++ advantages then collapse to exactly 0). Results come back in the caller's dtype.
+    given = token_rewards if token_rewards is not None else scores
+    out_dtype = given.dtype if given.is_floating_point() else torch.get_default_dtype()
     if token_rewards is None:
-        token_rewards = scores_to_token_rewards(scores, mask)
+        token_rewards = scores_to_token_rewards(scores.to(torch.float64), mask)
+    token_rewards = token_rewards.to(torch.float64)
+    values = values.to(torch.float64) if values is not None else None
     outcome = masked_sum(token_rewards, mask, dim=-1)
-    return ADVANTAGE_ESTIMATORS[estimator](
+    _warn_if_rewards_are_huge(outcome)
+    advantages, returns = ADVANTAGE_ESTIMATORS[estimator](
         token_rewards=token_rewards,
         outcome=outcome,
         values=values,
@@ -378,6 +386,23 @@ def compute_advantages(
         lam=lam,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
     )
+    return advantages.to(out_dtype), returns.to(out_dtype)
+
+
+HUGE_REWARD = 1e6  # beyond this, unnormalised advantages (rloo, gae) put the reward's scale into the gradient
+
+
+def _warn_if_rewards_are_huge(outcome: torch.Tensor) -> None:
+    largest = float(outcome.abs().max()) if outcome.numel() else 0.0
+    if largest > HUGE_REWARD:
+        # warnings shows a message once per place: once per run here
+        warnings.warn(
+            f"rewards as large as {largest:.3g}: advantage statistics are computed in float64, but estimators that do "
+            "not normalise (rloo, gae's returns) carry that scale into the loss and can overflow the gradient; "
+            "rescale the reward function (e.g. to [-1, 1])",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -445,6 +445,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         except OmegaConfBaseException as exc:
             raise ConfigError(f"bad config value: {exc.msg if hasattr(exc, 'msg') else exc}") from exc
     _check_values(cfg)
+    notices.extend(_differences_from_verl(cfg))
     for line in notices:
         log.warning("notice: %s", line)
     OmegaConf.set_struct(cfg, True)
@@ -482,6 +483,16 @@ def _check_values(cfg: DictConfig) -> None:
                           "'naive' (the default) scores each response with the rule or custom function")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
+
+
+def _differences_from_verl(cfg: DictConfig) -> list[str]:
+    """Settings whose meaning here differs from verl's on purpose (docs/algorithms.md says why)."""
+    out = []
+    if cfg.algorithm.adv_estimator == "reinforce_plus_plus_baseline" and cfg.algorithm.gamma != 1.0:
+        out.append(f"algorithm.gamma={cfg.algorithm.gamma}: reinforce_plus_plus_baseline discounts the centred "
+                   "score back from the last token here; verl ignores gamma for this estimator (same score on "
+                   "every token)")
+    return out
 
 
 def to_yaml(cfg: DictConfig) -> str:
