@@ -361,6 +361,10 @@ class RLTrainer:
             resp_mask = batch.mask[micro, :resp_len].to(self.device)
             with autocast_context(self.plan):
                 loss, shares, means = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask, scale)
+            if not torch.isfinite(loss.detach()):  # say which rows, so a rare NaN can be traced to its data
+                log.warning("non-finite loss %s in a micro-batch of rows %s (response lengths %s, prompt lengths %s)",
+                            float(loss), micro[:16], batch.mask[micro].sum(-1).int().tolist()[:16],
+                            batch.rollout.prompt_mask[micro].sum(-1).tolist()[:16])
             (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             # loss terms add up to the mini-batch's value; diagnostics (token means) are weighted by tokens
             token_share = float(resp_mask.sum()) / max(scale.tokens, 1.0)
@@ -375,7 +379,10 @@ class RLTrainer:
             self.grad_scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], grad_clip)
         if not torch.isfinite(grad_norm):
-            log.warning("non-finite grad norm %.3g: skipping this optimizer step", float(grad_norm))
+            bad = [name for name, p in model.named_parameters()
+                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            log.warning("non-finite grad norm %.3g: skipping this optimizer step (%d parameter tensors non-finite, "
+                        "first: %s)", float(grad_norm), len(bad), ", ".join(bad[:4]))
             optimizer.zero_grad(set_to_none=True)
             if self.grad_scaler:
                 self.grad_scaler.update()
