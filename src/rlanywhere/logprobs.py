@@ -242,6 +242,26 @@ def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def training_attention_mask(model: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The attention mask to give a decoder for a left-padded training batch.
+
+    With left padding, a padding position's query sees only padding keys: its attention row is fully masked. Its
+    output is never used, but on CUDA some SDPA kernels return NaN *gradients* for such rows, and through the
+    shared projections one NaN reaches every weight (the GPU demo skipped steps with a NaN grad norm at random:
+    whenever a micro-batch mixed prompt lengths and a kernel with that behaviour was picked). For SDPA we build
+    the 4D boolean mask ourselves, letting each padding query attend to itself: real tokens never attend padding,
+    so their outputs are unchanged. Batches without left padding keep the 2D mask (and SDPA's causal fast path).
+    """
+    left_padded = bool((attention_mask[:, 0] == 0).any())
+    if not left_padded or getattr(unwrap_peft(model).config, "_attn_implementation", None) != "sdpa":
+        return attention_mask
+    length = attention_mask.shape[1]
+    real_key = attention_mask.bool()[:, None, None, :]  # [N, 1, 1, L]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
+    itself = torch.eye(length, dtype=torch.bool, device=attention_mask.device)
+    return (causal & real_key) | itself  # [N, 1, L, L], True = may attend
+
+
 def response_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -291,7 +311,8 @@ def response_logprobs(
     if position_ids is None:
         position_ids = default_position_ids(attention_mask)
     outputs = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids, attention_mask=training_attention_mask(inner, attention_mask),
+        position_ids=position_ids, use_cache=False
     )
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     # hidden state at position t predicts token t + 1

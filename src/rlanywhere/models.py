@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .logprobs import default_position_ids
+from .logprobs import default_position_ids, training_attention_mask
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,8 @@ class ValueModel(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
         if position_ids is None:
             position_ids = default_position_ids(attention_mask)
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        mask = training_attention_mask(self.backbone, attention_mask)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
