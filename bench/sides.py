@@ -201,9 +201,11 @@ def held_out_accuracy(model, tokenizer, val_parquet: str, max_new_tokens: int, m
 def run_trl(spec: dict) -> None:
     """One TRL GRPOTrainer run as `spec` says; one JSON line per optimizer step (and per evaluation) to spec['out'].
 
-    spec keys: model_dir, train_parquet, out, steps, prompts_per_step, n, max_new_tokens, lr, temperature,
+    spec keys: model_dir, train_parquet, out, steps (generations: rlanywhere's steps), prompts_per_step, n,
+    mini_prompts (prompts per optimizer step, default all), max_new_tokens, lr, weight_decay, temperature,
     precision (bf16 | fp32), tf32 (bool), gradient_checkpointing, micro_batch (completions per forward/backward),
-    seed; for held-out accuracy also val_parquet, val_max_samples, test_freq, max_prompt_length."""
+    seed; for held-out accuracy also val_parquet, val_max_samples, test_freq (in steps), max_prompt_length.
+    Records carry `step` in generations (rlanywhere's step) and `optimizer_step`."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -217,19 +219,25 @@ def run_trl(spec: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     tokenizer.padding_side = "left"
     completions_per_step = spec["prompts_per_step"] * spec["n"]
-    micro = min(spec.get("micro_batch") or completions_per_step, completions_per_step)
-    if completions_per_step % micro:
-        raise SystemExit(f"micro_batch {micro} must divide {completions_per_step} completions per step")
+    # Completions per optimizer step: ppo_mini_batch_size prompts x n, as rlanywhere splits a step's batch.
+    per_update = spec.get("mini_prompts", spec["prompts_per_step"]) * spec["n"]
+    micro = min(spec.get("micro_batch") or per_update, per_update)
+    if completions_per_step % per_update or per_update % micro:
+        raise SystemExit(f"micro_batch {micro} must divide the {per_update} completions of an optimizer step, "
+                         f"and those the {completions_per_step} of a generation")
+    updates_per_generation = completions_per_step // per_update
     bf16 = spec["precision"] == "bf16"
     args = GRPOConfig(
         output_dir=os.path.join(os.path.dirname(spec["out"]), "trl_out"),
-        per_device_train_batch_size=micro, gradient_accumulation_steps=completions_per_step // micro,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=per_update // micro,
+        steps_per_generation=completions_per_step // micro,
         num_generations=spec["n"], max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
-        top_p=1.0, top_k=0, learning_rate=spec["lr"], beta=0.0, num_iterations=1, bf16=bf16, fp16=False,
+        top_p=1.0, top_k=0, learning_rate=spec["lr"], weight_decay=spec.get("weight_decay", 0.01), beta=0.0,
+        num_iterations=1, bf16=bf16, fp16=False,
         tf32=bool(spec.get("tf32", True)) if on_gpu else None, use_cpu=not on_gpu,
-        gradient_checkpointing=spec["gradient_checkpointing"], max_steps=spec["steps"], logging_steps=1,
-        save_strategy="no", report_to="none", use_vllm=False, seed=spec.get("seed", 1), disable_tqdm=True,
-        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0)
+        gradient_checkpointing=spec["gradient_checkpointing"], max_steps=spec["steps"] * updates_per_generation,
+        logging_steps=1, save_strategy="no", report_to="none", use_vllm=False, seed=spec.get("seed", 1),
+        disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0)
     out = open(spec["out"], "w")
 
     def write(record: dict) -> None:
@@ -275,7 +283,9 @@ def run_trl(spec: dict) -> None:
                 record["response_length/mean"] = logs["completions/mean_length"]
             write(record)
             test_freq = spec.get("test_freq", 0)
-            if test_freq > 0 and (record["step"] % test_freq == 0 or record["step"] == spec["steps"]):
+            finished_generation = record["optimizer_step"] % updates_per_generation == 0
+            if finished_generation and test_freq > 0 and (record["step"] % test_freq == 0
+                                                          or record["step"] == spec["steps"]):
                 evaluate(record["step"])
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -294,7 +304,8 @@ def run_trl(spec: dict) -> None:
             seconds = time.perf_counter() - self.start
             clock["train_seconds"] += seconds
             peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else _rss_gib()
-            self.pending = {"step": state.global_step, "perf/step_time_s": seconds,
+            self.pending = {"step": -(-state.global_step // updates_per_generation),
+                            "optimizer_step": state.global_step, "perf/step_time_s": seconds,
                             "timing/generate_and_score": trainer.generation_seconds,
                             "timing/update": seconds - trainer.generation_seconds, "perf/peak_memory_gib": peak,
                             "train_seconds": clock["train_seconds"]}
