@@ -204,7 +204,8 @@ def run_trl(spec: dict) -> None:
     spec keys: model_dir, train_parquet, out, steps (generations: rlanywhere's steps), prompts_per_step, n,
     mini_prompts (prompts per optimizer step, default all), max_new_tokens, lr, weight_decay, temperature,
     precision (bf16 | fp32), tf32 (bool), gradient_checkpointing, micro_batch (completions per forward/backward),
-    seed; for held-out accuracy also val_parquet, val_max_samples, test_freq (in steps), max_prompt_length.
+    seed, max_seconds (stop after this much wall time, at a generation's end); for held-out accuracy also
+    val_parquet, val_max_samples, test_freq (in steps), max_prompt_length.
     Records carry `step` in generations (rlanywhere's step) and `optimizer_step`."""
     import torch
     from datasets import Dataset
@@ -259,7 +260,7 @@ def run_trl(spec: dict) -> None:
             self.generation_seconds += time.perf_counter() - start
             return result
 
-    clock = {"train_seconds": 0.0}
+    clock = {"train_seconds": 0.0, "started": time.time(), "stopping": False}
 
     def evaluate(step: int) -> None:
         if not spec.get("val_parquet"):
@@ -284,8 +285,8 @@ def run_trl(spec: dict) -> None:
             write(record)
             test_freq = spec.get("test_freq", 0)
             finished_generation = record["optimizer_step"] % updates_per_generation == 0
-            if finished_generation and test_freq > 0 and (record["step"] % test_freq == 0
-                                                          or record["step"] == spec["steps"]):
+            last = record["step"] == spec["steps"] or clock["stopping"]
+            if finished_generation and test_freq > 0 and (record["step"] % test_freq == 0 or last):
                 evaluate(record["step"])
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -309,6 +310,10 @@ def run_trl(spec: dict) -> None:
                             "timing/generate_and_score": trainer.generation_seconds,
                             "timing/update": seconds - trainer.generation_seconds, "perf/peak_memory_gib": peak,
                             "train_seconds": clock["train_seconds"]}
+            # A wall-clock limit (max_seconds) ends the run cleanly at the end of a generation, evaluated.
+            over = spec.get("max_seconds") and time.time() - clock["started"] > spec["max_seconds"]
+            if over and state.global_step % updates_per_generation == 0:
+                clock["stopping"] = control.should_training_stop = True
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.flush(logs)

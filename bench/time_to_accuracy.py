@@ -165,7 +165,8 @@ def run(args) -> dict:
                     mini_prompts=actor["actor"]["ppo_mini_batch_size"], max_new_tokens=data["max_response_length"],
                     lr=actor["actor"]["optim"]["lr"], temperature=actor["rollout"]["temperature"],
                     precision="bf16" if on_gpu else "fp32", tf32=True, gradient_checkpointing=args.trl_checkpointing,
-                    micro_batch=args.trl_micro_batch, test_freq=test_freq, cpu=not on_gpu, seed=1)
+                    micro_batch=args.trl_micro_batch, test_freq=test_freq, cpu=not on_gpu, seed=1,
+                    max_seconds=args.max_minutes * 60 if args.max_minutes else None)
         points = curve_from_trl(sides.start_trl(spec, os.path.join(profile_work, "trl_spec.json")))
         label = "TRL GRPOTrainer"
     else:
@@ -188,7 +189,7 @@ def run(args) -> dict:
     return {"label": label + (f" (--emulate {args.emulate})" if args.emulate else ""), "algorithm": args.algo,
             "task": f"2-digit addition ({data['val_max_samples']} held-out, greedy)",
             "model": "tiny random (--tiny)" if args.tiny else "SmolLM2-135M-Instruct",
-            "hardware": hardware_label(args.emulate), "steps": steps, "test_freq": test_freq,
+            "hardware": hardware_label(args.emulate), "steps": points[-1]["step"], "test_freq": test_freq,
             "process_minutes": (time.time() - started) / 60, "points": points}
 
 
@@ -240,6 +241,9 @@ def main() -> int:
     run_p.add_argument("--trl-micro-batch", type=int, default=64, help="TRL completions per forward/backward")
     run_p.add_argument("--trl-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                        help="TRL gradient checkpointing (its default: on)")
+    run_p.add_argument("--max-minutes", type=float, default=None,
+                       help="trl-grpo: stop after this much wall time (at a step's end, evaluated), e.g. to fit a "
+                            "time-limited job; the curve records the steps reached")
     run_p.add_argument("--tiny", action="store_true", help="tiny random model, a few tiny steps, on the CPU")
     run_p.add_argument("--work-dir", default=None, help="model, data and run directories (default: a new temp dir)")
     run_p.add_argument("overrides", nargs="*", help="extra rlanywhere train overrides (after --)")
