@@ -203,7 +203,7 @@ def run_trl(spec: dict) -> None:
 
     spec keys: model_dir, train_parquet, out, steps (generations: rlanywhere's steps), prompts_per_step, n,
     mini_prompts (prompts per optimizer step, default all), max_new_tokens, lr, weight_decay, temperature,
-    precision (bf16 | fp32), tf32 (bool), gradient_checkpointing, micro_batch (completions per forward/backward),
+    precision (bf16 | fp32), weights_dtype (fp32 | bf16), tf32 (bool), gradient_checkpointing, micro_batch (completions per forward/backward),
     seed, max_seconds (stop after this much wall time, at a generation's end); for held-out accuracy also
     val_parquet, val_max_samples, test_freq (in steps), max_prompt_length.
     Records carry `step` in generations (rlanywhere's step) and `optimizer_step`."""
@@ -216,7 +216,9 @@ def run_trl(spec: dict) -> None:
     if on_gpu and not spec.get("tf32", True):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)  # fp32 masters, as ours
+    # fp32 master weights as rlanywhere keeps them; "bf16" weights is how many TRL users run (no fp32 copy at all).
+    weights = torch.bfloat16 if spec.get("weights_dtype") == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=weights)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     tokenizer.padding_side = "left"
     completions_per_step = spec["prompts_per_step"] * spec["n"]

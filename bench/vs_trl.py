@@ -40,7 +40,8 @@ sys.path.insert(0, HERE)
 import sides  # noqa: E402
 
 RUNS = {
-    "trl": "TRL GRPOTrainer (no vLLM), gradient checkpointing on",
+    "trl": "TRL GRPOTrainer (no vLLM), gradient checkpointing on, fp32 master weights as ours",
+    "trl-bf16w": "TRL GRPOTrainer as above with the model loaded in bf16 (no fp32 master weights; bf16 only)",
     "ours-ckpt": "rlanywhere, gradient checkpointing forced on like TRL",
     "ours-plan": "rlanywhere, the planner's choice",
     "ppo": "rlanywhere PPO + critic (GAE), verl's single-GPU recipe size",
@@ -159,9 +160,11 @@ def main() -> int:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {sorted(RUNS)}")
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup}")
-    if "trl" in runs and not sides.trl_available():
+    if any(r.startswith("trl") for r in runs) and not sides.trl_available():
         print(sides.TRL_MISSING, flush=True)
-        runs.remove("trl")
+        runs = [r for r in runs if not r.startswith("trl")]
+    if args.p40_path and "trl-bf16w" in runs:
+        raise SystemExit("--runs trl-bf16w is a bf16 run; the P40 path is fp32")
 
     import torch
 
@@ -181,13 +184,14 @@ def main() -> int:
         results: dict[str, dict] = {}
         for run in runs:
             run_dir = os.path.join(root, "runs", run)
-            if run == "trl":
-                spec = dict(model_dir=model_dir, train_parquet=parquet, out=os.path.join(root, "trl_steps.jsonl"),
+            if run.startswith("trl"):
+                spec = dict(model_dir=model_dir, train_parquet=parquet, out=os.path.join(root, f"{run}_steps.jsonl"),
                             steps=args.steps, prompts_per_step=work["prompts"], n=work["n"],
                             max_new_tokens=work["new_tokens"], lr=args.lr, temperature=1.0, precision=precision,
                             tf32=not args.p40_path, gradient_checkpointing=True,
-                            micro_batch=work["trl_micro_batch"], cpu=not on_gpu, seed=1)
-                records = sides.start_trl(spec, os.path.join(root, "trl_spec.json"))
+                            micro_batch=work["trl_micro_batch"], cpu=not on_gpu, seed=1,
+                            weights_dtype="bf16" if run == "trl-bf16w" else "fp32")
+                records = sides.start_trl(spec, os.path.join(root, f"{run}_spec.json"))
                 columns = {name: trl_key for name, (_, trl_key) in COLUMNS.items()}
             else:
                 if run == "ppo":
@@ -201,7 +205,7 @@ def main() -> int:
                 records = sides.run_rlanywhere(run_dir, overrides)
                 columns = {name: ours_key for name, (ours_key, _) in COLUMNS.items()}
             results[run] = steady_summary(records, columns, args.warmup)
-            if run != "trl":
+            if not run.startswith("trl"):
                 with open(os.path.join(run_dir, "plan.json")) as handle:
                     plan = json.load(handle)
                 results[run]["plan"] = {k: plan.get(k) for k in ("precision", "gradient_checkpointing",
