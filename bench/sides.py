@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -203,8 +204,8 @@ def run_trl(spec: dict) -> None:
 
     spec keys: model_dir, train_parquet, out, steps (generations: rlanywhere's steps), prompts_per_step, n,
     mini_prompts (prompts per optimizer step, default all), max_new_tokens, lr, weight_decay, temperature,
-    precision (bf16 | fp32), weights_dtype (fp32 | bf16), tf32 (bool), gradient_checkpointing, micro_batch (completions per forward/backward),
-    seed, max_seconds (stop after this much wall time, at a generation's end); for held-out accuracy also
+    precision (bf16 | fp32), weights_dtype (fp32 | bf16), tf32 (bool), gradient_checkpointing, micro_batch
+    (completions per forward/backward), seed, max_seconds (stop after this much wall time, at a generation's end); for held-out accuracy also
     val_parquet, val_max_samples, test_freq (in steps), max_prompt_length.
     Records carry `step` in generations (rlanywhere's step) and `optimizer_step`."""
     import torch
@@ -346,12 +347,17 @@ def start_trl(spec: dict, spec_path: str) -> list[dict]:
     return read_jsonl(spec["out"])
 
 
+# Every bench run of rlanywhere: fresh, no validation unless the caller asks again, no checkpoints, console only.
+BENCH_RUN_OVERRIDES = ("trainer.resume_mode=disable", "trainer.val_before_train=false", "trainer.test_freq=0",
+                       "trainer.save_freq=0", "trainer.logger=[console]")
+
+
 def run_rlanywhere(run_dir: str, overrides: list[str]) -> list[dict]:
     """`rlanywhere train OVERRIDES` in a subprocess (no validation unless asked, no checkpoints); its metrics.jsonl."""
     from rlanywhere.tracking import read_metrics
 
-    command = [sys.executable, "-m", "rlanywhere.cli", "train", "trainer.val_before_train=false",
-               "trainer.test_freq=0", "trainer.save_freq=0", "trainer.logger=[console]",
+    shutil.rmtree(run_dir, ignore_errors=True)  # a bench run is always a fresh run
+    command = [sys.executable, "-m", "rlanywhere.cli", "train", *BENCH_RUN_OVERRIDES,
                f"trainer.default_local_dir={run_dir}", *overrides]
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True, env=bench_env())

@@ -58,8 +58,10 @@ def test_format_table_prints_dashes_for_missing_cells():
 # ---------------------------------------------------------------- overrides are keys rlanywhere accepts
 def test_vs_trl_overrides_load_as_rlanywhere_config():
     work = dict(prompts=16, n=8, new_tokens=256, max_prompt_length=256)
-    cfg = load_config(None, vs_trl.grpo_overrides(work, "/m", "/p.parquet", 1e-6, 5)
-                      + ["actor_rollout_ref.model.enable_gradient_checkpointing=true"])
+    overrides = vs_trl.grpo_overrides(work, "/m", "/p.parquet", 1e-6, 5)
+    cfg = load_config(None, [*sides.BENCH_RUN_OVERRIDES, *overrides,
+                             "actor_rollout_ref.model.enable_gradient_checkpointing=true"])
+    assert cfg.trainer.resume_mode == "disable" and cfg.trainer.save_freq == 0
     assert (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, cfg.data.max_response_length) == (16, 8, 256)
     assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 16  # one optimizer step a step, as TRL's run
     assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6 and cfg.algorithm.adv_estimator == "grpo"
@@ -78,6 +80,10 @@ def test_demo_profile_as_overrides_is_the_demo_profile():
     as_base = load_config(None, [], base=OmegaConf.create(profile))
     as_overrides = load_config(None, tta.flatten_overrides(profile))
     assert OmegaConf.to_container(as_overrides) == OmegaConf.to_container(as_base)
+    # and the validation time_to_accuracy turns back on after the bench defaults (later overrides win)
+    cfg = load_config(None, list(sides.BENCH_RUN_OVERRIDES) + tta.flatten_overrides(profile)
+                      + ["trainer.val_before_train=true", "trainer.test_freq=5"])
+    assert cfg.trainer.val_before_train is True and cfg.trainer.test_freq == 5
 
 
 def test_gae_keeps_the_step_sequences_with_one_sample_a_prompt():
