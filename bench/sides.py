@@ -205,8 +205,8 @@ def run_trl(spec: dict) -> None:
     spec keys: model_dir, train_parquet, out, steps (generations: rlanywhere's steps), prompts_per_step, n,
     mini_prompts (prompts per optimizer step, default all), max_new_tokens, lr, weight_decay, temperature,
     precision (bf16 | fp32), weights_dtype (fp32 | bf16), tf32 (bool), gradient_checkpointing, micro_batch
-    (completions per forward/backward), seed, max_seconds (stop after this much wall time, at a generation's end); for held-out accuracy also
-    val_parquet, val_max_samples, test_freq (in steps), max_prompt_length.
+    (completions per forward/backward), seed, max_seconds (stop after this much wall time, at a generation's end);
+    for held-out accuracy also val_parquet, val_max_samples, test_freq (in steps), max_prompt_length.
     Records carry `step` in generations (rlanywhere's step) and `optimizer_step`."""
     import torch
     from datasets import Dataset
