@@ -119,15 +119,15 @@ PPO_SIZES = {"full": dict(prompts=256, response=512, mini=64), "tiny": dict(prom
 
 
 def ppo_overrides(model_dir: str, parquet: str, steps: int, sizes: dict) -> list[str]:
-    """PPO with the critic: actor lr 1e-6, critic lr 1e-5, KL coefficient 0.001 as verl's recipe; micro-batches
-    are the planner's."""
+    """PPO with the critic: actor lr 1e-6, critic lr 1e-5 as verl's recipe, no KL term (verl's default
+    use_kl_in_reward=false, use_kl_loss=false); micro-batches are the planner's."""
     return [f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={parquet}", f"data.val_files={parquet}",
             f"data.train_batch_size={sizes['prompts']}", "data.max_prompt_length=512",
             f"data.max_response_length={sizes['response']}", "actor_rollout_ref.rollout.n=1",
             "actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.actor.optim.lr=1e-6",
             "critic.optim.lr=1e-5", f"actor_rollout_ref.actor.ppo_mini_batch_size={sizes['mini']}",
-            "algorithm.adv_estimator=gae",
-            "algorithm.kl_ctrl.kl_coef=0.001", f"trainer.total_training_steps={steps}"]
+            "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=false",
+            "actor_rollout_ref.actor.use_kl_loss=false", f"trainer.total_training_steps={steps}"]
 
 
 def main() -> int:
