@@ -1,0 +1,238 @@
+"""rlanywhere against TRL's GRPOTrainer on the same work: samples/s, phase times, peak memory, and the ratio.
+
+Both frameworks load the same model directory (written once by `sides.materialize_model`), train on the same
+prompts with the same group size, lengths, learning rate and precision, each in its own subprocess of this one.
+Default work (issue 15): a Qwen2.5-0.5B-shaped body (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate
+4864) with the SmolLM2 tokenizer's 49,152-token vocabulary and random weights, 16 prompts x 8 samples, 256 new
+tokens (random weights practically never emit EOS: the mean response length is printed for both), lr 1e-6, no KL,
+temperature 1, bf16 autocast over fp32 master weights, TRL with gradient checkpointing (its default).
+
+    # one H200: TRL, rlanywhere with checkpointing forced on like TRL, rlanywhere as its planner decides
+    python bench/vs_trl.py --out vs_trl_bf16.json
+    # the P40 path: TRL in fp32 with TF32 off against rlanywhere --emulate p40 (fp32, TF32 off, 22.4 GiB cap)
+    python bench/vs_trl.py --p40-path --out vs_trl_p40.json
+    # PPO with the critic at verl's single-GPU recipe size (256 prompts, response 512), rlanywhere only
+    python bench/vs_trl.py --runs ppo --steps 3 --out ppo_verl_size.json
+    # real SmolLM2-135M-Instruct weights on GSM8K questions instead of the random body
+    python bench/vs_trl.py --model smollm2-135m --gsm8k ../shared/data/gsm8k
+    # develop on a CPU in about a minute: tiny random model, 4 prompts x 4 samples, 16 new tokens
+    python bench/vs_trl.py --tiny
+
+Timing: each run does --steps optimizer steps; the first --warmup steps (CUDA graph capture, allocator and
+autotuning warm-up) are dropped, the rest give the median step time and phases, and the highest peak memory
+(torch.cuda.max_memory_allocated, reset at every step in both frameworks; the process RSS high-water mark on a
+CPU). TRL's "generate" phase is its whole `_generate_and_score_completions` (generation, reward, advantages);
+its "update" is the rest of the optimizer step. TRL absent: one line says so and rlanywhere runs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import sides  # noqa: E402
+
+RUNS = {
+    "trl": "TRL GRPOTrainer (no vLLM), gradient checkpointing on, fp32 master weights as ours",
+    "trl-bf16w": "TRL GRPOTrainer as above with the model loaded in bf16 (no fp32 master weights; bf16 only)",
+    "ours-ckpt": "rlanywhere, gradient checkpointing forced on like TRL",
+    "ours-plan": "rlanywhere, the planner's choice",
+    "ppo": "rlanywhere PPO + critic (GAE), verl's single-GPU recipe size",
+}
+# (metric in rlanywhere's metrics.jsonl, the same metric in the TRL side's records)
+COLUMNS = {
+    "s/step": ("perf/step_time_s", "perf/step_time_s"),
+    "generate s": ("timing/rollout", "timing/generate_and_score"),
+    "update s": ("timing/update_actor", "timing/update"),
+    "critic s": ("timing/update_critic", None),
+    "resp len": ("response_length/mean", "response_length/mean"),
+}
+
+
+def steady_summary(records: list[dict], columns: dict[str, str | None], warmup: int) -> dict:
+    """Median of each column over the steps after `warmup`, and the highest peak memory over those steps."""
+    steady = [r for r in records if "perf/step_time_s" in r][warmup:]
+    if not steady:
+        raise SystemExit(f"no steady steps to summarise ({len(records)} records, warm-up {warmup}): raise --steps")
+    summary = {"steps_timed": len(steady)}
+    for name, key in columns.items():
+        values = [r[key] for r in steady if key and isinstance(r.get(key), (int, float))]
+        summary[name] = statistics.median(values) if values else None
+    peaks = [r["perf/peak_memory_gib"] for r in steady if "perf/peak_memory_gib" in r]
+    summary["peak GiB"] = max(peaks) if peaks else None
+    return summary
+
+
+def with_throughput(summary: dict, samples_per_step: int, reference_samples_per_s: float | None) -> dict:
+    """Add samples/s (sequences trained per second) and the ratio to the reference run's samples/s."""
+    out = dict(summary)
+    out["samples/s"] = samples_per_step / summary["s/step"] if summary.get("s/step") else None
+    out["x TRL"] = (out["samples/s"] / reference_samples_per_s
+                    if out["samples/s"] and reference_samples_per_s else None)
+    return out
+
+
+def format_table(rows: list[tuple[str, dict]]) -> str:
+    names = ["s/step", "samples/s", "x TRL", "generate s", "update s", "critic s", "peak GiB", "resp len"]
+    width = max(len(label) for label, _ in rows) + 2
+    lines = [f"{'run':<{width}}" + "".join(f"{n:>11}" for n in names)]
+    for label, summary in rows:
+        cells = [summary.get(n) for n in names]
+        lines.append(f"{label:<{width}}" + "".join(f"{c:>11.3f}" if isinstance(c, (int, float)) else f"{'-':>11}"
+                                                   for c in cells))
+    return "\n".join(lines)
+
+
+def work_from_args(args) -> dict:
+    if args.tiny:
+        return dict(shape="tiny", prompts=4, n=4, new_tokens=16, max_prompt_length=256, trl_micro_batch=8)
+    return dict(shape=args.model, prompts=args.prompts, n=args.n, new_tokens=args.new_tokens,
+                max_prompt_length=args.max_prompt_length, trl_micro_batch=args.trl_micro_batch)
+
+
+def precision_overrides(args, on_gpu: bool) -> list[str]:
+    if not on_gpu:
+        return ["hardware.device=cpu"]
+    return ["hardware.emulate=p40"] if args.p40_path else ["hardware.precision=bf16"]
+
+
+def grpo_overrides(work: dict, model_dir: str, parquet: str, lr: float, steps: int) -> list[str]:
+    return [f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={parquet}", f"data.val_files={parquet}",
+            f"data.train_batch_size={work['prompts']}", f"data.max_prompt_length={work['max_prompt_length']}",
+            f"data.max_response_length={work['new_tokens']}", f"actor_rollout_ref.rollout.n={work['n']}",
+            "actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.rollout.top_p=1.0",
+            f"actor_rollout_ref.actor.optim.lr={lr}", "actor_rollout_ref.actor.use_kl_loss=false",
+            "algorithm.use_kl_in_reward=false", f"actor_rollout_ref.actor.ppo_mini_batch_size={work['prompts']}",
+            "algorithm.adv_estimator=grpo", f"trainer.total_training_steps={steps}"]
+
+
+# verl's single-GPU PPO quick-start recipe (GSM8K, Qwen2.5-0.5B): 256 prompts, one response each of up to 512
+# tokens, mini-batch 64 (--tiny: a CPU-sized version of it).
+PPO_SIZES = {"full": dict(prompts=256, response=512, mini=64), "tiny": dict(prompts=8, response=16, mini=4)}
+
+
+def ppo_overrides(model_dir: str, parquet: str, steps: int, sizes: dict) -> list[str]:
+    """PPO with the critic: actor lr 1e-6, critic lr 1e-5 as verl's recipe, no KL term (verl's default
+    use_kl_in_reward=false, use_kl_loss=false); micro-batches are the planner's."""
+    return [f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={parquet}", f"data.val_files={parquet}",
+            f"data.train_batch_size={sizes['prompts']}", "data.max_prompt_length=512",
+            f"data.max_response_length={sizes['response']}", "actor_rollout_ref.rollout.n=1",
+            "actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.actor.optim.lr=1e-6",
+            "critic.optim.lr=1e-5", f"actor_rollout_ref.actor.ppo_mini_batch_size={sizes['mini']}",
+            "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=false",
+            "actor_rollout_ref.actor.use_kl_loss=false", f"trainer.total_training_steps={steps}"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default="trl,ours-ckpt,ours-plan", help=f"comma list of {sorted(RUNS)}")
+    parser.add_argument("--p40-path", action="store_true",
+                        help="fp32 with TF32 off: TRL without bf16, rlanywhere with --emulate p40")
+    parser.add_argument("--model", default="qwen2.5-0.5b",
+                        help=f"random-weight shape {sorted(sides.SHAPES)} or {sides.REAL_SMOLLM2} (real weights)")
+    parser.add_argument("--gsm8k", default=None, help="GSM8K jsonl directory for the prompts (default: "
+                        "../shared/data/gsm8k or tests/data/gsm8k when present, else 2-digit additions)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--max-prompt-length", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
+    parser.add_argument("--trl-micro-batch", type=int, default=16,
+                        help="TRL per_device_train_batch_size (completions per forward/backward); gradient "
+                             "accumulation makes up the rest of prompts x n")
+    parser.add_argument("--tiny", action="store_true", help="tiny random model and sizes, for a CPU")
+    parser.add_argument("--work-dir", default=None, help="where the model and prompts are written (kept; "
+                        "default: a temporary directory)")
+    parser.add_argument("--out", default=None, help="write the summaries as JSON here")
+    args = parser.parse_args()
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        raise SystemExit(f"--runs: unknown {unknown}; choose from {sorted(RUNS)}")
+    if args.steps <= args.warmup:
+        raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    if any(r.startswith("trl") for r in runs) and not sides.trl_available():
+        print(sides.TRL_MISSING, flush=True)
+        runs = [r for r in runs if not r.startswith("trl")]
+    if args.p40_path and "trl-bf16w" in runs:
+        raise SystemExit("--runs trl-bf16w is a bf16 run; the P40 path is fp32")
+
+    import torch
+
+    on_gpu = torch.cuda.is_available() and not args.tiny
+    work = work_from_args(args)
+    precision = "fp32" if args.p40_path or not on_gpu else "bf16"
+    ppo_sizes = PPO_SIZES["tiny" if args.tiny else "full"]
+    with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
+        root = args.work_dir or tmp
+        model_dir = sides.materialize_model(os.path.join(root, f"model-{work['shape']}"), work["shape"])
+        gsm8k = args.gsm8k or sides.default_gsm8k_dir()
+        parquet, what = sides.prepare_prompts(root, work["prompts"], gsm8k)
+        print(f"prompts: {what}; model: {work['shape']} in {model_dir}; precision: {precision}"
+              f"{' (TF32 off, rlanywhere --emulate p40)' if args.p40_path else ''}", flush=True)
+        samples = work["prompts"] * work["n"]
+        base = grpo_overrides(work, model_dir, parquet, args.lr, args.steps) + precision_overrides(args, on_gpu)
+        results: dict[str, dict] = {}
+        for run in runs:
+            run_dir = os.path.join(root, "runs", run)
+            if run.startswith("trl"):
+                spec = dict(model_dir=model_dir, train_parquet=parquet, out=os.path.join(root, f"{run}_steps.jsonl"),
+                            steps=args.steps, prompts_per_step=work["prompts"], n=work["n"],
+                            max_new_tokens=work["new_tokens"], lr=args.lr, temperature=1.0, precision=precision,
+                            tf32=not args.p40_path, gradient_checkpointing=True,
+                            micro_batch=work["trl_micro_batch"], cpu=not on_gpu, seed=1,
+                            weights_dtype="bf16" if run == "trl-bf16w" else "fp32")
+                records = sides.start_trl(spec, os.path.join(root, f"{run}_spec.json"))
+                columns = {name: trl_key for name, (_, trl_key) in COLUMNS.items()}
+            else:
+                if run == "ppo":
+                    ppo_parquet, _ = sides.prepare_prompts(root, ppo_sizes["prompts"], gsm8k)
+                    overrides = (ppo_overrides(model_dir, ppo_parquet, args.steps, ppo_sizes)
+                                 + precision_overrides(args, on_gpu))
+                elif run == "ours-ckpt":
+                    overrides = base + ["actor_rollout_ref.model.enable_gradient_checkpointing=true"]
+                else:
+                    overrides = base
+                records = sides.run_rlanywhere(run_dir, overrides)
+                columns = {name: ours_key for name, (ours_key, _) in COLUMNS.items()}
+            results[run] = steady_summary(records, columns, args.warmup)
+            if not run.startswith("trl"):
+                with open(os.path.join(run_dir, "plan.json")) as handle:
+                    plan = json.load(handle)
+                results[run]["plan"] = {k: plan.get(k) for k in ("precision", "gradient_checkpointing",
+                                                                  "actor_micro_batch_size",
+                                                                  "max_token_len_per_micro_batch",
+                                                                  "attn_implementation", "rollout_engine")}
+
+    reference = None
+    if "trl" in results:
+        reference = samples / results["trl"]["s/step"]
+    rows = []
+    for run, summary in results.items():
+        per_step = ppo_sizes["prompts"] if run == "ppo" else samples
+        results[run] = with_throughput(summary, per_step, reference if run != "ppo" else None)
+        rows.append((run, results[run]))
+    print(f"\n{samples} samples/step ({work['prompts']} prompts x {work['n']}), {work['new_tokens']} new tokens, "
+          f"{precision}; medians over steps {args.warmup + 1}..{args.steps}")
+    print(format_table(rows))
+    for run in results:
+        print(f"  {run}: {RUNS[run]}" + (f"; plan {results[run]['plan']}" if "plan" in results[run] else ""))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"work": work, "precision": precision, "p40_path": args.p40_path, "steps": args.steps,
+                       "warmup": args.warmup, "runs": results}, handle, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

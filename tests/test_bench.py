@@ -1,0 +1,149 @@
+"""The TRL comparison benches' own logic (bench/vs_trl.py, bench/time_to_accuracy.py, bench/sides.py), against
+hand-computed numbers; and that every override the benches pass is a key rlanywhere's config accepts."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+import sides  # noqa: E402
+import time_to_accuracy as tta  # noqa: E402
+import vs_trl  # noqa: E402
+
+from rlanywhere.cli import demo_profile  # noqa: E402
+from rlanywhere.config import load_config  # noqa: E402
+
+
+# ---------------------------------------------------------------- vs_trl: steady-state summary
+def test_steady_summary_drops_warmup_takes_medians_and_highest_peak():
+    records = [
+        {"step": 1, "perf/step_time_s": 9.0, "timing/rollout": 5.0, "perf/peak_memory_gib": 30.0},  # warm-up
+        {"step": 2, "perf/step_time_s": 2.0, "timing/rollout": 1.0, "perf/peak_memory_gib": 10.0},
+        {"step": 3, "perf/step_time_s": 4.0, "timing/rollout": 3.0, "perf/peak_memory_gib": 12.0},
+        {"step": 4, "perf/step_time_s": 3.0, "timing/rollout": 2.0, "perf/peak_memory_gib": 11.0},
+        {"step": 4, "val/acc": 0.5},  # a validation record: no step time, not a step
+    ]
+    summary = vs_trl.steady_summary(records, {"s/step": "perf/step_time_s", "generate s": "timing/rollout",
+                                              "critic s": None, "update s": "timing/update_actor"}, warmup=1)
+    # steps 2..4: times 2, 4, 3 -> median 3; rollout 1, 3, 2 -> 2; peak max(10, 12, 11) = 12 (not the warm-up's 30)
+    assert summary == {"steps_timed": 3, "s/step": 3.0, "generate s": 2.0, "critic s": None, "update s": None,
+                       "peak GiB": 12.0}
+
+
+def test_steady_summary_without_steady_steps_says_raise_steps():
+    with pytest.raises(SystemExit, match="raise --steps"):
+        vs_trl.steady_summary([{"step": 1, "perf/step_time_s": 1.0}], {"s/step": "perf/step_time_s"}, warmup=1)
+
+
+def test_throughput_and_ratio_to_trl():
+    # 128 samples in 1.6 s = 80 samples/s; TRL at 16 samples/s -> 5x
+    out = vs_trl.with_throughput({"s/step": 1.6}, 128, 16.0)
+    assert out["samples/s"] == pytest.approx(80.0)
+    assert out["x TRL"] == pytest.approx(5.0)
+    assert vs_trl.with_throughput({"s/step": 1.6}, 128, None)["x TRL"] is None
+
+
+def test_format_table_prints_dashes_for_missing_cells():
+    table = vs_trl.format_table([("trl", {"s/step": 5.0, "samples/s": 25.6})])
+    header, row = table.splitlines()
+    assert header.split()[:3] == ["run", "s/step", "samples/s"]
+    assert row.split()[:4] == ["trl", "5.000", "25.600", "-"]
+
+
+# ---------------------------------------------------------------- overrides are keys rlanywhere accepts
+def test_vs_trl_overrides_load_as_rlanywhere_config():
+    work = dict(prompts=16, n=8, new_tokens=256, max_prompt_length=256)
+    overrides = vs_trl.grpo_overrides(work, "/m", "/p.parquet", 1e-6, 5)
+    cfg = load_config(None, [*sides.BENCH_RUN_OVERRIDES, *overrides,
+                             "actor_rollout_ref.model.enable_gradient_checkpointing=true"])
+    assert cfg.trainer.resume_mode == "disable" and cfg.trainer.save_freq == 0
+    assert (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, cfg.data.max_response_length) == (16, 8, 256)
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 16  # one optimizer step a step, as TRL's run
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6 and cfg.algorithm.adv_estimator == "grpo"
+    ppo = load_config(None, vs_trl.ppo_overrides("/m", "/p.parquet", 3, vs_trl.PPO_SIZES["full"]))
+    assert (ppo.data.train_batch_size, ppo.data.max_response_length, ppo.actor_rollout_ref.actor.ppo_mini_batch_size,
+            ppo.critic.optim.lr, ppo.algorithm.adv_estimator) == (256, 512, 64, 1e-5, "gae")
+
+
+def test_flatten_overrides_hand_example():
+    tree = {"a": {"b": 1, "c": True, "d": ["x", "y"]}, "e": 0.5}
+    assert tta.flatten_overrides(tree) == ["a.b=1", "a.c=true", "a.d=[x,y]", "e=0.5"]
+
+
+def test_demo_profile_as_overrides_is_the_demo_profile():
+    profile = demo_profile(on_gpu=True)
+    as_base = load_config(None, [], base=OmegaConf.create(profile))
+    as_overrides = load_config(None, tta.flatten_overrides(profile))
+    assert OmegaConf.to_container(as_overrides) == OmegaConf.to_container(as_base)
+    # and the validation time_to_accuracy turns back on after the bench defaults (later overrides win)
+    cfg = load_config(None, list(sides.BENCH_RUN_OVERRIDES) + tta.flatten_overrides(profile)
+                      + ["trainer.val_before_train=true", "trainer.test_freq=5"])
+    assert cfg.trainer.val_before_train is True and cfg.trainer.test_freq == 5
+
+
+def test_gae_keeps_the_step_sequences_with_one_sample_a_prompt():
+    profile = demo_profile(on_gpu=True)  # 64 prompts x 8, mini-batch 32 prompts
+    cfg = load_config(None, tta.flatten_overrides(profile) + tta.algorithm_overrides("gae", profile))
+    assert cfg.actor_rollout_ref.rollout.n == 1
+    assert cfg.data.train_batch_size == 512 and cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 256
+    assert tta.algorithm_overrides("rloo", profile) == ["algorithm.adv_estimator=rloo"]
+
+
+# ---------------------------------------------------------------- time to accuracy: curves and the card
+def test_curve_from_rlanywhere_sums_step_times_without_validation():
+    records = [
+        {"step": 0, "val/acc": 0.1, "val/format": 0.0},
+        {"step": 1, "perf/step_time_s": 30.0},
+        {"step": 2, "perf/step_time_s": 30.0, "val/acc": 0.6, "val/format": 0.5},
+        {"step": 3, "perf/step_time_s": 60.0},
+        {"step": 4, "perf/step_time_s": 60.0, "val/acc": 0.9},
+    ]
+    # minutes: step 2 -> 60 s = 1.0; step 4 -> 180 s = 3.0
+    assert tta.curve_from_rlanywhere(records) == [
+        {"step": 0, "minutes": 0.0, "acc": 0.1, "format": 0.0},
+        {"step": 2, "minutes": 1.0, "acc": 0.6, "format": 0.5},
+        {"step": 4, "minutes": 3.0, "acc": 0.9, "format": None}]
+
+
+def test_curve_from_trl_reads_evaluation_records_only():
+    records = [{"step": 0, "train_seconds": 0.0, "val/acc": 0.2, "val/format": 0.1},
+               {"step": 1, "optimizer_step": 2, "perf/step_time_s": 90.0, "train_seconds": 90.0},
+               {"step": 1, "train_seconds": 90.0, "val/acc": 0.4, "val/format": 0.3}]
+    assert tta.curve_from_trl(records) == [{"step": 0, "minutes": 0.0, "acc": 0.2, "format": 0.1},
+                                           {"step": 1, "minutes": 1.5, "acc": 0.4, "format": 0.3}]
+
+
+def test_minutes_to_reach_first_crossing_or_none():
+    points = [{"step": 0, "minutes": 0.0, "acc": 0.2}, {"step": 5, "minutes": 1.0, "acc": 0.55},
+              {"step": 10, "minutes": 2.0, "acc": 0.45}, {"step": 15, "minutes": 3.0, "acc": 0.8}]
+    assert tta.minutes_to_reach(points, 0.5) == 1.0  # first at or above, even though it dips later
+    assert tta.minutes_to_reach(points, 0.8) == 3.0  # "at or above": 0.8 counts
+    assert tta.minutes_to_reach(points, 0.9) is None
+
+
+def test_card_row():
+    result = {"task": "t", "model": "m", "hardware": "h", "label": "rlanywhere grpo",
+              "points": [{"step": 0, "minutes": 0.0, "acc": 0.17}, {"step": 10, "minutes": 0.5, "acc": 0.6},
+                         {"step": 60, "minutes": 2.25, "acc": 0.855}]}
+    assert tta.card_rows([result]) == [
+        "| t | m | h | rlanywhere grpo | 0.50 | 2.25 | 0.170 -> 0.855 in 60 steps, 2.25 min |"]
+
+
+# ---------------------------------------------------------------- the TRL side's reward adapter
+def test_completion_text_conversational_and_plain():
+    assert sides.completion_text([{"role": "assistant", "content": "12 + 3 = "}, {"role": "assistant",
+                                                                                  "content": "15"}]) == "12 + 3 = 15"
+    assert sides.completion_text("#### 7") == "#### 7"
+
+
+def test_rlanywhere_reward_in_trl_signature_scores_like_rewards_py():
+    completions = [[{"role": "assistant", "content": "so #### 15"}], [{"role": "assistant", "content": "it is 14"}],
+                   [{"role": "assistant", "content": "#### 72"}]]
+    scores = sides.rlanywhere_reward(completions, ground_truth=["15", "15", "72"],
+                                     data_source=["arithmetic", "arithmetic", "openai/gsm8k"], prompts=None)
+    assert scores == [1.0, 0.0, 1.0]
