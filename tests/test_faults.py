@@ -8,6 +8,7 @@ import errno
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,56 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     with pytest.raises(CheckpointError, match="model.norm.weight.*global_step_1"):
         _save(tmp_path, 2, actor, opt)
     assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path))] == ["global_step_1"]
+
+
+# ------------------------------------------------------------------------------------------------ rewards
+def test_reward_non_numbers_and_sys_exit_are_counted_errors():
+    from rlanywhere.rewards import RewardManager
+
+    def scorer(data_source, solution_str, ground_truth, extra_info=None):
+        import sys
+
+        return {"str": "1.0", "bool": True, "np": np.float32(0.5), "tensor": torch.tensor(0.25),
+                "dict_str": {"score": "1"}, "exit": None}.get(solution_str) if solution_str != "exit" else sys.exit(3)
+
+    manager = RewardManager(scorer)
+    scores, info = manager(["str", "bool", "np", "tensor", "dict_str", "exit"], ["1"] * 6, ["x"] * 6)
+    assert scores.tolist() == [0.0, 0.0, 0.5, 0.25, 0.0, 0.0]
+    assert info["num_errors"] == 4
+    assert "SystemExit" in manager.last_error
+
+
+@pytest.mark.slow
+def test_hanging_reward_times_out_scores_zero_and_the_stuck_pool_is_replaced():
+    import time
+
+    from rlanywhere.rewards import RewardManager
+
+    def scorer(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "sleep":
+            time.sleep(60)  # interruptible: SIGALRM cuts it at the per-call limit
+        if solution_str == "stuck":
+            import signal
+
+            signal.signal(signal.SIGALRM, signal.SIG_IGN)  # as if stuck in C code: the alarm cannot stop it
+            time.sleep(60)
+        if solution_str == "exit":
+            import sys
+
+            sys.exit(3)
+        return 1.0
+
+    manager = RewardManager(scorer, timeout_s=1.0, num_workers=2)
+    try:
+        start = time.monotonic()
+        scores, info = manager(["ok", "sleep", "exit", "ok"], ["1"] * 4, ["x"] * 4)
+        assert scores.tolist() == [1.0, 0.0, 0.0, 1.0] and info["num_errors"] == 2
+        assert time.monotonic() - start < 10
+        scores, info = manager(["stuck", "ok", "ok"], ["1"] * 3, ["x"] * 3)
+        assert scores.tolist() == [0.0, 1.0, 1.0] and info["num_errors"] == 1
+        assert manager.pools_replaced == 1 and "replaced" in manager.last_error
+        assert time.monotonic() - start < 20
+        scores, info = manager(["ok", "ok"], ["1"] * 2, ["x"] * 2)  # the new pool works
+        assert scores.tolist() == [1.0, 1.0] and info["num_errors"] == 0
+    finally:
+        manager.close()
