@@ -202,3 +202,71 @@ def test_hanging_reward_times_out_scores_zero_and_the_stuck_pool_is_replaced():
         assert scores.tolist() == [1.0, 1.0] and info["num_errors"] == 0
     finally:
         manager.close()
+
+
+# ------------------------------------------------------------------------------------------------ data
+def _dataset(path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from rlanywhere.data import RLDataset
+
+    return RLDataset([str(path)], AutoTokenizer.from_pretrained(tiny_model_dir), max_prompt_length=64)
+
+
+@pytest.mark.parametrize("damage, expected", [
+    # a struct field left out of one row reads back as null: parquet has one schema for all rows
+    (lambda row: row["reward_model"].pop("ground_truth"), "row 5 (0-based): reward_model.ground_truth is null"),
+    (lambda row: row["reward_model"].update(ground_truth=" "), "row 5 (0-based): reward_model.ground_truth is empty"),
+    (lambda row: row["reward_model"].update(ground_truth=None), "row 5 (0-based): reward_model.ground_truth is null"),
+    (lambda row: row.update(reward_model=None), "row 5 (0-based): column 'reward_model' is null"),
+    (lambda row: row.update(prompt=None), "row 5 (0-based): column 'prompt' is null"),
+], ids=["ground_truth_left_out", "ground_truth_blank", "ground_truth_null", "reward_model_null", "prompt_null"])
+def test_a_bad_row_is_named_by_file_row_and_column(tmp_path, arith_data, tiny_model_dir, damage, expected):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlanywhere.data import DataError
+
+    rows = pq.read_table(arith_data / "test.parquet").to_pylist()
+    for row in rows:
+        row["reward_model"] = dict(row["reward_model"])
+    damage(rows[5])
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DataError) as info:
+        _dataset(path, tiny_model_dir)
+    assert str(path) in str(info.value) and expected in str(info.value)
+
+
+@pytest.mark.parametrize("content", ['{"question": "1+1", "answer": "2"}\n', "question,answer\n1+1,2\n",
+                                     "\0\1garbage"])
+def test_non_parquet_data_is_one_line_naming_the_file_and_prepare_generic(tmp_path, tiny_model_dir, content):
+    from rlanywhere.data import DataError
+
+    path = tmp_path / "train.parquet"
+    path.write_text(content)
+    with pytest.raises(DataError, match="not a readable parquet file.*rlanywhere prepare generic") as info:
+        _dataset(path, tiny_model_dir)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------ CPU memory
+def test_cpu_allocation_failure_shrinks_the_plan_like_cuda_oom():
+    from types import SimpleNamespace
+
+    from rlanywhere.oom import OOMGuard, is_oom_error
+
+    cpu_message = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                   "to allocate 34359738368 bytes. Error code 12 (Cannot allocate memory)")
+    assert is_oom_error(RuntimeError(cpu_message)) and is_oom_error(MemoryError())
+    plan = SimpleNamespace(actor_micro_batch_size=8)
+    sizes = []
+
+    def phase(size):
+        sizes.append(size)
+        if size > 2:
+            raise RuntimeError(cpu_message)
+        return size
+
+    assert OOMGuard(plan, log_fn=lambda _: None).run("actor_update", phase, "actor_micro_batch_size") == 2
+    assert sizes == [8, 4, 2] and plan.actor_micro_batch_size == 2
