@@ -270,3 +270,141 @@ def test_cpu_allocation_failure_shrinks_the_plan_like_cuda_oom():
 
     assert OOMGuard(plan, log_fn=lambda _: None).run("actor_update", phase, "actor_micro_batch_size") == 2
     assert sizes == [8, 4, 2] and plan.actor_micro_batch_size == 2
+
+
+# ------------------------------------------------------------------------------------------------ runs
+def _overrides(model_dir, data_dir, run_dir, **extra):
+    from .test_e2e import base_overrides
+
+    settings = {"algorithm.adv_estimator": "grpo", "trainer.test_freq": -1, "trainer.val_before_train": False,
+                "trainer.save_freq": 1, "trainer.total_training_steps": 3}
+    return base_overrides(model_dir, data_dir, run_dir, **{**settings, **extra})
+
+
+def _trainer(overrides):
+    from rlanywhere.config import load_config
+    from rlanywhere.hardware import make_plan
+    from rlanywhere.trainer import RLTrainer
+
+    cfg = load_config(None, overrides)
+    return RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
+
+
+def _train_rows(run_dir):
+    from rlanywhere.tracking import read_metrics
+
+    return {m["step"]: m for m in read_metrics(run_dir) if "reward/mean" in m}
+
+
+@pytest.mark.slow
+def test_absurd_lr_stops_after_k_skipped_updates_naming_the_last_good_checkpoint(tiny_model_dir, arith_data,
+                                                                                 tmp_path):
+    from rlanywhere.trainer import TrainingStopped
+
+    # lr 1e5 with weight decay 0.01 multiplies every weight by -999 a step: inf activations, NaN grads in a few steps
+    trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
+        "actor_rollout_ref.actor.optim.lr": 1e5, "trainer.total_training_steps": 12,
+        "trainer.max_consecutive_nonfinite_updates": 2}))
+    with pytest.raises(TrainingStopped, match="2 optimizer updates in a row had a NaN/inf") as info:
+        trainer.fit()
+    assert trainer.global_step < 12
+    good = trainer.last_good_checkpoint
+    assert good and f"trainer.resume_from_path={good}" in str(info.value)
+    assert verify_checkpoint(good) is None
+    # every checkpoint on disk is finite: NaN weights are never saved
+    from rlanywhere.checkpoint import _load_safetensors_dir
+
+    for path in list_checkpoints(str(tmp_path / "run")):
+        assert all(torch.isfinite(t).all() for t in _load_safetensors_dir(os.path.join(path, "actor")).values())
+
+
+@pytest.mark.slow
+def test_every_reward_call_failing_stops_after_k_steps_and_shows_in_the_console(tiny_model_dir, arith_data,
+                                                                                  tmp_path, capsys):
+    from rlanywhere.trainer import TrainingStopped
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    raise ValueError('answer key not found')\n")
+    trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
+        "custom_reward_function.path": str(reward), "trainer.total_training_steps": 6,
+        "trainer.max_consecutive_failed_reward_steps": 2}))
+    with pytest.raises(TrainingStopped, match="every reward call failed for 2 steps.*answer key not found"):
+        trainer.fit()
+    assert trainer.global_step == 2
+    rows = _train_rows(tmp_path / "run")
+    assert [rows[s]["reward/errors"] for s in (1, 2)] == [8.0, 8.0]  # 4 prompts x 2 samples, all failed
+    captured = capsys.readouterr()
+    assert "reward/errors 8" in captured.out + captured.err
+
+
+# ------------------------------------------------------------------------------------------------ run directory
+def _cfg(run_dir, *extra):
+    from rlanywhere.config import load_config
+
+    return load_config(None, [f"trainer.default_local_dir={run_dir}", *extra])
+
+
+def _fake_checkpoint(run_dir, step, cfg):
+    from rlanywhere.config import to_yaml
+
+    path = run_dir / "checkpoints" / f"global_step_{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text("{}")
+    (path / "config.yaml").write_text(to_yaml(cfg))
+    return path
+
+
+def test_checkpoints_path_that_is_a_file_is_refused_before_loading(tmp_path):
+    from rlanywhere.runguard import RunDirError, prepare_run_dir
+
+    (tmp_path / "checkpoints").write_text("oops")
+    with pytest.raises(RunDirError, match="is a file, not a directory"):
+        prepare_run_dir(str(tmp_path), _cfg(tmp_path))
+
+
+def test_resume_mode_disable_over_an_earlier_run_refuses_unless_overwrite(tmp_path):
+    from rlanywhere.runguard import RunDirError, prepare_run_dir
+
+    _fake_checkpoint(tmp_path, 4, _cfg(tmp_path))
+    with pytest.raises(RunDirError, match="global_step_4.*overwrite_run_dir=true"):
+        prepare_run_dir(str(tmp_path), _cfg(tmp_path, "trainer.resume_mode=disable"))
+    assert (tmp_path / "checkpoints" / "global_step_4").exists()
+    lock = prepare_run_dir(str(tmp_path), _cfg(tmp_path, "trainer.resume_mode=disable",
+                                               "trainer.overwrite_run_dir=true"))
+    lock.release()
+    assert os.listdir(tmp_path / "checkpoints") == []  # never a mix of two runs
+
+
+@pytest.mark.parametrize("change", ["trainer.seed=9", "data.train_batch_size=8", "actor_rollout_ref.model.path=other",
+                                    "algorithm.adv_estimator=grpo", "data.train_files=other.parquet"])
+def test_resume_refuses_a_change_of_what_the_run_is(tmp_path, change):
+    """Also the shared default run dir: an unrelated run (other model/data/algorithm) is never continued."""
+    from rlanywhere.runguard import RunDirError, prepare_run_dir
+
+    _fake_checkpoint(tmp_path, 2, _cfg(tmp_path))
+    key = change.split("=")[0]
+    with pytest.raises(RunDirError, match=f"{key}: .* -> .*cannot change on resume"):
+        prepare_run_dir(str(tmp_path), _cfg(tmp_path, change))
+
+
+def test_resume_prints_what_changed_and_takes_the_new_value(tmp_path, caplog):
+    from rlanywhere.runguard import prepare_run_dir
+
+    _fake_checkpoint(tmp_path, 2, _cfg(tmp_path))
+    prepare_run_dir(str(tmp_path), _cfg(tmp_path, "actor_rollout_ref.actor.optim.lr=3e-5",
+                                        "trainer.total_training_steps=9")).release()
+    assert "actor_rollout_ref.actor.optim.lr changed 1e-06 -> 3e-05" in caplog.text
+    assert "trainer.total_training_steps changed None -> 9" in caplog.text
+
+
+@pytest.mark.slow
+def test_resumed_optimizer_uses_the_new_lr(tiny_model_dir, arith_data, tmp_path):
+    run = tmp_path / "run"
+    _trainer(_overrides(tiny_model_dir, arith_data, run, **{"trainer.total_training_steps": 1})).fit()
+    trainer = _trainer(_overrides(tiny_model_dir, arith_data, run, **{
+        "trainer.total_training_steps": 2, "actor_rollout_ref.actor.optim.lr": 2e-4}))
+    trainer.fit()
+    assert trainer.global_step == 2
+    assert [g["lr"] for g in trainer.optimizers["actor"].param_groups] == [2e-4]
+    assert _train_rows(run)[2]["actor/lr"] == pytest.approx(2e-4)
