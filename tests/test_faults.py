@@ -408,3 +408,114 @@ def test_resumed_optimizer_uses_the_new_lr(tiny_model_dir, arith_data, tmp_path)
     assert trainer.global_step == 2
     assert [g["lr"] for g in trainer.optimizers["actor"].param_groups] == [2e-4]
     assert _train_rows(run)[2]["actor/lr"] == pytest.approx(2e-4)
+
+
+# ------------------------------------------------------------------------------------------------ signals
+@pytest.mark.slow
+def test_sigterm_during_rollout_drops_the_step_saves_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path,
+                                                                         monkeypatch):
+    import signal
+
+    from rlanywhere.runguard import RunInterrupted
+    from rlanywhere.trainer import RLTrainer
+
+    extra = {"trainer.total_training_steps": 3, "trainer.save_freq": -1}  # the signal's save is the only one
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra)).fit()
+
+    original_score = RLTrainer.score
+
+    def score_then_preempted(self, items, rollout, n):
+        if self.global_step == 1:  # the second step, before any update: SIGTERM drops it
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_score(self, items, rollout, n)
+
+    monkeypatch.setattr(RLTrainer, "score", score_then_preempted)
+    with pytest.raises(RunInterrupted) as info:
+        _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
+    assert info.value.exit_code == 143 and info.value.step == 1
+    assert info.value.checkpoint.endswith("global_step_1") and verify_checkpoint(info.value.checkpoint) is None
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+    monkeypatch.setattr(RLTrainer, "score", original_score)
+
+    trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
+    trainer.fit()
+    a, b = _train_rows(tmp_path / "a"), _train_rows(tmp_path / "b")
+    assert sorted(b) == [1, 2, 3]
+    for step in (2, 3):
+        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/entropy"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_update_finishes_the_step_and_saves_it(tiny_model_dir, arith_data, tmp_path,
+                                                                monkeypatch, capsys):
+    import signal
+
+    from rlanywhere.runguard import RunInterrupted
+    from rlanywhere.trainer import RLTrainer
+
+    original_step = RLTrainer._optimizer_step
+    sent = []
+
+    def step_then_interrupted(self, model, optimizer, grad_clip):
+        norm = original_step(self, model, optimizer, grad_clip)
+        if self.global_step == 1 and not sent:  # after the first of the step's two mini-batch updates
+            sent.append(signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return norm
+
+    monkeypatch.setattr(RLTrainer, "_optimizer_step", step_then_interrupted)
+    with pytest.raises(RunInterrupted) as info:
+        _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
+            "trainer.total_training_steps": 5, "trainer.save_freq": -1})).fit()
+    assert info.value.exit_code == 130 and info.value.step == 2
+    assert info.value.checkpoint.endswith("global_step_2")
+    assert sorted(_train_rows(tmp_path / "run")) == [1, 2]
+    assert "SIGINT received: finishing the current step" in capsys.readouterr().err
+
+
+def _wait_for(condition, timeout_s: float, proc) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the training process exited early with {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out waiting for the training process"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame, exit_code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_signal_to_a_training_process_saves_and_exits_with_one_line(tiny_model_dir, arith_data, tmp_path, capsys,
+                                                                     signame, exit_code):
+    """A real child `rlanywhere train`; while it runs, a second run in the same directory is refused."""
+    import signal
+    import subprocess
+    import sys
+
+    import rlanywhere
+    from rlanywhere.cli import main as cli_main
+
+    run = tmp_path / "run"
+    args = _overrides(tiny_model_dir, arith_data, run, **{"trainer.total_training_steps": 500,
+                                                          "trainer.save_freq": -1})
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rlanywhere.__file__))}
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "rlanywhere.cli", "train", *args], stdout=out, stderr=err,
+                                env=env)
+    try:
+        _wait_for(lambda: bool(_train_rows(run)) if (run / "metrics.jsonl").exists() else False, 180, proc)
+        assert cli_main(["train", *args]) == 2
+        assert f"is in use by pid {proc.pid}" in capsys.readouterr().err
+        proc.send_signal(getattr(signal, signame))
+        assert proc.wait(timeout=120) == exit_code
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = (tmp_path / "err.txt").read_text()
+    assert "Traceback" not in err
+    stopped = [line for line in err.splitlines() if line.startswith(f"stopped by {signame} at step")]
+    assert len(stopped) == 1 and "saved" in stopped[0] and "run the same command to resume" in stopped[0]
+    saved = list_checkpoints(str(run))
+    assert len(saved) == 1 and verify_checkpoint(saved[0]) is None
+    assert sorted(_train_rows(run)) == list(range(1, int(saved[0].rsplit("_", 1)[1]) + 1))

@@ -187,6 +187,7 @@ def _init_worker(fn: Callable) -> None:
     global _worker_fn
     _worker_fn = fn
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal reaches the whole group: the parent handles it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's save-and-stop handler, inherited by fork
     signal.signal(signal.SIGALRM, _raise_timeout)
 
 
