@@ -411,6 +411,28 @@ def test_resumed_optimizer_uses_the_new_lr(tiny_model_dir, arith_data, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------ signals
+def test_stop_signals_drop_remember_and_a_second_signal_stops_at_once():
+    import signal
+    import time
+
+    from rlanywhere.runguard import RunInterrupted, StepDropped, StopSignals
+
+    with StopSignals() as stop:
+        stop.droppable = True
+        with pytest.raises(StepDropped):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # interrupted by the handler
+        assert stop.received == signal.SIGTERM and not stop.droppable
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)  # not droppable: only remembered
+        assert stop.received == signal.SIGINT
+        with pytest.raises(RunInterrupted, match="without saving") as info:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        assert info.value.checkpoint is None and info.value.exit_code == 130
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 @pytest.mark.slow
 def test_sigterm_during_rollout_drops_the_step_saves_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path,
                                                                          monkeypatch):
