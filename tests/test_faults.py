@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -541,3 +540,27 @@ def test_signal_to_a_training_process_saves_and_exits_with_one_line(tiny_model_d
     saved = list_checkpoints(str(run))
     assert len(saved) == 1 and verify_checkpoint(saved[0]) is None
     assert sorted(_train_rows(run)) == list(range(1, int(saved[0].rsplit("_", 1)[1]) + 1))
+
+
+def test_run_lock_is_shared_within_a_process_and_released(tmp_path):
+    import subprocess
+    import sys
+
+    import rlanywhere
+    from rlanywhere.runguard import RunLock
+
+    probe = ("import sys; from rlanywhere.runguard import RunLock, RunDirError\n"
+             "try:\n    RunLock(sys.argv[1]); print('locked')\nexcept RunDirError as e:\n    print(e)")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rlanywhere.__file__))}
+
+    def other_process() -> str:
+        return subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True,
+                              env=env, check=True).stdout
+
+    first, second = RunLock(str(tmp_path)), RunLock(str(tmp_path))  # same process: shared
+    assert f"in use by pid {os.getpid()}" in other_process()
+    first.release()
+    assert "in use" in other_process()  # the second holder still has it
+    second.release()
+    second.release()  # idempotent
+    assert other_process().strip() == "locked"

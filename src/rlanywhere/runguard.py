@@ -60,11 +60,22 @@ class RunDirError(UserError):
 
 
 class RunLock:
-    """An exclusive `flock` on RUN_DIR/.rlanywhere.lock, released by `release()`, at exit, or when the process dies
-    (kill -9 included: the kernel drops it, so there is never a stale lock to delete by hand)."""
+    """An exclusive `flock` on RUN_DIR/.rlanywhere.lock, released by `release()`, when the object is collected, or
+    when the process dies (kill -9 included: the kernel drops it, so there is never a stale lock to delete by hand).
+
+    The lock is per process: trainers built one after another in the same process (a notebook, a test that saves
+    with one trainer and resumes with another) share it; another process is refused with the holder's pid."""
+
+    _held: dict[str, list] = {}  # lock path -> [open file, number of RunLock objects sharing it]
 
     def __init__(self, run_dir: str):
-        self.path = os.path.join(run_dir, LOCK_FILE)
+        self.path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
+        if self.path not in RunLock._held:
+            RunLock._held[self.path] = [self._acquire(run_dir), 0]
+        RunLock._held[self.path][1] += 1
+        self._finalizer = weakref.finalize(self, RunLock._drop, self.path)
+
+    def _acquire(self, run_dir: str):
         handle = open(self.path, "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -81,11 +92,18 @@ class RunLock:
         started = datetime.datetime.now().isoformat(timespec="seconds")
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}: {' '.join(sys.argv)[:300]}\n")
         handle.flush()
-        self._handle = handle
-        self._finalizer = weakref.finalize(self, handle.close)
+        return handle
+
+    @staticmethod
+    def _drop(path: str) -> None:
+        entry = RunLock._held[path]
+        entry[1] -= 1
+        if entry[1] == 0:
+            entry[0].close()  # closing the file releases the flock
+            del RunLock._held[path]
 
     def release(self) -> None:
-        self._finalizer()
+        self._finalizer()  # runs _drop once; later calls do nothing
 
 
 def _existing_checkpoints(run_dir: str) -> list[str]:
@@ -158,9 +176,9 @@ def prepare_run_dir(run_dir: str, cfg) -> RunLock:
     try:
         _check_checkpoints_writable(run_dir)
         tcfg = cfg.trainer
-        existing = _existing_checkpoints(run_dir)
+        existing, overwrite = _existing_checkpoints(run_dir), tcfg.overwrite_run_dir
         if tcfg.resume_mode == "disable" and existing:
-            if not tcfg.overwrite_run_dir:
+            if not overwrite:
                 raise RunDirError(
                     f"{run_dir} holds checkpoints of an earlier run ({', '.join(existing[-3:])}); "
                     "trainer.resume_mode=disable would mix them with this run's. Set trainer.overwrite_run_dir=true "

@@ -240,6 +240,9 @@ class RLTrainer:
         self.stop_signals: Optional[StopSignals] = None
         self.nonfinite_streak = 0  # optimizer updates skipped in a row for a non-finite grad norm
         self.last_good_checkpoint: Optional[str] = None  # the newest one saved (or resumed) before any such streak
+        self.stop_limits = {  # read up front: the run stops itself after this many bad updates / reward steps
+            "trainer.max_consecutive_nonfinite_updates": cfg.trainer.max_consecutive_nonfinite_updates,
+            "trainer.max_consecutive_failed_reward_steps": cfg.trainer.max_consecutive_failed_reward_steps}
 
     # ------------------------------------------------------------------------------------------ helpers
     def guarded(self, phase: str, fn: Callable[[int], object], size_attr: str):
@@ -661,24 +664,25 @@ class RLTrainer:
                     f"rate (trainer.resume_mode=resume_path trainer.resume_from_path={self.last_good_checkpoint})")
         return "No checkpoint was saved before; lower the learning rate and start again"
 
+    def _stop_after(self, streak: int, limit_key: str, what: str, advice: str) -> None:
+        """Raise TrainingStopped once `streak` reaches the config's `limit_key` (0: never)."""
+        limit = self.stop_limits[limit_key]
+        if limit > 0 and streak >= limit:
+            raise TrainingStopped(f"{what} ({limit_key}={limit}): {advice}")
+
     def _stop_if_diverged(self) -> None:
-        limit = self.cfg.trainer.max_consecutive_nonfinite_updates
-        if limit > 0 and self.nonfinite_streak >= limit:
-            raise TrainingStopped(
-                f"{self.nonfinite_streak} optimizer updates in a row had a NaN/inf gradient norm and were skipped "
-                f"(trainer.max_consecutive_nonfinite_updates={limit}): the run has diverged, training on would "
-                f"change nothing. {self._last_good_hint()}, e.g. actor_rollout_ref.actor.optim.lr="
-                f"{self.cfg.actor_rollout_ref.actor.optim.lr / 10:g}")
+        self._stop_after(self.nonfinite_streak, "trainer.max_consecutive_nonfinite_updates",
+                         f"{self.nonfinite_streak} optimizer updates in a row had a NaN/inf gradient norm and were "
+                         "skipped",
+                         f"the run has diverged, training on would change nothing. {self._last_good_hint()}, e.g. "
+                         f"actor_rollout_ref.actor.optim.lr={self.cfg.actor_rollout_ref.actor.optim.lr / 10:g}")
 
     def _stop_if_rewards_failing(self, metrics: dict, rows: int) -> None:
         self.failed_reward_streak = self.failed_reward_streak + 1 if metrics["reward/errors"] >= rows else 0
-        limit = self.cfg.trainer.max_consecutive_failed_reward_steps
-        if limit > 0 and self.failed_reward_streak >= limit:
-            raise TrainingStopped(
-                f"every reward call failed for {self.failed_reward_streak} steps in a row "
-                f"(trainer.max_consecutive_failed_reward_steps={limit}); nothing can be learned. Last error: "
-                f"{self.reward_manager.last_error}. Fix the reward function (custom_reward_function.path) or the "
-                "data's data_source / ground_truth")
+        self._stop_after(self.failed_reward_streak, "trainer.max_consecutive_failed_reward_steps",
+                         f"every reward call failed for {self.failed_reward_streak} steps in a row",
+                         f"nothing can be learned. Last error: {self.reward_manager.last_error}. Fix the reward "
+                         "function (custom_reward_function.path) or the data's data_source / ground_truth")
 
     def _droppable(self, fn: Callable):
         """fn() while a stop signal may drop it (it must change no training state): None when dropped."""
