@@ -38,6 +38,12 @@ logger = logging.getLogger(__name__)
 class DataError(UserError, ValueError):
     """A data file that cannot be used as it is; the message names the file (and row, column) and the fix."""
 
+
+class MissingColumnError(DataError, KeyError):
+    """A column the config names is not in the file (a KeyError too, as it always was)."""
+
+    __str__ = DataError.__str__  # KeyError would print the message in quotes
+
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 ARITHMETIC_INSTRUCTION = 'Output the final answer after "####".'
 GSM8K_DATA_SOURCE = "openai/gsm8k"
@@ -130,16 +136,17 @@ def _read_parquet_file(path: Path) -> list[dict[str, Any]]:
         ) from None
 
 
-def check_rows(rows: Sequence[dict[str, Any]], origins: Sequence[tuple[Path, int]], prompt_key: str) -> None:
-    """Every row needs a non-empty prompt, a data_source and reward_model.ground_truth; DataError names the file,
-    row and column of the first bad row (and how many more there are)."""
+def check_rows(rows: Sequence[dict[str, Any]], origins: Sequence[tuple[Path, int]], prompt_key: str,
+               source_key: str = "data_source") -> None:
+    """Every row needs a non-empty prompt, a `source_key` value (it picks the reward function) and
+    reward_model.ground_truth; DataError names the file, row and column of the first bad row (and how many more)."""
     problems = []
     for row, (path, index) in zip(rows, origins):
         reward_model = row.get("reward_model")
         if not row.get(prompt_key):
             problem = f"column {prompt_key!r} is {'null' if row.get(prompt_key) is None else 'empty'}"
-        elif row.get("data_source") is None:
-            problem = "column 'data_source' is missing or null"
+        elif row.get(source_key) is None:
+            problem = f"column {source_key!r} is missing or null"
         elif not isinstance(reward_model, dict):
             problem = f"column 'reward_model' is {'null' if reward_model is None else type(reward_model).__name__}, " \
                       "not a struct with 'ground_truth'"
@@ -569,7 +576,7 @@ class RLDataset:
             raise ValueError(f"No rows in {paths}.")
         missing = [key for key in (prompt_key, "reward_model") if key not in rows[0]]
         if missing:
-            raise DataError(
+            raise MissingColumnError(
                 f"{paths}: column(s) {missing} missing; columns are {sorted(rows[0])}. "
                 "Set data.prompt_key, or re-create the files with `rlanywhere prepare ...`."
             )
