@@ -189,6 +189,7 @@ def _init_worker(fn: Callable) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal reaches the whole group: the parent handles it
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's save-and-stop handler, inherited by fork
     signal.signal(signal.SIGALRM, _raise_timeout)
+    torch.set_num_threads(1)  # as DataLoader workers do: no oversubscription, no OpenMP pool inherited mid-use
 
 
 def _score_in_worker(call: tuple, timeout_s: float) -> tuple:

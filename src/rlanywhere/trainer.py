@@ -760,5 +760,4 @@ class RLTrainer:
             if tcfg.save_freq > 0 and (self.global_step % tcfg.save_freq == 0 or is_last):
                 self.save()
                 saved_step = self.global_step
-        self._stop_on_signal(saved_step)
-        return last_val
+        return last_val  # a signal during the last step: the run is complete, so it ends as usual
