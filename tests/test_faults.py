@@ -109,6 +109,18 @@ def test_every_checkpoint_damaged_is_an_error_naming_them_and_nothing_is_moved(t
     assert len(list_checkpoints(str(tmp_path))) == 3
 
 
+def test_resuming_an_earlier_step_moves_later_checkpoints_aside(tmp_path):
+    """E.g. a diverged run resumed from its last good checkpoint: the diverged later ones must never be resumed."""
+    from rlanywhere.checkpoint import find_latest_checkpoint, retire_later_checkpoints
+
+    _three_checkpoints(tmp_path)
+    moved = retire_later_checkpoints(str(tmp_path), 1)
+    assert [os.path.basename(p) for p in moved] == ["global_step_2", "global_step_3"]
+    assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path))] == ["global_step_1"]
+    assert find_latest_checkpoint(str(tmp_path)).endswith("global_step_1")
+    assert (tmp_path / "checkpoints" / "global_step_3.stale" / MANIFEST_FILE).exists()
+
+
 def test_disk_full_during_save_removes_tmp_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     actor = tiny_lm(0)
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)

@@ -15,7 +15,8 @@ Each checkpoint is written into `global_step_N.tmp`, every file fsynced, and ren
 mid-save leaves the previous checkpoint intact and never a half-written one. A write that fails (disk full, no
 permission) removes the `.tmp` and raises `CheckpointWriteError`; weights that are NaN/inf are never saved.
 On resume (`resume_latest`) each checkpoint is verified against its manifest and checked for non-finite weights;
-a damaged one is named, moved aside to `global_step_N.damaged`, and the previous one is used.
+a damaged one is named, moved aside to `global_step_N.damaged`, and the previous one is used; checkpoints later
+than the resumed step (another timeline) are moved aside to `global_step_N.stale`.
 """
 
 from __future__ import annotations
@@ -336,3 +337,19 @@ def resume_latest(run_dir: str, load: Callable[[str], dict]) -> Optional[tuple[s
             ". Start over with trainer.resume_mode=disable trainer.overwrite_run_dir=true, or use another "
             "trainer.default_local_dir")
     return None
+
+
+def retire_later_checkpoints(run_dir: str, step: int) -> list[str]:
+    """After resuming at `step`, checkpoints of later steps belong to another timeline (a diverged run resumed from
+    an earlier checkpoint, another run's): move them aside to `global_step_N.stale` so an auto-resume never picks
+    one; point the latest marker at `step`. Returns the moved paths."""
+    moved = []
+    for path in list_checkpoints(run_dir):
+        if int(path.rsplit("_", 1)[-1]) > step:
+            shutil.rmtree(f"{path}.stale", ignore_errors=True)
+            os.replace(path, f"{path}.stale")
+            moved.append(path)
+            log.warning("%s is later than the resumed step %d: moved aside to %s.stale", path, step, path)
+    if moved:
+        _atomic_write_text(os.path.join(checkpoint_root(run_dir), LATEST_FILE), str(step))
+    return moved

@@ -27,7 +27,8 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from . import algorithms as algo
-from .checkpoint import capture_rng, load_checkpoint, restore_rng, resume_latest, save_checkpoint
+from .checkpoint import (capture_rng, load_checkpoint, restore_rng, resume_latest, retire_later_checkpoints,
+                         save_checkpoint)
 from .config import as_list, to_yaml
 from .data import PromptLoader, RLDataset
 from .errors import UserError
@@ -643,6 +644,7 @@ class RLTrainer:
             setattr(self.plan, key, value)  # keep what OOM recovery learned
         self._apply_optim_config()
         self.engine.sync_weights()
+        retire_later_checkpoints(self.run_dir, self.global_step)  # never a mix of two timelines
         self.last_good_checkpoint = path
         log.warning("resumed from %s at step %d", path, self.global_step)
 
