@@ -410,15 +410,22 @@ def test_resume_prints_what_changed_and_takes_the_new_value(tmp_path, caplog):
 
 
 @pytest.mark.slow
-def test_resumed_optimizer_uses_the_new_lr(tiny_model_dir, arith_data, tmp_path):
+def test_trainer_skips_a_truncated_checkpoint_and_the_resumed_optimizer_uses_the_new_lr(tiny_model_dir, arith_data,
+                                                                                       tmp_path, caplog):
     run = tmp_path / "run"
-    _trainer(_overrides(tiny_model_dir, arith_data, run, **{"trainer.total_training_steps": 1})).fit()
+    _trainer(_overrides(tiny_model_dir, arith_data, run, **{"trainer.total_training_steps": 2})).fit()
+    weights = _weights_file(run, 2)
+    with open(weights, "r+b") as handle:
+        handle.truncate(weights.stat().st_size // 2)
     trainer = _trainer(_overrides(tiny_model_dir, arith_data, run, **{
-        "trainer.total_training_steps": 2, "actor_rollout_ref.actor.optim.lr": 2e-4}))
+        "trainer.total_training_steps": 3, "actor_rollout_ref.actor.optim.lr": 2e-4}))
     trainer.fit()
-    assert trainer.global_step == 2
+    assert "global_step_2 is damaged: actor/model.safetensors" in caplog.text
+    assert "resumed from" in caplog.text and "global_step_1 at step 1" in caplog.text
+    assert trainer.global_step == 3 and (run / "checkpoints" / "global_step_2.damaged").exists()
     assert [g["lr"] for g in trainer.optimizers["actor"].param_groups] == [2e-4]
-    assert _train_rows(run)[2]["actor/lr"] == pytest.approx(2e-4)
+    rows = _train_rows(run)
+    assert sorted(rows) == [1, 2, 3] and rows[2]["actor/lr"] == pytest.approx(2e-4)
 
 
 # ------------------------------------------------------------------------------------------------ signals
