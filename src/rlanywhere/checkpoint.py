@@ -7,25 +7,49 @@
         optim.pt                optimizer + scheduler state dicts (torch.load(weights_only=True))
         rng.pt                  torch CPU/CUDA RNG states
         trainer_state.json      step, data position, KL controller, python/numpy RNG, plan adaptations
+        config.yaml             the resolved run config (resume compares it with the new one)
+        manifest.json           size and sha256 of every file above, written last
     RUN_DIR/checkpoints/latest_checkpointed_iteration.txt
 
-Each checkpoint is written into `global_step_N.tmp` and renamed into place, so a run killed mid-save leaves the
-previous checkpoint intact and never a half-written one.
+Each checkpoint is written into `global_step_N.tmp`, every file fsynced, and renamed into place, so a run killed
+mid-save leaves the previous checkpoint intact and never a half-written one. A write that fails (disk full, no
+permission) removes the `.tmp` and raises `CheckpointWriteError`; weights that are NaN/inf are never saved.
+On resume (`resume_latest`) each checkpoint is verified against its manifest and checked for non-finite weights;
+a damaged one is named, moved aside to `global_step_N.damaged`, and the previous one is used; checkpoints later
+than the resumed step (another timeline) are moved aside to `global_step_N.stale`.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
+import hashlib
 import json
+import logging
 import os
 import random
+import re
 import shutil
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST_FILE = "manifest.json"
+_STEP_DIR = re.compile(r"global_step_(\d+)")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used (damaged, non-finite) or written; the message names it and the fix."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed (disk full, permissions); the partial write was removed."""
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -65,15 +89,137 @@ def checkpoint_root(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 
 
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: str) -> dict:
+    """Hash and fsync every file under `directory`, then write (and fsync) manifest.json listing them."""
+    files = {}
+    for parent, _, names in os.walk(directory):
+        for name in sorted(names):
+            path = os.path.join(parent, name)
+            rel = os.path.relpath(path, directory)
+            if rel == MANIFEST_FILE:
+                continue
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+            files[rel] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+        _fsync_dir(parent)
+    manifest = {"format": 1, "files": files}
+    with open(os.path.join(directory, MANIFEST_FILE), "w") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return manifest
+
+
+def verify_checkpoint(path: str) -> Optional[str]:
+    """None when every file matches manifest.json, else what is wrong (naming the file).
+
+    A checkpoint from before manifests existed has none: it is accepted unverified (loading still checks it)."""
+    manifest_path = os.path.join(path, MANIFEST_FILE)
+    if not os.path.exists(manifest_path):
+        return None
+    try:
+        with open(manifest_path) as handle:
+            files = json.load(handle)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST_FILE} is unreadable ({exc})"
+    for rel, expected in files.items():
+        file = os.path.join(path, rel)
+        if not os.path.exists(file):
+            return f"{rel} is missing"
+        size = os.path.getsize(file)
+        if size != expected["bytes"]:
+            return f"{rel} has {size} bytes, the manifest says {expected['bytes']} (truncated?)"
+        if _sha256(file) != expected["sha256"]:
+            return f"{rel} does not match its sha256 in the manifest (corrupted)"
+    return None
+
+
+def first_nonfinite_parameter(*models) -> Optional[str]:
+    """The name of the first parameter holding NaN/inf in any of `models` (None entries skipped), else None."""
+    for model in models:
+        if model is None:
+            continue
+        for name, param in model.named_parameters():
+            if not bool(torch.isfinite(param).all()):
+                return name
+    return None
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC, directly or as the cause of torch.save's "unexpected pos" / "file write failed" RuntimeError."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(exc, RuntimeError) and ("unexpected pos" in str(exc) or "file write failed" in str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, critic=None, optimizers: dict, schedulers: dict,
-                    trainer_state: dict, export_actor=None, keep: Optional[int] = None) -> str:
-    """Write checkpoint `step`; returns its directory. `export_actor` is a merged plain HF model for LoRA runs."""
+                    trainer_state: dict, export_actor=None, keep: Optional[int] = None,
+                    config_yaml: Optional[str] = None) -> str:
+    """Write checkpoint `step`; returns its directory. `export_actor` is a merged plain HF model for LoRA runs.
+
+    Refuses (CheckpointError) weights holding NaN/inf; a failed write raises CheckpointWriteError after removing
+    the partial `.tmp` directory, leaving earlier checkpoints as they were."""
+    bad = first_nonfinite_parameter(actor, critic)
+    if bad is not None:
+        earlier = list_checkpoints(run_dir)
+        raise CheckpointError(
+            f"not saving global_step_{step}: parameter {bad} holds NaN/inf. The last checkpoint is "
+            f"{earlier[-1] if earlier else '(none)'}; resume from it with a lower learning rate "
+            "(trainer.resume_mode=resume_path trainer.resume_from_path=<it>)")
     root = checkpoint_root(run_dir)
     final = os.path.join(root, f"global_step_{step}")
     tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        _write_checkpoint_files(tmp, step, actor=actor, tokenizer=tokenizer, critic=critic, optimizers=optimizers,
+                                schedulers=schedulers, trainer_state=trainer_state, export_actor=export_actor,
+                                config_yaml=config_yaml)
+        write_manifest(tmp)
+    except (OSError, RuntimeError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (isinstance(exc, OSError) or _is_disk_full(exc)):
+            raise
+        earlier = list_checkpoints(run_dir)
+        reason = "no space left on device" if _is_disk_full(exc) else f"{type(exc).__name__}: {exc}"
+        free = shutil.disk_usage(root).free / 2**20 if os.path.isdir(root) else float("nan")
+        raise CheckpointWriteError(
+            f"could not write checkpoint {final}: {reason} ({free:.0f} MiB free). The partial write was removed; "
+            f"the previous checkpoint {earlier[-1] if earlier else '(none)'} is intact. Free space (or point "
+            "trainer.default_local_dir elsewhere) and re-run the same command to resume from it") from exc
 
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
+    if keep:
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint_files(tmp: str, step: int, *, actor, tokenizer, critic, optimizers: dict, schedulers: dict,
+                            trainer_state: dict, export_actor, config_yaml: Optional[str]) -> None:
     is_lora = export_actor is not None
     (export_actor if is_lora else actor).save_pretrained(os.path.join(tmp, "actor"), safe_serialization=True)
     tokenizer.save_pretrained(os.path.join(tmp, "actor"))
@@ -85,22 +231,17 @@ def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, critic=None, o
                 "schedulers": {k: v.state_dict() for k, v in schedulers.items()}}, os.path.join(tmp, "optim.pt"))
     rng_tensors, rng_plain = capture_rng()
     torch.save(rng_tensors, os.path.join(tmp, "rng.pt"))
+    if config_yaml is not None:
+        with open(os.path.join(tmp, "config.yaml"), "w") as handle:
+            handle.write(config_yaml)
     with open(os.path.join(tmp, "trainer_state.json"), "w") as handle:
         json.dump({**trainer_state, "global_step": step, "rng": rng_plain, "lora": is_lora}, handle)
 
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
-    if keep:
-        for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
-
 
 def list_checkpoints(run_dir: str) -> list[str]:
-    """Complete checkpoints, oldest first (`.tmp` leftovers of a killed save are ignored)."""
+    """Complete checkpoints, oldest first (`.tmp` leftovers of a killed save and `.damaged` ones are ignored)."""
     paths = [p for p in glob.glob(os.path.join(checkpoint_root(run_dir), "global_step_*"))
-             if not p.endswith(".tmp") and os.path.exists(os.path.join(p, "trainer_state.json"))]
+             if _STEP_DIR.fullmatch(os.path.basename(p)) and os.path.exists(os.path.join(p, "trainer_state.json"))]
     return sorted(paths, key=lambda p: int(p.rsplit("_", 1)[-1]))
 
 
@@ -128,7 +269,25 @@ def _load_safetensors_dir(directory: str) -> dict:
 
 
 def load_checkpoint(path: str, *, actor, critic=None, optimizers: dict, schedulers: dict) -> dict[str, Any]:
-    """Load weights, optimizer/scheduler state and RNG from `path` into live objects; returns trainer_state."""
+    """Load weights, optimizer/scheduler state and RNG from `path` into live objects; returns trainer_state.
+
+    Raises CheckpointError naming `path` and the problem when a file fails its manifest check, cannot be read,
+    or the loaded weights hold NaN/inf (the live objects may then be partly overwritten: load another one)."""
+    problem = verify_checkpoint(path)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
+    try:
+        state = _load_checkpoint_files(path, actor=actor, critic=critic, optimizers=optimizers,
+                                       schedulers=schedulers)
+    except Exception as exc:  # noqa: BLE001 - a damaged file fails in many ways (safetensors, zip, json, pickle)
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
+    bad = first_nonfinite_parameter(actor, critic)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {path} holds NaN/inf weights (first: {bad})")
+    return state
+
+
+def _load_checkpoint_files(path: str, *, actor, critic, optimizers: dict, schedulers: dict) -> dict[str, Any]:
     with open(os.path.join(path, "trainer_state.json")) as handle:
         state = json.load(handle)
     if state.get("lora"):
@@ -151,3 +310,46 @@ def load_checkpoint(path: str, *, actor, critic=None, optimizers: dict, schedule
         scheduler.load_state_dict(optim_state["schedulers"][name])
     restore_rng(torch.load(os.path.join(path, "rng.pt"), weights_only=True), state["rng"])
     return state
+
+
+def resume_latest(run_dir: str, load: Callable[[str], dict]) -> Optional[tuple[str, dict]]:
+    """Load the newest usable checkpoint of `run_dir` with `load(path) -> state`; (path, state), or None if none.
+
+    A checkpoint that `load` rejects with CheckpointError is logged by name and the next older one is tried; once
+    one loads, the damaged newer ones are moved aside to `global_step_N.damaged` (kept for inspection, never picked
+    again). When every checkpoint is damaged, nothing is moved and CheckpointError lists them."""
+    damaged: list[tuple[str, str]] = []
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            state = load(path)
+        except CheckpointError as exc:
+            damaged.append((path, str(exc)))
+            log.warning("%s; trying the previous checkpoint", exc)
+            continue
+        for bad_path, _ in damaged:
+            shutil.rmtree(f"{bad_path}.damaged", ignore_errors=True)
+            os.replace(bad_path, f"{bad_path}.damaged")
+            log.warning("moved the damaged %s aside to %s.damaged", bad_path, bad_path)
+        return path, state
+    if damaged:
+        raise CheckpointError(
+            f"no usable checkpoint in {checkpoint_root(run_dir)}: " + "; ".join(msg for _, msg in damaged) +
+            ". Start over with trainer.resume_mode=disable trainer.overwrite_run_dir=true, or use another "
+            "trainer.default_local_dir")
+    return None
+
+
+def retire_later_checkpoints(run_dir: str, step: int) -> list[str]:
+    """After resuming at `step`, checkpoints of later steps belong to another timeline (a diverged run resumed from
+    an earlier checkpoint, another run's): move them aside to `global_step_N.stale` so an auto-resume never picks
+    one; point the latest marker at `step`. Returns the moved paths."""
+    moved = []
+    for path in list_checkpoints(run_dir):
+        if int(path.rsplit("_", 1)[-1]) > step:
+            shutil.rmtree(f"{path}.stale", ignore_errors=True)
+            os.replace(path, f"{path}.stale")
+            moved.append(path)
+            log.warning("%s is later than the resumed step %d: moved aside to %s.stale", path, step, path)
+    if moved:
+        _atomic_write_text(os.path.join(checkpoint_root(run_dir), LATEST_FILE), str(step))
+    return moved

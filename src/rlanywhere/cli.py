@@ -118,13 +118,21 @@ def cmd_train(args) -> int:
 
         print(f"demo: writing the arithmetic task to {DEMO_DATA_DIR}/")
         prepare_arithmetic(DEMO_DATA_DIR, train_size=2000, test_size=200, digits=2, operators="+", seed=0)
+    from .runguard import RunInterrupted
     from .trainer import RLTrainer
 
     run_dir = os.path.abspath(cfg.trainer.default_local_dir)
     print(f"run dir: {run_dir}")
     start = time.time()
-    trainer = RLTrainer(cfg, plan, run_dir, notices)
-    final = trainer.fit()
+    try:
+        trainer = RLTrainer(cfg, plan, run_dir, notices)
+        final = trainer.fit()
+    except RunInterrupted as stop:  # SIGTERM / Ctrl-C: saved (docs/reliability.md lists the exit codes)
+        print(f"{stop}", file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
+        print("interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130
     try:
         from .plotting import plot_run
 

@@ -192,6 +192,7 @@ class AlgorithmConfig:
 class CustomRewardConfig:
     path: Optional[str] = None
     name: str = "compute_score"
+    timeout_s: float = 30.0  # per call; the function runs in worker processes (0: in-process, no limit)
 
 
 @dataclass
@@ -221,6 +222,9 @@ class TrainerConfig:
     max_critic_ckpt_to_keep: Optional[int] = None
     seed: int = 1
     device: str = "auto"
+    overwrite_run_dir: bool = False  # with resume_mode=disable: delete an earlier run's checkpoints, not refuse
+    max_consecutive_nonfinite_updates: int = 5  # stop after this many NaN/inf updates in a row (0: never)
+    max_consecutive_failed_reward_steps: int = 3  # stop after this many steps whose reward calls all failed
 
 
 @dataclass
@@ -481,6 +485,10 @@ def _check_values(cfg: DictConfig) -> None:
     if cfg.reward_model.reward_manager not in ("naive", "batch"):
         raise ConfigError(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r} is not available; "
                           "'naive' (the default) scores each response with the rule or custom function")
+    for key in ("trainer.max_consecutive_nonfinite_updates", "trainer.max_consecutive_failed_reward_steps",
+                "custom_reward_function.timeout_s"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0 (0 turns it off), got {OmegaConf.select(cfg, key)}")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
 

@@ -30,7 +30,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from .errors import UserError
+
 logger = logging.getLogger(__name__)
+
+
+class DataError(UserError, ValueError):
+    """A data file that cannot be used as it is; the message names the file (and row, column) and the fix."""
+
+
+class MissingColumnError(DataError, KeyError):
+    """A column the config names is not in the file (a KeyError too, as it always was)."""
+
+    __str__ = DataError.__str__  # KeyError would print the message in quotes
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 ARITHMETIC_INSTRUCTION = 'Output the final answer after "####".'
@@ -109,8 +121,47 @@ def read_parquet_rows(paths: str | Path | Sequence[str | Path]) -> list[dict[str
                 f"Data file {path} does not exist. Create it with `rlanywhere prepare ...` "
                 "(gsm8k, arithmetic or generic) or point data.train_files / data.val_files at existing parquet files."
             )
-        rows.extend(pq.read_table(path).to_pylist())
+        rows.extend(_read_parquet_file(path))
     return rows
+
+
+def _read_parquet_file(path: Path) -> list[dict[str, Any]]:
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(
+            f"{path} is not a readable parquet file ({str(exc).splitlines()[0][:120]}). Training reads verl-schema "
+            f"parquet: convert a .jsonl/.json/.parquet file of your own with `rlanywhere prepare generic --src "
+            f"{path} --prompt-key <column> --answer-key <column> --out <dir>`"
+        ) from None
+
+
+def check_rows(rows: Sequence[dict[str, Any]], origins: Sequence[tuple[Path, int]], prompt_key: str,
+               source_key: str = "data_source") -> None:
+    """Every row needs a non-empty prompt, a `source_key` value (it picks the reward function) and
+    reward_model.ground_truth; DataError names the file, row and column of the first bad row (and how many more)."""
+    problems = []
+    for row, (path, index) in zip(rows, origins):
+        reward_model = row.get("reward_model")
+        if not row.get(prompt_key):
+            problem = f"column {prompt_key!r} is {'null' if row.get(prompt_key) is None else 'empty'}"
+        elif row.get(source_key) is None:
+            problem = f"column {source_key!r} is missing or null"
+        elif not isinstance(reward_model, dict):
+            problem = f"column 'reward_model' is {'null' if reward_model is None else type(reward_model).__name__}, " \
+                      "not a struct with 'ground_truth'"
+        elif reward_model.get("ground_truth") is None:
+            problem = "reward_model.ground_truth is " + ("missing" if "ground_truth" not in reward_model else "null")
+        elif str(reward_model["ground_truth"]).strip() == "":
+            problem = "reward_model.ground_truth is empty"
+        else:
+            continue
+        problems.append((path, index, problem))
+    if problems:
+        path, index, problem = problems[0]
+        more = f" ({len(problems) - 1} more bad row(s))" if len(problems) > 1 else ""
+        raise DataError(f"{path}, row {index} (0-based): {problem}{more}. Fix those rows or re-create the file "
+                        "with `rlanywhere prepare ...`")
 
 
 def _read_table_file(path: Path) -> list[dict[str, Any]]:
@@ -516,17 +567,23 @@ class RLDataset:
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
-        rows = read_parquet_rows(paths)
+        rows: list[dict[str, Any]] = []
+        origins: list[tuple[Path, int]] = []
+        for path in _as_path_list(paths):
+            file_rows = read_parquet_rows([path])
+            rows += file_rows
+            origins += [(path, index) for index in range(len(file_rows))]
         if not rows:
             raise ValueError(f"No rows in {paths}.")
         missing = [key for key in (prompt_key, "reward_model") if key not in rows[0]]
         if reward_fn_key != "data_source" and reward_fn_key not in rows[0]:
             missing.append(reward_fn_key)
         if missing:
-            raise KeyError(
+            raise MissingColumnError(
                 f"{paths}: column(s) {missing} missing; columns are {sorted(rows[0])}. "
                 "Set data.prompt_key / data.reward_fn_key, or re-create the files with `rlanywhere prepare ...`."
             )
+        check_rows(rows, origins, prompt_key, source_key=reward_fn_key)
 
         texts = [self.render_prompt(row[prompt_key]) for row in rows]
         token_ids = self._tokenize(texts)

@@ -25,11 +25,12 @@ _OOM_MESSAGES = (
     "cublas_status_alloc_failed",
     "cudnn_status_alloc_failed",
     "failed to allocate memory",
+    "can't allocate memory",  # the CPU: "DefaultCPUAllocator: can't allocate memory: you tried to allocate ..."
 )
 
 
 def _oom_types() -> tuple[type, ...]:
-    types = []
+    types: list[type] = [MemoryError]  # a CPU allocation failure (numpy, Python) shrinks the plan like CUDA OOM
     for owner, name in ((torch, "OutOfMemoryError"), (torch.cuda, "OutOfMemoryError")):
         cls = getattr(owner, name, None)
         if isinstance(cls, type):

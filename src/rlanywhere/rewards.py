@@ -7,9 +7,14 @@
 * ``custom_reward_function.path/name`` (verl's config keys) load a user file with :func:`load_custom_reward`;
   the function has verl's signature ``fn(data_source, solution_str, ground_truth, extra_info=None)`` and returns
   a float or a dict with at least ``score``. When given, it scores every sample.
-* :class:`RewardManager` scores a batch of decoded responses. A scorer that raises (or returns NaN / no score)
-  gives that sample 0, is counted in ``num_errors`` and its first message is logged once, so one bad sample
-  never stops a run.
+* :class:`RewardManager` scores a batch of decoded responses. A scorer that raises (``sys.exit`` included),
+  returns something that is not a number (``"1.0"``, ``True``, NaN, a dict without ``score``) or runs longer than
+  ``timeout_s`` gives that sample 0, is counted in ``num_errors`` and its first message is logged once, so one
+  bad sample never stops a run.
+* A user function with ``timeout_s > 0`` runs in a small pool of forked worker processes (Linux): each call is
+  interrupted after ``timeout_s`` (SIGALRM in the worker), and when no call finishes within ``timeout_s`` plus a
+  grace period (a call stuck in C code, a dead worker) the pool is terminated and replaced. Built-in scorers are
+  ours, fast and cannot hang: they run in-process.
 """
 
 from __future__ import annotations
@@ -18,12 +23,18 @@ import functools
 import importlib.util
 import logging
 import math
+import multiprocessing
+import numbers
+import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -161,39 +172,146 @@ def load_custom_reward(path: str | Path, name: str = "compute_score", reward_kwa
     return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
 
 
+class _CallTimedOut(Exception):
+    pass
+
+
+def _raise_timeout(signum, frame):
+    raise _CallTimedOut()
+
+
+_worker_fn: Callable | None = None  # the user's function inside a pool worker (handed over by fork, never pickled)
+
+
+def _init_worker(fn: Callable) -> None:
+    global _worker_fn
+    _worker_fn = fn
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal reaches the whole group: the parent handles it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's save-and-stop handler, inherited by fork
+    signal.signal(signal.SIGALRM, _raise_timeout)
+    torch.set_num_threads(1)  # as DataLoader workers do: no oversubscription, no OpenMP pool inherited mid-use
+
+
+def _score_in_worker(call: tuple, timeout_s: float) -> tuple:
+    """("ok", result dict) or ("error", message, traceback) for one call, cut off after timeout_s by SIGALRM."""
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return "ok", _as_result_dict(_worker_fn(*call))
+    except _CallTimedOut:
+        return "error", f"timed out after {timeout_s:g} s (custom_reward_function.timeout_s)", ""
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - user code may raise anything, sys.exit included
+        return "error", f"{type(err).__name__}: {err}", traceback.format_exc()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _as_score(value: Any) -> float:
+    """A finite float from a Python/numpy number or a one-element tensor; strings and booleans are errors."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        count = value.numel() if isinstance(value, torch.Tensor) else value.size
+        if count != 1 or value.dtype in (torch.bool, np.bool_):
+            raise TypeError(f"reward score must be a number, got a {value.dtype} array of {count} element(s)")
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"reward score must be a number, got {type(value).__name__} {value!r}")
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(f"reward function returned a non-finite score {score}")
+    return score
+
+
+def _as_result_dict(result: Any) -> dict:
+    """Normalise a scorer's return value to a dict with a finite float ``score``; raise if impossible."""
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"reward function returned a dict without 'score' (keys: {sorted(result)})")
+        out = dict(result)
+    else:
+        out = {"score": result}
+    out["score"] = _as_score(out["score"])
+    return out
+
+
 class RewardManager:
     """Score decoded responses: a user function (``custom_fn``, verl signature) or the registry by data_source.
 
     ``__call__`` returns ``(scores, info)``: ``scores`` is a float tensor ``[batch]`` on CPU, ``info`` holds
     per-sample lists ``acc`` and ``format`` (missing -> 0.0), any other numeric keys the scorers return
-    (missing -> 0.0), and ``num_errors`` (int). Errors are scored 0 and counted; the first one is logged once.
+    (missing -> 0.0), and ``num_errors`` (int). Errors are scored 0 and counted; the first one is logged once and
+    the latest is kept in ``last_error``. ``timeout_s > 0`` runs ``custom_fn`` in worker processes with that
+    per-call limit (see the module docstring); call ``close()`` to stop them.
     """
 
-    def __init__(self, custom_fn: Callable | None = None):
+    def __init__(self, custom_fn: Callable | None = None, timeout_s: float = 0.0, num_workers: int | None = None):
         self.custom_fn = custom_fn
+        self.timeout_s = float(timeout_s or 0.0)
+        self.num_workers = num_workers or min(4, os.cpu_count() or 1)
+        self.use_pool = custom_fn is not None and self.timeout_s > 0 and sys.platform.startswith("linux")
+        if custom_fn is not None and self.timeout_s > 0 and not self.use_pool:
+            logger.warning("custom_reward_function.timeout_s is enforced on Linux only: here the reward function "
+                           "runs in-process without a time limit")
+        self._pool = None
         self._logged_error = False
+        self.last_error: str | None = None
+        self.pools_replaced = 0
 
     def _score_one(self, data_source: str, response: str, ground_truth: Any, extra_info: dict | None):
         if self.custom_fn is not None:
             return self.custom_fn(data_source, response, ground_truth, extra_info)
         return get_reward_fn(data_source)(response, ground_truth)
 
-    @staticmethod
-    def _as_result_dict(result: Any) -> dict:
-        """Normalise a scorer's return value to a dict with a finite float ``score``; raise if impossible."""
-        if isinstance(result, dict):
-            if "score" not in result:
-                raise ValueError(f"reward function returned a dict without 'score' (keys: {sorted(result)})")
-            out = dict(result)
-        else:
-            out = {"score": result}
-        try:
-            out["score"] = float(out["score"])
-        except (TypeError, ValueError):
-            raise TypeError(f"reward score must be a number, got {type(out['score']).__name__}") from None
-        if not math.isfinite(out["score"]):
-            raise ValueError(f"reward function returned a non-finite score {out['score']}")
-        return out
+    _as_result_dict = staticmethod(_as_result_dict)
+
+    # -------------------------------------------------------------------------------- worker pool
+    def _get_pool(self):
+        if self._pool is None:
+            # fork hands the user's function (a lambda or closure included) to the workers without pickling it
+            self._pool = multiprocessing.get_context("fork").Pool(self.num_workers, initializer=_init_worker,
+                                                                  initargs=(self.custom_fn,))
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the worker processes (a later call starts new ones)."""
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def _outcomes_in_pool(self, calls: list[tuple]) -> list[tuple]:
+        """One ("ok", dict) / ("error", message, traceback) per call, in order, from the worker pool."""
+        pool = self._get_pool()
+        finished = threading.Event()
+        handles = [pool.apply_async(_score_in_worker, (call, self.timeout_s), callback=lambda _: finished.set(),
+                                    error_callback=lambda _: finished.set()) for call in calls]
+        outcomes: list[tuple | None] = [None] * len(calls)
+        pending = set(range(len(calls)))
+        # Every healthy call ends within timeout_s (SIGALRM): a longer silence means a worker is stuck.
+        stall_limit = self.timeout_s + max(2.0, 0.5 * self.timeout_s)
+        while pending:
+            finished.clear()
+            for index in [i for i in pending if handles[i].ready()]:
+                pending.discard(index)
+                try:
+                    outcomes[index] = handles[index].get(0)
+                except Exception as err:  # noqa: BLE001 - an unpicklable result, a timeout raised late
+                    outcomes[index] = ("error", f"{type(err).__name__}: {err}", "")
+            if pending and not finished.wait(stall_limit):
+                for index in pending:
+                    outcomes[index] = ("error", f"timed out after {self.timeout_s:g} s and did not stop (stuck in C "
+                                                "code or the worker died); the reward worker pool was replaced", "")
+                self.close()
+                self.pools_replaced += 1
+                break
+        return outcomes
+
+    def _outcomes_in_process(self, calls: list[tuple]) -> list[tuple]:
+        outcomes = []
+        for call in calls:
+            try:
+                outcomes.append(("ok", _as_result_dict(self._score_one(*call))))
+            except (Exception, SystemExit) as err:  # noqa: BLE001 - user scorers may raise anything, sys.exit too
+                outcomes.append(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
+        return outcomes
 
     def __call__(
         self,
@@ -213,21 +331,21 @@ class RewardManager:
             for source in set(data_sources):
                 get_reward_fn(source)  # an unknown data source is a setup error: fail before scoring anything
 
+        calls = list(zip(data_sources, responses, ground_truths, extra_infos))
+        outcomes = self._outcomes_in_pool(calls) if self.use_pool else self._outcomes_in_process(calls)
         results: list[dict | None] = []
         num_errors = 0
-        for response, truth, source, extra in zip(responses, ground_truths, data_sources, extra_infos):
-            try:
-                results.append(self._as_result_dict(self._score_one(source, response, truth, extra)))
-            except Exception as err:  # noqa: BLE001 - a user scorer may raise anything; score 0 and count it
-                num_errors += 1
-                results.append(None)
-                if not self._logged_error:
-                    self._logged_error = True
-                    logger.warning(
-                        "reward function failed on a %r sample (scored 0; further failures are only counted in "
-                        "num_errors): %s: %s\n%s",
-                        source, type(err).__name__, err, traceback.format_exc(),
-                    )
+        for (source, *_), outcome in zip(calls, outcomes):
+            if outcome[0] == "ok":
+                results.append(outcome[1])
+                continue
+            num_errors += 1
+            results.append(None)
+            self.last_error = outcome[1]
+            if not self._logged_error:
+                self._logged_error = True
+                logger.warning("reward function failed on a %r sample (scored 0; further failures are only counted "
+                               "in num_errors): %s\n%s", source, outcome[1], outcome[2])
 
         extra_keys = sorted(
             {k for r in results if r for k, v in r.items() if k != "score" and _is_number(v)} | {"acc", "format"}

@@ -27,6 +27,7 @@ KNOWN_LOGGERS = ("console", "tensorboard", "wandb", "jsonl")
 SUMMARY_KEYS = (
     "reward/mean",
     "reward/acc",
+    "reward/errors",
     "val/acc",
     "actor/kl",
     "actor/entropy",

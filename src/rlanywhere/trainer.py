@@ -27,9 +27,11 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from . import algorithms as algo
-from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (capture_rng, load_checkpoint, restore_rng, resume_latest, retire_later_checkpoints,
+                         save_checkpoint)
 from .config import as_list, to_yaml
 from .data import PromptLoader, RLDataset
+from .errors import UserError
 from .hardware import Plan, autocast_context, make_grad_scaler
 from .logprobs import response_logprobs
 from .lora import adapter_disabled, apply_lora, merged_state_for_export
@@ -40,10 +42,15 @@ from .oom import OOMGuard
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .rewards import RewardManager, load_custom_reward
 from .rollout import make_engine
+from .runguard import RunInterrupted, StepDropped, StopSignals, prepare_run_dir
 from .rollout.base import RolloutBatch, SamplingParams
 from .tracking import Tracker
 
 log = logging.getLogger(__name__)
+
+
+class TrainingStopped(UserError):
+    """The run stopped itself rather than train on garbage: diverged updates, or every reward call failing."""
 
 
 def seed_everything(seed: int) -> None:
@@ -147,7 +154,8 @@ class RLTrainer:
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
         self.device = plan.device
         self.notices = list(notices or [])
-        os.makedirs(run_dir, exist_ok=True)
+        # first of all: the run dir's lock and every check that must fail before a model loads
+        self.run_lock = prepare_run_dir(run_dir, cfg)
         with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
             handle.write(to_yaml(cfg))
         seed_everything(cfg.trainer.seed)
@@ -176,7 +184,8 @@ class RLTrainer:
         self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed)
         custom = cfg.custom_reward_function
-        self.reward_manager = RewardManager(load_custom_reward(custom.path, custom.name) if custom.path else None)
+        self.reward_manager = RewardManager(load_custom_reward(custom.path, custom.name) if custom.path else None,
+                                            timeout_s=custom.timeout_s)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.loader.steps_per_epoch
 
         # ---- models: actor (+LoRA), reference, critic
@@ -241,6 +250,12 @@ class RLTrainer:
             or estimate.get("peak_bytes", 0) > 0.6 * (estimate.get("budget_bytes") or float("inf")))
         self.global_step = 0
         self.tracker: Optional[Tracker] = None
+        self.stop_signals: Optional[StopSignals] = None
+        self.nonfinite_streak = 0  # optimizer updates skipped in a row for a non-finite grad norm
+        self.last_good_checkpoint: Optional[str] = None  # the newest one saved (or resumed) before any such streak
+        self.stop_limits = {  # read up front: the run stops itself after this many bad updates / reward steps
+            "trainer.max_consecutive_nonfinite_updates": cfg.trainer.max_consecutive_nonfinite_updates,
+            "trainer.max_consecutive_failed_reward_steps": cfg.trainer.max_consecutive_failed_reward_steps}
 
     # ------------------------------------------------------------------------------------------ helpers
     def write_plan_record(self) -> None:
@@ -386,7 +401,14 @@ class RLTrainer:
             optimizer.zero_grad(set_to_none=True)
             if self.grad_scaler:
                 self.grad_scaler.update()
+            # A loss scaler skips steps on purpose while it finds its scale; below 1 it is no longer the reason.
+            if not self.grad_scaler or self.grad_scaler.get_scale() < 1.0:
+                self.nonfinite_streak += 1
+                self._stop_if_diverged()
             return float(grad_norm)
+        self.nonfinite_streak = 0
+        if self.stop_signals is not None:
+            self.stop_signals.droppable = False  # weights change from here: a signal now finishes the step
         if self.grad_scaler:
             self.grad_scaler.step(optimizer)
             self.grad_scaler.update()
@@ -638,53 +660,153 @@ class RLTrainer:
         path = save_checkpoint(self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
                                critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
                                trainer_state=self.trainer_state(), export_actor=export,
-                               keep=self.cfg.trainer.max_actor_ckpt_to_keep)
+                               keep=self.cfg.trainer.max_actor_ckpt_to_keep, config_yaml=to_yaml(self.cfg))
+        if self.nonfinite_streak == 0:
+            self.last_good_checkpoint = path
         log.warning("checkpoint saved: %s", path)
         return path
 
     def maybe_resume(self) -> None:
+        """Continue from the newest usable checkpoint (a damaged one is named and skipped), or the given path."""
         tcfg = self.cfg.trainer
         if tcfg.resume_mode == "disable":
             return
-        path = tcfg.resume_from_path if tcfg.resume_mode == "resume_path" else find_latest_checkpoint(self.run_dir)
-        if not path:
-            return
-        state = load_checkpoint(path, actor=self.actor, critic=self.critic, optimizers=self.optimizers,
-                                schedulers=self.schedulers)
+
+        def load(path: str) -> dict:
+            return load_checkpoint(path, actor=self.actor, critic=self.critic, optimizers=self.optimizers,
+                                   schedulers=self.schedulers)
+
+        if tcfg.resume_mode == "resume_path":
+            path, state = tcfg.resume_from_path, load(tcfg.resume_from_path)  # asked for by name: no fallback
+        else:
+            found = resume_latest(self.run_dir, load)
+            if found is None:
+                return
+            path, state = found
         self.global_step = state["global_step"]
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         for key, value in state.get("plan_sizes", {}).items():
             setattr(self.plan, key, value)  # keep what OOM recovery learned
         self.write_plan_record()
+        self._apply_optim_config()
         self.engine.sync_weights()
+        retire_later_checkpoints(self.run_dir, self.global_step)  # never a mix of two timelines
+        self.last_good_checkpoint = path
         log.warning("resumed from %s at step %d", path, self.global_step)
+
+    def _apply_optim_config(self) -> None:
+        """A resumed optimizer/scheduler carries the old lr, betas and weight decay: the config's values win."""
+        optim_cfgs = {"actor": self.cfg.actor_rollout_ref.actor.optim, "critic": self.cfg.critic.optim}
+        for name, optimizer in self.optimizers.items():
+            ocfg, scheduler = optim_cfgs[name], self.schedulers[name]
+            scheduler.base_lrs = [ocfg.lr] * len(optimizer.param_groups)
+            for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+                group.update(initial_lr=ocfg.lr, lr=ocfg.lr * factor(scheduler.last_epoch),
+                             betas=tuple(ocfg.betas), weight_decay=ocfg.weight_decay)
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+    # ------------------------------------------------------------------------------------------ stopping
+    def _last_good_hint(self) -> str:
+        if self.last_good_checkpoint:
+            return (f"The last good checkpoint is {self.last_good_checkpoint}: resume from it with a lower learning "
+                    f"rate (trainer.resume_mode=resume_path trainer.resume_from_path={self.last_good_checkpoint})")
+        return "No checkpoint was saved before; lower the learning rate and start again"
+
+    def _stop_after(self, streak: int, limit_key: str, what: str, advice: str) -> None:
+        """Raise TrainingStopped once `streak` reaches the config's `limit_key` (0: never)."""
+        limit = self.stop_limits[limit_key]
+        if limit > 0 and streak >= limit:
+            raise TrainingStopped(f"{what} ({limit_key}={limit}): {advice}")
+
+    def _stop_if_diverged(self) -> None:
+        self._stop_after(self.nonfinite_streak, "trainer.max_consecutive_nonfinite_updates",
+                         f"{self.nonfinite_streak} optimizer updates in a row had a NaN/inf gradient norm and were "
+                         "skipped",
+                         f"the run has diverged, training on would change nothing. {self._last_good_hint()}, e.g. "
+                         f"actor_rollout_ref.actor.optim.lr={self.cfg.actor_rollout_ref.actor.optim.lr / 10:g}")
+
+    def _stop_if_rewards_failing(self, metrics: dict, rows: int) -> None:
+        self.failed_reward_streak = self.failed_reward_streak + 1 if metrics["reward/errors"] >= rows else 0
+        self._stop_after(self.failed_reward_streak, "trainer.max_consecutive_failed_reward_steps",
+                         f"every reward call failed for {self.failed_reward_streak} steps in a row",
+                         f"nothing can be learned. Last error: {self.reward_manager.last_error}. Fix the reward "
+                         "function (custom_reward_function.path) or the data's data_source / ground_truth")
+
+    def _droppable(self, fn: Callable):
+        """fn() while a stop signal may drop it (it must change no training state): None when dropped."""
+        self.stop_signals.droppable = self.stop_signals.received is None
+        try:
+            return fn()
+        except StepDropped:
+            return None
+        finally:
+            self.stop_signals.droppable = False
+
+    def _train_step_or_drop(self) -> Optional[dict]:
+        """One step; None when a stop signal dropped it before any update (the data position and RNG rewound)."""
+        loader_state, rng = self.loader.state_dict(), capture_rng()
+
+        def step() -> dict:
+            return self.train_step(self.loader.next_batch())
+
+        metrics = self._droppable(step)
+        if metrics is None:
+            self.loader.load_state_dict(loader_state)
+            restore_rng(*rng)
+        return metrics
+
+    def _stop_on_signal(self, saved_step: int) -> None:
+        stop = self.stop_signals
+        if stop.received is None:
+            return
+        path = None
+        if self.global_step > 0:
+            path = self.save() if saved_step != self.global_step else self.last_good_checkpoint
+        raise RunInterrupted(stop.received, self.global_step, path)
 
     # ------------------------------------------------------------------------------------------ the run
     def fit(self) -> dict:
         tcfg = self.cfg.trainer
-        self.maybe_resume()
-        self.tracker = Tracker(self.run_dir, as_list(tcfg.logger), tcfg.project_name, tcfg.experiment_name,
-                               OmegaConf.to_container(self.cfg, resolve=True), self.total_steps,
-                               resume_step=self.global_step if self.global_step > 0 else None)
-        last_val: dict = {}
         try:
-            if tcfg.val_before_train and self.global_step == 0:
-                last_val = self.validate()
-                if last_val:
-                    self.tracker.log(last_val, step=0)
-            while self.global_step < self.total_steps:
-                items = self.loader.next_batch()
-                metrics = self.train_step(items)
-                self.global_step += 1
-                metrics["train/epoch"] = float(self.loader.epoch)
-                is_last = self.global_step >= self.total_steps
-                if tcfg.test_freq > 0 and (self.global_step % tcfg.test_freq == 0 or is_last):
-                    last_val = self.validate()
-                    metrics.update(last_val)
-                self.tracker.log(metrics, step=self.global_step)
-                if tcfg.save_freq > 0 and (self.global_step % tcfg.save_freq == 0 or is_last):
-                    self.save()
+            self.maybe_resume()
+            self.tracker = Tracker(self.run_dir, as_list(tcfg.logger), tcfg.project_name, tcfg.experiment_name,
+                                   OmegaConf.to_container(self.cfg, resolve=True), self.total_steps,
+                                   resume_step=self.global_step if self.global_step > 0 else None)
+            with StopSignals() as self.stop_signals:
+                return self._loop()
         finally:
-            self.tracker.close()
-        return last_val
+            self.stop_signals = None
+            if self.tracker is not None:
+                self.tracker.close()
+            self.reward_manager.close()
+            self.run_lock.release()
+
+    def _loop(self) -> dict:
+        tcfg, stop = self.cfg.trainer, self.stop_signals
+        last_val: dict = {}
+        saved_step = self.global_step
+        self.failed_reward_streak = 0
+        if tcfg.val_before_train and self.global_step == 0:
+            last_val = self._droppable(self.validate) or {}
+            if last_val:
+                self.tracker.log(last_val, step=0)
+        while self.global_step < self.total_steps:
+            self._stop_on_signal(saved_step)
+            stop.step = self.global_step
+            metrics = self._train_step_or_drop()
+            if metrics is None:
+                continue  # dropped by a signal: _stop_on_signal saves and stops
+            self.global_step += 1
+            stop.step = self.global_step
+            metrics["train/epoch"] = float(self.loader.epoch)
+            is_last = self.global_step >= self.total_steps
+            if tcfg.test_freq > 0 and (self.global_step % tcfg.test_freq == 0 or is_last) and stop.received is None:
+                last_val = self._droppable(self.validate) or {}
+                metrics.update(last_val)
+            self.tracker.log(metrics, step=self.global_step)
+            self._stop_if_rewards_failing(metrics, rows=self.loader.batch_size * self.n)
+            if tcfg.save_freq > 0 and (self.global_step % tcfg.save_freq == 0 or is_last):
+                self.save()
+                saved_step = self.global_step
+        return last_val  # a signal during the last step: the run is complete, so it ends as usual

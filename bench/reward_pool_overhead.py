@@ -1,0 +1,45 @@
+"""What the reward timeout costs: a user reward function scored in-process (custom_reward_function.timeout_s=0)
+versus in the forked worker pool that enforces the per-call limit (the default, 30 s).
+
+    python bench/reward_pool_overhead.py --calls 512 --repeats 5
+
+CPU only. The function is the GSM8K rule on a 500-character response, as cheap as reward functions get, so the
+difference is the pool's per-call cost (pickling the call and its result, the round trip to a worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rlanywhere.rewards import RewardManager, gsm8k_score
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    return gsm8k_score(solution_str, ground_truth)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    texts = [f"step by step ... so the answer is #### {i} " * 12 for i in range(args.calls)]
+    truths, sources = [str(i) for i in range(args.calls)], ["x"] * args.calls
+    for timeout_s in (0.0, 30.0):
+        manager = RewardManager(score, timeout_s=timeout_s)
+        try:
+            manager(texts[:8], truths[:8], sources[:8])  # start the workers outside the timing
+            start = time.perf_counter()
+            for _ in range(args.repeats):
+                manager(texts, truths, sources)
+            per_batch = (time.perf_counter() - start) / args.repeats
+        finally:
+            manager.close()
+        where = "in-process" if timeout_s == 0 else f"{manager.num_workers} workers"
+        print(f"timeout_s={timeout_s:g} ({where}): {per_batch * 1e3:.1f} ms per {args.calls} calls, "
+              f"{per_batch / args.calls * 1e6:.0f} us per call")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Guards around a run: one process per run directory, checks before anything loads, resume-config diffs, and
+SIGTERM / Ctrl-C turned into "save a checkpoint and stop".
+
+* :func:`prepare_run_dir` (called first by the trainer): takes the run directory's lock (a second run in the same
+  directory refuses with the first one's pid), checks that checkpoints can be written there, refuses
+  ``trainer.resume_mode=disable`` over an earlier run's checkpoints unless ``trainer.overwrite_run_dir=true``, and
+  compares the config with the one stored in the checkpoint that will be resumed: keys that decide what the run
+  *is* (model, data, algorithm, seed, batch) refuse to change, every other change is printed and takes effect.
+* :class:`StopSignals`: while a training step can still be dropped (before its first optimizer update) a signal
+  drops it; otherwise the step finishes. Either way the trainer then saves a checkpoint and raises
+  :class:`RunInterrupted`, which the CLI turns into one line and exit code 128 + signal (130 Ctrl-C, 143 SIGTERM).
+  A second signal stops at once, without saving.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import weakref
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from .checkpoint import checkpoint_root, list_checkpoints
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".rlanywhere.lock"
+
+# What a run *is*: changing one of these on resume would mix two different runs in one directory.
+FIXED_ON_RESUME = (
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.lora_rank",
+    "critic.model.path",
+    "critic.model.lora_rank",
+    "algorithm.adv_estimator",
+    "actor_rollout_ref.rollout.n",
+    "data.train_files",
+    "data.train_batch_size",
+    "data.prompt_key",
+    "data.max_prompt_length",
+    "data.filter_overlong_prompts",
+    "data.truncation",
+    "data.shuffle",
+    "data.seed",
+    "trainer.seed",
+)
+
+
+class RunDirError(UserError):
+    """The run directory cannot be used as asked (in use, unwritable, holding another run)."""
+
+
+class RunLock:
+    """An exclusive `flock` on RUN_DIR/.rlanywhere.lock, released by `release()`, when the object is collected, or
+    when the process dies (kill -9 included: the kernel drops it, so there is never a stale lock to delete by hand).
+
+    The lock is per process: trainers built one after another in the same process (a notebook, a test that saves
+    with one trainer and resumes with another) share it; another process is refused with the holder's pid."""
+
+    _held: dict[str, list] = {}  # lock path -> [open file, number of RunLock objects sharing it]
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
+        if self.path not in RunLock._held:
+            RunLock._held[self.path] = [self._acquire(run_dir), 0]
+        RunLock._held[self.path][1] += 1
+        self._finalizer = weakref.finalize(self, RunLock._drop, self.path)
+
+    def _acquire(self, run_dir: str):
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise RunDirError(
+                f"run directory {run_dir} is in use by {holder}. Wait for that run to finish (or stop it), or give "
+                "this run its own directory: trainer.experiment_name=<name> or trainer.default_local_dir=<dir>"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}: {' '.join(sys.argv)[:300]}\n")
+        handle.flush()
+        return handle
+
+    @staticmethod
+    def _drop(path: str) -> None:
+        entry = RunLock._held[path]
+        entry[1] -= 1
+        if entry[1] == 0:
+            entry[0].close()  # closing the file releases the flock
+            del RunLock._held[path]
+
+    def release(self) -> None:
+        self._finalizer()  # runs _drop once; later calls do nothing
+
+
+def _existing_checkpoints(run_dir: str) -> list[str]:
+    root = checkpoint_root(run_dir)
+    return sorted(name for name in os.listdir(root) if name.startswith("global_step_")) if os.path.isdir(root) else []
+
+
+def _check_checkpoints_writable(run_dir: str) -> None:
+    root = checkpoint_root(run_dir)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise RunDirError(f"{root} is a file, not a directory: checkpoints go there. Move the file away or set "
+                          "trainer.default_local_dir to another directory")
+    probe = os.path.join(root, f".write_test_{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "w") as handle:
+            handle.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise RunDirError(f"cannot write checkpoints to {root}: {exc.strerror or exc}. Fix the permissions or set "
+                          "trainer.default_local_dir to a writable directory") from None
+
+
+def _saved_config(path: str) -> Optional[dict]:
+    """The resolved config stored in checkpoint `path`, or None (older checkpoint, unreadable file)."""
+    file = os.path.join(path, "config.yaml")
+    try:
+        return OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+    except Exception:  # noqa: BLE001 - a damaged config is reported when the checkpoint itself is verified
+        return None
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_leaves(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def config_changes(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (saved value, current value)} for every leaf that differs (keys on one side only included)."""
+    old, new = _leaves(saved), _leaves(current)
+    return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
+
+
+def check_resume_config(saved: dict, current: dict, checkpoint: str) -> dict[str, tuple[Any, Any]]:
+    """Refuse changes to FIXED_ON_RESUME keys (RunDirError naming them); return the other changes."""
+    changes = config_changes(saved, current)
+    fixed = {key: change for key, change in changes.items() if key in FIXED_ON_RESUME}
+    if fixed:
+        listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in fixed.items())
+        raise RunDirError(
+            f"{checkpoint} belongs to a different run ({listed}); these cannot change on resume. Give the new run "
+            "its own directory (trainer.experiment_name=<name> or trainer.default_local_dir=<dir>), start it from "
+            f"these weights with actor_rollout_ref.model.path={os.path.join(checkpoint, 'actor')}, or replace the "
+            "old run with trainer.resume_mode=disable trainer.overwrite_run_dir=true")
+    return changes
+
+
+def prepare_run_dir(run_dir: str, cfg) -> RunLock:
+    """Everything checked before a model loads (see the module docstring); returns the held lock."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as exc:
+        raise RunDirError(f"cannot create the run directory {run_dir}: {exc.strerror or exc}; set "
+                          "trainer.default_local_dir to a writable place") from None
+    lock = RunLock(run_dir)
+    try:
+        _check_checkpoints_writable(run_dir)
+        tcfg = cfg.trainer
+        existing, overwrite = _existing_checkpoints(run_dir), tcfg.overwrite_run_dir
+        if tcfg.resume_mode == "disable" and existing:
+            if not overwrite:
+                raise RunDirError(
+                    f"{run_dir} holds checkpoints of an earlier run ({', '.join(existing[-3:])}); "
+                    "trainer.resume_mode=disable would mix them with this run's. Set trainer.overwrite_run_dir=true "
+                    "to delete them and start over, trainer.resume_mode=auto to continue that run, or use another "
+                    "trainer.default_local_dir")
+            shutil.rmtree(checkpoint_root(run_dir))
+            os.makedirs(checkpoint_root(run_dir))
+            log.warning("trainer.overwrite_run_dir=true: deleted the earlier run's checkpoints in %s", run_dir)
+        resume_from = None
+        if tcfg.resume_mode == "resume_path":
+            resume_from = tcfg.resume_from_path
+        elif tcfg.resume_mode == "auto":
+            resume_from = next((p for p in reversed(list_checkpoints(run_dir)) if _saved_config(p) is not None), None)
+        saved = _saved_config(resume_from) if resume_from else None
+        if saved is not None:
+            current = OmegaConf.to_container(cfg, resolve=True)
+            changes = check_resume_config(saved, current, resume_from)
+            for key, (old, new) in changes.items():
+                log.warning("resume: %s changed %r -> %r (the new value is used)", key, old, new)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+class RunInterrupted(BaseException):
+    """The run stopped on a signal; `checkpoint` is what was saved (None: nothing). A BaseException, like
+    KeyboardInterrupt, so that no `except Exception` in user or library code swallows it."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Optional[str]):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        if checkpoint:
+            text = f"stopped by {name} at step {step}: saved {checkpoint}; run the same command to resume"
+        else:
+            text = f"stopped by {name} at step {step} without saving; run the same command to resume from the last " \
+                   "checkpoint"
+        super().__init__(text)
+
+
+class StepDropped(BaseException):
+    """Raised by the signal handler while the current step can be dropped (nothing has been updated yet)."""
+
+
+class StopSignals:
+    """Context manager: SIGINT/SIGTERM set `received`; while `droppable` is true the handler raises StepDropped.
+
+    A second signal raises RunInterrupted at once (no save). Outside the main thread it does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self.droppable = False
+        self.step = 0
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None:
+            raise RunInterrupted(signum, self.step, None)
+        self.received = signum
+        what = "dropping the current step" if self.droppable else "finishing the current step"
+        # stderr directly: one line the user sees even with the progress bar, whatever the logging level
+        print(f"\n{signal.Signals(signum).name} received: {what}, then saving a checkpoint "
+              "(send it again to stop at once, without saving)", file=sys.stderr, flush=True)
+        if self.droppable:
+            self.droppable = False
+            raise StepDropped()
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
