@@ -127,3 +127,39 @@ def test_truncated_rows_hit_the_limit_without_eos():
     # row 0: 3 tokens = limit, last is not EOS -> cut off; row 1 ended on EOS exactly at the limit; rows 2-3 short
     assert A.truncated_rows(ids, mask, 3, [eos]).tolist() == [True, False, False, False]
     assert A.truncated_rows(ids, mask, 4, [eos]).tolist() == [False] * 4
+
+
+# ---------------------------------------------------------------- config keys
+
+
+def test_variant_keys_in_verl_names():
+    from rlanywhere.config import load_config
+
+    notices = []
+    cfg = load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                             "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
+                             "algorithm.filter_groups.max_num_gen_batches=0", "data.gen_batch_size=96",
+                             "+reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=128",
+                             "reward_model.overlong_buffer.penalty_factor=0.5", "reward_model.overlong_buffer.log=true",
+                             "algorithm.mask_truncated_completions=true"], notices=notices)
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"
+    assert cfg.algorithm.filter_groups.metric == "score" and cfg.data.gen_batch_size == 96
+    assert cfg.reward_model.overlong_buffer.len == 128 and cfg.algorithm.mask_truncated_completions is True
+    assert any("overlong_buffer.log" in line for line in notices)  # accepted with a notice: always logged here
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], "choose one of vanilla, gspo"),
+    (["data.gen_batch_size=8"], "algorithm.filter_groups.enable=true"),
+    (["algorithm.filter_groups.enable=true", "data.gen_batch_size=0"], "must be positive"),
+    (["reward_model.overlong_buffer.enable=true"], "reward_model.overlong_buffer.len=128"),
+    (["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=600"], "must be in 1..512"),
+    (["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=64",
+      "reward_model.overlong_buffer.penalty_factor=-1"], "penalty_factor must be >= 0"),
+])
+def test_variant_keys_bad_values_name_the_fix(overrides, expected):
+    from rlanywhere.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert expected in str(info.value)
