@@ -348,7 +348,7 @@ class RLTrainer:
                 ids, mask, pos, resp_len = self.forward_rows(batch, rows)
                 with autocast_context(self.plan):
                     out[rows, :resp_len] = compute(ids, mask, pos, resp_len).float().cpu()
-            return out * batch.mask
+            return out * batch.rollout.response_mask  # every response: a loss mask only narrows the losses
 
         return self.guarded(phase, run, self.size_attr("logprob_micro_batch_size"))
 
