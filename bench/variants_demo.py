@@ -11,6 +11,8 @@ with each recipe's keys on top and nothing else changed:
     gspo  policy_loss.loss_mode=gspo, clip 3e-4 / 4e-4, seq-mean-token-mean
 
     python bench/variants_demo.py --out runs/variants                 # the GPU profile on a GPU (the must-show)
+    python bench/variants_demo.py --out runs/variants --variants dapo # one run (e.g. under a per-command limit)
+    python bench/variants_demo.py --out runs/variants --plot-only     # the plot and table from the runs there
     python bench/variants_demo.py --out /tmp/v --steps 2 --cpu        # CPU smoke: the CPU profile, 2 steps
 
 Writes OUT/<variant>/ (a normal run dir each), OUT/heldout_acc.png (val/acc against step and against
@@ -115,6 +117,7 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the profile's)")
     parser.add_argument("--cpu", action="store_true", help="the CPU profile on the CPU even if a GPU is present")
+    parser.add_argument("--plot-only", action="store_true", help="no training: plot the runs already in --out")
     parser.add_argument("extra", nargs="*", help="more overrides for every run, e.g. trainer.seed=2")
     args = parser.parse_args()
 
@@ -124,7 +127,14 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     curves = {}
     for name in args.variants:
-        records = run_variant(name, args.out, on_gpu, args.steps, args.extra)
+        if args.plot_only:
+            from rlanywhere.tracking import read_metrics
+
+            if not os.path.exists(os.path.join(args.out, name)):
+                continue
+            records = read_metrics(os.path.join(args.out, name))
+        else:
+            records = run_variant(name, args.out, on_gpu, args.steps, args.extra)
         curves[name] = heldout_curve(records)
         drawn = [r["filter_groups/prompts_drawn"] for r in records if "filter_groups/prompts_drawn" in r]
         if drawn:
