@@ -157,3 +157,30 @@ def test_dr_grpo_preset_example_runs(tiny_model_dir, arith_data, tmp_path):
     trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
     trainer.fit()
     assert trainer.global_step == 1
+
+
+def test_dynamic_sampling_resumes_exactly(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    """The extra prompts drawn by dynamic sampling are part of the saved loader position: a run killed after
+    step 1 and resumed draws (and trains on) exactly what the uninterrupted run did at step 2."""
+    extra = {"algorithm.adv_estimator": "grpo", "algorithm.filter_groups.enable": True,
+             "algorithm.filter_groups.max_num_gen_batches": 3, "data.gen_batch_size": 3,
+             "trainer.save_freq": 1, "trainer.test_freq": -1, "trainer.val_before_train": False,
+             "custom_reward_function.path": reward_file(tmp_path)}
+    _, uninterrupted = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra))
+    original_step = RLTrainer.train_step
+
+    def dying_step(self, items):
+        if self.global_step == 1:
+            raise KeyboardInterrupt("killed")
+        return original_step(self, items)
+
+    monkeypatch.setattr(RLTrainer, "train_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
+    monkeypatch.setattr(RLTrainer, "train_step", original_step)
+    _, resumed = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
+    a, b = train_rows(uninterrupted), train_rows(resumed)
+    assert sorted(b) == [1, 2]
+    for key in ("filter_groups/prompts_drawn", "filter_groups/num_gen_batches", "reward/mean", "actor/pg_loss",
+                "actor/grad_norm", "response_length/mean"):
+        assert b[2][key] == pytest.approx(a[2][key], rel=1e-5, abs=1e-7), key
