@@ -40,7 +40,7 @@ class DataConfig:
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1024
-    gen_batch_size: Optional[int] = None  # prompts per generation round with algorithm.filter_groups (None: train_batch_size)
+    gen_batch_size: Optional[int] = None  # prompts per round with algorithm.filter_groups (None: train_batch_size)
     val_batch_size: Optional[int] = None
     val_max_samples: int = -1  # -1: the whole validation set
     shuffle: bool = True
