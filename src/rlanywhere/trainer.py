@@ -609,8 +609,8 @@ class RLTrainer:
         """TRL's mask_truncated_completions: the response mask without responses cut off by the length limit."""
         if not self.cfg.algorithm.mask_truncated_completions:
             return None, {}
-        truncated = algo.truncated_rows(rollout.response_ids, rollout.response_mask, self.response_length,
-                                        collect_eos_ids(self.tokenizer, self.actor))
+        eos_ids = getattr(self.engine, "eos_ids", None) or collect_eos_ids(self.tokenizer, self.actor)  # the engine's
+        truncated = algo.truncated_rows(rollout.response_ids, rollout.response_mask, self.response_length, eos_ids)
         stops = StopStringMatcher(self.tokenizer, as_list(self.cfg.actor_rollout_ref.rollout.stop))
         if stops:  # a response that ends on a stop string exactly at the limit was finished, not cut off
             for row in truncated.nonzero().flatten().tolist():
