@@ -10,7 +10,7 @@ from rlanywhere.config import load_config
 from rlanywhere.hardware import make_plan
 from rlanywhere.trainer import PhaseTimer, RLTrainer
 
-from .test_e2e import base_overrides, run_training, train_rows
+from .test_e2e import base_overrides, killed_then_resumed, run_training, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -167,18 +167,8 @@ def test_dynamic_sampling_resumes_exactly(tiny_model_dir, arith_data, tmp_path, 
              "trainer.save_freq": 1, "trainer.test_freq": -1, "trainer.val_before_train": False,
              "custom_reward_function.path": reward_file(tmp_path)}
     _, uninterrupted = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra))
-    original_step = RLTrainer.train_step
-
-    def dying_step(self, items):
-        if self.global_step == 1:
-            raise KeyboardInterrupt("killed")
-        return original_step(self, items)
-
-    monkeypatch.setattr(RLTrainer, "train_step", dying_step)
-    with pytest.raises(KeyboardInterrupt):
-        run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
-    monkeypatch.setattr(RLTrainer, "train_step", original_step)
-    _, resumed = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
+    _, resumed = killed_then_resumed(base_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra), 1,
+                                     monkeypatch)
     a, b = train_rows(uninterrupted), train_rows(resumed)
     assert sorted(b) == [1, 2]
     for key in ("filter_groups/prompts_drawn", "filter_groups/num_gen_batches", "reward/mean", "actor/pg_loss",
