@@ -31,6 +31,11 @@ RUNS = {
                   "actor_rollout_ref.actor.use_dynamic_bsz": True, "trainer.total_training_steps": 1,
                   "trainer.save_freq": 1, "trainer.test_freq": 1, "data.seed": 5,
                   "actor_rollout_ref.model.enable_gradient_checkpointing": True},
+    "dapo-gspo": {"algorithm.adv_estimator": "grpo", "algorithm.filter_groups.enable": True,
+                  "algorithm.filter_groups.max_num_gen_batches": 2, "data.gen_batch_size": 3,
+                  "reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 4,
+                  "algorithm.mask_truncated_completions": True, "trainer.total_training_steps": 1,
+                  "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"},
 }
 
 

@@ -55,6 +55,22 @@ def run_training(overrides: list[str]) -> tuple[RLTrainer, list[dict]]:
     return trainer, read_metrics(cfg.trainer.default_local_dir)
 
 
+def killed_then_resumed(overrides: list[str], die_at_step: int, monkeypatch) -> tuple[RLTrainer, list[dict]]:
+    """Run until the process is killed before step `die_at_step + 1`, then run again (resuming) to the end."""
+    original_step = RLTrainer.train_step
+
+    def dying_step(self, items):
+        if self.global_step == die_at_step:
+            raise KeyboardInterrupt("killed")
+        return original_step(self, items)
+
+    monkeypatch.setattr(RLTrainer, "train_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(overrides)
+    monkeypatch.setattr(RLTrainer, "train_step", original_step)
+    return run_training(overrides)
+
+
 def train_rows(metrics: list[dict]) -> dict[int, dict]:
     return {m["step"]: m for m in metrics if "reward/mean" in m}
 
@@ -125,19 +141,9 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, arith_data, tmp_p
              "actor_rollout_ref.actor.use_kl_loss": True, "algorithm.kl_ctrl.type": "adaptive",
              "algorithm.use_kl_in_reward": True}
     _, uninterrupted = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra))
-
-    original_step = RLTrainer.train_step
-
-    def dying_step(self, items):
-        if self.global_step == 2:  # step 2's checkpoint is on disk; the process dies mid-run
-            raise KeyboardInterrupt("killed")
-        return original_step(self, items)
-
-    monkeypatch.setattr(RLTrainer, "train_step", dying_step)
-    with pytest.raises(KeyboardInterrupt):
-        run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
-    monkeypatch.setattr(RLTrainer, "train_step", original_step)
-    trainer, resumed = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
+    # step 2's checkpoint is on disk; the process dies mid-run
+    trainer, resumed = killed_then_resumed(base_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra),
+                                           2, monkeypatch)
     assert trainer.global_step == 4
     a, b = train_rows(uninterrupted), train_rows(resumed)
     assert sorted(b) == [1, 2, 3, 4]  # no duplicated or lost lines

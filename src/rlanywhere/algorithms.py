@@ -18,6 +18,7 @@ Metric dicts hold plain Python floats so they can go straight to logging.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -731,6 +732,127 @@ def kl_loss(
     return aggregate_loss(kl_penalty(logprob, ref_logprob.detach(), kind), mask, loss_agg_mode, scale)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Recipe variants: GSPO, DAPO's dynamic sampling and overlong shaping, masking truncated responses
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def gspo_policy_loss(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    scale: LossScale | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """GSPO (Zheng et al. 2025): PPO clipping on a sequence-level importance ratio (verl's ``loss_mode=gspo``).
+
+    ``s_i = exp(mean_t (logprob - old_logprob))`` over row ``i``'s real tokens: the length-normalised ratio of the
+    whole response. Every token of row ``i`` carries the value ``s_i`` with the gradient of its own log-prob
+    (GSPO-token: ``s_i * pi_t / sg(pi_t)``), and the clipped surrogate ``max(-A * s, -A * clip(s, 1 - low,
+    1 + high))`` is applied per token, so a clipped sequence passes no gradient at all. The log-ratio is capped
+    at 10 like verl. The paper's clip ranges are tiny (``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4``) because
+    ``s_i`` is a geometric mean. Same arguments and return as :func:`ppo_policy_loss` so the trainer can call
+    either; ``clip_ratio_c`` (dual clip) has no sequence-level counterpart and is not used, as in verl.
+
+    The GSPO paper averages per sequence (``loss_agg_mode="seq-mean-token-mean"``); verl's current GSPO honours
+    ``loss_agg_mode`` and so do we. Metrics as :func:`ppo_policy_loss`, with ``ratio_mean``/``ratio_max`` over
+    sequences and ``pg_clipfrac`` the token-weighted fraction of clipped sequences.
+    """
+    del clip_ratio_c  # no dual clip at sequence level
+    _check_token_tensors(mask, old_logprob=old_logprob, logprob=logprob, advantages=advantages)
+    if clip_ratio_high is None:
+        clip_ratio_high = clip_ratio_low
+    mask_f = _as_float_mask(mask, logprob)
+    token_log_ratio = (logprob - old_logprob.detach()) * mask_f
+    seq_log_ratio = token_log_ratio.sum(-1) / mask_f.sum(-1).clamp(min=1.0)
+    # value: the sequence's log-ratio; gradient: this token's log-prob (the stop-gradient trick of GSPO-token)
+    log_ratio = torch.clamp(logprob - logprob.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.detach()
+
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg_losses = torch.maximum(unclipped, clipped)
+    pg_loss = aggregate_loss(pg_losses, mask_f, loss_agg_mode, scale)
+    with torch.no_grad():
+        approx_kl = masked_mean(-token_log_ratio, mask_f).item()
+        real_rows = mask_f.sum(-1) > 0
+        seq_ratio = torch.exp(seq_log_ratio.clamp(max=10.0))[real_rows]
+        metrics = {
+            "pg_clipfrac": masked_mean(torch.gt(clipped, unclipped).to(mask_f.dtype), mask_f).item(),
+            "pg_clipfrac_lower": 0.0,
+            "ppo_kl": approx_kl,
+            "approx_kl": approx_kl,
+            "ratio_mean": seq_ratio.mean().item() if seq_ratio.numel() else 1.0,
+            "ratio_max": seq_ratio.max().item() if seq_ratio.numel() else 1.0,
+        }
+    return pg_loss, metrics
+
+
+# verl's actor.policy_loss.loss_mode -> policy loss; every entry takes ppo_policy_loss's arguments
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict]]] = {
+    "vanilla": ppo_policy_loss,
+    "gspo": gspo_policy_loss,
+}
+
+
+def informative_groups(metric: torch.Tensor, group_index) -> torch.Tensor:
+    """DAPO's dynamic sampling filter (verl's ``algorithm.filter_groups``): which rows to keep, ``[batch]`` bool.
+
+    A group whose ``metric`` (e.g. accuracy) is the same for every response has zero advantage under GRPO and
+    teaches nothing, so its rows are dropped; groups with differing values are kept whole. A group of one is kept,
+    as in verl (there is nothing to compare it with). Values are compared exactly (max == min), not through a
+    floating-point std.
+    """
+    metric = torch.as_tensor(metric).detach().reshape(-1).to(torch.float64)
+    group_ids, num_groups = _group_ids(group_index, metric.shape[0], metric.device)
+    group_max = torch.full((num_groups,), -math.inf, dtype=metric.dtype).scatter_reduce(0, group_ids, metric, "amax")
+    group_min = torch.full((num_groups,), math.inf, dtype=metric.dtype).scatter_reduce(0, group_ids, metric, "amin")
+    group_size = torch.zeros(num_groups, dtype=torch.long).index_add(0, group_ids, torch.ones_like(group_ids))
+    keep_group = (group_max > group_min) | (group_size == 1)
+    return keep_group[group_ids]
+
+
+def overlong_penalty(
+    lengths: torch.Tensor, max_length: int, buffer_length: int, penalty_factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (verl's ``reward_model.overlong_buffer``), a reward to add, ``[batch]``.
+
+    Responses up to ``max_length - buffer_length`` tokens get 0; inside the buffer the penalty falls linearly to
+    ``-penalty_factor`` at ``max_length``: ``min(0, -(length - (max_length - buffer_length)) / buffer_length *
+    penalty_factor)``.
+    """
+    if not 0 < buffer_length <= max_length:
+        raise ValueError(
+            f"overlong buffer length must be in 1..{max_length} (the response length limit), got {buffer_length}; "
+            "set reward_model.overlong_buffer.len"
+        )
+    if penalty_factor < 0:
+        raise ValueError(f"overlong penalty_factor must be >= 0, got {penalty_factor}")
+    lengths = torch.as_tensor(lengths).to(torch.get_default_dtype())
+    exceed = lengths - (max_length - buffer_length)
+    return torch.clamp(-exceed / buffer_length * penalty_factor, max=0.0)
+
+
+def truncated_rows(
+    response_ids: torch.Tensor, mask: torch.Tensor, max_length: int, eos_ids: Sequence[int]
+) -> torch.Tensor:
+    """Rows cut off by the length limit, ``[batch]`` bool: ``max_length`` real tokens and the last one not an EOS.
+
+    These are the responses TRL's ``mask_truncated_completions`` (DAPO's "overlong filtering") leaves out of the
+    loss: their reward judges an answer that was never finished.
+    """
+    _check_token_tensors(mask, response_ids=response_ids)
+    lengths = mask.to(torch.long).sum(-1)
+    last = response_ids.gather(-1, (lengths - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    ended_by_eos = torch.isin(last, torch.tensor(list(eos_ids), dtype=last.dtype, device=last.device))
+    return (lengths >= max_length) & ~ended_by_eos
+
+
 __all__: Sequence[str] = [
     "masked_sum",
     "masked_mean",
@@ -756,4 +878,9 @@ __all__: Sequence[str] = [
     "value_loss",
     "entropy_loss",
     "kl_loss",
+    "gspo_policy_loss",
+    "POLICY_LOSSES",
+    "informative_groups",
+    "overlong_penalty",
+    "truncated_rows",
 ]

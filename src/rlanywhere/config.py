@@ -40,6 +40,7 @@ class DataConfig:
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1024
+    gen_batch_size: Optional[int] = None  # prompts per round with algorithm.filter_groups (None: train_batch_size)
     val_batch_size: Optional[int] = None
     val_max_samples: int = -1  # -1: the whole validation set
     shuffle: bool = True
@@ -77,6 +78,11 @@ class ModelConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"  # vanilla (token-level PPO clip) | gspo (sequence-level ratio)
+
+
+@dataclass
 class ActorConfig:
     strategy: str = "fsdp"
     ppo_mini_batch_size: int = 256
@@ -96,6 +102,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     ppo_epochs: int = 1
     shuffle: bool = False
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -178,6 +185,15 @@ class KLCtrlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling: drop groups whose metric is the same for every response, draw more prompts."""
+
+    enable: bool = False
+    metric: str = "acc"  # acc | score | seq_reward | any numeric key the reward function returns
+    max_num_gen_batches: int = 10  # generation rounds per step at most; <= 0: no limit (verl's default 0)
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -186,6 +202,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    mask_truncated_completions: bool = False  # TRL's name (verl has none): cut-off responses leave the loss
 
 
 @dataclass
@@ -196,9 +214,19 @@ class CustomRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment: a linear penalty in the last `len` tokens before the length limit."""
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = False
     reward_manager: str = "naive"
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -281,6 +309,7 @@ VERL_ONLY_KEYS: dict[str, str] = {
     "text-only prompts are read from parquet directly",
     r"reward_model\.(model(\..*)?|micro_batch_size.*|max_length|strategy|use_dynamic_bsz|forward_max_token_len"
     r"|launch_reward_fn_async|sandbox_fusion(\..*)?)": "rule rewards only (custom_reward_function for your own)",
+    r"reward_model\.overlong_buffer\.log": "the overlong penalty is always logged (reward/overlong_penalty)",
 }
 
 # Schema keys accepted (verl configs set them) that change nothing here: a user who sets one to a non-default value
@@ -468,6 +497,7 @@ def _check_values(cfg: DictConfig) -> None:
         "hardware.attn_implementation": ("auto", "flash_attention_2", "sdpa", "eager"),
         "actor_rollout_ref.rollout.name": ("auto", "fast", "hf"),
         "data.truncation": ("error", "left", "right"),
+        "actor_rollout_ref.actor.policy_loss.loss_mode": ("vanilla", "gspo"),
     }
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
@@ -491,6 +521,30 @@ def _check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be >= 0 (0 turns it off), got {OmegaConf.select(cfg, key)}")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
+    _check_variant_values(cfg)
+
+
+def _check_variant_values(cfg: DictConfig) -> None:
+    """DAPO's dynamic sampling and overlong buffer."""
+    gen_batch_size = cfg.data.gen_batch_size
+    if gen_batch_size is not None:
+        if gen_batch_size <= 0:
+            raise ConfigError(f"data.gen_batch_size must be positive, got {gen_batch_size}")
+        if not cfg.algorithm.filter_groups.enable:
+            raise ConfigError("data.gen_batch_size (prompts per generation round) only applies with dynamic sampling: "
+                              "set algorithm.filter_groups.enable=true or drop data.gen_batch_size")
+    if cfg.algorithm.filter_groups.enable and not str(cfg.algorithm.filter_groups.metric or "").strip():
+        raise ConfigError("algorithm.filter_groups.metric is empty; use acc, score, seq_reward or a key your "
+                          "reward function returns")
+    buffer = cfg.reward_model.overlong_buffer
+    if buffer.enable:
+        limit = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
+        if not 0 < buffer.len <= limit:
+            raise ConfigError(f"reward_model.overlong_buffer.len={buffer.len} must be in 1..{limit} (the response "
+                              "length limit); DAPO uses about a quarter of it, e.g. "
+                              f"reward_model.overlong_buffer.len={max(limit // 4, 1)}")
+        if buffer.penalty_factor < 0:
+            raise ConfigError(f"reward_model.overlong_buffer.penalty_factor must be >= 0, got {buffer.penalty_factor}")
 
 
 def _differences_from_verl(cfg: DictConfig) -> list[str]:

@@ -30,6 +30,7 @@ from . import algorithms as algo
 from .checkpoint import (capture_rng, load_checkpoint, restore_rng, resume_latest, retire_later_checkpoints,
                          save_checkpoint)
 from .config import as_list, to_yaml
+from .errors import UserError
 from .data import PromptLoader, RLDataset
 from .errors import UserError
 from .hardware import Plan, autocast_context, make_grad_scaler
@@ -43,7 +44,7 @@ from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .rewards import RewardManager, load_custom_reward
 from .rollout import make_engine
 from .runguard import RunInterrupted, StepDropped, StopSignals, prepare_run_dir
-from .rollout.base import RolloutBatch, SamplingParams
+from .rollout.base import RolloutBatch, SamplingParams, StopStringMatcher, collect_eos_ids
 from .tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,12 @@ class StepBatch:
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
     metrics: dict = field(default_factory=dict)
+    loss_mask: Optional[torch.Tensor] = None  # the response mask less rows kept out of the losses (truncated ones)
 
     @property
     def mask(self) -> torch.Tensor:
-        return self.rollout.response_mask.float()
+        """The mask the losses and their normalisers use."""
+        return self.loss_mask if self.loss_mask is not None else self.rollout.response_mask.float()
 
     @property
     def rows(self) -> int:
@@ -99,6 +102,36 @@ def concat_rollouts(parts: list[RolloutBatch], pad_token_id: int) -> RolloutBatc
         response_mask=torch.cat([right(p.response_mask, 0) for p in parts]),
         response_logprobs=torch.cat([right(p.response_logprobs, 0.0) for p in parts]),
         num_prompts=sum(p.num_prompts for p in parts), n=parts[0].n)
+
+
+@dataclass
+class ScoredRollout:
+    """Steps 1-2 of a step: prompts, their rollout, per-row scores and the reward details (lists per row)."""
+
+    items: list[dict]
+    rollout: RolloutBatch
+    scores: torch.Tensor
+    info: dict
+
+    def select(self, prompts: list[int]) -> "ScoredRollout":
+        """The given prompts with their n samples each, in that order (counts such as num_errors are kept)."""
+        r = self.rollout
+        rows = [p * r.n + j for p in prompts for j in range(r.n)]
+        info = {key: [value[i] for i in rows] if isinstance(value, list) else value for key, value in self.info.items()}
+        rollout = RolloutBatch(prompt_ids=r.prompt_ids[rows], prompt_mask=r.prompt_mask[rows],
+                               response_ids=r.response_ids[rows], response_mask=r.response_mask[rows],
+                               response_logprobs=r.response_logprobs[rows], num_prompts=len(prompts), n=r.n)
+        return ScoredRollout([self.items[p] for p in prompts], rollout, self.scores[rows], info)
+
+    @staticmethod
+    def concat(parts: list["ScoredRollout"], pad_token_id: int) -> "ScoredRollout":
+        if len(parts) == 1:
+            return parts[0]
+        info = {key: (sum((part.info[key] for part in parts), []) if isinstance(value, list)
+                      else sum(part.info[key] for part in parts)) for key, value in parts[0].info.items()}
+        return ScoredRollout(sum((part.items for part in parts), []),
+                             concat_rollouts([part.rollout for part in parts], pad_token_id),
+                             torch.cat([part.scores for part in parts]), info)
 
 
 # The plan fields OOM recovery may lower during a run; saved with each checkpoint and restored on resume.
@@ -181,7 +214,9 @@ class RLTrainer:
 
         self.train_set = dataset(cfg.data.train_files)
         self.val_set = dataset(cfg.data.val_files) if cfg.data.val_files else None
-        self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+        # with dynamic sampling a step draws gen_batch_size prompts per generation round (verl's DAPO trainer)
+        self.loader = PromptLoader(self.train_set, cfg.data.gen_batch_size or cfg.data.train_batch_size,
+                                   shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed)
         custom = cfg.custom_reward_function
         self.reward_manager = RewardManager(load_custom_reward(custom.path, custom.name) if custom.path else None,
@@ -328,7 +363,7 @@ class RLTrainer:
                 ids, mask, pos, resp_len = self.forward_rows(batch, rows)
                 with autocast_context(self.plan):
                     out[rows, :resp_len] = compute(ids, mask, pos, resp_len).float().cpu()
-            return out * batch.mask
+            return out * batch.rollout.response_mask  # every response: a loss mask only narrows the losses
 
         return self.guarded(phase, run, self.size_attr("logprob_micro_batch_size"))
 
@@ -464,6 +499,7 @@ class RLTrainer:
         clip_low = acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio
         clip_high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
         mode = acfg.loss_agg_mode
+        policy_loss = algo.POLICY_LOSSES[acfg.policy_loss.loss_mode]  # vanilla PPO clip or GSPO
 
         def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask, scale):
             logprob, entropy = response_logprobs(model, ids, mask, resp_len, temperature=temperature,
@@ -471,8 +507,8 @@ class RLTrainer:
                                                  position_ids=pos)
             pick = lambda t: t[rows, :resp_len].to(self.device)  # noqa: E731
             old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
-            pg_loss, means = algo.ppo_policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low,
-                                                  clip_high, acfg.clip_ratio_c, mode, scale)
+            pg_loss, means = policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low, clip_high,
+                                         acfg.clip_ratio_c, mode, scale)
             ent = algo.entropy_loss(entropy, resp_mask, mode, scale)
             loss = pg_loss - acfg.entropy_coeff * ent
             shares = {"pg_loss": pg_loss.detach(), "entropy": ent.detach()}
@@ -523,6 +559,87 @@ class RLTrainer:
         scores, info = self.reward_manager(texts, expand("ground_truth"), expand("data_source"), expand("extra_info"))
         return scores.float(), info, texts
 
+    def shaped_scores(self, items: list[dict], rollout: RolloutBatch) -> ScoredRollout:
+        """Rule scores plus DAPO's overlong penalty (reward_model.overlong_buffer) when it is on."""
+        scores, info, _ = self.score(items, rollout, self.n)
+        buffer = self.cfg.reward_model.overlong_buffer
+        if buffer.enable:
+            penalty = algo.overlong_penalty(rollout.response_lengths(), self.response_length, buffer.len,
+                                            buffer.penalty_factor)
+            scores = scores + penalty.to(scores.dtype)
+            info["overlong_penalty"] = penalty.tolist()
+        return ScoredRollout(items, rollout, scores, info)
+
+    def filter_metric(self, part: ScoredRollout) -> torch.Tensor:
+        """Per-row values of algorithm.filter_groups.metric: seq_reward (shaped score), score (before the overlong
+        penalty), or a number the reward function returns (acc, ...)."""
+        name = self.cfg.algorithm.filter_groups.metric
+        if name == "seq_reward":
+            return part.scores
+        if name == "score":
+            return part.scores - torch.tensor(part.info.get("overlong_penalty", 0.0), dtype=part.scores.dtype)
+        if not isinstance(part.info.get(name), list):
+            known = ["score", "seq_reward"] + sorted(k for k, v in part.info.items() if isinstance(v, list))
+            raise UserError(f"algorithm.filter_groups.metric={name!r} is not a reward value; use one of {known}")
+        return torch.tensor(part.info[name], dtype=torch.float64)
+
+    def rollout_and_score(self, items: list[dict], timer: PhaseTimer) -> tuple[ScoredRollout, dict]:
+        """Steps 1-2: n samples per prompt from the current policy, scored (and length-shaped).
+
+        With DAPO's dynamic sampling (algorithm.filter_groups) groups whose metric is the same for every sample are
+        dropped and more prompts are drawn until train_batch_size prompts are kept, at most max_num_gen_batches
+        rounds; a batch still short at the cap is topped up with dropped groups (verl stops the run there)."""
+        fcfg = self.cfg.algorithm.filter_groups
+        rounds, kept, dropped = [], [], []
+        while True:
+            with timer("rollout"):
+                rollout = self.generate(items, self.sampling_params(),
+                                        self.step_generator(self.global_step, salt=-len(rounds)))
+            with timer("reward"):
+                rounds.append(self.shaped_scores(items, rollout))
+            if not fcfg.enable:
+                break
+            keep = algo.informative_groups(self.filter_metric(rounds[-1]),
+                                           torch.arange(len(items)).repeat_interleave(self.n))
+            kept.append(rounds[-1].select([p for p in range(len(items)) if keep[p * self.n]]))
+            dropped.append(rounds[-1].select([p for p in range(len(items)) if not keep[p * self.n]]))
+            informative = sum(len(part.items) for part in kept)
+            at_cap = 0 < fcfg.max_num_gen_batches <= len(rounds)
+            if informative >= self.cfg.data.train_batch_size or at_cap:
+                break
+            items = self.loader.next_batch()
+        if self.release_rollout_memory:
+            self.engine.release_memory()
+        if not fcfg.enable:
+            return rounds[0], {}
+        pool = ScoredRollout.concat([part for part in kept + dropped if part.items], self.tokenizer.pad_token_id)
+        batch = pool.select(list(range(min(self.cfg.data.train_batch_size, len(pool.items)))))
+        batch.info["num_errors"] = sum(part.info["num_errors"] for part in rounds)
+        topped_up = max(len(batch.items) - informative, 0)
+        if topped_up:
+            log.warning("dynamic sampling: %d informative prompts after %d generation rounds "
+                        "(algorithm.filter_groups.max_num_gen_batches); topped up with %d uninformative ones",
+                        informative, len(rounds), topped_up)
+        drawn_acc = [acc for part in rounds for acc in part.info["acc"]]
+        return batch, {"filter_groups/num_gen_batches": float(len(rounds)),
+                       "filter_groups/prompts_drawn": float(sum(len(part.items) for part in rounds)),
+                       "filter_groups/prompts_informative": float(informative),
+                       "filter_groups/prompts_topped_up": float(topped_up),
+                       "filter_groups/drawn_acc": float(np.mean(drawn_acc))}
+
+    def truncated_loss_mask(self, rollout: RolloutBatch) -> tuple[Optional[torch.Tensor], dict]:
+        """TRL's mask_truncated_completions: the response mask without responses cut off by the length limit."""
+        if not self.cfg.algorithm.mask_truncated_completions:
+            return None, {}
+        eos_ids = getattr(self.engine, "eos_ids", None) or collect_eos_ids(self.tokenizer, self.actor)  # the engine's
+        truncated = algo.truncated_rows(rollout.response_ids, rollout.response_mask, self.response_length, eos_ids)
+        stops = StopStringMatcher(self.tokenizer, as_list(self.cfg.actor_rollout_ref.rollout.stop))
+        if stops:  # a response that ends on a stop string exactly at the limit was finished, not cut off
+            for row in truncated.nonzero().flatten().tolist():
+                truncated[row] = not stops.ends_with_stop(rollout.response_ids[row].tolist())
+        loss_mask = rollout.response_mask.float() * (~truncated).float().unsqueeze(-1)
+        return loss_mask, {"response_length/truncated_masked": float(truncated.float().mean())}
+
     def train_step(self, items: list[dict]) -> dict:
         acfg, algo_cfg = self.cfg.actor_rollout_ref, self.cfg.algorithm
         timer = PhaseTimer(self.device)
@@ -530,18 +647,14 @@ class RLTrainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         step_start = time.perf_counter()
 
-        # 1. rollout: n samples per prompt from the current policy
-        with timer("rollout"):
-            rollout = self.generate(items, self.sampling_params(), self.step_generator(self.global_step))
-            if self.release_rollout_memory:
-                self.engine.release_memory()
+        # 1-2. rollout (n samples per prompt from the current policy) and rule-based reward per sequence;
+        # DAPO's dynamic sampling may draw more prompts, and replaces `items` by the prompts trained on
+        scored, sampling_metrics = self.rollout_and_score(items, timer)
+        items, rollout, scores, info = scored.items, scored.rollout, scored.scores, scored.info
         group_index = torch.arange(len(items)).repeat_interleave(self.n)
-
-        # 2. reward: rule-based scores per sequence
-        with timer("reward"):
-            scores, info, _ = self.score(items, rollout, self.n)
         batch = StepBatch(rollout=rollout, group_index=group_index, scores=scores, reward_info=info)
-        mask = batch.mask
+        batch.loss_mask, truncation_metrics = self.truncated_loss_mask(rollout)
+        mask = rollout.response_mask.float()  # every response carries its score, kept out of the loss or not
 
         # 3. old log-probs (the behaviour policy for the PPO ratio) and reference log-probs (for KL).
         # With a single on-policy optimizer step the old policy *is* the current one: its log-probs are the
@@ -609,8 +722,10 @@ class RLTrainer:
             "perf/rollout_tokens_per_s": float(mask.sum()) / max(timer.times.get("rollout", 1e-9), 1e-9),
             "perf/peak_memory_gib": _peak_memory_gib(self.device),
             **{f"timing/{k}": v for k, v in timer.times.items()},
-            **kl_metrics,
+            **kl_metrics, **sampling_metrics, **truncation_metrics,
         })
+        if "overlong_penalty" in info:
+            metrics["reward/overlong_penalty"] = float(np.mean(info["overlong_penalty"]))
         if batch.ref_logprobs is not None and batch.old_logprobs is not None:
             metrics["actor/kl"] = float(algo.masked_mean(
                 algo.kl_penalty(batch.old_logprobs, batch.ref_logprobs, "kl"), mask))
