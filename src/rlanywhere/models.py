@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .logprobs import default_position_ids, training_attention_mask
+from .logprobs import default_position_ids, no_autocast, training_attention_mask
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,9 @@ class ValueModel(nn.Module):
         mask = training_attention_mask(self.backbone, attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()
+        with no_autocast(hidden.device):  # the value head in fp32, as the LM head is (logprobs.py)
+            head = self.value_head
+            return nn.functional.linear(hidden.float(), head.weight.float(), head.bias.float()).squeeze(-1)
 
     @property
     def is_lora(self) -> bool:

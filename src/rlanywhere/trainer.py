@@ -37,6 +37,7 @@ from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
 from .models import (ModelSource, ValueModel, enable_gradient_checkpointing, load_causal_lm, load_tokenizer,
                      resolve_model_source, response_values)
 from .oom import OOMGuard
+from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .rewards import RewardManager, load_custom_reward
 from .rollout import make_engine
@@ -217,7 +218,9 @@ class RLTrainer:
         if self.critic is not None:
             self.optimizers["critic"] = adamw(self.critic, cfg.critic.optim)
             self.schedulers["critic"] = _make_scheduler(self.optimizers["critic"], cfg.critic.optim, self.total_steps)
-        self.grad_scaler = make_grad_scaler(plan)
+        self.grad_scaler = make_grad_scaler(plan)  # fp16 plans: one dynamic loss scale for actor and critic
+        self.precision_guard = PrecisionGuard.from_config(cfg.hardware, plan.precision)
+        self.last_step_outcome: Optional[StepOutcome] = None
         self.kl_ctrl = algo.make_kl_controller(algo_cfg.kl_ctrl.type, algo_cfg.kl_ctrl.kl_coef,
                                                algo_cfg.kl_ctrl.target_kl, algo_cfg.kl_ctrl.horizon)
         # A token budget can shrink no further than one full-length sequence.
@@ -375,25 +378,20 @@ class RLTrainer:
         return totals
 
     def _optimizer_step(self, model, optimizer, grad_clip: float) -> float:
-        if self.grad_scaler:
-            self.grad_scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], grad_clip)
-        if not torch.isfinite(grad_norm):
-            bad = [name for name, p in model.named_parameters()
+        """Unscale, clip, step (see precision_guard.optimizer_step); returns the grad norm. A step skipped by the
+        fp16 loss scaler is normal (counted, logged as */skipped_steps); `self.last_step_outcome` says which."""
+        outcome = optimizer_step(optimizer, [p for p in model.parameters() if p.requires_grad], grad_clip,
+                                 self.grad_scaler)
+        self.last_step_outcome = outcome
+        name = next((k for k, v in self.optimizers.items() if v is optimizer), "model")
+        self.precision_guard.record(name, outcome)
+        if outcome.nonfinite_failure:
+            bad = [param for param, p in model.named_parameters()
                    if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
             log.warning("non-finite grad norm %.3g: skipping this optimizer step (%d parameter tensors non-finite, "
-                        "first: %s)", float(grad_norm), len(bad), ", ".join(bad[:4]))
-            optimizer.zero_grad(set_to_none=True)
-            if self.grad_scaler:
-                self.grad_scaler.update()
-            return float(grad_norm)
-        if self.grad_scaler:
-            self.grad_scaler.step(optimizer)
-            self.grad_scaler.update()
-        else:
-            optimizer.step()
+                        "first: %s)", outcome.grad_norm, len(bad), ", ".join(bad[:4]))
         optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return outcome.grad_norm
 
     def _update(self, name: str, model, optimizer, batch: StepBatch, loss_fn, mini_rows: int, epochs: int,
                 shuffle: bool, grad_clip: float, size_attr: str) -> dict:
@@ -442,6 +440,8 @@ class RLTrainer:
         clip_low = acfg.clip_ratio_low if acfg.clip_ratio_low is not None else acfg.clip_ratio
         clip_high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
         mode = acfg.loss_agg_mode
+        rcfg = self.cfg.actor_rollout_ref.rollout
+        compare_rollout = logprobs_comparable(rcfg.top_k, rcfg.top_p)
 
         def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask, scale):
             logprob, entropy = response_logprobs(model, ids, mask, resp_len, temperature=temperature,
@@ -454,6 +454,9 @@ class RLTrainer:
             ent = algo.entropy_loss(entropy, resp_mask, mode, scale)
             loss = pg_loss - acfg.entropy_coeff * ent
             shares = {"pg_loss": pg_loss.detach(), "entropy": ent.detach()}
+            if compare_rollout:  # trainer vs rollout log-probs of the behaviour policy (precision_guard)
+                means["rollout_logprob_gap"] = rollout_logprob_gap(old, pick(batch.rollout.response_logprobs),
+                                                                   resp_mask)
             if acfg.use_kl_loss and batch.ref_logprobs is not None:
                 kl = algo.kl_loss(logprob, pick(batch.ref_logprobs), resp_mask, acfg.kl_loss_type, mode, scale)
                 loss = loss + acfg.kl_loss_coef * kl
@@ -513,6 +516,7 @@ class RLTrainer:
             rollout = self.generate(items, self.sampling_params(), self.step_generator(self.global_step))
             if self.release_rollout_memory:
                 self.engine.release_memory()
+        self.precision_guard.check_rollout(rollout.response_logprobs, rollout.response_mask)
         group_index = torch.arange(len(items)).repeat_interleave(self.n)
 
         # 2. reward: rule-based scores per sequence
@@ -598,6 +602,7 @@ class RLTrainer:
             metrics["critic/values_mean"] = float(algo.masked_mean(batch.values, mask))
             metrics["critic/returns_mean"] = float(algo.masked_mean(batch.returns, mask))
         metrics["oom/recoveries"] = float(len(self.oom_guard.events))
+        metrics.update(self.precision_guard.end_step(metrics))  # loss scale, skipped steps; stops on a tripped rail
         return metrics
 
     # ------------------------------------------------------------------------------------------ validation
