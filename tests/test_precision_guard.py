@@ -250,3 +250,16 @@ def test_trainer_stops_before_training_on_a_non_finite_rollout(tiny_model_dir, a
     with pytest.raises(PrecisionGuardError, match="non-finite log-probs in 1 tokens of 1 responses"):
         trainer.train_step(trainer.loader.next_batch())
     assert all(torch.equal(v, before[k]) for k, v in trainer.actor.named_parameters())
+
+
+@pytest.mark.slow
+def test_the_loss_scale_is_checkpointed_and_resumed(tiny_model_dir, arith_data, tmp_path):
+    trainer = _trainer(tiny_model_dir, arith_data, tmp_path / "run", **{"algorithm.adv_estimator": "grpo"})
+    trainer.grad_scaler.scale(torch.tensor(1.0))  # the scale tensor exists from the first backward on
+    trainer.grad_scaler.update(new_scale=1024.0)  # as after six overflows
+    trainer.save()
+    resumed = _trainer(tiny_model_dir, arith_data, tmp_path / "run", **{"algorithm.adv_estimator": "grpo"})
+    assert resumed.grad_scaler.get_scale() == hw.LOSS_SCALE_INIT
+    resumed.maybe_resume()
+    assert resumed.grad_scaler.get_scale() == 1024.0
+    assert resumed.grad_scaler.get_growth_interval() == hw.LOSS_SCALE_GROWTH_INTERVAL

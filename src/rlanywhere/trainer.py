@@ -634,6 +634,7 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict:
         return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,  # fp16 loss scale
                 "plan_sizes": {k: getattr(self.plan, k) for k in OOM_ADJUSTED_SIZES}}
 
     def save(self) -> str:
@@ -659,6 +660,8 @@ class RLTrainer:
         self.global_step = state["global_step"]
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.grad_scaler is not None and state.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
         for key, value in state.get("plan_sizes", {}).items():
             setattr(self.plan, key, value)  # keep what OOM recovery learned
         self.write_plan_record()
