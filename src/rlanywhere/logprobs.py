@@ -67,7 +67,7 @@ def _check_inputs(hidden, weight, labels, bias, temperature, chunk_size):
             )
 
 
-def _head_dtype(weight: torch.Tensor) -> torch.dtype:
+def head_dtype(weight: torch.Tensor) -> torch.dtype:
     """The LM head's math runs in fp32 at least (fp64 weights, as in exactness tests, stay fp64)."""
     return torch.promote_types(weight.dtype, torch.float32)
 
@@ -89,12 +89,12 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy):
         num_tokens = hidden.shape[0]
         inv_temperature = 1.0 / temperature
-        head = _head_dtype(weight)
+        head = head_dtype(weight)
         logprobs = torch.empty(num_tokens, dtype=head, device=hidden.device)
         logsumexp = torch.empty_like(logprobs)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
         with torch.no_grad(), no_autocast(hidden.device):
-            weight_f32 = weight.to(_head_dtype(weight))
+            weight_f32 = weight.to(head_dtype(weight))
             bias_f32 = bias.to(weight_f32.dtype) if bias is not None else None
             for start in range(0, num_tokens, chunk_size):
                 stop = min(start + chunk_size, num_tokens)
@@ -129,7 +129,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         inv_temperature = 1.0 / ctx.temperature
         num_tokens = hidden.shape[0]
         with torch.no_grad(), no_autocast(hidden.device):
-            weight_f32 = weight.to(_head_dtype(weight))
+            weight_f32 = weight.to(head_dtype(weight))
             bias_f32 = bias.to(weight_f32.dtype) if bias is not None else None
             grad_hidden = torch.empty_like(hidden) if needs_hidden else None
             grad_weight = torch.zeros_like(weight_f32) if needs_weight else None
