@@ -9,7 +9,7 @@ from rlanywhere import hardware as hw
 from rlanywhere.config import load_config
 
 CHECK_NAMES = {"probe", "plan", "matmul fp32", "matmul compute dtype", "attention", "tiny model fwd+bwd",
-               "generation", "memory cap"}
+               "generation", "fp16", "memory cap"}
 
 
 def _quiet(_text: str) -> None:
@@ -76,3 +76,14 @@ def test_bf16_eager_path_checks_pass_on_cpu():
 def test_doctor_main_exit_codes():
     assert doctor.doctor_main(None, ["hardware.device=cpu"]) == 0
     assert doctor.doctor_main(None, ["hardware.precision=fp16", "hardware.device=cpu"]) == 1
+
+
+def test_fp16_mixed_precision_path_checks_pass_on_cpu():
+    """The fp16 plan of a T4/V100 (fp16 autocast, fp32 master weights, GradScaler), run on CPU autocast."""
+    plan = hw.Plan(precision="fp16", compute_dtype=torch.float16, rollout_dtype=torch.float16, use_autocast=True,
+                   use_grad_scaler=True)
+    cpu = torch.device("cpu")
+    for check in (doctor.check_matmul_compute, doctor.check_attention, doctor.check_tiny_model, doctor.check_fp16):
+        status, detail = check(plan, cpu)
+        assert status == "pass", (check.__name__, detail)
+    assert doctor.check_fp16(hw.Plan(), cpu)[0] == "skip"

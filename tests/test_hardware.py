@@ -3,6 +3,7 @@ model shapes from config.json / PretrainedConfig / GGUF, runtime helpers and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -61,21 +62,83 @@ def test_card_table():
 
 
 # ------------------------------------------------------------------------------------ precision/attention
-@pytest.mark.parametrize("card", ["p40", "t4"])
-def test_old_cards_plan_fp32_without_flash(card):
+@pytest.mark.parametrize("card", ["p40", "p100"])
+def test_pascal_plans_fp32_without_flash(card):
     plan = make_plan(cfg_of(*SMALL), fake(card, flash=True))  # flash_attn installed, but the card can't run it
     assert plan.precision == "fp32" and plan.param_dtype == plan.compute_dtype == plan.rollout_dtype == torch.float32
     assert not plan.use_autocast and not plan.use_grad_scaler and not plan.allow_tf32
     assert plan.attn_implementation in ("sdpa", "eager")
-    assert "no bf16" in plan.reasons["precision"] and hw.card_spec(card).name in plan.card
+    assert "no bf16 and no fp16 tensor cores" in plan.reasons["precision"] and hw.card_spec(card).name in plan.card
     assert plan.device == "cuda:0" and plan.alloc_conf == "expandable_segments:True"
 
 
-def test_t4_reason_offers_fp16_opt_in_and_fp16_plans_a_scaler():
-    assert "hardware.precision=fp16" in make_plan(cfg_of(*SMALL), fake("t4")).reasons["precision"]
-    plan = make_plan(cfg_of(*SMALL, "hardware.precision=fp16"), fake("t4"))
-    assert plan.compute_dtype == torch.float16 and plan.param_dtype == torch.float32
-    assert plan.use_autocast and plan.use_grad_scaler
+@pytest.mark.parametrize("card, precision, compute, scaler", [
+    ("t4", "fp16", torch.float16, True), ("v100-16g", "fp16", torch.float16, True),
+    ("v100-32g", "fp16", torch.float16, True), ("p40", "fp32", torch.float32, False),
+    ("a100-40g", "bf16", torch.bfloat16, False), ("h100", "bf16", torch.bfloat16, False),
+    (None, "fp32", torch.float32, False)])
+def test_planner_precision_per_card(card, precision, compute, scaler):
+    plan = make_plan(cfg_of(*SMALL), fake(card))
+    assert (plan.precision, plan.compute_dtype, plan.use_grad_scaler) == (precision, compute, scaler)
+    assert plan.param_dtype == torch.float32  # master weights (and the optimizer) stay fp32 on every card
+    assert plan.rollout_dtype == compute and plan.use_autocast == (compute != torch.float32)
+    if precision == "fp16":  # fp16 tensor cores, no bf16; SDPA's memory-efficient kernel runs fp16 on cc 7.x
+        assert "fp16 tensor cores and no bf16" in plan.reasons["precision"]
+        assert "not run" in plan.reasons["precision"]  # a hand-made probe: nothing was run
+        assert plan.attn_implementation == "sdpa" and "efficient_attention" in plan.reasons["attn_implementation"]
+
+
+def test_fp16_chosen_when_the_checks_passed_and_fp32_when_they_failed(caplog):
+    probe = fake("t4")
+    probe.devices[0].fp16_problems = []
+    plan = make_plan(cfg_of(*SMALL), probe)
+    assert plan.precision == "fp16" and "fp16 checks passed on cuda:0 (Tesla T4)" in plan.reasons["precision"]
+    probe.devices[0].fp16_problems = ["fp16 SDPA: no SDPA backend runs forward and backward in float16"]
+    plan = make_plan(cfg_of(*SMALL), probe)
+    assert plan.precision == "fp32" and not plan.use_grad_scaler and plan.rollout_dtype == torch.float32
+    assert "fp16 checks failed on cuda:0 (Tesla T4): fp16 SDPA" in plan.reasons["precision"]
+    assert "fp32 instead of fp16" in caplog.text
+    with pytest.raises(PlanError, match="fp16 checks failed.*hardware.precision=fp32"):
+        make_plan(cfg_of(*SMALL, "hardware.precision=fp16"), probe)
+
+
+def test_precision_fp32_forces_fp32_on_volta_and_turing():
+    for card in ("t4", "v100-16g"):
+        plan = make_plan(cfg_of(*SMALL, "hardware.precision=fp32"), fake(card))
+        assert plan.precision == "fp32" and not plan.use_grad_scaler and not plan.use_autocast
+        assert plan.reasons["precision"] == "fp32: hardware.precision=fp32"
+
+
+def test_emulated_t4_runs_the_fp16_checks_of_the_real_gpu():
+    probe = fake("h100")
+    probe.devices[0].fp16_problems = []
+    plan = make_plan(cfg_of(*SMALL), probe, emulate="t4")
+    assert plan.precision == "fp16" and plan.card == "Tesla T4" and not plan.allow_tf32
+    assert "passed on cuda:0 (H100 80GB, standing in for the Tesla T4)" in plan.reasons["precision"]
+    probe.devices[0].fp16_problems = ["loss scaling: an overflowed step was not skipped"]
+    assert make_plan(cfg_of(*SMALL), probe, emulate="t4").precision == "fp32"
+    plan = make_plan(cfg_of(*SMALL), fake(None), for_execution=False, emulate="v100-16g")
+    assert plan.precision == "fp16" and "planning without a GPU" in plan.reasons["precision"]
+
+
+def test_fp16_checks_run_for_real_and_catch_a_scaler_that_does_not_skip(monkeypatch):
+    assert hw.fp16_problems("cpu") == []  # CPU autocast has fp16 matmuls: the same checks run here
+
+    class NeverSkips(torch.amp.GradScaler):  # finds the overflow, steps anyway
+        def step(self, optimizer, *args, **kwargs):
+            self.unscale_(optimizer)
+            return optimizer.step()
+
+    monkeypatch.setattr(torch.amp, "GradScaler", NeverSkips)
+    assert "was not skipped" in hw._loss_scaling_problem("cpu")
+
+
+def test_grad_scaler_of_an_fp16_plan():
+    plan = make_plan(cfg_of(*SMALL), fake("t4"))
+    assert plan.use_grad_scaler
+    scaler = hw.make_grad_scaler(dataclasses.replace(plan, device="cpu"))  # no CUDA here: a CPU scaler
+    assert scaler.get_scale() == hw.LOSS_SCALE_INIT and scaler.get_growth_interval() == hw.LOSS_SCALE_GROWTH_INTERVAL
+    assert hw.make_grad_scaler(make_plan(cfg_of(*SMALL), fake("a100-40g"))) is None
 
 
 @pytest.mark.parametrize("card", ["a100-80g", "h100"])
@@ -348,4 +411,4 @@ def test_plan_main(capsys):
     assert "nothing fits" in capsys.readouterr().out
     assert hw.plan_main(cfg_of(*SMALL), json_out="-", probe=fake("t4")) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["plan"]["card"] == "Tesla T4" and data["plan"]["precision"] == "fp32"
+    assert data["plan"]["card"] == "Tesla T4" and data["plan"]["precision"] == "fp16"

@@ -269,6 +269,11 @@ class HardwareConfig:
     memory_budget_gib: Optional[float] = None  # None: the card's memory
     logprob_chunk_size: int = 0  # 0: planner picks
     oom_recovery: bool = True
+    # guard rails (precision_guard.py): stop when the fp16 loss scale falls below min_loss_scale, or when the mean
+    # |rollout - trainer| log-prob gap exceeds max_logprob_gap on logprob_gap_patience steps in a row (0: off)
+    min_loss_scale: float = 1.0
+    max_logprob_gap: float = 0.25
+    logprob_gap_patience: int = 3
 
 
 @dataclass
@@ -519,6 +524,11 @@ def _check_values(cfg: DictConfig) -> None:
                 "custom_reward_function.timeout_s"):
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0 (0 turns it off), got {OmegaConf.select(cfg, key)}")
+    for key in ("hardware.min_loss_scale", "hardware.max_logprob_gap"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0 (0 turns the guard off), got {OmegaConf.select(cfg, key)}")
+    if cfg.hardware.logprob_gap_patience < 1:
+        raise ConfigError(f"hardware.logprob_gap_patience must be >= 1 steps, got {cfg.hardware.logprob_gap_patience}")
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
     _check_variant_values(cfg)

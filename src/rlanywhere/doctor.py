@@ -10,6 +10,8 @@ planned device and compares against a float64 reference computed on CPU:
     tiny model           a random 2-layer Qwen2 built in code: loss and gradients on the planned path vs the same
                          weights in fp64 eager attention
     generation           model.generate of 4 tokens in the rollout dtype
+    fp16                 for fp16 plans: the planner's fp16 checks (hardware.fp16_problems: fp16 autocast matmul,
+                         fp16 SDPA forward and backward, a GradScaler skipping an overflowed step)
     memory cap           when emulating on CUDA: allocating beyond the emulated card's memory must fail
 
 `run_doctor` prints the probe, the plan and a pass/fail table and returns (ok, report).
@@ -29,7 +31,7 @@ from rlanywhere import hardware as hw
 from rlanywhere.estimator import MIB, format_bytes
 
 # Relative error (Frobenius) allowed against the fp64 reference, per arithmetic.
-TOLERANCE = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 3e-2, "fp16": 5e-3}
+TOLERANCE = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 3e-2, "fp16": hw.FP16_MATMUL_TOLERANCE}
 # A 2-layer model compounds rounding: looser bounds for logits / loss / gradients.
 MODEL_TOLERANCE = {"fp32": 1e-4, "tf32": 2e-2, "bf16": 1e-1, "fp16": 3e-2}
 MATMUL_SIZE = 256
@@ -241,6 +243,15 @@ def check_generation(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
     return "pass", f"{GENERATE_TOKENS} tokens x {expected[0]} sequences in {hw.dtype_name(plan.rollout_dtype)}"
 
 
+def check_fp16(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
+    if plan.precision != "fp16":
+        return "skip", f"the plan computes in {plan.precision} ({plan.reasons.get('precision', '')})"
+    problems = hw.fp16_problems(device)
+    if problems:
+        return "fail", "; ".join(problems) + ". Set hardware.precision=fp32"
+    return "pass", "fp16 autocast matmul, fp16 SDPA fwd+bwd, an overflowed GradScaler step skipped and the next applied"
+
+
 def check_memory_cap(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
     if plan.memory_fraction is None:
         why = "not emulating" if not plan.emulated else "no CUDA device: nothing to cap"
@@ -271,6 +282,7 @@ CHECKS: list[tuple[str, str]] = [
     ("attention", "check_attention"),
     ("tiny model fwd+bwd", "check_tiny_model"),
     ("generation", "check_generation"),
+    ("fp16", "check_fp16"),
     ("memory cap", "check_memory_cap"),
 ]
 

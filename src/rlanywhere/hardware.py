@@ -10,7 +10,8 @@ This is the only module that writes dtype literals (torch.bfloat16, ...) and att
 
 What the planner decides, and why (docs/hardware.md has the long form):
   * precision: bf16 autocast over fp32 master weights where the card has native bf16 (compute capability >= 8.0);
-    fp32 on Pascal / Volta / Turing and on CPU (fp16 is opt-in: fast on Volta/Turing, but fragile for RL);
+    fp16 autocast over fp32 master weights with dynamic loss scaling on Volta / Turing (fp16 tensor cores, no
+    bf16) when the fp16 checks pass on the device (`fp16_problems`), else fp32; fp32 on Pascal and on CPU;
   * attention: FlashAttention-2 when installed and usable, else SDPA (when one of its backends runs), else eager;
   * memory: the estimator's per-phase peaks against the card's memory decide gradient checkpointing, micro-batch
     sizes, offload and where the reference model lives.
@@ -55,6 +56,13 @@ ATTN_EAGER = "eager"
 ATTN_IMPLEMENTATIONS = (ATTN_FLASH, ATTN_SDPA, ATTN_EAGER)
 
 ALLOC_CONF = "expandable_segments:True"  # fewer fragmentation OOMs when phase shapes change
+
+# Dynamic loss scaling for fp16 (torch.amp.GradScaler). An RL run takes a few optimizer steps per RL step, so
+# torch's default growth interval (2000 steps) would leave a scale halved by one early overflow low for the whole
+# run; 100 lets it grow back within tens of RL steps (DeepSpeed and Megatron use windows of 1000 for pre-training).
+LOSS_SCALE_INIT = 2.0 ** 16
+LOSS_SCALE_GROWTH_INTERVAL = 100
+FP16_MATMUL_TOLERANCE = 5e-3  # relative error of a fp16-autocast matmul against fp64 (the doctor uses it too)
 
 _DTYPE_ALIASES = {
     FP32: ("fp32", "float32", "float", "f32", "torch.float32", "32"),
@@ -200,6 +208,71 @@ def _sdpa_backends_cached(dtype_str: str, head_dim: int, device: str) -> tuple[s
     return tuple(found)
 
 
+def fp16_problems(device: Union[str, torch.device]) -> list[str]:
+    """Run the fp16 mixed-precision path's kernels on `device` for real: [] when they all work, else what failed.
+
+    1. a matmul under fp16 autocast is fp16 and within FP16_MATMUL_TOLERANCE of fp64;
+    2. SDPA runs forward and backward in fp16 (some backend, head dim PROBE_HEAD_DIM) with finite results;
+    3. a GradScaler step whose fp16 gradient overflowed is skipped and halves the scale, and the next, finite one
+       is applied unscaled.
+    The planner runs this (through the probe) before choosing fp16 automatically; `rlanywhere doctor` reports it."""
+    return list(_fp16_problems_cached(str(torch.device(device))))
+
+
+@functools.lru_cache(maxsize=None)
+def _fp16_problems_cached(device: str) -> tuple[str, ...]:
+    problems = []
+    for name, check in (("fp16 autocast matmul", _fp16_matmul_problem), ("fp16 SDPA", _fp16_sdpa_problem),
+                        ("loss scaling", _loss_scaling_problem)):
+        try:
+            problem = check(device)
+        except Exception as exc:  # noqa: BLE001 - a missing kernel raises anything; that is the finding
+            problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if problem:
+            problems.append(f"{name}: {problem}")
+    return tuple(problems)
+
+
+def _fp16_matmul_problem(device: str) -> Optional[str]:
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(256, 256, generator=gen, dtype=REFERENCE_DTYPE) for _ in range(2))
+    with torch.autocast(device_type=torch.device(device).type, dtype=FP16):
+        out = a.float().to(device) @ b.float().to(device)
+    if out.dtype != FP16:
+        return f"autocast produced {dtype_name(out.dtype)}, not float16"
+    reference = a @ b
+    error = float((out.double().cpu() - reference).norm() / reference.norm())
+    if not math.isfinite(error) or error > FP16_MATMUL_TOLERANCE:
+        return f"relative error {error:.2e} against fp64 (limit {FP16_MATMUL_TOLERANCE:.0e})"
+    return None
+
+
+def _fp16_sdpa_problem(device: str) -> Optional[str]:
+    if not sdpa_backends_that_run(FP16, PROBE_HEAD_DIM, device):
+        return f"no SDPA backend runs forward and backward in float16 (head dim {PROBE_HEAD_DIM})"
+    return None
+
+
+def _loss_scaling_problem(device: str) -> Optional[str]:
+    weight = torch.zeros(2, device=device, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=LOSS_SCALE_INIT,
+                                  growth_interval=LOSS_SCALE_GROWTH_INTERVAL)
+    # d/dw of scale * (2 w).sum() in fp16 is 2 * 2^16, beyond fp16's largest value (65504): an overflow
+    scaler.scale((weight.half() * 2).float().sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    if weight.detach().abs().sum() != 0 or scaler.get_scale() != LOSS_SCALE_INIT / 2:
+        return f"an overflowed step was not skipped (scale {scaler.get_scale()}, weight {weight.tolist()})"
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale((weight.half() * 0.5).float().sum()).backward()  # 2^15 * 0.5: fits fp16
+    scaler.step(optimizer)
+    scaler.update()
+    if weight.detach().cpu().tolist() != [-0.5, -0.5]:
+        return f"a finite scaled step was not applied unscaled (weight {weight.tolist()}, expected [-0.5, -0.5])"
+    return None
+
+
 def predicted_sdpa_backends(cc: Optional[tuple[int, int]], dtype: torch.dtype, head_dim: int) -> list[str]:
     """What SDPA would run on a card we cannot test (emulation, fake probes), from PyTorch's documented limits."""
     if cc is None:  # CPU: its flash kernel handles fp32/bf16/fp16
@@ -232,6 +305,7 @@ class DeviceInfo:
     tf32: bool
     flash_attn_usable: bool
     sdpa_backends: dict[str, list[str]] = field(default_factory=dict)  # "float32/64" -> backends that ran
+    fp16_problems: Optional[list[str]] = None  # fp16_problems() on this device: None not run, [] all passed
 
     @classmethod
     def from_card(cls, card: Union[str, CardSpec], index: int = 0, flash_attn_installed: bool = False
@@ -280,6 +354,8 @@ class HardwareProbe:
                          f"{caps or 'fp32 only'}")
             for key, backends in dev.sdpa_backends.items():
                 lines.append(f"  SDPA {key}: {', '.join(backends) or 'none'}")
+            if dev.fp16_problems is not None:
+                lines.append(f"  fp16 checks: {'; '.join(dev.fp16_problems) or 'pass'}")
         return "\n".join(lines)
 
     @classmethod
@@ -376,6 +452,8 @@ def probe_machine(measure_sdpa: bool = True) -> HardwareProbe:
             for dtype in dtypes:
                 info.sdpa_backends[f"{dtype_name(dtype)}/{PROBE_HEAD_DIM}"] = sdpa_backends_that_run(
                     dtype, PROBE_HEAD_DIM, f"cuda:{index}")
+            if info.fast_fp16:  # also on cards with bf16: an emulated Volta/Turing plan runs its fp16 here
+                info.fp16_problems = fp16_problems(f"cuda:{index}")
         hw.devices.append(info)
     return hw
 
@@ -739,9 +817,31 @@ class _Precision:
     scaler: bool
 
 
-def _decide_precision(requested: str, target: _Target, reasons: dict[str, str]) -> _Precision:
+@dataclass
+class _Fp16Checks:
+    """What is known about fp16 on the device that will run the plan."""
+
+    problems: Optional[list[str]]  # None: nothing could be run (planning without a GPU, a hand-made probe)
+    where: str  # the device they ran on, or why they did not run
+
+
+def _fp16_checks(target: _Target, real: Optional[DeviceInfo], device: str, hw: HardwareProbe) -> _Fp16Checks:
+    if real is None:
+        return _Fp16Checks(None, "planning without a GPU")
+    problems = real.fp16_problems
+    if problems is None and hw.live:
+        problems = real.fp16_problems = fp16_problems(device)
+    if problems is None:
+        return _Fp16Checks(None, "a probe not taken on this machine")
+    where = f"{device} ({real.name}" + (f", standing in for the {target.name})" if target.emulated else ")")
+    return _Fp16Checks(problems, where)
+
+
+def _decide_precision(requested: str, target: _Target, fp16: _Fp16Checks, reasons: dict[str, str]) -> _Precision:
     cc = _cc_str(target.cc)
     fp32 = _Precision("fp32", FP32, FP32, False, False)
+    fp16_mixed = _Precision("fp16", FP32, FP16, True, True)
+    mixed = "fp16 autocast over fp32 master weights, dynamic loss scaling"
     if requested == "auto":
         if not target.is_cuda:
             reasons["precision"] = "fp32: CPU (hardware.precision=bf16 opts in to bf16 autocast on CPU)"
@@ -749,9 +849,22 @@ def _decide_precision(requested: str, target: _Target, reasons: dict[str, str]) 
         if target.bf16:
             reasons["precision"] = f"bf16 autocast over fp32 master weights: compute capability {cc} has native bf16"
             return _Precision("bf16", FP32, BF16, True, False)
-        hint = (" (it has fp16 tensor cores: hardware.precision=fp16 opts in to fp16 autocast with loss scaling, "
-                "which is fragile for RL)" if target.fast_fp16 else "")
-        reasons["precision"] = f"fp32: compute capability {cc} has no bf16{hint}"
+        if not target.fast_fp16:
+            reasons["precision"] = (f"fp32: compute capability {cc} has no bf16 and no fp16 tensor cores (fp16 "
+                                    "would not be faster)")
+            return fp32
+        why = f"compute capability {cc} has fp16 tensor cores and no bf16"
+        if fp16.problems is None:
+            reasons["precision"] = (f"{mixed}: {why} (fp16 checks not run: {fp16.where}; `rlanywhere doctor` "
+                                    "runs them on the card)")
+            return fp16_mixed
+        if not fp16.problems:
+            reasons["precision"] = f"{mixed}: {why}; the fp16 checks passed on {fp16.where}"
+            return fp16_mixed
+        reasons["precision"] = (f"fp32: {why}, but the fp16 checks failed on {fp16.where}: "
+                                f"{'; '.join(fp16.problems)}")
+        log.warning("precision: fp32 instead of fp16 - the fp16 checks failed on %s: %s", fp16.where,
+                    "; ".join(fp16.problems))
         return fp32
     if requested == "fp32":
         reasons["precision"] = "fp32: hardware.precision=fp32"
@@ -767,9 +880,12 @@ def _decide_precision(requested: str, target: _Target, reasons: dict[str, str]) 
     if requested == "fp16":
         if not target.is_cuda:
             raise PlanError("hardware.precision=fp16 is not supported on CPU. Use hardware.precision=fp32 (or bf16)")
+        if fp16.problems:
+            raise PlanError(f"hardware.precision=fp16: the fp16 checks failed on {fp16.where}: "
+                            f"{'; '.join(fp16.problems)}. Use hardware.precision=fp32 (or auto)")
         slow = "" if target.fast_fp16 else f"; compute capability {cc} has no fp16 tensor cores, so it is not faster"
-        reasons["precision"] = f"fp16 autocast over fp32 master weights with a GradScaler: hardware.precision=fp16{slow}"
-        return _Precision("fp16", FP32, FP16, True, True)
+        reasons["precision"] = f"{mixed}: hardware.precision=fp16{slow}"
+        return fp16_mixed
     raise PlanError(f"hardware.precision={requested!r} is not valid; use auto, fp32, bf16 or fp16")
 
 
@@ -877,7 +993,7 @@ def make_plan(cfg: Any, probe: Optional[HardwareProbe] = None, *, for_execution:
     if critic_shape is None and cfg.critic.model.path and cfg.critic.model.path != arr.model.path:
         critic_shape = model_config_from_path(cfg.critic.model.path)
 
-    precision = _decide_precision(str(hcfg.precision), target, reasons)
+    precision = _decide_precision(str(hcfg.precision), target, _fp16_checks(target, real, device, hw), reasons)
     rollout_dtype = _decide_rollout_dtype(str(arr.rollout.get("dtype", "auto")), precision, target, reasons)
     allow_tf32 = target.is_cuda and target.tf32
     reasons["allow_tf32"] = (f"compute capability {_cc_str(target.cc)} has TF32 for fp32 matmuls" if allow_tf32 else
@@ -1134,10 +1250,12 @@ def autocast_context(plan: Plan, enabled: bool = True) -> contextlib.AbstractCon
 
 
 def make_grad_scaler(plan: Plan) -> Optional["torch.amp.GradScaler"]:
-    """A GradScaler for fp16 plans, None otherwise."""
+    """A GradScaler for fp16 plans (LOSS_SCALE_INIT, halved on overflow, doubled after LOSS_SCALE_GROWTH_INTERVAL
+    clean steps), None otherwise."""
     if not plan.use_grad_scaler:
         return None
-    return torch.amp.GradScaler(torch.device(plan.device).type)
+    return torch.amp.GradScaler(torch.device(plan.device).type, init_scale=LOSS_SCALE_INIT,
+                                growth_interval=LOSS_SCALE_GROWTH_INTERVAL)
 
 
 # ---------------------------------------------------------------------------------------------- CLI hooks

@@ -32,8 +32,8 @@ from torch import nn
 from .lora import unwrap_peft
 
 
-def _no_autocast(device: torch.device):
-    """Disable autocast for ``device`` so the fp32 matmuls below stay fp32."""
+def no_autocast(device: torch.device):
+    """Disable autocast for ``device`` so fp32 matmuls (LM head, value head) stay fp32."""
     try:
         return torch.autocast(device_type=device.type, enabled=False)
     except RuntimeError:  # a device type autocast does not know: nothing to disable
@@ -67,7 +67,7 @@ def _check_inputs(hidden, weight, labels, bias, temperature, chunk_size):
             )
 
 
-def _head_dtype(weight: torch.Tensor) -> torch.dtype:
+def head_dtype(weight: torch.Tensor) -> torch.dtype:
     """The LM head's math runs in fp32 at least (fp64 weights, as in exactness tests, stay fp64)."""
     return torch.promote_types(weight.dtype, torch.float32)
 
@@ -89,12 +89,12 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy):
         num_tokens = hidden.shape[0]
         inv_temperature = 1.0 / temperature
-        head = _head_dtype(weight)
+        head = head_dtype(weight)
         logprobs = torch.empty(num_tokens, dtype=head, device=hidden.device)
         logsumexp = torch.empty_like(logprobs)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
-        with torch.no_grad(), _no_autocast(hidden.device):
-            weight_f32 = weight.to(_head_dtype(weight))
+        with torch.no_grad(), no_autocast(hidden.device):
+            weight_f32 = weight.to(head_dtype(weight))
             bias_f32 = bias.to(weight_f32.dtype) if bias is not None else None
             for start in range(0, num_tokens, chunk_size):
                 stop = min(start + chunk_size, num_tokens)
@@ -128,8 +128,8 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             return None, None, None, None, None, None, None
         inv_temperature = 1.0 / ctx.temperature
         num_tokens = hidden.shape[0]
-        with torch.no_grad(), _no_autocast(hidden.device):
-            weight_f32 = weight.to(_head_dtype(weight))
+        with torch.no_grad(), no_autocast(hidden.device):
+            weight_f32 = weight.to(head_dtype(weight))
             bias_f32 = bias.to(weight_f32.dtype) if bias is not None else None
             grad_hidden = torch.empty_like(hidden) if needs_hidden else None
             grad_weight = torch.zeros_like(weight_f32) if needs_weight else None
@@ -206,7 +206,7 @@ def naive_logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference implementation with the full fp32 [N, T, V] logits (same signature; ``chunk_size`` ignored)."""
     _check_inputs(hidden, lm_head_weight, labels, lm_head_bias, temperature, chunk_size or 1)
-    with _no_autocast(hidden.device):
+    with no_autocast(hidden.device):
         logits = hidden.float() @ lm_head_weight.float().t()
         if lm_head_bias is not None:
             logits = logits + lm_head_bias.float()

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .logprobs import default_position_ids, training_attention_mask
+from .logprobs import default_position_ids, head_dtype, no_autocast, training_attention_mask
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,10 @@ class ValueModel(nn.Module):
         mask = training_attention_mask(self.backbone, attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()
+        head = self.value_head
+        dtype = head_dtype(head.weight)  # at least fp32, as the LM head (logprobs.py), also under fp16 autocast
+        with no_autocast(hidden.device):
+            return nn.functional.linear(hidden.to(dtype), head.weight.to(dtype), head.bias.to(dtype)).squeeze(-1)
 
     @property
     def is_lora(self) -> bool:

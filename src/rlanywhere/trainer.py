@@ -40,6 +40,7 @@ from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
 from .models import (ModelSource, ValueModel, enable_gradient_checkpointing, load_causal_lm, load_tokenizer,
                      resolve_model_source, response_values)
 from .oom import OOMGuard
+from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .rewards import RewardManager, load_custom_reward
 from .rollout import make_engine
@@ -261,7 +262,9 @@ class RLTrainer:
         if self.critic is not None:
             self.optimizers["critic"] = adamw(self.critic, cfg.critic.optim)
             self.schedulers["critic"] = _make_scheduler(self.optimizers["critic"], cfg.critic.optim, self.total_steps)
-        self.grad_scaler = make_grad_scaler(plan)
+        self.grad_scaler = make_grad_scaler(plan)  # fp16 plans: one dynamic loss scale for actor and critic
+        self.precision_guard = PrecisionGuard.from_config(cfg.hardware, plan.precision)
+        self.last_step_outcome: Optional[StepOutcome] = None
         self.kl_ctrl = algo.make_kl_controller(algo_cfg.kl_ctrl.type, algo_cfg.kl_ctrl.kl_coef,
                                                algo_cfg.kl_ctrl.target_kl, algo_cfg.kl_ctrl.horizon)
         # A token budget can shrink no further than one full-length sequence.
@@ -425,32 +428,26 @@ class RLTrainer:
         return totals
 
     def _optimizer_step(self, model, optimizer, grad_clip: float) -> float:
-        if self.grad_scaler:
-            self.grad_scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], grad_clip)
-        if not torch.isfinite(grad_norm):
-            bad = [name for name, p in model.named_parameters()
+        """Unscale, clip, step (see precision_guard.optimizer_step); returns the grad norm. A step skipped by the
+        fp16 loss scaler is normal (counted, logged as */skipped_steps); `self.last_step_outcome` says which."""
+        if self.stop_signals is not None:
+            self.stop_signals.droppable = False  # weights may change from here: a signal now finishes the step
+        outcome = optimizer_step(optimizer, [p for p in model.parameters() if p.requires_grad], grad_clip,
+                                 self.grad_scaler)
+        self.last_step_outcome = outcome
+        name = next((k for k, v in self.optimizers.items() if v is optimizer), "model")
+        self.precision_guard.record(name, outcome)
+        if outcome.nonfinite_failure:
+            bad = [param for param, p in model.named_parameters()
                    if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
             log.warning("non-finite grad norm %.3g: skipping this optimizer step (%d parameter tensors non-finite, "
-                        "first: %s)", float(grad_norm), len(bad), ", ".join(bad[:4]))
-            optimizer.zero_grad(set_to_none=True)
-            if self.grad_scaler:
-                self.grad_scaler.update()
-            # A loss scaler skips steps on purpose while it finds its scale; below 1 it is no longer the reason.
-            if not self.grad_scaler or self.grad_scaler.get_scale() < 1.0:
-                self.nonfinite_streak += 1
-                self._stop_if_diverged()
-            return float(grad_norm)
-        self.nonfinite_streak = 0
-        if self.stop_signals is not None:
-            self.stop_signals.droppable = False  # weights change from here: a signal now finishes the step
-        if self.grad_scaler:
-            self.grad_scaler.step(optimizer)
-            self.grad_scaler.update()
-        else:
-            optimizer.step()
+                        "first: %s)", outcome.grad_norm, len(bad), ", ".join(bad[:4]))
+            self.nonfinite_streak += 1  # fp16 scaler skips are not failures (precision_guard counts those)
+            self._stop_if_diverged()
+        elif outcome.applied:
+            self.nonfinite_streak = 0
         optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return outcome.grad_norm
 
     def _update(self, name: str, model, optimizer, batch: StepBatch, loss_fn, mini_rows: int, epochs: int,
                 shuffle: bool, grad_clip: float, size_attr: str) -> dict:
@@ -500,6 +497,8 @@ class RLTrainer:
         clip_high = acfg.clip_ratio_high if acfg.clip_ratio_high is not None else acfg.clip_ratio
         mode = acfg.loss_agg_mode
         policy_loss = algo.POLICY_LOSSES[acfg.policy_loss.loss_mode]  # vanilla PPO clip or GSPO
+        rcfg = self.cfg.actor_rollout_ref.rollout
+        compare_rollout = logprobs_comparable(rcfg.top_k, rcfg.top_p)
 
         def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask, scale):
             logprob, entropy = response_logprobs(model, ids, mask, resp_len, temperature=temperature,
@@ -512,6 +511,9 @@ class RLTrainer:
             ent = algo.entropy_loss(entropy, resp_mask, mode, scale)
             loss = pg_loss - acfg.entropy_coeff * ent
             shares = {"pg_loss": pg_loss.detach(), "entropy": ent.detach()}
+            if compare_rollout:  # trainer vs rollout log-probs of the behaviour policy (precision_guard)
+                means["rollout_logprob_gap"] = rollout_logprob_gap(old, pick(batch.rollout.response_logprobs),
+                                                                   resp_mask)
             if acfg.use_kl_loss and batch.ref_logprobs is not None:
                 kl = algo.kl_loss(logprob, pick(batch.ref_logprobs), resp_mask, acfg.kl_loss_type, mode, scale)
                 loss = loss + acfg.kl_loss_coef * kl
@@ -651,6 +653,7 @@ class RLTrainer:
         # DAPO's dynamic sampling may draw more prompts, and replaces `items` by the prompts trained on
         scored, sampling_metrics = self.rollout_and_score(items, timer)
         items, rollout, scores, info = scored.items, scored.rollout, scored.scores, scored.info
+        self.precision_guard.check_rollout(rollout.response_logprobs, rollout.response_mask)
         group_index = torch.arange(len(items)).repeat_interleave(self.n)
         batch = StepBatch(rollout=rollout, group_index=group_index, scores=scores, reward_info=info)
         batch.loss_mask, truncation_metrics = self.truncated_loss_mask(rollout)
@@ -735,6 +738,7 @@ class RLTrainer:
             metrics["critic/values_mean"] = float(algo.masked_mean(batch.values, mask))
             metrics["critic/returns_mean"] = float(algo.masked_mean(batch.returns, mask))
         metrics["oom/recoveries"] = float(len(self.oom_guard.events))
+        metrics.update(self.precision_guard.end_step(metrics))  # loss scale, skipped steps; stops on a tripped rail
         return metrics
 
     # ------------------------------------------------------------------------------------------ validation
@@ -766,6 +770,7 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict:
         return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,  # fp16 loss scale
                 "plan_sizes": {k: getattr(self.plan, k) for k in OOM_ADJUSTED_SIZES}}
 
     def save(self) -> str:
@@ -801,6 +806,8 @@ class RLTrainer:
         self.global_step = state["global_step"]
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.grad_scaler is not None and state.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
         for key, value in state.get("plan_sizes", {}).items():
             setattr(self.plan, key, value)  # keep what OOM recovery learned
         self.write_plan_record()
