@@ -112,6 +112,9 @@ def test_non_finite_rollout_logprobs_stop_before_the_update():
     guard.check_rollout(torch.tensor([[-1.0, -2.0, float("nan")], [-1.0, float("-inf"), 0.0]]), mask)  # padding
     with pytest.raises(PrecisionGuardError, match="1 tokens of 1 responses.*rollout.dtype=float32"):
         guard.check_rollout(torch.tensor([[-1.0, float("nan"), 0.0], [-1.0, 0.0, 0.0]]), mask)
+    # an fp32 rollout cannot overflow its precision: NaN there means diverged weights, which the trainer's
+    # non-finite update rule stops with the advice for that (tests/test_faults.py, absurd lr)
+    PrecisionGuard(precision="fp32").check_rollout(torch.tensor([[-1.0, float("nan"), 0.0], [-1.0, 0.0, 0.0]]), mask)
 
 
 def test_logprobs_comparable_only_without_top_k_top_p():

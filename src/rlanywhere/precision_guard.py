@@ -131,7 +131,11 @@ class PrecisionGuard:
             self.loss_scale[model_name] = outcome.loss_scale
 
     def check_rollout(self, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-        """Stop before an update trains on a rollout whose forward pass overflowed (non-finite log-probs)."""
+        """Stop before an update trains on a rollout whose half-precision forward pass overflowed (non-finite
+        log-probs). An fp32 rollout that is non-finite means the weights diverged: the update's non-finite gradient
+        is skipped and counted (trainer.max_consecutive_nonfinite_updates), with advice that fits that case."""
+        if self.precision in ("fp32", "float32"):
+            return
         bad = ~torch.isfinite(rollout_logprobs) & mask.bool()
         if bool(bad.any()):
             rows = int(bad.any(-1).sum())

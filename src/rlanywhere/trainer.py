@@ -33,7 +33,7 @@ from .config import as_list, to_yaml
 from .errors import UserError
 from .data import PromptLoader, RLDataset
 from .errors import UserError
-from .hardware import Plan, autocast_context, make_grad_scaler
+from .hardware import Plan, autocast_context, make_grad_scaler, precision_name
 from .logprobs import response_logprobs
 from .lora import adapter_disabled, apply_lora, merged_state_for_export
 from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
@@ -263,7 +263,8 @@ class RLTrainer:
             self.optimizers["critic"] = adamw(self.critic, cfg.critic.optim)
             self.schedulers["critic"] = _make_scheduler(self.optimizers["critic"], cfg.critic.optim, self.total_steps)
         self.grad_scaler = make_grad_scaler(plan)  # fp16 plans: one dynamic loss scale for actor and critic
-        self.precision_guard = PrecisionGuard.from_config(cfg.hardware, plan.precision)
+        # the guard speaks of the rollout's precision: its overflow rule is for half-precision rollouts
+        self.precision_guard = PrecisionGuard.from_config(cfg.hardware, precision_name(plan.rollout_dtype))
         self.last_step_outcome: Optional[StepOutcome] = None
         self.kl_ctrl = algo.make_kl_controller(algo_cfg.kl_ctrl.type, algo_cfg.kl_ctrl.kl_coef,
                                                algo_cfg.kl_ctrl.target_kl, algo_cfg.kl_ctrl.horizon)
