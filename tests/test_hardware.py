@@ -15,7 +15,8 @@ from rlanywhere import hardware as hw
 from rlanywhere.config import load_config
 from rlanywhere.hardware import HardwareProbe, NoFitError, PlanError, make_plan
 
-VERL_P40_ARGS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "verl-p40-ppo.args"
+from .conftest import VERL_P40_ARGS
+
 
 # The PPO workload of the brief: Qwen2.5-0.5B actor + critic + reference, 64 prompts, 256 + 256 tokens, n=1.
 PPO_05B = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=gae",
@@ -220,8 +221,6 @@ def test_memory_budget_override():
 
 
 def test_verl_p40_command_line_plans_on_p40():
-    if not VERL_P40_ARGS.exists():
-        pytest.skip("shared fixture missing")
     overrides = [line.strip() for line in VERL_P40_ARGS.read_text().splitlines() if line.strip()]
     plan = make_plan(load_config(None, overrides), fake("p40"))
     assert plan.precision == "fp32" and plan.attn_implementation == "sdpa" and plan.rollout_engine == "fast"
