@@ -8,7 +8,7 @@ from rlanywhere import doctor
 from rlanywhere import hardware as hw
 from rlanywhere.config import load_config
 
-CHECK_NAMES = {"probe", "plan", "matmul fp32", "matmul compute dtype", "attention", "tiny model fwd+bwd",
+CHECK_NAMES = {"probe", "torch kernels for the GPU", "plan", "matmul fp32", "matmul compute dtype", "attention", "tiny model fwd+bwd",
                "generation", "memory cap"}
 
 
@@ -76,3 +76,16 @@ def test_bf16_eager_path_checks_pass_on_cpu():
 def test_doctor_main_exit_codes():
     assert doctor.doctor_main(None, ["hardware.device=cpu"]) == 0
     assert doctor.doctor_main(None, ["hardware.precision=fp16", "hardware.device=cpu"]) == 1
+
+
+def test_torch_kernels_check_names_the_cu126_build_for_a_p40(monkeypatch):
+    """A default (cc >= 7.5) torch build on a P40: the check fails before planning and names the fix."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (6, 1))
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"])
+    status, detail = doctor.check_torch_kernels()
+    assert status == "fail"
+    assert "sm_61" in detail and "download.pytorch.org/whl/cu126" in detail and "+cu126" in detail
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_90"])
+    assert doctor.check_torch_kernels()[0] == "pass"
