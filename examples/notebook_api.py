@@ -16,7 +16,7 @@ import rlanywhere as rl
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--model", default="smollm2-135m-instruct", help="HF dir, hub id, .gguf, or the demo model")
 parser.add_argument("--data", default=None, help="a folder with train.parquet and test.parquet (default: the demo's)")
-parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--run-dir", default="runs/notebook/grpo-addition")
 args, _ = parser.parse_known_args()  # known args only: a notebook kernel passes its own
 
@@ -28,11 +28,11 @@ data = args.data or rl.demo_profile(on_gpu=False)["data"]["train_files"].rsplit(
 cfg = rl.make_config(
     {
         "data": {"train_files": f"{data}/train.parquet", "val_files": f"{data}/test.parquet",
-                 "train_batch_size": 8, "max_prompt_length": 128, "max_response_length": 24,
+                 "train_batch_size": 4, "max_prompt_length": 128, "max_response_length": 12,
                  "val_max_samples": 32},
         "actor_rollout_ref": {"model": {"path": args.model},
-                              "actor": {"optim": {"lr": 2e-5}, "ppo_mini_batch_size": 8},
-                              "rollout": {"n": 8, "temperature": 1.0}},
+                              "actor": {"optim": {"lr": 3e-5}, "ppo_mini_batch_size": 4},
+                              "rollout": {"n": 8, "temperature": 0.8}},
         "algorithm": {"adv_estimator": "grpo"},
     },
     [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=4", "trainer.logger=['console']",
@@ -58,7 +58,7 @@ print("\n".join(result.summary_lines()))
 # ## 4. Evaluate and generate with the trained model (a path works too: `result.final_model`)
 
 # %%
-scores = rl.evaluate(result.final_model, cfg.data.val_files, max_samples=8, max_new_tokens=24, progress=False)
+scores = rl.evaluate(result.final_model, cfg.data.val_files, max_samples=8, max_new_tokens=12, progress=False)
 print(json.dumps(scores, indent=2))
-question = rl.generate(result, ["What is 3 + 4? Output the final answer after \"####\"."], max_new_tokens=24)
+question = rl.generate(result, ["What is 3 + 4? Output the final answer after \"####\"."], max_new_tokens=12)
 print(question[0])

@@ -34,7 +34,7 @@ def test_demo_overrides_apply_on_top_and_each_demo_is_a_new_run():
     profile = rl.demo_profile(on_gpu=False)
     assert cfg.trainer.total_training_steps == 3  # the override
     assert cfg.data.train_batch_size == profile["data"]["train_batch_size"]  # the profile, not the full defaults
-    assert cfg.algorithm.adv_estimator == "grpo" and cfg.data.max_response_length == 24
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.data.max_response_length == 12
     assert cfg.trainer.default_local_dir.startswith("runs/demo/smollm2-grpo-arith-")  # timestamped: a new run
     named = rl.demo_config(["trainer.experiment_name=mine"], on_gpu=False)
     assert named.trainer.default_local_dir == "runs/demo/mine"  # a named run resumes as any run does

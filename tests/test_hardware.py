@@ -187,13 +187,13 @@ def test_p40_fits_the_05b_ppo_workload_and_says_how():
 
 
 def test_explicit_micro_batches_and_offload_are_honoured():
-    plan = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+    plan = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                             "critic.ppo_micro_batch_size_per_gpu=2",
                             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5",
                             "hardware.optimizer_offload=true"), fake("p40"))
-    assert (plan.actor_micro_batch_size, plan.critic_micro_batch_size, plan.logprob_micro_batch_size) == (3, 2, 5)
+    assert (plan.actor_micro_batch_size, plan.critic_micro_batch_size, plan.logprob_micro_batch_size) == (4, 2, 5)
     assert plan.optimizer_offload and "hardware.optimizer_offload=True" in plan.reasons["optimizer_offload"]
-    assert "ppo_micro_batch_size_per_gpu=3" in plan.reasons["actor_micro_batch_size"]
+    assert "ppo_micro_batch_size_per_gpu=4" in plan.reasons["actor_micro_batch_size"]
 
 
 def test_offload_on_cpu_is_ignored_with_a_reason():

@@ -52,24 +52,26 @@ def make_config(config: ConfigLike = None, overrides: Sequence[str] = (), *, bas
 def demo_profile(on_gpu: bool) -> dict:
     """The `rlanywhere demo` profile: GRPO on addition with SmolLM2-135M-Instruct.
 
-    CPU: single-digit addition with the "####" instruction, which the model mostly answers at length (and past a
-    short cap) before training; a few GRPO steps teach it to answer briefly and raise held-out accuracy within
-    minutes on 2 cores (README). GPU: 2-digit addition, more prompts, samples and steps."""
+    CPU (minutes on 2 cores): single-digit addition. Before training the model answers about half the held-out
+    questions with "To solve this equation, you need to ..." and runs out of its 12 tokens before any answer;
+    GRPO with 4 prompts x 8 samples and a high learning rate teaches it within a few steps to answer "a + b = c"
+    at once (measured before -> after: README). GPU: 2-digit addition, more prompts, samples and steps, as
+    measured on an H200 (README); unchanged."""
     small = not on_gpu
     data_dir = demo_data_dir(on_gpu)
     return {
         "data": {"train_files": f"{data_dir}/train.parquet", "val_files": f"{data_dir}/test.parquet",
-                 "train_batch_size": 8 if small else 64, "max_prompt_length": 128,
-                 "max_response_length": 24 if small else 96, "val_max_samples": 32 if small else 200},
+                 "train_batch_size": 4 if small else 64, "max_prompt_length": 128,
+                 "max_response_length": 12 if small else 96, "val_max_samples": 32 if small else 200},
         "actor_rollout_ref": {
             "model": {"path": "smollm2-135m-instruct"},
-            "actor": {"optim": {"lr": 2e-5 if small else 5e-6}, "ppo_mini_batch_size": 8 if small else 32,
+            "actor": {"optim": {"lr": 3e-5 if small else 5e-6}, "ppo_mini_batch_size": 4 if small else 32,
                       "ppo_epochs": 1, "entropy_coeff": 0.0, "use_kl_loss": False},
-            "rollout": {"n": 8, "temperature": 1.0 if small else 0.7, "top_p": 1.0},
+            "rollout": {"n": 8, "temperature": 0.8 if small else 0.7, "top_p": 1.0},
         },
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {"project_name": "demo", "experiment_name": "smollm2-grpo-arith",
-                    "total_training_steps": 12 if small else 60, "test_freq": 4 if small else 10,
+                    "total_training_steps": 8 if small else 60, "test_freq": 4 if small else 10,
                     "save_freq": -1 if small else 30, "logger": ["console", "tensorboard"],
                     "val_before_train": True, "log_val_generations": 2},
     }
