@@ -117,3 +117,23 @@ def test_verbose_adds_the_traceback_and_a_bug_keeps_it(tmp_path, capsys, monkeyp
     parser._subparsers._group_actions[0].choices["plan"].set_defaults(func=broken)
     with pytest.raises(ZeroDivisionError):  # not a user error: the traceback stays
         main(["plan"])
+
+
+def test_demo_with_overrides_is_a_new_run_with_a_summary(tiny_model_dir, arith_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    overrides = [f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={arith_data}/train.parquet",
+                 f"data.val_files={arith_data}/test.parquet", "trainer.total_training_steps=1", "trainer.test_freq=1",
+                 "data.val_max_samples=4", "trainer.logger=['console']", "hardware.device=cpu"]
+    assert main(["demo", *overrides]) == 0
+    out = capsys.readouterr().out
+    runs = [p for p in (tmp_path / "runs" / "demo").iterdir() if p.name.startswith("smollm2-grpo-arith-")]
+    assert len(runs) == 1 and "demo: a new run in" in out
+    assert os.path.realpath(tmp_path / "runs" / "demo" / "latest") == str(runs[0])
+    assert "held-out accuracy (4 prompts, greedy):" in out and "1 steps in" in out
+    assert f"rlanywhere chat --model {runs[0] / 'final_model'}" in out
+    assert (runs[0] / "final_model" / "model.safetensors").exists()
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.load(runs[0] / "config.yaml")  # the demo profile under the overrides
+    assert config.actor_rollout_ref.rollout.n == 8 and config.algorithm.adv_estimator == "grpo"
+    assert config.data.train_batch_size == 4 and config.trainer.total_training_steps == 1
