@@ -11,8 +11,16 @@ from pathlib import Path
 import pytest
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-GSM8K_DIR = SHARED / "data" / "gsm8k"
-VERL_P40_ARGS = SHARED / "fixtures" / "verl-p40-ppo.args"
+SHIPPED = Path(__file__).resolve().parent / "data"  # a fresh clone's small copies (see tests/data/README.md)
+
+
+def shared_or_shipped(shared: Path, shipped: Path) -> Path:
+    """The team's full copy in ../shared when the clone has one beside it, else the copy shipped in tests/data."""
+    return shared if shared.exists() else shipped
+
+
+GSM8K_DIR = shared_or_shipped(SHARED / "data" / "gsm8k", SHIPPED / "gsm8k")
+VERL_P40_ARGS = shared_or_shipped(SHARED / "fixtures" / "verl-p40-ppo.args", SHIPPED / "fixtures" / "verl-p40-ppo.args")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"

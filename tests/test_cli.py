@@ -1,9 +1,12 @@
-"""The command line: prepare, plan, eval, plot — as a user types them (tiny model, CPU)."""
+"""The command line: prepare, plan, eval, chat, plot, and its errors — as a user types them (tiny model, CPU)."""
 
 import json
 import os
+import shutil
 
+import pytest
 
+from rlanywhere import __version__
 from rlanywhere.cli import main
 
 from .test_e2e import base_overrides, run_training
@@ -28,8 +31,10 @@ def test_plan_prints_decisions_and_refuses_bf16_on_p40(capsys):
 
 def test_eval_and_plot_a_trained_run(tiny_model_dir, arith_data, tmp_path, capsys):
     run = tmp_path / "run"
-    run_training(base_overrides(tiny_model_dir, arith_data, run, **{"algorithm.adv_estimator": "grpo"}))
+    trainer, _ = run_training(base_overrides(tiny_model_dir, arith_data, run, **{"algorithm.adv_estimator": "grpo"}))
     actor = run / "checkpoints" / "global_step_2" / "actor"
+    # save_freq=2 wrote a checkpoint at the last step: its actor is the final model, not a second copy
+    assert trainer.save_final_model() == str(actor) and not (run / "final_model").exists()
     out_json = tmp_path / "eval.json"
     assert main(["eval", "--model", str(actor), "--data", str(arith_data / "test.parquet"), "--max-samples", "6",
                  "--max-new-tokens", "8", "--out", str(out_json), "hardware.device=cpu"]) == 0
@@ -47,3 +52,88 @@ def test_missing_data_file_is_a_clear_error(tiny_model_dir, tmp_path, capsys):
                  "hardware.device=cpu"])
     assert code == 2
     assert "rlanywhere prepare" in capsys.readouterr().err
+
+
+def test_chat_answers_a_prompt(tiny_model_dir, capsys):
+    assert main(["chat", "--model", str(tiny_model_dir), "--prompt", "What is 12 + 34 ?", "--prompt", "12 + 34",
+                 "--max-new-tokens", "4"]) == 0
+    answers = capsys.readouterr().out.strip().splitlines()
+    assert len(answers) == 2
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"rlanywhere {__version__}"
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_yaml_syntax_error_is_one_line_naming_file_and_line(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("data:\n  train_batch_size: 4\n actor_rollout_ref:\n  x: 1\n")
+    assert main(["plan", str(path)]) == 2
+    line = one_error_line(capsys)
+    assert f"{path}:3:" in line and "YAML" in line
+    path.write_text("- just\n- a list\n")
+    assert main(["plan", str(path)]) == 2
+    assert "mapping" in one_error_line(capsys)
+
+
+def test_model_dir_without_weights_is_one_line(tiny_model_dir, arith_data, tmp_path, capsys):
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(tiny_model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert main(["eval", "--model", str(no_weights), "--data", str(arith_data / "test.parquet"),
+                 "hardware.device=cpu"]) == 2
+    line = one_error_line(capsys)
+    assert str(no_weights) in line and "no weights" in line and "model.safetensors" in line
+
+
+def test_batch_sizes_must_divide_as_in_verl(capsys):
+    assert main(["plan", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]) == 2
+    line = one_error_line(capsys)
+    assert "data.train_batch_size=4" in line and "ppo_mini_batch_size=3" in line and "e.g. 2" in line
+
+
+def test_verbose_adds_the_traceback_and_a_bug_keeps_it(tmp_path, capsys, monkeypatch):
+    args = ["plan", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3"]
+    assert main([*args, "--verbose"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
+    assert main(["-v", *args]) == 2 and "Traceback" in capsys.readouterr().err
+    assert main(["train", "not-a-config"]) == 2 and "neither a config file" in one_error_line(capsys)
+
+    def broken(_args):
+        raise ZeroDivisionError("a bug")
+
+    from rlanywhere import cli
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    parser._subparsers._group_actions[0].choices["plan"].set_defaults(func=broken)
+    with pytest.raises(ZeroDivisionError):  # not a user error: the traceback stays
+        main(["plan"])
+
+
+def test_demo_with_overrides_is_a_new_run_with_a_summary(tiny_model_dir, arith_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    overrides = [f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={arith_data}/train.parquet",
+                 f"data.val_files={arith_data}/test.parquet", "trainer.total_training_steps=1", "trainer.test_freq=1",
+                 "data.val_max_samples=4", "trainer.logger=['console']", "hardware.device=cpu"]
+    assert main(["demo", *overrides]) == 0
+    out = capsys.readouterr().out
+    runs = [p for p in (tmp_path / "runs" / "demo").iterdir() if p.name.startswith("smollm2-grpo-arith-")]
+    assert len(runs) == 1 and "demo: a new run in" in out
+    assert os.path.realpath(tmp_path / "runs" / "demo" / "latest") == str(runs[0])
+    assert "held-out accuracy (4 prompts, greedy):" in out and "1 steps in" in out
+    assert f"rlanywhere chat --model {runs[0] / 'final_model'}" in out
+    assert (runs[0] / "final_model" / "model.safetensors").exists()
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.load(runs[0] / "config.yaml")  # the demo profile under the overrides
+    assert config.actor_rollout_ref.rollout.n == 8 and config.algorithm.adv_estimator == "grpo"
+    assert config.data.train_batch_size == 4 and config.trainer.total_training_steps == 1

@@ -70,3 +70,31 @@ def test_gamma_with_reinforce_plus_plus_baseline_is_noticed():
     notices.clear()
     load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus_baseline"], notices=notices)
     assert notices == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3"], "e.g. 2"),
+    (["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], "e.g. 3"),
+    (["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+      "actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
+     "mini-batch of 6 sequences"),
+    (["algorithm.adv_estimator=gae", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+      "critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size=3"),
+])
+def test_batch_sizes_must_divide(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_batch_sizes_that_divide_or_exceed_are_accepted():
+    ok = [["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+           "actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+          ["data.train_batch_size=32"],  # the default mini-batch (256) holds the whole step
+          ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"],  # a micro-batch holding the whole mini-batch
+          ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+           "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+          ["algorithm.adv_estimator=grpo", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+           "critic.ppo_mini_batch_size=3"]]  # no critic in GRPO: its keys are not used
+    for overrides in ok:
+        load_config(None, overrides)

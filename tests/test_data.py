@@ -21,7 +21,8 @@ from rlanywhere.data import (
     read_parquet_rows,
 )
 
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
+from .conftest import GSM8K_DIR
+
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -86,14 +87,13 @@ def vocab_ids(tokenizer, text):
 
 @pytest.fixture
 def gsm8k_subset(tmp_path):
-    """First 50 train rows plus row 345 (answer '1,080'), first 20 test rows."""
-    if not GSM8K_DIR.is_dir():
-        pytest.skip("GSM8K copy not available")
+    """First 50 train rows plus the row answering '1,080' (row 345 of the full split), first 20 test rows."""
     src = tmp_path / "gsm8k_src"
     src.mkdir()
     train_lines = (GSM8K_DIR / "train.jsonl").read_text().splitlines()
     test_lines = (GSM8K_DIR / "test.jsonl").read_text().splitlines()
-    (src / "train.jsonl").write_text("\n".join(train_lines[:50] + [train_lines[345]]) + "\n")
+    thousands = next(line for line in train_lines if line.endswith('#### 1,080"}'))
+    (src / "train.jsonl").write_text("\n".join(train_lines[:50] + [thousands]) + "\n")
     (src / "test.jsonl").write_text("\n".join(test_lines[:20]) + "\n")
     return src
 

@@ -8,8 +8,8 @@ from rlanywhere import doctor
 from rlanywhere import hardware as hw
 from rlanywhere.config import load_config
 
-CHECK_NAMES = {"probe", "plan", "matmul fp32", "matmul compute dtype", "attention", "tiny model fwd+bwd",
-               "generation", "fp16", "memory cap"}
+CHECK_NAMES = {"probe", "torch kernels for the GPU", "plan", "matmul fp32", "matmul compute dtype", "attention",
+               "tiny model fwd+bwd", "generation", "fp16", "memory cap"}
 
 
 def _quiet(_text: str) -> None:
@@ -87,3 +87,14 @@ def test_fp16_mixed_precision_path_checks_pass_on_cpu():
         status, detail = check(plan, cpu)
         assert status == "pass", (check.__name__, detail)
     assert doctor.check_fp16(hw.Plan(), cpu)[0] == "skip"
+def test_torch_kernels_check_names_the_cu126_build_for_a_p40(monkeypatch):
+    """A default (cc >= 7.5) torch build on a P40: the check fails before planning and names the fix."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (6, 1))
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"])
+    status, detail = doctor.check_torch_kernels()
+    assert status == "fail"
+    assert "sm_61" in detail and "download.pytorch.org/whl/cu126" in detail and "+cu126" in detail
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_90"])
+    assert doctor.check_torch_kernels()[0] == "pass"

@@ -31,7 +31,7 @@ def base_overrides(model_dir, data_dir, run_dir, **extra) -> list[str]:
         "data.max_response_length": 12,
         "data.val_max_samples": 8,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 3,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
         "actor_rollout_ref.actor.optim.lr": 1e-3,
         "actor_rollout_ref.rollout.n": 2,
         "actor_rollout_ref.rollout.temperature": 1.0,

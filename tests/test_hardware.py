@@ -16,7 +16,8 @@ from rlanywhere import hardware as hw
 from rlanywhere.config import load_config
 from rlanywhere.hardware import HardwareProbe, NoFitError, PlanError, make_plan
 
-VERL_P40_ARGS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "verl-p40-ppo.args"
+from .conftest import VERL_P40_ARGS
+
 
 # The PPO workload of the brief: Qwen2.5-0.5B actor + critic + reference, 64 prompts, 256 + 256 tokens, n=1.
 PPO_05B = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=gae",
@@ -249,13 +250,13 @@ def test_p40_fits_the_05b_ppo_workload_and_says_how():
 
 
 def test_explicit_micro_batches_and_offload_are_honoured():
-    plan = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+    plan = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                             "critic.ppo_micro_batch_size_per_gpu=2",
                             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5",
                             "hardware.optimizer_offload=true"), fake("p40"))
-    assert (plan.actor_micro_batch_size, plan.critic_micro_batch_size, plan.logprob_micro_batch_size) == (3, 2, 5)
+    assert (plan.actor_micro_batch_size, plan.critic_micro_batch_size, plan.logprob_micro_batch_size) == (4, 2, 5)
     assert plan.optimizer_offload and "hardware.optimizer_offload=True" in plan.reasons["optimizer_offload"]
-    assert "ppo_micro_batch_size_per_gpu=3" in plan.reasons["actor_micro_batch_size"]
+    assert "ppo_micro_batch_size_per_gpu=4" in plan.reasons["actor_micro_batch_size"]
 
 
 def test_offload_on_cpu_is_ignored_with_a_reason():
@@ -283,8 +284,6 @@ def test_memory_budget_override():
 
 
 def test_verl_p40_command_line_plans_on_p40():
-    if not VERL_P40_ARGS.exists():
-        pytest.skip("shared fixture missing")
     overrides = [line.strip() for line in VERL_P40_ARGS.read_text().splitlines() if line.strip()]
     plan = make_plan(load_config(None, overrides), fake("p40"))
     assert plan.precision == "fp32" and plan.attn_implementation == "sdpa" and plan.rollout_engine == "fast"

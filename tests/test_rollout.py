@@ -4,6 +4,7 @@ References are independent of the engines: transformers' own `generate` for gree
 over prompt+response for log-probs, and a naive temperature / top-k / top-p distribution for sampling statistics.
 """
 
+import copy
 import logging
 import math
 
@@ -367,18 +368,29 @@ def test_decode_attention_auto_and_gate_up_layout():
         FastEngine(model, None, decode_attention="flash")
 
 
+# ATen's CPU kernels whose bf16 results we have seen not depend on the shape they run at. With AVX-512 (seen on a
+# CPU with avx512_bf16/AMX) a decode step and the trainer's full forward round differently: ~5e-3 mean gap in
+# log-probs, gone when the same process runs with ATEN_CPU_CAPABILITY=avx2.
+SHAPE_INVARIANT_BF16_KERNELS = ("AVX2", "DEFAULT")
+
+
 def test_bf16_logprobs_match_the_trainer():
     """In bf16 the default engine reproduces the trainer's log-probs (transformers' bf16 decoder, LM head with fp32
     output: rlanywhere.logprobs), the other side of a PPO ratio; with fp32_logits=False it reproduces a plain
     transformers bf16 forward (logits rounded to bf16) instead. Fused numerics are measurably further off, so
-    these comparisons can tell the modes apart."""
+    these comparisons can tell the modes apart.
+
+    On every CPU the engine must sit well inside bf16's own error (the trainer's bf16 log-probs against the same
+    weights in fp32) and closer to the trainer than the fused mode; with ATen's AVX2 or default kernels, whose bf16
+    rounding does not depend on the shape, it must match the trainer to 1e-5."""
     model = tiny_model("qwen2").to(torch.bfloat16)
+    exact = copy.deepcopy(model).float()
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
 
-    def trainer_logprobs(batch):
+    def trainer_logprobs(batch, which=model):
         ids, mask, pos = batch.sequences()
         with torch.no_grad():
-            return response_logprobs(model, ids, mask, batch.response_ids.shape[1], position_ids=pos)[0]
+            return response_logprobs(which, ids, mask, batch.response_ids.shape[1], position_ids=pos)[0]
 
     def hf_forward_logprobs(batch):
         width = batch.prompt_ids.shape[1]
@@ -393,10 +405,15 @@ def test_bf16_logprobs_match_the_trainer():
         engine = FastEngine(model, None, pad_token_id=PAD, **kwargs)
         batch = engine.generate(PROMPTS * 4, params, generator=torch.Generator().manual_seed(0))
         gaps[label] = (reference(batch) - batch.response_logprobs)[batch.response_mask.bool()].abs()
-    assert gaps["default"].max() < 1e-5
-    assert gaps["bf16 logits"].max() < 1e-5
-    assert gaps["default vs bf16 forward"].mean() > 1e-4  # the bf16 rounding of the logits the default avoids
-    assert gaps["fused"].mean() > 1e-3
+        if label == "default":
+            bf16_error = (trainer_logprobs(batch) - trainer_logprobs(batch, exact))[batch.response_mask.bool()].abs()
+    assert gaps["default"].mean() < 0.5 * bf16_error.mean()
+    assert gaps["default"].mean() < gaps["fused"].mean()
+    if torch.backends.cpu.get_cpu_capability() in SHAPE_INVARIANT_BF16_KERNELS:
+        assert gaps["default"].max() < 1e-5
+        assert gaps["bf16 logits"].max() < 1e-5
+        assert gaps["default vs bf16 forward"].mean() > 1e-4  # the bf16 rounding of the logits the default avoids
+        assert gaps["fused"].mean() > 1e-3
 
 
 def test_make_engine_and_supports(caplog):

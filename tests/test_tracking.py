@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rlanywhere.plotting import plot_run
+from rlanywhere.plotting import _family_keys, carries_information, plot_run
 from rlanywhere.tracking import Tracker, parse_loggers, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -93,23 +93,22 @@ def test_plot_run_writes_pngs_for_present_keys(tmp_path):
                 {
                     "reward/mean": 0.1 * step,
                     "reward/std": 0.05,
-                    "actor/kl": 0.001 * step,
-                    "actor/pg_loss": -0.1,
+                    "actor/kl": 0.0,  # a run without a KL term: a flat line, no panel
+                    "actor/pg_loss": -0.1 * step,
                     "critic/vf_loss": 0.3,
                     "response_length/mean": 100 + step,
-                    "perf/tokens_per_s": 1000.0,
-                    "timing/gen": 1.0,
+                    "perf/tokens_per_s": 1000.0 + step,
+                    "timing/gen": 1.0 + 0.1 * step,
                 },
                 step=step,
             )
             if step % 2 == 0:
-                tracker.log({"val/acc": 0.2 * step}, step=step)
+                tracker.log({"val/acc": 0.2 * step, "val/num_samples": 32.0}, step=step)
     paths = plot_run(tmp_path)
     names = sorted(p.name for p in paths)
     assert names == sorted(
-        ["reward.png", "validation.png", "kl.png", "losses.png", "response_length.png", "throughput.png",
-         "timing.png"]
-    )  # no entropy / memory: never logged
+        ["reward.png", "validation.png", "losses.png", "response_length.png", "throughput.png", "timing.png"]
+    )  # no entropy / memory: never logged; no kl: constant
     for path in paths:
         assert path.parent == tmp_path / "plots"
         content = path.read_bytes()
@@ -117,6 +116,14 @@ def test_plot_run_writes_pngs_for_present_keys(tmp_path):
 
     custom = plot_run(tmp_path, out_dir=tmp_path / "elsewhere")
     assert {p.name for p in custom} == set(names) and all(p.parent == tmp_path / "elsewhere" for p in custom)
+
+
+def test_constant_panels_are_hidden():
+    assert carries_information([0.5]) and carries_information([0.0, 0.1])
+    assert not carries_information([]) and not carries_information([0.0, 0.0, 0.0])
+    records = [{"step": s, "actor/pg_loss": -0.1 * s, "critic/vf_loss": 0.3} for s in (1, 2, 3)]
+    assert _family_keys(records, ["actor/pg_loss", "critic/vf_loss"], ("actor/pg_loss", "critic/vf_loss"), ()) == [
+        "actor/pg_loss"]
 
 
 def test_plot_run_missing_or_empty_metrics(tmp_path):

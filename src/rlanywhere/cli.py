@@ -1,14 +1,18 @@
-"""Command line: `rlanywhere prepare | train | eval | plan | doctor | plot`.
+"""Command line: `rlanywhere demo | train | eval | chat | prepare | plan | doctor | plot`.
 
-    rlanywhere train                                  # the offline demo: SmolLM2-135M + GRPO on arithmetic
+    rlanywhere demo                                   # the offline demo: SmolLM2-135M + GRPO on addition (a new run)
+    rlanywhere demo trainer.total_training_steps=20   # the demo with overrides on top
     rlanywhere train ppo.yaml data.train_batch_size=64 algorithm.adv_estimator=grpo
     rlanywhere train $(cat verl-overrides.args)       # a verl command line's overrides, unchanged
     rlanywhere prepare gsm8k --src ../shared/data/gsm8k --out data/gsm8k
     rlanywhere prepare arithmetic --out data/arith --digits 2
-    rlanywhere eval --model runs/demo/checkpoints/global_step_8/actor --data data/arith/test.parquet
+    rlanywhere eval --model runs/demo/latest/final_model --data data/arith-1digit/test.parquet
+    rlanywhere chat --model runs/demo/latest/final_model  # latest: the newest demo run
     rlanywhere plan ppo.yaml --emulate p40            # what would run on a Tesla P40, and in how much memory
     rlanywhere doctor --emulate p40                   # real compute checks on the planned path
-    rlanywhere plot runs/demo
+    rlanywhere plot runs/demo/latest
+
+Mistakes a user can fix print one `error: ...` line (exit 2); --verbose adds the traceback.
 """
 
 from __future__ import annotations
@@ -18,42 +22,19 @@ import json
 import logging
 import os
 import sys
-import time
+import traceback
 from typing import Optional
 
-from omegaconf import OmegaConf
+from .api import DEMO_DATA_DIR, demo_profile  # noqa: F401  (their home before api.py; kept for callers)
 
 log = logging.getLogger("rlanywhere")
 
-DEMO_DATA_DIR = "data/arith"
-
-
-def demo_profile(on_gpu: bool) -> dict:
-    """The no-argument `rlanywhere train`: GRPO on 2-digit addition with SmolLM2-135M-Instruct.
-
-    Sized to finish in minutes on a laptop CPU; on a GPU the same run is larger (more prompts, samples, steps)."""
-    small = not on_gpu
-    return {
-        "data": {"train_files": f"{DEMO_DATA_DIR}/train.parquet", "val_files": f"{DEMO_DATA_DIR}/test.parquet",
-                 "train_batch_size": 4 if small else 64, "max_prompt_length": 128,
-                 "max_response_length": 40 if small else 96, "val_max_samples": 24 if small else 200},
-        "actor_rollout_ref": {
-            "model": {"path": "smollm2-135m-instruct"},
-            "actor": {"optim": {"lr": 5e-6}, "ppo_mini_batch_size": 4 if small else 32,
-                      "ppo_epochs": 1, "entropy_coeff": 0.0, "use_kl_loss": False},
-            "rollout": {"n": 4 if small else 8, "temperature": 0.7, "top_p": 1.0},
-        },
-        "algorithm": {"adv_estimator": "grpo"},
-        "trainer": {"project_name": "demo", "experiment_name": "smollm2-grpo-arith",
-                    "total_training_steps": 6 if small else 60, "test_freq": 3 if small else 10,
-                    "save_freq": 6 if small else 30, "logger": ["console", "tensorboard"],
-                    "val_before_train": True, "log_val_generations": 2},
-    }
-
 
 def _configure_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # Routine progress ("checkpoint saved", "val sample") is INFO and shown; --verbose adds DEBUG and tracebacks.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("rlanywhere").setLevel(logging.DEBUG if verbose else logging.INFO)
     for noisy in ("transformers", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
@@ -61,24 +42,22 @@ def _configure_logging(verbose: bool) -> None:
 def _split_config_and_overrides(items: list[str]) -> tuple[Optional[str], list[str]]:
     if items and "=" not in items[0] and items[0].endswith((".yaml", ".yml")):
         return items[0], items[1:]
+    if items and "=" not in items[0]:
+        from .errors import UserError
+
+        raise UserError(f"{items[0]!r} is neither a config file (.yaml/.yml) nor a key=value override; write "
+                        "`rlanywhere train [config.yaml] [key=value ...]`")
     return None, items
 
 
-def _load(items: list[str], emulate: Optional[str] = None, demo_if_empty: bool = False):
-    from .config import load_config
+def _load(items: list[str], emulate: Optional[str] = None):
+    from .api import make_config
 
     path, overrides = _split_config_and_overrides(items)
     if emulate:
         overrides = overrides + [f"hardware.emulate={emulate}"]
-    base = None
-    is_demo = demo_if_empty and path is None and not items
-    if is_demo:
-        import torch
-
-        base = OmegaConf.create(demo_profile(torch.cuda.is_available()))
     notices: list[str] = []
-    cfg = load_config(path, overrides, base=base, notices=notices)
-    return cfg, notices, is_demo
+    return make_config(path, overrides, notices=notices), notices
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -93,7 +72,9 @@ def cmd_prepare(args) -> int:
                                         num_operands=args.num_operands, seed=args.seed)
     else:
         if not args.src or not args.prompt_key or not args.answer_key:
-            raise SystemExit("prepare generic needs --src FILE --prompt-key COL --answer-key COL")
+            from .errors import UserError
+
+            raise UserError("prepare generic needs --src FILE --prompt-key COL --answer-key COL")
         paths = data.prepare_generic(args.src, args.out, prompt_key=args.prompt_key, answer_key=args.answer_key,
                                      data_source=args.data_source, instruction=args.instruction)
     for split, path in paths.items():
@@ -101,89 +82,63 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
-    from .hardware import PlanError, apply_runtime, make_plan, prepare_environment
+def _run(cfg, notices: list[str], emulate: Optional[str] = None) -> int:
+    from . import api
 
-    cfg, notices, is_demo = _load(args.items, args.emulate, demo_if_empty=True)
-    prepare_environment(cfg)  # allocator settings must be in place before CUDA initialises
-    try:
-        plan = make_plan(cfg, for_execution=True)
-    except PlanError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    apply_runtime(plan)
-    print(plan.summary())
-    if is_demo and not os.path.exists(cfg.data.train_files):
-        from .data import prepare_arithmetic
-
-        print(f"demo: writing the arithmetic task to {DEMO_DATA_DIR}/")
-        prepare_arithmetic(DEMO_DATA_DIR, train_size=2000, test_size=200, digits=2, operators="+", seed=0)
     from .runguard import RunInterrupted
-    from .trainer import RLTrainer
 
-    run_dir = os.path.abspath(cfg.trainer.default_local_dir)
-    print(f"run dir: {run_dir}")
-    start = time.time()
+    run_plan = api.plan(cfg, emulate=emulate)
+    print(run_plan.summary())
+    print(f"run dir: {os.path.abspath(cfg.trainer.default_local_dir)}")
     try:
-        trainer = RLTrainer(cfg, plan, run_dir, notices)
-        final = trainer.fit()
+        result = api.train(cfg, run_plan, notices)
     except RunInterrupted as stop:  # SIGTERM / Ctrl-C: saved (docs/reliability.md lists the exit codes)
         print(f"{stop}", file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         print("interrupted before training started; nothing was saved", file=sys.stderr)
         return 130
-    try:
-        from .plotting import plot_run
-
-        plot_run(run_dir)
-    except Exception as exc:  # plots are a convenience: never fail a finished run over them
-        log.warning("plotting failed: %s", exc)
-    summary = {"run_dir": run_dir, "steps": trainer.global_step, "minutes": round((time.time() - start) / 60, 2),
-               **final}
-    print(json.dumps(summary, indent=2))
-    print(f"done. run dir: {run_dir}")
+    print("\n".join(result.summary_lines()))
     return 0
 
 
+def cmd_demo(args) -> int:
+    from .api import demo_config
+
+    overrides = list(args.items) + ([f"hardware.emulate={args.emulate}"] if args.emulate else [])
+    notices: list[str] = []
+    cfg = demo_config(overrides, notices=notices)
+    run_dir = os.path.abspath(cfg.trainer.default_local_dir)
+    print(f"demo: a new run in {run_dir} (to continue one instead, pass trainer.default_local_dir=<its run dir>)")
+    _point_latest_at(run_dir)
+    return _run(cfg, notices)
+
+
+def _point_latest_at(run_dir: str) -> None:
+    """RUN_DIR's parent/latest -> RUN_DIR, so `runs/demo/latest/final_model` names the newest demo's model."""
+    link = os.path.join(os.path.dirname(run_dir), "latest")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        if os.path.islink(link):
+            os.remove(link)
+        if not os.path.exists(link):
+            os.symlink(os.path.basename(run_dir), link)
+    except OSError as exc:  # a file system without symlinks: the printed paths still work
+        log.debug("could not point %s at %s: %s", link, run_dir, exc)
+
+
+def cmd_train(args) -> int:
+    if not args.items and not args.emulate:
+        return cmd_demo(args)  # `rlanywhere train` alone is the demo, as before `rlanywhere demo` existed
+    cfg, notices = _load(args.items, args.emulate)
+    return _run(cfg, notices)
+
+
 def cmd_eval(args) -> int:
-    import torch
+    from .api import evaluate
 
-    from .config import load_config
-    from .data import RLDataset
-    from .hardware import apply_runtime, make_plan
-    from .models import load_causal_lm, load_tokenizer, resolve_model_source
-    from .rewards import RewardManager
-    from .rollout import make_engine
-    from .rollout.base import SamplingParams
-
-    cfg = load_config(None, [f"actor_rollout_ref.model.path={args.model}",
-                             f"data.max_response_length={args.max_new_tokens}"] + list(args.overrides))
-    plan = make_plan(cfg, for_execution=True)
-    apply_runtime(plan)
-    source = resolve_model_source(args.model)
-    tokenizer = load_tokenizer(source)
-    model = load_causal_lm(source, plan).to(plan.device).eval()
-    dataset = RLDataset([args.data], tokenizer, cfg.data.max_prompt_length)
-    count = len(dataset) if args.max_samples <= 0 else min(args.max_samples, len(dataset))
-    items = [dataset[i] for i in range(count)]
-    engine = make_engine(model, tokenizer, plan, engine=plan.rollout_engine, max_batch_size=args.batch_size,
-                         max_seq_len=cfg.data.max_prompt_length + args.max_new_tokens)
-    manager = RewardManager()
-    accs, formats = [], []
-    start = time.time()
-    for begin in range(0, count, args.batch_size):
-        part = items[begin:begin + args.batch_size]
-        with torch.no_grad():
-            out = engine.generate([it["input_ids"] for it in part],
-                                  SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0))
-        texts = out.decode(tokenizer)
-        _, info = manager(texts, [it["ground_truth"] for it in part], [it["data_source"] for it in part],
-                          [it["extra_info"] for it in part])
-        accs += info["acc"]
-        formats += info["format"]
-    result = {"model": args.model, "data": args.data, "num_samples": count, "accuracy": sum(accs) / max(count, 1),
-              "format_rate": sum(formats) / max(count, 1), "seconds": round(time.time() - start, 1)}
+    result = evaluate(args.model, args.data, max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
+                      batch_size=args.batch_size, overrides=args.overrides)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
@@ -192,10 +147,32 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_chat(args) -> int:
+    """One answer per prompt: --prompt TEXT (repeatable), or an interactive loop reading stdin."""
+    from .api import generate, load_model
+
+    loaded = load_model(args.model, max_new_tokens=args.max_new_tokens, batch_size=1)
+    prompts = args.prompt or []
+    if prompts:
+        for answer in generate(loaded, prompts, args.max_new_tokens, args.temperature):
+            print(answer)
+        return 0
+    print("chat: an empty line or Ctrl-D ends")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        print(generate(loaded, [line], args.max_new_tokens, args.temperature)[0])
+    return 0
+
+
 def cmd_plan(args) -> int:
     from .hardware import plan_main
 
-    cfg, notices, _ = _load(args.items, args.emulate)
+    cfg, _ = _load(args.items, args.emulate)
     return plan_main(cfg, json_out=args.json)
 
 
@@ -203,7 +180,7 @@ def cmd_doctor(args) -> int:
     from .hardware import prepare_environment
     from .doctor import doctor_main
 
-    cfg, _, _ = _load(args.items, args.emulate)
+    cfg, _ = _load(args.items, args.emulate)
     prepare_environment(cfg)
     return doctor_main(cfg)
 
@@ -217,12 +194,50 @@ def cmd_plot(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="rlanywhere", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action="version", version=f"rlanywhere {__version__}")
+    # -v works before or after the command; SUPPRESS keeps a subcommand's default from hiding the top-level flag
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="debug logging, and a traceback with errors")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and a traceback with errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    prep = sub.add_parser("prepare", help="write train/test parquet for a task")
+    def command(name: str, help_text: str, func):
+        p = sub.add_parser(name, help=help_text, parents=[verbose])
+        p.set_defaults(func=func)
+        return p
+
+    for name, func, text in (("demo", cmd_demo, "the offline demo, a new run each time; overrides apply on top"),
+                             ("train", cmd_train, "run RL post-training (no arguments: the demo)"),
+                             ("plan", cmd_plan, "print the hardware plan and predicted memory, load nothing"),
+                             ("doctor", cmd_doctor, "check the planned compute path for real")):
+        p = command(name, text, func)
+        p.add_argument("items", nargs="*", help="[config.yaml] [dotted.key=value ...]" if name != "demo"
+                       else "[dotted.key=value ...] on top of the demo profile")
+        p.add_argument("--emulate", help="plan for (and cap the run to) a card: p40, t4, v100-16g, a100-40g, ...")
+        if name == "plan":
+            p.add_argument("--json", action="store_true")
+
+    ev = command("eval", "greedy accuracy and format rate of a model on a parquet file", cmd_eval)
+    ev.add_argument("--model", required=True, help="HF dir (a run's final_model), hub id, .gguf file")
+    ev.add_argument("--data", required=True)
+    ev.add_argument("--max-samples", type=int, default=-1)
+    ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--batch-size", type=int, default=64)
+    ev.add_argument("--out")
+    ev.add_argument("overrides", nargs="*")
+
+    ch = command("chat", "talk to a model: --prompt TEXT, or type lines", cmd_chat)
+    ch.add_argument("--model", required=True, help="HF dir (a run's final_model), hub id, .gguf file")
+    ch.add_argument("--prompt", action="append", help="answer this and exit (repeatable)")
+    ch.add_argument("--max-new-tokens", type=int, default=128)
+    ch.add_argument("--temperature", type=float, default=0.0)
+
+    prep = command("prepare", "write train/test parquet for a task", cmd_prepare)
     prep.add_argument("task", choices=["gsm8k", "arithmetic", "generic"])
     prep.add_argument("--src", help="gsm8k: a directory with train/test.jsonl or an HF dataset name; generic: a file")
     prep.add_argument("--out", required=True)
@@ -236,44 +251,38 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--answer-key")
     prep.add_argument("--data-source", default="generic")
     prep.add_argument("--instruction")
-    prep.set_defaults(func=cmd_prepare)
 
-    for name, func, text in (("train", cmd_train, "run RL post-training (no arguments: the offline demo)"),
-                             ("plan", cmd_plan, "print the hardware plan and predicted memory, load nothing"),
-                             ("doctor", cmd_doctor, "check the planned compute path for real")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("items", nargs="*", help="[config.yaml] [dotted.key=value ...]")
-        p.add_argument("--emulate", help="plan for (and cap the run to) a card: p40, t4, v100-16g, a100-40g, ...")
-        if name == "plan":
-            p.add_argument("--json", action="store_true")
-        p.set_defaults(func=func)
-
-    ev = sub.add_parser("eval", help="greedy accuracy and format rate of a model on a parquet file")
-    ev.add_argument("--model", required=True)
-    ev.add_argument("--data", required=True)
-    ev.add_argument("--max-samples", type=int, default=-1)
-    ev.add_argument("--max-new-tokens", type=int, default=256)
-    ev.add_argument("--batch-size", type=int, default=64)
-    ev.add_argument("--out")
-    ev.add_argument("overrides", nargs="*")
-    ev.set_defaults(func=cmd_eval)
-
-    pl = sub.add_parser("plot", help="PNG curves of a run")
+    pl = command("plot", "PNG curves of a run", cmd_plot)
     pl.add_argument("run_dir")
     pl.add_argument("--out")
-    pl.set_defaults(func=cmd_plot)
     return parser
+
+
+def user_error_message(exc: BaseException) -> Optional[str]:
+    """The one line to print for a mistake the user can fix, or None for a bug (which keeps its traceback)."""
+    from .errors import UserError
+
+    if isinstance(exc, (UserError, FileNotFoundError, IsADirectoryError, NotADirectoryError, ImportError)):
+        return str(exc)
+    return None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    _configure_logging(args.verbose)
-    from .errors import UserError
-
+    verbose = getattr(args, "verbose", False)
+    _configure_logging(verbose)
     try:
         return args.func(args)
-    except (UserError, FileNotFoundError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        message = user_error_message(exc)
+        if message is None:
+            raise
+        if verbose:
+            traceback.print_exc()
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

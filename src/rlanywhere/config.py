@@ -471,10 +471,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     cfg = OmegaConf.structured(RLConfig)
     layers = [base] if base is not None else []
     if path is not None:
-        try:
-            layers.append(OmegaConf.load(path))
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {path!r} not found") from exc
+        layers.append(_load_yaml(path))
     layers.append(_parse_overrides(list(overrides or [])))
     for layer in layers:
         layer = _vet_user_keys(OmegaConf.create(OmegaConf.to_container(layer, resolve=False)), notices)
@@ -488,6 +485,59 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         log.warning("notice: %s", line)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _load_yaml(path: str) -> DictConfig:
+    """A YAML config file as a DictConfig; a missing file or a syntax error is one ConfigError naming file:line."""
+    import yaml
+
+    try:
+        loaded = OmegaConf.load(path)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path!r} not found") from exc
+    except IsADirectoryError as exc:
+        raise ConfigError(f"config file {path!r} is a directory; pass a .yaml file") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{where}: YAML syntax error ({problem}); check the indentation and the ':' after each "
+                          "key there") from exc
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path}: the file must hold a mapping of keys (data:, actor_rollout_ref:, ...), "
+                          f"not a {type(loaded).__name__}")
+    return loaded
+
+
+def check_batch_sizes(cfg: DictConfig) -> None:
+    """verl's batch arithmetic: prompts per step split into whole mini-batches, and (without dynamic batch sizes)
+    each mini-batch's sequences (prompts x rollout.n) into whole micro-batches. Raises ConfigError naming both
+    keys and a value that works."""
+    batch, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
+    actor = cfg.actor_rollout_ref.actor
+    minis = [("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size,
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu,
+              actor.use_dynamic_bsz)]
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.ppo_mini_batch_size:
+        minis.append(("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size,
+                      "critic.ppo_micro_batch_size_per_gpu", cfg.critic.ppo_micro_batch_size_per_gpu,
+                      cfg.critic.use_dynamic_bsz))
+    # Unlike verl, a mini-batch (micro-batch) larger than the step (mini-batch) is accepted: it holds all of it.
+    # That keeps the defaults (mini-batch 256) usable with a small data.train_batch_size.
+    for mini_key, mini, micro_key, micro, dynamic in minis:
+        mini = min(mini, batch)
+        if batch % mini:
+            raise ConfigError(f"data.train_batch_size={batch} is not divisible by {mini_key}={mini}: a step must "
+                              f"split into whole mini-batches (as in verl); use a divisor of {batch}, e.g. "
+                              f"{_largest_divisor_at_most(batch, mini)}")
+        if micro and not dynamic and micro < mini * n and (mini * n) % micro:
+            raise ConfigError(f"{micro_key}={micro} does not divide a mini-batch of {mini * n} sequences "
+                              f"({mini_key}={mini} x rollout.n={n}), as verl requires; use a divisor of {mini * n}, "
+                              f"e.g. {_largest_divisor_at_most(mini * n, micro)}")
+
+
+def _largest_divisor_at_most(number: int, limit: int) -> int:
+    return max(d for d in range(1, min(number, limit) + 1) if number % d == 0)
 
 
 def _check_values(cfg: DictConfig) -> None:
@@ -529,6 +579,7 @@ def _check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be >= 0 (0 turns the guard off), got {OmegaConf.select(cfg, key)}")
     if cfg.hardware.logprob_gap_patience < 1:
         raise ConfigError(f"hardware.logprob_gap_patience must be >= 1 steps, got {cfg.hardware.logprob_gap_patience}")
+    check_batch_sizes(cfg)
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
     _check_variant_values(cfg)

@@ -627,24 +627,32 @@ class RLDataset:
             )
 
     def render_prompt(self, prompt: Any) -> str:
-        """The prompt text the model sees: chat template + generation prompt, or plain user text without one."""
-        messages = _normalise_messages(prompt)
-        if _has_chat_template(self.tokenizer):
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return "\n\n".join(m["content"] for m in messages if m["role"] == "user")
+        return render_prompt(self.tokenizer, prompt)
 
     def _tokenize(self, texts: list[str]) -> list[list[int]]:
-        # A chat template already writes any BOS it wants; plain text gets the tokenizer's own special tokens.
-        add_special_tokens = not _has_chat_template(self.tokenizer)
-        encoded = self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
-        bos_token_id = getattr(self.tokenizer, "bos_token_id", None)
-        return [_strip_repeated_bos(list(ids), bos_token_id) for ids in encoded]
+        return tokenize_rendered(self.tokenizer, texts)
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.items[index]
+
+
+def render_prompt(tokenizer, prompt: Any) -> str:
+    """The prompt text the model sees: chat template + generation prompt, or plain user text without one."""
+    messages = _normalise_messages(prompt)
+    if _has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n\n".join(m["content"] for m in messages if m["role"] == "user")
+
+
+def tokenize_rendered(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of rendered prompts, exactly as training sees them (RLDataset)."""
+    # A chat template already writes any BOS it wants; plain text gets the tokenizer's own special tokens.
+    encoded = tokenizer(texts, add_special_tokens=not _has_chat_template(tokenizer))["input_ids"]
+    bos_token_id = getattr(tokenizer, "bos_token_id", None)
+    return [_strip_repeated_bos(list(ids), bos_token_id) for ids in encoded]
 
 
 # --------------------------------------------------------------------------------------------------------------------

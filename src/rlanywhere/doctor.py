@@ -14,6 +14,9 @@ planned device and compares against a float64 reference computed on CPU:
                          fp16 SDPA forward and backward, a GradScaler skipping an overflowed step)
     memory cap           when emulating on CUDA: allocating beyond the emulated card's memory must fail
 
+Before planning, `torch kernels for the GPU` checks that the installed torch build has kernels for the card
+(torch.cuda.get_arch_list() against its compute capability) and names the build that does.
+
 `run_doctor` prints the probe, the plan and a pass/fail table and returns (ok, report).
 """
 
@@ -276,6 +279,25 @@ def check_memory_cap(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
                    "not in effect (call hardware.apply_runtime(plan) before allocating)"
 
 
+def check_torch_kernels() -> tuple[str, str]:
+    """Does this torch build carry kernels for the GPU (torch.cuda.get_arch_list() vs the device's capability)?
+    Run before planning: without them every CUDA op fails with "no kernel image is available"."""
+    from rlanywhere.torch_setup import arch_list_covers, build_for
+
+    if not torch.cuda.is_available():
+        return "skip", "no CUDA device"
+    arch_list = list(torch.cuda.get_arch_list())
+    ccs = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    missing = sorted({cc for cc in ccs if not arch_list_covers(arch_list, cc)})
+    if not missing:
+        return "pass", f"torch {torch.__version__} builds {' '.join(arch_list)}; GPU sm_" + \
+            ", sm_".join(f"{a}{b}" for a, b in sorted(set(ccs)))
+    pip_args, why = build_for(missing, torch.__version__.split("+")[0])
+    return "fail", (f"torch {torch.__version__} has no kernels for sm_{missing[0][0]}{missing[0][1]} (it builds "
+                    f"{' '.join(arch_list) or 'none'}): {why}. Fix: pip install {' '.join(pip_args)} "
+                    "--force-reinstall (or bash scripts/setup.sh)")
+
+
 CHECKS: list[tuple[str, str]] = [
     ("matmul fp32", "check_matmul_fp32"),
     ("matmul compute dtype", "check_matmul_compute"),
@@ -317,6 +339,7 @@ def run_doctor(cfg: Any = None, emulate: Optional[str] = None, probe: Optional[h
         return "pass", f"{plan.precision}, {plan.attn_implementation} on {plan.device}" + \
             (f" (emulating {plan.emulated})" if plan.emulated else "")
 
+    report.append(_run_check("torch kernels for the GPU", lambda: globals()["check_torch_kernels"]()))
     report.append(_run_check("plan", make))
     plan = plan_holder.get("plan")
     if plan is not None:

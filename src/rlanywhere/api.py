@@ -1,0 +1,297 @@
+"""The Python API: the same objects and steps the command line uses, for a notebook or a script.
+
+    import rlanywhere as rl
+
+    cfg = rl.make_config({"algorithm": {"adv_estimator": "grpo"}}, ["data.train_batch_size=8"])  # dict/YAML + overrides
+    plan = rl.plan(cfg)                      # every hardware decision; PlanError before any model loads
+    result = rl.train(cfg, plan)             # TrainResult: run_dir, val_before/val_after, final_model, trainer
+    rl.evaluate(result.final_model, "data/arith/test.parquet")        # greedy accuracy, as `rlanywhere eval`
+    rl.generate(result.final_model, ["What is 2 + 3?"])               # chat-templated prompts -> response texts
+
+`rlanywhere train` is `make_config` + `plan` + `train`; `rlanywhere eval` is `evaluate`; `rlanywhere chat` is
+`generate`. `demo_config()` is the profile `rlanywhere demo` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+DEMO_DATA_DIR = "data/arith"
+# The CPU demo's task (cli.demo_profile): single-digit addition, the 100 questions split 68/32.
+DEMO_CPU_TASK = {"digits": 1, "train_size": 68, "test_size": 32}
+DEMO_GPU_TASK = {"digits": 2, "train_size": 2000, "test_size": 200}
+
+ConfigLike = Union[None, str, os.PathLike, Mapping, DictConfig]
+
+
+# ---------------------------------------------------------------------------------------------- config and plan
+def make_config(config: ConfigLike = None, overrides: Sequence[str] = (), *, base: Optional[Mapping] = None,
+                notices: Optional[list[str]] = None) -> DictConfig:
+    """A validated run config: defaults <- `base` <- `config` (a YAML path, or a dict in verl's key names) <-
+    dotted `overrides` ("data.train_batch_size=64"). Raises config.ConfigError naming the key and the fix."""
+    from .config import load_config
+
+    path = None
+    layers = [OmegaConf.create(dict(base))] if base is not None else []
+    if isinstance(config, (str, os.PathLike)):
+        path = str(config)
+    elif config is not None:
+        layers.append(config if isinstance(config, DictConfig) else OmegaConf.create(dict(config)))
+    merged = OmegaConf.merge(*layers) if layers else None
+    return load_config(path, list(overrides), base=merged, notices=notices)
+
+
+def demo_profile(on_gpu: bool) -> dict:
+    """The `rlanywhere demo` profile: GRPO on addition with SmolLM2-135M-Instruct.
+
+    CPU (minutes on 2 cores): single-digit addition. Before training the model answers about half the held-out
+    questions with "To solve this equation, you need to ..." and runs out of its 12 tokens before any answer;
+    GRPO with 4 prompts x 8 samples and a high learning rate teaches it within a few steps to answer "a + b = c"
+    at once (measured before -> after: README). GPU: 2-digit addition, more prompts, samples and steps, as
+    measured on an H200 (README); unchanged."""
+    small = not on_gpu
+    data_dir = demo_data_dir(on_gpu)
+    return {
+        "data": {"train_files": f"{data_dir}/train.parquet", "val_files": f"{data_dir}/test.parquet",
+                 "train_batch_size": 4 if small else 64, "max_prompt_length": 128,
+                 "max_response_length": 12 if small else 96, "val_max_samples": 32 if small else 200},
+        "actor_rollout_ref": {
+            "model": {"path": "smollm2-135m-instruct"},
+            "actor": {"optim": {"lr": 3e-5 if small else 5e-6}, "ppo_mini_batch_size": 4 if small else 32,
+                      "ppo_epochs": 1, "entropy_coeff": 0.0, "use_kl_loss": False},
+            "rollout": {"n": 8, "temperature": 0.8 if small else 0.7, "top_p": 1.0},
+        },
+        "algorithm": {"adv_estimator": "grpo"},
+        "trainer": {"project_name": "demo", "experiment_name": "smollm2-grpo-arith",
+                    "total_training_steps": 8 if small else 60, "test_freq": 4 if small else 10,
+                    "save_freq": -1 if small else 30, "logger": ["console", "tensorboard"],
+                    "val_before_train": True, "log_val_generations": 2},
+    }
+
+
+def demo_data_dir(on_gpu: bool) -> str:
+    return DEMO_DATA_DIR if on_gpu else f"{DEMO_DATA_DIR}-1digit"
+
+
+def demo_config(overrides: Sequence[str] = (), on_gpu: Optional[bool] = None, new_run: bool = True,
+                notices: Optional[list[str]] = None) -> DictConfig:
+    """The demo profile with `overrides` on top. on_gpu: None decides from the machine (and hardware.device=cpu).
+
+    new_run: each call gets its own run dir (a timestamped experiment name), unless the overrides name
+    trainer.experiment_name or trainer.default_local_dir: then that run resumes as any run does."""
+    if on_gpu is None:
+        import torch
+
+        wants_cpu = any(item.replace(" ", "").lstrip("+") == "hardware.device=cpu" for item in overrides)
+        on_gpu = torch.cuda.is_available() and not wants_cpu
+    profile = demo_profile(on_gpu)
+    names_run = any(item.lstrip("+").startswith(("trainer.experiment_name=", "trainer.default_local_dir="))
+                    for item in overrides)
+    if new_run and not names_run:
+        profile["trainer"]["experiment_name"] += time.strftime("-%Y%m%d-%H%M%S")
+    return make_config(None, overrides, base=profile, notices=notices)
+
+
+def plan(cfg: DictConfig, emulate: Optional[str] = None):
+    """The hardware plan `cfg` runs with (hardware.Plan), applied to this process (TF32 flags, memory cap).
+
+    Call before anything touches torch.cuda. Raises hardware.PlanError for a request that cannot run here."""
+    from .hardware import apply_runtime, make_plan, prepare_environment
+
+    prepare_environment(cfg)
+    chosen = make_plan(cfg, for_execution=True, emulate=emulate)
+    apply_runtime(chosen)
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------- training
+@dataclass
+class TrainResult:
+    """What a finished run left behind (also printed by the CLI as its closing summary)."""
+
+    run_dir: str
+    steps: int
+    minutes: float
+    final_model: Optional[str]
+    val_before: dict = field(default_factory=dict)  # the first validation of this run dir (step 0 when asked)
+    val_after: dict = field(default_factory=dict)  # the last validation
+    trainer: Any = field(default=None, repr=False)  # the RLTrainer: actor, tokenizer, engine, ... for more use
+
+    def summary_lines(self) -> list[str]:
+        """A short human summary: accuracy before -> after, minutes, where the model is, what to run next."""
+        lines = [f"run dir: {self.run_dir}", f"{self.steps} steps in {self.minutes:.1f} min"]
+        before, after = self.val_before.get("val/acc"), self.val_after.get("val/acc")
+        if before is not None and after is not None:
+            count = int(self.val_after.get("val/num_samples", 0))
+            verdict = "learned" if after > before else "did not improve"
+            lines.append(f"held-out accuracy{f' ({count} prompts, greedy)' if count else ''}: "
+                         f"{before:.3f} -> {after:.3f} ({(after - before) * 100:+.1f} points: {verdict})")
+        if self.final_model:
+            cfg = self.trainer.cfg if self.trainer is not None else None
+            val = as_list_first(cfg.data.val_files) if cfg is not None else None
+            lines.append(f"final model (Hugging Face format): {self.final_model}")
+            lines.append(f"  chat:     rlanywhere chat --model {self.final_model}")
+            if val:
+                lines.append(f"  evaluate: rlanywhere eval --model {self.final_model} --data {val}")
+        lines.append(f"  plots:    {os.path.join(self.run_dir, 'plots')}")
+        return lines
+
+
+def as_list_first(value) -> Optional[str]:
+    from .config import as_list
+
+    items = as_list(value)
+    return str(items[0]) if items else None
+
+
+def ensure_demo_data(cfg: DictConfig) -> None:
+    """Write the demo's arithmetic task when the config points at it and it is not there yet."""
+    from .data import prepare_arithmetic
+
+    train = str(as_list_first(cfg.data.train_files))
+    for on_gpu, task in ((True, DEMO_GPU_TASK), (False, DEMO_CPU_TASK)):
+        folder = demo_data_dir(on_gpu)
+        if train == f"{folder}/train.parquet" and not os.path.exists(train):
+            log.info("demo: writing the arithmetic task to %s/", folder)
+            prepare_arithmetic(folder, operators="+", seed=0, **task)
+
+
+def train(cfg: DictConfig, run_plan=None, notices: Optional[list[str]] = None) -> TrainResult:
+    """Run `cfg` to the end (resuming its run dir when trainer.resume_mode allows), save the final model, draw the
+    plots; returns a TrainResult. run_plan: from `plan(cfg)` (made here when None)."""
+    from .trainer import RLTrainer
+
+    run_plan = run_plan if run_plan is not None else plan(cfg)
+    ensure_demo_data(cfg)
+    run_dir = os.path.abspath(cfg.trainer.default_local_dir)
+    start = time.time()
+    trainer = RLTrainer(cfg, run_plan, run_dir, notices)
+    trainer.fit()
+    final_model = trainer.save_final_model()
+    try:
+        from .plotting import plot_run
+
+        plot_run(run_dir)
+    except Exception as exc:  # plots are a convenience: never fail a finished run over them
+        log.warning("plotting failed: %s", exc)
+    before, after = first_and_last_validation(run_dir)
+    return TrainResult(run_dir=run_dir, steps=trainer.global_step, minutes=(time.time() - start) / 60,
+                       final_model=final_model, val_before=before, val_after=after, trainer=trainer)
+
+
+def first_and_last_validation(run_dir: str) -> tuple[dict, dict]:
+    """The val/* metrics of the first and the last validation logged in RUN_DIR/metrics.jsonl."""
+    from .tracking import read_metrics
+
+    try:
+        records = read_metrics(run_dir)
+    except FileNotFoundError:
+        return {}, {}
+    vals = [{k: v for k, v in r.items() if k.startswith("val/")} for r in records if "val/acc" in r]
+    return (vals[0], vals[-1]) if vals else ({}, {})
+
+
+# ---------------------------------------------------------------------------------------------- inference
+@dataclass
+class LoadedModel:
+    """A model ready for generation: the HF model, its tokenizer, the plan and a rollout engine."""
+
+    model: Any
+    tokenizer: Any
+    plan: Any
+    engine: Any
+    max_prompt_length: int
+
+
+def load_model(model: str, max_new_tokens: int = 256, batch_size: int = 64, overrides: Sequence[str] = (),
+               max_prompt_length: Optional[int] = None) -> LoadedModel:
+    """Load `model` (HF dir, hub id, .gguf, or 'smollm2-135m-instruct') for generation, planned like a run."""
+    from .models import load_causal_lm, load_tokenizer, resolve_model_source
+    from .rollout import make_engine
+
+    extra = [f"data.max_prompt_length={max_prompt_length}"] if max_prompt_length else []
+    cfg = make_config(None, [f"actor_rollout_ref.model.path={model}", f"data.max_response_length={max_new_tokens}",
+                             *extra, *overrides])
+    chosen = plan(cfg)
+    source = resolve_model_source(str(model))
+    tokenizer = load_tokenizer(source)
+    hf_model = load_causal_lm(source, chosen).to(chosen.device).eval()
+    engine = make_engine(hf_model, tokenizer, chosen, engine=chosen.rollout_engine, max_batch_size=batch_size,
+                         max_seq_len=cfg.data.max_prompt_length + max_new_tokens)
+    return LoadedModel(hf_model, tokenizer, chosen, engine, cfg.data.max_prompt_length)
+
+
+def _loaded(model, **kwargs) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, TrainResult):
+        model = model.trainer if model.trainer is not None else model.final_model
+    if hasattr(model, "engine") and hasattr(model, "actor"):  # an RLTrainer: generate with its current policy
+        return LoadedModel(model.actor, model.tokenizer, model.plan, model.engine, model.cfg.data.max_prompt_length)
+    return load_model(str(model), **kwargs)
+
+
+def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256, batch_size: int = 64,
+             overrides: Sequence[str] = (), progress: bool = True) -> dict:
+    """Greedy accuracy and format rate of `model` (a path, a LoadedModel, a TrainResult) on a verl-schema parquet
+    file, scored by the reward for each row's data_source: what `rlanywhere eval` prints."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .data import RLDataset
+    from .rewards import RewardManager
+    from .rollout.base import SamplingParams
+
+    loaded = _loaded(model, max_new_tokens=max_new_tokens, batch_size=batch_size, overrides=overrides)
+    dataset = RLDataset([data], loaded.tokenizer, loaded.max_prompt_length)
+    count = len(dataset) if max_samples <= 0 else min(max_samples, len(dataset))
+    items = [dataset[i] for i in range(count)]
+    manager = RewardManager()
+    accs, formats = [], []
+    start = time.time()
+    with tqdm(total=count, desc="eval", unit="prompt", disable=not progress) as bar:
+        for begin in range(0, count, batch_size):
+            part = items[begin:begin + batch_size]
+            with torch.no_grad():
+                out = loaded.engine.generate([it["input_ids"] for it in part],
+                                             SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+            _, info = manager(out.decode(loaded.tokenizer), [it["ground_truth"] for it in part],
+                              [it["data_source"] for it in part], [it["extra_info"] for it in part])
+            accs += info["acc"]
+            formats += info["format"]
+            bar.update(len(part))
+    return {"model": str(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__, "data": data,
+            "num_samples": count, "accuracy": sum(accs) / max(count, 1), "format_rate": sum(formats) / max(count, 1),
+            "seconds": round(time.time() - start, 1)}
+
+
+def generate(model, prompts: Iterable[Union[str, list]], max_new_tokens: int = 128, temperature: float = 0.0,
+             n: int = 1, overrides: Sequence[str] = ()) -> list[str]:
+    """Responses of `model` (a path, a LoadedModel, a TrainResult, an RLTrainer) to `prompts`: each a user
+    message (str) or a list of {"role", "content"} messages, chat template applied. Greedy unless temperature > 0;
+    n responses per prompt, prompt-major."""
+    import torch
+
+    from .rollout.base import SamplingParams
+
+    from .data import render_prompt, tokenize_rendered
+
+    loaded = _loaded(model, max_new_tokens=max_new_tokens, overrides=overrides)
+    texts = [render_prompt(loaded.tokenizer, [{"role": "user", "content": p}] if isinstance(p, str) else list(p))
+             for p in prompts]
+    with torch.no_grad():
+        out = loaded.engine.generate(tokenize_rendered(loaded.tokenizer, texts),
+                                     SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=n))
+    return [text.strip() for text in out.decode(loaded.tokenizer)]
+
+
+__all__ = ["make_config", "demo_config", "demo_profile", "plan", "train", "TrainResult", "evaluate", "generate",
+           "load_model", "LoadedModel"]

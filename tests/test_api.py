@@ -1,0 +1,89 @@
+"""The Python API (rlanywhere.api): config from dict/YAML/overrides, the demo profile with overrides on top, and the
+notebook example (examples/notebook_api.py) run end to end with a tiny random model, as CI runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rlanywhere as rl
+from rlanywhere.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_make_config_layers_dict_yaml_and_overrides(tmp_path):
+    cfg = rl.make_config({"data": {"train_batch_size": 16}, "algorithm": {"adv_estimator": "grpo"}},
+                         ["data.train_batch_size=32"])
+    assert cfg.data.train_batch_size == 32 and cfg.algorithm.adv_estimator == "grpo"
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  adv_estimator: rloo\n")
+    assert rl.make_config(str(path)).algorithm.adv_estimator == "rloo"
+    assert rl.make_config(path, base={"algorithm": {"adv_estimator": "grpo"}}).algorithm.adv_estimator == "rloo"
+    with pytest.raises(ConfigError, match="did you mean 'data.train_batch_size'"):
+        rl.make_config({"data": {"train_batch_sise": 3}})
+
+
+def test_demo_overrides_apply_on_top_and_each_demo_is_a_new_run():
+    cfg = rl.demo_config(["trainer.total_training_steps=3"], on_gpu=False)
+    profile = rl.demo_profile(on_gpu=False)
+    assert cfg.trainer.total_training_steps == 3  # the override
+    assert cfg.data.train_batch_size == profile["data"]["train_batch_size"]  # the profile, not the full defaults
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.data.max_response_length == 12
+    assert cfg.trainer.default_local_dir.startswith("runs/demo/smollm2-grpo-arith-")  # timestamped: a new run
+    named = rl.demo_config(["trainer.experiment_name=mine"], on_gpu=False)
+    assert named.trainer.default_local_dir == "runs/demo/mine"  # a named run resumes as any run does
+    cpu = rl.demo_config(["hardware.device=cpu"])
+    assert cpu.data.train_batch_size == profile["data"]["train_batch_size"]  # hardware.device=cpu: the CPU profile
+    gpu = rl.demo_profile(on_gpu=True)  # the GPU profile is kept as it was measured (README)
+    assert (gpu["data"]["train_batch_size"], gpu["actor_rollout_ref"]["rollout"]["n"],
+            gpu["trainer"]["total_training_steps"], gpu["data"]["train_files"]) == (
+        64, 8, 60, "data/arith/train.parquet")
+
+
+def test_notebook_example_runs(tiny_model_dir, arith_data, tmp_path):
+    """examples/notebook_api.py as a user runs it, with the tiny model: config, plan, train, evaluate, generate."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "notebook_api.py"), "--model", str(tiny_model_dir), "--data",
+         str(arith_data), "--steps", "2", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "held-out accuracy" in out and "->" in out and "rlanywhere chat --model" in out
+    assert '"accuracy"' in out  # rl.evaluate's result
+    # The final model (save_freq=-1: no checkpoints) is saved in HF format with its tokenizer
+    final = run_dir / "final_model"
+    assert (final / "config.json").exists() and (final / "model.safetensors").exists()
+    assert (final / "tokenizer.json").exists() and not (run_dir / "checkpoints").exists()
+    # Every validation's generations, one JSON line per response
+    steps = sorted(p.name for p in (run_dir / "val_generations").iterdir())
+    assert steps == ["step_0.jsonl", "step_2.jsonl"]
+    rows = [json.loads(line) for line in (run_dir / "val_generations" / "step_2.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and {"step", "index", "prompt", "response", "ground_truth", "score"} <= set(rows[0])
+    assert "####" in rows[0]["prompt"] and rows[0]["step"] == 2 and rows[0]["ground_truth"]
+
+
+def test_final_model_loads_with_transformers_and_generates(tiny_model_dir, arith_data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from .test_e2e import base_overrides
+
+    cfg = rl.make_config(None, base_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
+        "algorithm.adv_estimator": "grpo", "trainer.save_freq": -1, "trainer.total_training_steps": 1,
+        "trainer.val_before_train": False, "trainer.test_freq": -1}))
+    result = rl.train(cfg)
+    assert result.steps == 1 and result.final_model == str(tmp_path / "run" / "final_model")
+    assert result.val_before == {} and "held-out" not in "\n".join(result.summary_lines())  # no validation run
+    model = AutoModelForCausalLM.from_pretrained(result.final_model)
+    trained = result.trainer.actor.state_dict()
+    assert all((model.state_dict()[k] == v).all() for k, v in trained.items() if k in model.state_dict())
+    texts = rl.generate(result.final_model, ["What is 1 + 2 ?"], max_new_tokens=4, overrides=["hardware.device=cpu"])
+    assert len(texts) == 1
+    assert rl.generate(result, ["What is 1 + 2 ?"], max_new_tokens=4) == texts  # same weights, greedy
