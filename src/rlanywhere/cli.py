@@ -102,9 +102,41 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .hardware import PlanError, apply_runtime, make_plan, prepare_environment
+    from . import distributed
 
     cfg, notices, is_demo = _load(args.items, args.emulate, demo_if_empty=True)
+    # [distributed] torchrun's launch sets the world; trainer.n_gpus_per_node > 1 without torchrun relaunches via it
+    distributed.reconcile_world(cfg)
+    world = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+    distributed.check_batch_divisible(cfg, world)
+    if world > 1 and not distributed.launched_by_torchrun():
+        if int(cfg.trainer.nnodes) > 1:
+            raise distributed.UserError(
+                f"trainer.nnodes={cfg.trainer.nnodes}: start every node yourself with torchrun --nnodes="
+                f"{cfg.trainer.nnodes} --nproc_per_node={cfg.trainer.n_gpus_per_node} --rdzv_endpoint=HOST:PORT "
+                "-m rlanywhere.cli train ... (README: multi-node)")
+        import subprocess
+
+        argv = (["-v"] if args.verbose else []) + ["train", *args.items] + (
+            ["--emulate", args.emulate] if args.emulate else [])
+        command = distributed.relaunch_command(int(cfg.trainer.n_gpus_per_node), argv)
+        print("starting torchrun: " + " ".join(command), flush=True)
+        return subprocess.call(command)
+    rank, _, local_rank, _ = distributed.env_world()
+    if rank > 0:
+        logging.getLogger().setLevel(logging.ERROR)  # one voice: rank 0 prints, logs and plots
+    try:
+        return _train(args, cfg, notices, is_demo, rank, local_rank, world)
+    except BaseException as exc:
+        if world > 1 and not isinstance(exc, SystemExit):
+            # torchrun ends the other ranks when this one exits; say which rank failed and why
+            print(f"error: rank {rank} of {world} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        raise
+
+
+def _train(args, cfg, notices, is_demo, rank: int, local_rank: int, world: int) -> int:
+    from .hardware import PlanError, apply_runtime, make_plan, prepare_environment
+
     prepare_environment(cfg)  # allocator settings must be in place before CUDA initialises
     try:
         plan = make_plan(cfg, for_execution=True)
@@ -112,19 +144,29 @@ def cmd_train(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     apply_runtime(plan)
-    print(plan.summary())
+    if rank == 0:
+        print(plan.summary())
     if is_demo and not os.path.exists(cfg.data.train_files):
         from .data import prepare_arithmetic
 
-        print(f"demo: writing the arithmetic task to {DEMO_DATA_DIR}/")
-        prepare_arithmetic(DEMO_DATA_DIR, train_size=2000, test_size=200, digits=2, operators="+", seed=0)
+        if local_rank == 0:
+            print(f"demo: writing the arithmetic task to {DEMO_DATA_DIR}/")
+            prepare_arithmetic(DEMO_DATA_DIR, train_size=2000, test_size=200, digits=2, operators="+", seed=0)
+        else:  # the node's first rank writes it
+            deadline = time.time() + 120
+            while not os.path.exists(f"{DEMO_DATA_DIR}/test.parquet") and time.time() < deadline:
+                time.sleep(0.5)
     from .trainer import RLTrainer
 
     run_dir = os.path.abspath(cfg.trainer.default_local_dir)
-    print(f"run dir: {run_dir}")
+    if rank == 0:
+        print(f"run dir: {run_dir}")
     start = time.time()
     trainer = RLTrainer(cfg, plan, run_dir, notices)
     final = trainer.fit()
+    trainer.dp.close()
+    if rank > 0:
+        return 0
     try:
         from .plotting import plot_run
 

@@ -30,6 +30,7 @@ from . import algorithms as algo
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import as_list, to_yaml
 from .data import PromptLoader, RLDataset
+from .distributed import DataParallel, NullTracker
 from .hardware import Plan, autocast_context, make_grad_scaler
 from .logprobs import response_logprobs
 from .lora import adapter_disabled, apply_lora, merged_state_for_export
@@ -147,9 +148,12 @@ class RLTrainer:
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
         self.device = plan.device
         self.notices = list(notices or [])
+        # [distributed] this process's rank among torchrun's (alone: world 1, every collective a no-op)
+        self.dp = DataParallel.from_env(self.device, plan.dist_backend)
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
-            handle.write(to_yaml(cfg))
+        if self.dp.is_main:
+            with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
+                handle.write(to_yaml(cfg))
         seed_everything(cfg.trainer.seed)
 
         acfg, algo_cfg = cfg.actor_rollout_ref, cfg.algorithm
@@ -202,6 +206,8 @@ class RLTrainer:
             # Same weights as the initial actor; a copy avoids loading (and dequantizing) twice.
             self.ref = copy.deepcopy(self.actor).to(plan.ref_device).eval().requires_grad_(False)
         self.actor.to(self.device)
+        for model in (self.actor, self.critic, self.ref):
+            self.dp.broadcast_parameters(model)  # [distributed] identical replicas from the first step
         if plan.gradient_checkpointing:
             enable_gradient_checkpointing(self.actor)
             if self.critic is not None:
@@ -245,6 +251,8 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------ helpers
     def write_plan_record(self) -> None:
         """plan.json: every decision with its reason, as it runs now (engine fallback, sizes OOM recovery lowered)."""
+        if not self.dp.is_main:
+            return
         record = {**self.plan.to_dict(), "notices": self.notices, "oom_events": self.oom_guard.events}
         tmp = os.path.join(self.run_dir, "plan.json.tmp")
         with open(tmp, "w") as handle:
@@ -274,10 +282,11 @@ class RLTrainer:
                               top_p=kw.top_p, top_k=max(kw.top_k, 0), n=kw.n if validation else rcfg.n,
                               stop_strings=tuple(as_list(rcfg.stop)), ignore_eos=bool(rcfg.ignore_eos and not validation))
 
-    def step_generator(self, step: int, salt: int = 0) -> torch.Generator:
-        """Sampling randomness is a function of (seed, step): a resumed run draws exactly what it would have."""
+    def step_generator(self, step: int, salt: int = 0, first_prompt: int = 0) -> torch.Generator:
+        """Sampling randomness is a function of (seed, step, global index of the call's first prompt): a resumed run
+        draws exactly what it would have, and a rank draws what one process would for the same prompts."""
         gen = torch.Generator(device=self.device if self.device.startswith("cuda") else "cpu")
-        gen.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 7919 + salt)
+        gen.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 7919 + salt + first_prompt * 104_729)
         return gen
 
     @property
@@ -347,14 +356,16 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------ updates
     def _accumulate(self, model, optimizer, batch: StepBatch, rows: list[int], size: int,
-                    loss_fn: Callable) -> dict:
+                    loss_fn: Callable, scale: Optional[algo.LossScale] = None) -> dict:
         """One optimizer step's gradient over `rows`, accumulated over micro-batches of `size`.
 
         The mini-batch's denominators (tokens, sequences, T) are fixed once, before the split, and every
         micro-batch loss is its exact share of the mini-batch loss: the gradient does not depend on the
-        micro-batch size, the token budget or OOM halving, for every loss_agg_mode."""
+        micro-batch size, the token budget or OOM halving, for every loss_agg_mode. Under data parallelism `scale`
+        holds the counts of all ranks' rows (DataParallel.loss_scale)."""
         optimizer.zero_grad(set_to_none=True)
-        scale = algo.LossScale.of(batch.mask[rows], norm_length=self.response_length)
+        if scale is None:
+            scale = algo.LossScale.of(batch.mask[rows], norm_length=self.response_length)
         totals: dict[str, float] = {}
         for micro in self.micro_batches(batch, rows, size):
             ids, mask, pos, resp_len = self.forward_rows(batch, micro)
@@ -400,12 +411,19 @@ class RLTrainer:
             if shuffle:
                 gen = torch.Generator().manual_seed(self.cfg.trainer.seed + 31 * self.global_step + epoch)
                 order = torch.randperm(batch.rows, generator=gen).tolist()
-            for start in range(0, batch.rows, mini_rows):
-                rows = order[start:start + mini_rows]
+            # [distributed] mini_rows counts all ranks' rows: as many optimizer steps on every rank, each over its
+            # share; the loss denominators and the gradient are summed over ranks
+            steps = -(-(self.dp.layout.total if self.dp.enabled else batch.rows) // mini_rows)
+            local_mini = -(-batch.rows // max(steps, 1)) if self.dp.enabled else mini_rows
+            for start in range(0, steps * local_mini, local_mini):
+                rows = order[start:start + local_mini]
+                scale = self.dp.loss_scale(batch.mask[rows], self.response_length) if self.dp.enabled else None
                 metrics = self.guarded(
                     f"{name}_update",
-                    lambda size, rows=rows: self._accumulate(model, optimizer, batch, rows, size, loss_fn),
+                    lambda size, rows=rows: self._accumulate(model, optimizer, batch, rows, size, loss_fn, scale),
                     self.size_attr(size_attr))
+                self.dp.sum_gradients(model)
+                metrics = self.dp.sum_dict(metrics)
                 metrics["grad_norm"] = self._optimizer_step(model, optimizer, grad_clip)
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
@@ -471,8 +489,11 @@ class RLTrainer:
                                 "actor_micro_batch_size")
 
     # ------------------------------------------------------------------------------------------ one step
-    def generate(self, items: list[dict], params: SamplingParams, generator) -> RolloutBatch:
-        """Sample params.n responses per prompt, plan.rollout_batch_size sequences at a time (OOM-guarded)."""
+    def generate(self, items: list[dict], params: SamplingParams, generator, first_prompt: int = 0) -> RolloutBatch:
+        """Sample params.n responses per prompt, plan.rollout_batch_size sequences at a time (OOM-guarded).
+
+        `generator` is a torch.Generator for all calls, or a function of the global index of each call's first
+        prompt (`first_prompt` + offset) returning one: then the draws do not depend on how prompts are split."""
         self.actor.eval()
         prompts = [item["input_ids"] for item in items]
         if self.plan.rollout_batch_size is None:
@@ -481,7 +502,8 @@ class RLTrainer:
         def run(size: int) -> RolloutBatch:
             per_call = max(1, size // params.n)
             with torch.no_grad():
-                parts = [self.engine.generate(prompts[i:i + per_call], params, generator=generator)
+                parts = [self.engine.generate(prompts[i:i + per_call], params, generator=generator(first_prompt + i)
+                                              if callable(generator) else generator)
                          for i in range(0, len(prompts), per_call)]
             # Step-level tensors live on the CPU; micro-batches visit the device (forward_rows).
             return concat_rollouts([part.to("cpu") for part in parts], self.tokenizer.pad_token_id)
@@ -500,13 +522,18 @@ class RLTrainer:
         if self.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats(self.device)
         step_start = time.perf_counter()
+        global_prompts = len(items)
+        items, first_prompt = self.dp.share(items)  # [distributed] this rank's block of prompts (groups whole)
 
         # 1. rollout: n samples per prompt from the current policy
         with timer("rollout"):
-            rollout = self.generate(items, self.sampling_params(), self.step_generator(self.global_step))
+            step = self.global_step
+            rollout = self.generate(items, self.sampling_params(),
+                                    lambda first: self.step_generator(step, first_prompt=first), first_prompt)
             if self.release_rollout_memory:
                 self.engine.release_memory()
         group_index = torch.arange(len(items)).repeat_interleave(self.n)
+        self.dp.set_rows(len(group_index))
 
         # 2. reward: rule-based scores per sequence
         with timer("reward"):
@@ -517,7 +544,7 @@ class RLTrainer:
         # 3. old log-probs (the behaviour policy for the PPO ratio) and reference log-probs (for KL).
         # With a single on-policy optimizer step the old policy *is* the current one: its log-probs are the
         # detached log-probs of the update's own forward, so we skip a full forward pass here.
-        single_update = acfg.actor.ppo_epochs == 1 and acfg.actor.ppo_mini_batch_size >= len(items)
+        single_update = acfg.actor.ppo_epochs == 1 and acfg.actor.ppo_mini_batch_size >= global_prompts
         if not single_update:
             with timer("old_log_prob"):
                 batch.old_logprobs = self.batched_logprobs(self.actor, batch)
@@ -535,23 +562,31 @@ class RLTrainer:
             with timer("values"):
                 batch.values = self.batched_values(batch)
 
-        # 5. advantages (and the KL penalty folded into the reward when asked)
+        # 5. advantages (and the KL penalty folded into the reward when asked), over the whole global batch:
+        # [distributed] every rank gathers all rows, so whitening and the KL controller see what one process would
         with timer("advantages"):
+            whole = self.dp.gather_rows
+            local_mask = mask
+            scores, mask, group_index = whole(scores), whole(mask), whole(group_index + first_prompt)
+            old_logprobs, ref_logprobs, values = (whole(batch.old_logprobs), whole(batch.ref_logprobs),
+                                                  whole(batch.values))
             token_scores = algo.scores_to_token_rewards(scores, mask)
             kl_metrics = {}
-            if algo_cfg.use_kl_in_reward and batch.ref_logprobs is not None:
+            if algo_cfg.use_kl_in_reward and ref_logprobs is not None:
                 # as verl: beta is the value before this step; the controller then sees the batch mean of the
                 # per-sequence mean KL (of the configured kind) with n_steps = rows
-                token_rewards, kl_metrics = algo.apply_kl_in_reward(token_scores, batch.old_logprobs,
-                                                                    batch.ref_logprobs, mask, self.kl_ctrl,
-                                                                    algo_cfg.kl_penalty, update_controller=True)
+                token_rewards, kl_metrics = algo.apply_kl_in_reward(token_scores, old_logprobs, ref_logprobs, mask,
+                                                                    self.kl_ctrl, algo_cfg.kl_penalty,
+                                                                    update_controller=True)
             else:
                 token_rewards = token_scores
-            batch.token_rewards = token_rewards
-            batch.advantages, batch.returns = algo.compute_advantages(
-                algo_cfg.adv_estimator, scores=scores, token_rewards=token_rewards, values=batch.values, mask=mask,
+            advantages, returns = algo.compute_advantages(
+                algo_cfg.adv_estimator, scores=scores, token_rewards=token_rewards, values=values, mask=mask,
                 group_index=group_index, gamma=algo_cfg.gamma, lam=algo_cfg.lam,
                 norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo)
+            batch.token_rewards = self.dp.local_rows(token_rewards, local_mask)
+            batch.advantages = self.dp.local_rows(advantages, local_mask)
+            batch.returns = self.dp.local_rows(returns, local_mask)
 
         # 6. updates: critic first (it is trained on the same returns), then the actor after the warm-up
         metrics: dict[str, float] = {}
@@ -565,32 +600,32 @@ class RLTrainer:
                 scheduler.step()
             self.engine.sync_weights()
 
-        # 7. diagnostics
+        # 7. diagnostics (over all ranks' rows; timings are this rank's)
         resp_len = mask.sum(-1)
-        total_tokens = float(mask.sum() + rollout.prompt_mask.sum())
+        total_tokens = float(mask.sum()) + self.dp.sum_dict({"t": float(rollout.prompt_mask.sum())})["t"]
         step_time = time.perf_counter() - step_start
         metrics.update({
             "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
-            "reward/acc": float(np.mean(info["acc"])), "reward/format": float(np.mean(info["format"])),
-            "reward/errors": float(info["num_errors"]),
+            "reward/acc": float(np.mean(self.dp.gather_objects(info["acc"]))),
+            "reward/format": float(np.mean(self.dp.gather_objects(info["format"]))),
+            "reward/errors": self.dp.sum_dict({"e": float(info["num_errors"])})["e"],
             "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
             "response_length/clip_ratio": float((resp_len >= self.response_length).float().mean()),
             "actor/lr": self.schedulers["actor"].get_last_lr()[0],
             "perf/step_time_s": step_time, "perf/tokens_per_s": total_tokens / step_time,
             "perf/rollout_tokens_per_s": float(mask.sum()) / max(timer.times.get("rollout", 1e-9), 1e-9),
-            "perf/peak_memory_gib": _peak_memory_gib(self.device),
+            "perf/peak_memory_gib": self.dp.max_value(_peak_memory_gib(self.device)),
             **{f"timing/{k}": v for k, v in timer.times.items()},
             **kl_metrics,
         })
-        if batch.ref_logprobs is not None and batch.old_logprobs is not None:
-            metrics["actor/kl"] = float(algo.masked_mean(
-                algo.kl_penalty(batch.old_logprobs, batch.ref_logprobs, "kl"), mask))
+        if ref_logprobs is not None and old_logprobs is not None:
+            metrics["actor/kl"] = float(algo.masked_mean(algo.kl_penalty(old_logprobs, ref_logprobs, "kl"), mask))
         if algo_cfg.use_kl_in_reward:
             metrics["actor/kl_coef"] = self.kl_ctrl.value  # after this step's update: the next step's beta
-        if batch.values is not None:
-            metrics["critic/values_mean"] = float(algo.masked_mean(batch.values, mask))
-            metrics["critic/returns_mean"] = float(algo.masked_mean(batch.returns, mask))
-        metrics["oom/recoveries"] = float(len(self.oom_guard.events))
+        if values is not None:
+            metrics["critic/values_mean"] = float(algo.masked_mean(values, mask))
+            metrics["critic/returns_mean"] = float(algo.masked_mean(returns, mask))
+        metrics["oom/recoveries"] = self.dp.sum_dict({"n": float(len(self.oom_guard.events))})["n"]
         return metrics
 
     # ------------------------------------------------------------------------------------------ validation
@@ -599,13 +634,17 @@ class RLTrainer:
             return {}
         limit = self.cfg.data.val_max_samples
         indices = range(len(self.val_set) if limit is None or limit < 0 else min(limit, len(self.val_set)))
-        items = [self.val_set[i] for i in indices]
+        # [distributed] each rank answers a contiguous block of the prompts; the results are gathered
+        block = -(-len(indices) // self.dp.world)
+        offset = min(self.dp.rank * block, len(indices))
+        total = len(indices)
+        items = [self.val_set[i] for i in indices[offset:offset + block]]
         params = self.sampling_params(validation=True)
         chunk = self.cfg.data.val_batch_size or max(self.cfg.data.train_batch_size * self.n, 64)
         accs, formats, scores_all, lengths, samples = [], [], [], [], []
         for start in range(0, len(items), chunk):
             part = items[start:start + chunk]
-            rollout = self.generate(part, params, self.step_generator(self.global_step, salt=1 + start))
+            rollout = self.generate(part, params, self.step_generator(self.global_step, salt=1 + offset + start))
             scores, info, texts = self.score(part, rollout, params.n)
             accs += info["acc"]
             formats += info["format"]
@@ -613,11 +652,13 @@ class RLTrainer:
             lengths += rollout.response_mask.sum(-1).tolist()
             samples += texts
         answered = [item for item in items for _ in range(params.n)]  # the engine returns n rows per prompt
-        for text, item in list(zip(samples, answered))[: self.cfg.trainer.log_val_generations]:
+        shown = self.cfg.trainer.log_val_generations if self.dp.is_main else 0
+        for text, item in list(zip(samples, answered))[:shown]:
             log.warning("val sample [truth %s]: %s", item["ground_truth"], text.strip()[:300])
+        accs, formats, scores_all, lengths = (self.dp.gather_objects(v) for v in (accs, formats, scores_all, lengths))
         return {"val/acc": float(np.mean(accs)), "val/format": float(np.mean(formats)),
                 "val/reward": float(np.mean(scores_all)), "val/response_length": float(np.mean(lengths)),
-                "val/num_samples": float(len(items))}
+                "val/num_samples": float(total)}
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict:
@@ -628,11 +669,15 @@ class RLTrainer:
         export = None
         if self.use_lora:
             export = merged_state_for_export(self.actor)
-        path = save_checkpoint(self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
-                               critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
-                               trainer_state=self.trainer_state(), export_actor=export,
-                               keep=self.cfg.trainer.max_actor_ckpt_to_keep)
-        log.warning("checkpoint saved: %s", path)
+        # [distributed] replicas are identical: rank 0 writes, the others wait until it is complete
+        path = os.path.join(self.run_dir, "checkpoints", f"global_step_{self.global_step}")
+        if self.dp.is_main:
+            path = save_checkpoint(self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
+                                   critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
+                                   trainer_state=self.trainer_state(), export_actor=export,
+                                   keep=self.cfg.trainer.max_actor_ckpt_to_keep)
+            log.warning("checkpoint saved: %s", path)
+        self.dp.barrier()
         return path
 
     def maybe_resume(self) -> None:
@@ -659,7 +704,8 @@ class RLTrainer:
         self.maybe_resume()
         self.tracker = Tracker(self.run_dir, as_list(tcfg.logger), tcfg.project_name, tcfg.experiment_name,
                                OmegaConf.to_container(self.cfg, resolve=True), self.total_steps,
-                               resume_step=self.global_step if self.global_step > 0 else None)
+                               resume_step=self.global_step if self.global_step > 0 else None) \
+            if self.dp.is_main else NullTracker()  # [distributed] metrics, progress and plots from rank 0 alone
         last_val: dict = {}
         try:
             if tcfg.val_before_train and self.global_step == 0:
