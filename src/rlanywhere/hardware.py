@@ -993,7 +993,8 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
     chunk = int(hcfg.logprob_chunk_size or 0) or None
     fit = est.fit_settings(shape, workload, budget, fixed, critic_shape, logprob_chunk_size=chunk)
     if fit is None:
-        label = f" ({source})"
+        label = f" ({source})" if world == 1 else (
+            f" ({source} per rank; each of the {world} ranks holds the full models: no sharding yet)")
         raise NoFitError(est.explain_no_fit(shape, workload, budget, fixed, critic_shape, label))
     placement, estimate = fit.placement, fit.estimate
     plan.estimate = estimate

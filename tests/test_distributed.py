@@ -1,0 +1,251 @@
+"""Data parallelism on CPU: 2 ranks with gloo under torchrun train like one process on the same global batch.
+
+The reference is a single process whose rollout is generated in the same two blocks of prompts the ranks hold
+(plan.rollout_batch_size = half the batch), so the samples are the same draws; then losses, gradient norms, every
+metric and the final weights must agree to float round-off. A 2-rank run killed with SIGKILL after its step-2
+checkpoint and resumed (on 2 ranks, and on 1) reproduces step 3; a rank that raises ends the job with its message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlanywhere.config import load_config
+from rlanywhere.distributed import DataParallel, RowLayout
+from rlanywhere.hardware import make_plan
+from rlanywhere.tracking import read_metrics
+from rlanywhere.trainer import RLTrainer
+
+pytestmark = pytest.mark.slow
+
+REWARD = '''
+import os, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    hang = os.environ.get("RLA_TEST_HANG_WHEN")
+    if hang and os.path.exists(hang):  # the run to be killed: stop inside step 3, after checkpoint 2
+        time.sleep(600)
+    return (len(solution_str) % 5) / 4.0  # varies within a group, so GRPO advantages are not all zero
+'''
+
+
+def overrides(model_dir, data_dir, run_dir, reward_file, **extra) -> list[str]:
+    items = {
+        "actor_rollout_ref.model.path": str(model_dir),
+        "data.train_files": f"{data_dir}/train.parquet",
+        "data.val_files": f"{data_dir}/test.parquet",
+        "data.train_batch_size": 4,
+        "data.max_prompt_length": 64,
+        "data.max_response_length": 10,
+        "data.val_max_samples": 8,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+        "actor_rollout_ref.actor.optim.lr": 1e-3,
+        "actor_rollout_ref.rollout.n": 2,
+        "actor_rollout_ref.rollout.temperature": 1.0,
+        "custom_reward_function.path": str(reward_file),
+        "trainer.total_training_steps": 3,
+        "trainer.test_freq": 3,
+        "trainer.save_freq": 1,
+        "trainer.logger": "['console']",
+        "trainer.default_local_dir": str(run_dir),
+        "trainer.seed": 5,
+        "hardware.device": "cpu",
+        "algorithm.adv_estimator": "grpo",
+    }
+    items.update(extra)
+    return [f"{k}={v}" for k, v in items.items()]
+
+
+def single_process(items: list[str], resume_from_dir: Path | None = None) -> RLTrainer:
+    """One process, rollout generated in the ranks' two blocks of prompts."""
+    cfg = load_config(None, items)
+    plan = make_plan(cfg, for_execution=True)
+    plan.rollout_batch_size = cfg.data.train_batch_size // 2 * cfg.actor_rollout_ref.rollout.n
+    trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
+    trainer.fit()
+    return trainer
+
+
+def torchrun(items: list[str], env_extra: dict | None = None, script: list[str] | None = None, **popen):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               *(script or ["-m", "rlanywhere.cli"]), "train", *items]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **popen)
+
+
+def descendants(pid: int) -> list[int]:
+    """pid's child processes, recursively (torchrun starts each rank in a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_9_job(proc) -> None:
+    """SIGKILL the launcher and every rank at once, as a crashed machine or `kill -9` of the job would."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def finish(proc, timeout: float = 240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def compared(row: dict) -> dict:
+    """The metrics that must agree: all but timings, throughput and this machine's memory."""
+    return {k: v for k, v in row.items() if not k.startswith(("perf/", "timing/")) and k != "step"}
+
+
+def assert_same_metrics(got: list[dict], want: list[dict], steps) -> None:
+    by_step = lambda rows: {r["step"]: compared(r) for r in rows}  # noqa: E731
+    got_rows, want_rows = by_step(got), by_step(want)
+    for step in steps:
+        assert set(got_rows[step]) == set(want_rows[step]), step
+        for key, value in want_rows[step].items():
+            assert math.isclose(got_rows[step][key], value, rel_tol=1e-4, abs_tol=1e-6), (
+                step, key, got_rows[step][key], value)
+
+
+def actor_weights(checkpoint: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "actor" / "model.safetensors"))
+
+
+def assert_same_weights(got: dict, model: torch.nn.Module) -> None:
+    for name, tensor in model.state_dict().items():
+        if name in got:
+            torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture()
+def reward_file(tmp_path) -> Path:
+    path = tmp_path / "reward.py"
+    path.write_text(REWARD)
+    return path
+
+
+def test_grpo_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_model_dir, arith_data, tmp_path,
+                                                                    reward_file):
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    # 2 ranks, killed with SIGKILL inside step 3 (after checkpoint 2 is complete)
+    marker = dist_dir / "checkpoints" / "global_step_2" / "trainer_state.json"
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file),
+                    {"RLA_TEST_HANG_WHEN": str(marker)})
+    deadline = time.time() + 240
+    latest = dist_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    while not (latest.exists() and latest.read_text().strip() == "2"):
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.time() < deadline, "no step-2 checkpoint"
+        time.sleep(0.1)
+    kill_9_job(proc)
+    proc.communicate(timeout=60)
+    assert not (dist_dir / "checkpoints" / "global_step_3").exists()
+    shutil.copytree(dist_dir, tmp_path / "dist_copy")  # for the resume on one process
+
+    # resume on 2 ranks (meanwhile the single-process reference runs here)
+    resume = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file))
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file))
+    out = finish(resume)
+    assert "resumed from" in out and "global_step_2" in out
+
+    want = read_metrics(single_dir)
+    assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2, 3))
+    assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"), reference.actor)
+    assert any(abs(r.get("actor/pg_loss", 0.0)) > 1e-4 for r in want)  # a real update, not zeros matching zeros
+
+    # the same checkpoint resumed by one process (another world size) gives the same step 3
+    copy = tmp_path / "dist_copy"
+    single_process(overrides(tiny_model_dir, arith_data, copy, reward_file))
+    assert_same_metrics(read_metrics(copy), want, steps=(3,))
+
+
+def test_ppo_with_critic_and_adaptive_kl_on_two_ranks_matches_one_process(tiny_model_dir, arith_data, tmp_path,
+                                                                          reward_file):
+    """PPO + critic + reference with the KL penalty in the reward (adaptive controller), 2 epochs; launched the
+    verl way: trainer.n_gpus_per_node=2 without torchrun makes `rlanywhere train` start torchrun itself."""
+    extra = {"algorithm.adv_estimator": "gae", "algorithm.use_kl_in_reward": True,
+             "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.05,
+             "algorithm.kl_ctrl.target_kl": 0.01, "algorithm.kl_ctrl.horizon": 10,
+             "actor_rollout_ref.actor.ppo_epochs": 2, "critic.optim.lr": 1e-3,
+             "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 2}
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlanywhere.cli", "train",
+         *overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra), "trainer.n_gpus_per_node=2"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
+    out = finish(proc)
+    assert "starting torchrun" in out
+    plan = json.loads((dist_dir / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["data_parallel"] == "replicate" and plan["dist_backend"] == "gloo"
+    want = read_metrics(single_dir)
+    assert {"critic/vf_loss", "actor/kl_coef", "actor/kl"} <= set(want[-1])
+    assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2))
+    assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_2"), reference.actor)
+
+
+def test_a_failing_rank_ends_the_job_with_its_message(tiny_model_dir, arith_data, tmp_path, reward_file):
+    worker = Path(__file__).with_name("dist_fail_worker.py")
+    start = time.time()
+    proc = torchrun(overrides(tiny_model_dir, arith_data, tmp_path / "run", reward_file), script=[str(worker)],
+                    cwd=str(tmp_path))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0
+    assert "error: rank 1 of 2 failed: RuntimeError: injected failure on rank 1" in out
+    assert time.time() - start < 240
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
+def test_one_process_helpers_are_the_identity():
+    dp = DataParallel()
+    items = list(range(6))
+    assert dp.share(items) == (items, 0)
+    dp.set_rows(3)
+    t = torch.arange(6.0).view(3, 2)
+    assert dp.gather_rows(t) is t and dp.local_rows(t, t) is t
+    assert dp.sum_dict({"a": 1.5}) == {"a": 1.5} and dp.gather_objects([1, 2]) == [1, 2]
+    scale = dp.loss_scale(torch.tensor([[1, 1, 0], [0, 0, 0]]), norm_length=7)
+    assert (scale.tokens, scale.sequences, scale.norm_length) == (2.0, 1.0, 7.0)
+
+
+def test_share_gives_contiguous_blocks_without_overlap():
+    items = list(range(8))
+    shares = [DataParallel(rank=r, world=4).share(items) for r in range(4)]
+    assert shares == [([0, 1], 0), ([2, 3], 2), ([4, 5], 4), ([6, 7], 6)]
+    with pytest.raises(Exception, match="multiple of 3"):
+        DataParallel(rank=0, world=3).share(items)
+
+
+def test_row_layout():
+    layout = RowLayout([4, 6, 2], rank=1)
+    assert (layout.start, layout.stop, layout.total) == (4, 10, 12)
