@@ -260,3 +260,49 @@ def test_share_gives_contiguous_blocks_without_overlap():
 def test_row_layout():
     layout = RowLayout([4, 6, 2], rank=1)
     assert (layout.start, layout.stop, layout.total) == (4, 10, 12)
+
+
+def test_torchrun_launch_sets_the_verl_keys_and_a_contradiction_is_an_error(monkeypatch):
+    from rlanywhere.distributed import reconcile_world
+    from rlanywhere.errors import UserError
+
+    for key, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    cfg = load_config(None, [])
+    reconcile_world(cfg)
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (2, 2)
+    cfg = load_config(None, ["trainer.n_gpus_per_node=4"])
+    with pytest.raises(UserError, match="trainer.nnodes=2 trainer.n_gpus_per_node=2"):
+        reconcile_world(cfg)
+
+
+def test_batch_sizes_must_split_over_the_ranks():
+    from rlanywhere.distributed import check_batch_divisible
+    from rlanywhere.errors import UserError
+
+    cfg = load_config(None, ["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"])
+    check_batch_divisible(cfg, 2)
+    check_batch_divisible(cfg, 1)
+    with pytest.raises(UserError, match=r"data.train_batch_size=6 is not divisible by the 4 ranks"):
+        check_batch_divisible(cfg, 4)
+
+
+def test_planner_plans_one_rank_of_several_gpus(monkeypatch):
+    from rlanywhere.hardware import DeviceInfo, HardwareProbe, PlanError
+
+    ppo = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=gae",
+           "data.train_batch_size=64", "data.max_prompt_length=256", "data.max_response_length=256",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=64"]
+    probe = HardwareProbe.fake("h100")
+    probe.devices.append(DeviceInfo.from_card("h100", 1))
+    one = make_plan(load_config(None, ppo), probe, for_execution=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    two = make_plan(load_config(None, ppo + ["trainer.n_gpus_per_node=2"]), probe, for_execution=False)
+    assert (one.world_size, one.data_parallel, one.dist_backend) == (1, "none", None)
+    assert (two.world_size, two.data_parallel, two.dist_backend, two.device) == (2, "replicate", "nccl", "cuda:1")
+    # half the sequences per rank: the rollout phase (KV cache of the batch) shrinks, the weights do not
+    assert two.estimate["phases"]["rollout"] < one.estimate["phases"]["rollout"]
+    assert "replicate over 2 ranks" in two.reasons["data_parallel"]
+    with pytest.raises(PlanError, match="n_gpus_per_node=4 but this node has 2"):
+        make_plan(load_config(None, ppo + ["trainer.n_gpus_per_node=4", "hardware.device=auto"]), probe,
+                  for_execution=True)

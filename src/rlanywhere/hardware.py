@@ -618,6 +618,9 @@ class Plan:
              self.reasons.get("memory_fraction", "")),
             ("allocator", self.alloc_conf or "default", self.reasons.get("alloc_conf", "")),
         ]
+        if self.world_size > 1:
+            rows.append(("ranks", f"{self.world_size} x {self.data_parallel} ({self.dist_backend})",
+                         self.reasons.get("data_parallel", "")))
         return format_table(("decision", "choice", "reason"), rows)
 
 
