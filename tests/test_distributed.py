@@ -27,6 +27,8 @@ from rlanywhere.hardware import make_plan
 from rlanywhere.tracking import read_metrics
 from rlanywhere.trainer import RLTrainer
 
+from .test_e2e import base_overrides
+
 pytestmark = pytest.mark.slow
 
 REWARD = '''
@@ -41,30 +43,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def overrides(model_dir, data_dir, run_dir, reward_file, **extra) -> list[str]:
-    items = {
-        "actor_rollout_ref.model.path": str(model_dir),
-        "data.train_files": f"{data_dir}/train.parquet",
-        "data.val_files": f"{data_dir}/test.parquet",
-        "data.train_batch_size": 4,
-        "data.max_prompt_length": 64,
-        "data.max_response_length": 10,
-        "data.val_max_samples": 8,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
-        "actor_rollout_ref.actor.optim.lr": 1e-3,
-        "actor_rollout_ref.rollout.n": 2,
-        "actor_rollout_ref.rollout.temperature": 1.0,
-        "custom_reward_function.path": str(reward_file),
-        "trainer.total_training_steps": 3,
-        "trainer.test_freq": 3,
-        "trainer.save_freq": 1,
-        "trainer.logger": "['console']",
-        "trainer.default_local_dir": str(run_dir),
-        "trainer.seed": 5,
-        "hardware.device": "cpu",
-        "algorithm.adv_estimator": "grpo",
-    }
-    items.update(extra)
-    return [f"{k}={v}" for k, v in items.items()]
+    """test_e2e's tiny run, 3 GRPO steps, one mini-batch per step, a checkpoint every step, our reward."""
+    return base_overrides(model_dir, data_dir, run_dir, **{
+        "data.max_response_length": 10, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+        "custom_reward_function.path": str(reward_file), "trainer.total_training_steps": 3,
+        "trainer.test_freq": 3, "trainer.save_freq": 1, "trainer.seed": 5, "algorithm.adv_estimator": "grpo",
+        **extra})
 
 
 def single_process(items: list[str], resume_from_dir: Path | None = None) -> RLTrainer:

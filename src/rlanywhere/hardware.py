@@ -719,6 +719,11 @@ def _resolve_device(cfg: Any, hw: HardwareProbe, card: Optional[CardSpec], for_e
         if match is None:
             raise PlanError(f"hardware.device={requested!r} is not valid; use auto, cpu, cuda or cuda:N")
         index = int(match.group(1) or 0)
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            if match.group(1) is not None:
+                raise PlanError(f"hardware.device={requested} under torchrun would put every rank on one GPU: use "
+                                "hardware.device=cuda (or auto); each rank takes cuda:LOCAL_RANK")
+            index = _local_rank()
         if not hw.devices:
             if card is not None and not for_execution:
                 reasons["device"] = f"planning only (no CUDA device here): the decisions are for the {card.name}"
