@@ -290,3 +290,47 @@ def test_planner_plans_one_rank_of_several_gpus(monkeypatch):
     with pytest.raises(PlanError, match="n_gpus_per_node=4 but this node has 2"):
         make_plan(load_config(None, ppo + ["trainer.n_gpus_per_node=4", "hardware.device=auto"]), probe,
                   for_execution=True)
+
+
+def _collectives_worker(rank: int, port: int, out_dir: str) -> None:
+    """One of 2 gloo ranks with different row counts and widths; writes what the helpers returned."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    dp = DataParallel.from_env("cpu", "gloo")
+    rows, width = (2, 3) if rank == 0 else (3, 2)
+    local = torch.full((rows, width), float(rank + 1))
+    dp.set_rows(rows)
+    whole = dp.gather_rows(local)
+    layer = torch.nn.Linear(2, 1)
+    for p in layer.parameters():
+        p.grad = torch.full_like(p, float(rank + 1))
+    dp.sum_gradients(layer)
+    scale = dp.loss_scale(torch.ones(rows, width), norm_length=4)
+    result = {"whole": whole.tolist(), "back": torch.equal(dp.local_rows(whole, local), local),
+              "layout": [dp.layout.start, dp.layout.stop, dp.layout.total],
+              "grads": [p.grad.flatten().tolist() for p in layer.parameters()],
+              "scale": [scale.tokens, scale.sequences, scale.norm_length],
+              "sums": dp.sum_dict({"a": rank + 1.0, f"only{rank}": 1.0}), "max": dp.max_value(rank * 10.0),
+              "objects": dp.gather_objects([f"r{rank}"] * (rank + 1))}
+    dp.close()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+
+
+def test_collectives_with_uneven_rows_and_widths(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_collectives_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    first, second = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
+    # rank 0: 2 rows x 3 of 1.0; rank 1: 3 rows x 2 of 2.0, padded with 0 to width 3
+    assert first["whole"] == second["whole"] == [[1, 1, 1]] * 2 + [[2, 2, 0]] * 3
+    assert first["back"] and second["back"]
+    assert first["layout"] == [0, 2, 5] and second["layout"] == [2, 5, 5]
+    assert first["grads"] == second["grads"] == [[3.0, 3.0], [3.0]]  # 1 + 2
+    assert first["scale"] == second["scale"] == [12.0, 5.0, 4.0]  # 6 + 6 tokens, 2 + 3 sequences
+    assert first["sums"] == {"a": 3.0, "only0": 1.0, "only1": 1.0} and first["max"] == second["max"] == 10.0
+    assert first["objects"] == ["r0", "r1", "r1"]
