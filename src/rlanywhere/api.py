@@ -160,8 +160,13 @@ def ensure_demo_data(cfg: DictConfig) -> None:
     for on_gpu, task in ((True, DEMO_GPU_TASK), (False, DEMO_CPU_TASK)):
         folder = demo_data_dir(on_gpu)
         if train == f"{folder}/train.parquet" and not os.path.exists(train):
-            log.info("demo: writing the arithmetic task to %s/", folder)
-            prepare_arithmetic(folder, operators="+", seed=0, **task)
+            if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+                log.info("demo: writing the arithmetic task to %s/", folder)
+                prepare_arithmetic(folder, operators="+", seed=0, **task)
+            else:  # [distributed] the node's first rank writes it; the others wait for its last file
+                deadline = time.time() + 120
+                while not os.path.exists(f"{folder}/test.parquet") and time.time() < deadline:
+                    time.sleep(0.5)
 
 
 def train(cfg: DictConfig, run_plan=None, notices: Optional[list[str]] = None) -> TrainResult:
@@ -174,14 +179,18 @@ def train(cfg: DictConfig, run_plan=None, notices: Optional[list[str]] = None) -
     run_dir = os.path.abspath(cfg.trainer.default_local_dir)
     start = time.time()
     trainer = RLTrainer(cfg, run_plan, run_dir, notices)
-    trainer.fit()
-    final_model = trainer.save_final_model()
     try:
-        from .plotting import plot_run
+        trainer.fit()
+        final_model = trainer.save_final_model()
+    finally:
+        trainer.dp.close()  # [distributed] leave torchrun's process group (nothing to do in one process)
+    if trainer.dp.is_main:  # [distributed] rank 0 plots
+        try:
+            from .plotting import plot_run
 
-        plot_run(run_dir)
-    except Exception as exc:  # plots are a convenience: never fail a finished run over them
-        log.warning("plotting failed: %s", exc)
+            plot_run(run_dir)
+        except Exception as exc:  # plots are a convenience: never fail a finished run over them
+            log.warning("plotting failed: %s", exc)
     before, after = first_and_last_validation(run_dir)
     return TrainResult(run_dir=run_dir, steps=trainer.global_step, minutes=(time.time() - start) / 60,
                        final_model=final_model, val_before=before, val_after=after, trainer=trainer)

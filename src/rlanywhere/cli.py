@@ -82,23 +82,61 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def _run(cfg, notices: list[str], emulate: Optional[str] = None) -> int:
+def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: Optional[list[str]] = None) -> int:
+    """Plan and train `cfg`, print the summary. [distributed] Under torchrun every rank runs this (rank 0 alone
+    prints); trainer.n_gpus_per_node > 1 without torchrun reruns `relaunch_argv` (this command line) under it."""
+    from . import distributed
+
+    # [distributed] torchrun's launch sets the world; trainer.n_gpus_per_node > 1 without torchrun relaunches via it
+    distributed.reconcile_world(cfg)
+    world = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+    distributed.check_world_config(cfg, world)
+    if world > 1 and not distributed.launched_by_torchrun():
+        if int(cfg.trainer.nnodes) > 1 or relaunch_argv is None:
+            raise distributed.UserError(
+                f"trainer.nnodes={cfg.trainer.nnodes} x trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}: start "
+                f"every node yourself with torchrun --nnodes={cfg.trainer.nnodes} "
+                f"--nproc_per_node={cfg.trainer.n_gpus_per_node} --rdzv_endpoint=HOST:PORT -m rlanywhere.cli train "
+                "... (README: several GPUs, several machines)")
+        import subprocess
+
+        command = distributed.relaunch_command(int(cfg.trainer.n_gpus_per_node), relaunch_argv)
+        print("starting torchrun: " + " ".join(command), flush=True)
+        return subprocess.call(command)
+    rank = distributed.env_world()[0]
+    if rank > 0:  # one voice: rank 0 prints, logs and plots
+        logging.getLogger().setLevel(logging.ERROR)
+        logging.getLogger("rlanywhere").setLevel(logging.ERROR)
+    try:
+        return _run_rank(cfg, notices, emulate, rank)
+    except BaseException as exc:
+        if world > 1 and not isinstance(exc, SystemExit):
+            # torchrun ends the other ranks when this one exits; say which rank failed and why
+            print(f"error: rank {rank} of {world} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        raise
+
+
+def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int) -> int:
     from . import api
 
     from .runguard import RunInterrupted
 
     run_plan = api.plan(cfg, emulate=emulate)
-    print(run_plan.summary())
-    print(f"run dir: {os.path.abspath(cfg.trainer.default_local_dir)}")
+    if rank == 0:
+        print(run_plan.summary())
+        print(f"run dir: {os.path.abspath(cfg.trainer.default_local_dir)}")
     try:
         result = api.train(cfg, run_plan, notices)
     except RunInterrupted as stop:  # SIGTERM / Ctrl-C: saved (docs/reliability.md lists the exit codes)
-        print(f"{stop}", file=sys.stderr)
+        if rank == 0:
+            print(f"{stop}", file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
-        print("interrupted before training started; nothing was saved", file=sys.stderr)
+        if rank == 0:
+            print("interrupted before training started; nothing was saved", file=sys.stderr)
         return 130
-    print("\n".join(result.summary_lines()))
+    if rank == 0:
+        print("\n".join(result.summary_lines()))
     return 0
 
 
@@ -109,9 +147,17 @@ def cmd_demo(args) -> int:
     notices: list[str] = []
     cfg = demo_config(overrides, notices=notices)
     run_dir = os.path.abspath(cfg.trainer.default_local_dir)
-    print(f"demo: a new run in {run_dir} (to continue one instead, pass trainer.default_local_dir=<its run dir>)")
-    _point_latest_at(run_dir)
-    return _run(cfg, notices)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"demo: a new run in {run_dir} (to continue one instead, pass trainer.default_local_dir=<its run dir>)")
+        _point_latest_at(run_dir)
+    # [distributed] a relaunch under torchrun keeps this run dir (the demo's name is timestamped)
+    argv = _verbose_argv(args) + ["demo", *args.items, f"trainer.default_local_dir={run_dir}"] + (
+        ["--emulate", args.emulate] if args.emulate else [])
+    return _run(cfg, notices, relaunch_argv=argv)
+
+
+def _verbose_argv(args) -> list[str]:
+    return ["-v"] if getattr(args, "verbose", False) else []
 
 
 def _point_latest_at(run_dir: str) -> None:
@@ -131,7 +177,8 @@ def cmd_train(args) -> int:
     if not args.items and not args.emulate:
         return cmd_demo(args)  # `rlanywhere train` alone is the demo, as before `rlanywhere demo` existed
     cfg, notices = _load(args.items, args.emulate)
-    return _run(cfg, notices)
+    argv = _verbose_argv(args) + ["train", *args.items] + (["--emulate", args.emulate] if args.emulate else [])
+    return _run(cfg, notices, relaunch_argv=argv)
 
 
 def cmd_eval(args) -> int:

@@ -654,6 +654,10 @@ class Plan:
     use_ref: bool = False  # reference log-probs are needed (a separate model, or the adapter-disabled base)
     use_lora: bool = False
     rollout_batch_size: Optional[int] = None  # sequences generated at once (None: the whole batch)
+    world_size: int = 1  # ranks (trainer.nnodes x trainer.n_gpus_per_node); sizes above are per rank
+    data_parallel: str = "none"  # "none" | "replicate" (every rank holds the full models; gradients all-reduced)
+    dist_backend: Optional[str] = None  # "nccl" | "gloo" when world_size > 1
+    cpu_threads: Optional[int] = None  # torch threads per process when several CPU ranks share a machine
 
     def to_dict(self) -> dict:
         return _jsonable(asdict(self))
@@ -692,6 +696,9 @@ class Plan:
              self.reasons.get("memory_fraction", "")),
             ("allocator", self.alloc_conf or "default", self.reasons.get("alloc_conf", "")),
         ]
+        if self.world_size > 1:
+            rows.append(("ranks", f"{self.world_size} x {self.data_parallel} ({self.dist_backend})",
+                         self.reasons.get("data_parallel", "")))
         return format_table(("decision", "choice", "reason"), rows)
 
 
@@ -778,13 +785,23 @@ def _resolve_device(cfg: Any, hw: HardwareProbe, card: Optional[CardSpec], for_e
             else:
                 reasons["device"] = "no CUDA device visible: training on CPU"
             return "cpu", None
-        index = 0
-        reasons["device"] = "auto: first CUDA device"
+        index = _local_rank()
+        reasons["device"] = (f"auto: this rank's GPU (LOCAL_RANK={index})" if "LOCAL_RANK" in os.environ
+                             else "auto: first CUDA device")
+        if index >= len(hw.devices):
+            raise PlanError(f"rank with LOCAL_RANK={index} but only {len(hw.devices)} CUDA device(s) are visible: "
+                            f"start at most {len(hw.devices)} processes per node (--nproc_per_node / "
+                            "trainer.n_gpus_per_node)")
     else:
         match = re.fullmatch(r"cuda(?::(\d+))?", requested)
         if match is None:
             raise PlanError(f"hardware.device={requested!r} is not valid; use auto, cpu, cuda or cuda:N")
         index = int(match.group(1) or 0)
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            if match.group(1) is not None:
+                raise PlanError(f"hardware.device={requested} under torchrun would put every rank on one GPU: use "
+                                "hardware.device=cuda (or auto); each rank takes cuda:LOCAL_RANK")
+            index = _local_rank()
         if not hw.devices:
             if card is not None and not for_execution:
                 reasons["device"] = f"planning only (no CUDA device here): the decisions are for the {card.name}"
@@ -1034,6 +1051,7 @@ def make_plan(cfg: Any, probe: Optional[HardwareProbe] = None, *, for_execution:
     _plan_memory(cfg, plan, target, shape, critic_shape, scores, critic_lora, use_ref and not use_lora, reasons)
     _ref_reason(plan, use_ref, use_lora, kl_loss, kl_reward, reasons)
     _memory_cap(plan, card, real, for_execution, reasons)
+    _plan_data_parallel(cfg, plan, hw, for_execution, reasons)
     if for_execution and card is not None and real is not None:
         _check_real_card_runs(plan, real, hw)
     return plan
@@ -1099,7 +1117,8 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
     chunk = int(hcfg.logprob_chunk_size or 0) or None
     fit = est.fit_settings(shape, workload, budget, fixed, critic_shape, logprob_chunk_size=chunk)
     if fit is None:
-        label = f" ({source})"
+        label = f" ({source})" if world == 1 else (
+            f" ({source} per rank; each of the {world} ranks holds the full models: no sharding yet)")
         raise NoFitError(est.explain_no_fit(shape, workload, budget, fixed, critic_shape, label))
     placement, estimate = fit.placement, fit.estimate
     plan.estimate = estimate
@@ -1170,6 +1189,40 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
                                  (" and critic" if plan.use_critic else ""))
 
 
+def _local_rank() -> int:
+    """This process's GPU index under torchrun (0 alone)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _plan_data_parallel(cfg: Any, plan: Plan, hw: HardwareProbe, for_execution: bool,
+                        reasons: dict[str, str]) -> None:
+    """Several ranks: each holds a full replica (memory above is per rank, batch sizes divided by the ranks)."""
+    per_node = max(1, int(cfg.trainer.n_gpus_per_node))
+    world = max(1, int(cfg.trainer.nnodes) * per_node)
+    plan.world_size = world
+    if world == 1:
+        reasons["data_parallel"] = "one process (trainer.nnodes x trainer.n_gpus_per_node = 1)"
+        return
+    on_gpu = plan.device.startswith("cuda")
+    if for_execution and on_gpu and per_node > len(hw.devices):
+        raise PlanError(f"trainer.n_gpus_per_node={per_node} but this node has {len(hw.devices)} CUDA device(s): "
+                        f"use trainer.n_gpus_per_node<={len(hw.devices)} (or hardware.device=cpu for CPU processes)")
+    plan.data_parallel = "replicate"
+    plan.dist_backend = "nccl" if on_gpu else "gloo"
+    peak = (plan.estimate or {}).get("peak_bytes")
+    reasons["data_parallel"] = (
+        f"replicate over {world} ranks: each holds the full actor/critic/reference and its share of the batch"
+        + (f" (per-rank peak {est.format_bytes(peak)}" if peak else "")
+        + (f" of {est.format_bytes(plan.memory_budget_bytes)})" if peak and plan.memory_budget_bytes else
+           ")" if peak else "")
+        + "; gradients summed over ranks once per optimizer step. Sharding (FSDP2) is not implemented: "
+          "more ranks do not lower the memory for weights and optimizer state")
+    reasons["dist_backend"] = "NCCL between GPUs" if on_gpu else "gloo between CPU processes"
+    if not on_gpu:
+        plan.cpu_threads = max(1, (hw.cpu_cores or os.cpu_count() or 1) // per_node)
+        reasons["cpu_threads"] = f"{hw.cpu_cores} cores shared by {per_node} CPU processes on this node"
+
+
 def _ref_reason(plan: Plan, use_ref: bool, use_lora: bool, kl_loss: bool, kl_reward: bool,
                 reasons: dict[str, str]) -> None:
     if not use_ref:
@@ -1229,6 +1282,8 @@ def apply_runtime(plan: Plan) -> None:
     """TF32 flags, the memory cap when emulating, allocator settings (if CUDA has not initialised yet)."""
     if not plan.device.startswith("cuda"):
         torch.set_float32_matmul_precision("highest")
+        if plan.cpu_threads:
+            torch.set_num_threads(plan.cpu_threads)
         return
     if plan.alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
         if torch.cuda.is_initialized():

@@ -34,7 +34,7 @@ from .checkpoint import (capture_rng, load_checkpoint, restore_rng, resume_lates
 from .config import as_list, to_yaml
 from .errors import UserError
 from .data import PromptLoader, RLDataset
-from .errors import UserError
+from .distributed import DataParallel, NullTracker, check_world_config
 from .hardware import Plan, autocast_context, make_grad_scaler, precision_name
 from .logprobs import response_logprobs
 from .lora import adapter_disabled, apply_lora, merged_state_for_export
@@ -190,10 +190,17 @@ class RLTrainer:
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
         self.device = plan.device
         self.notices = list(notices or [])
-        # first of all: the run dir's lock and every check that must fail before a model loads
-        self.run_lock = prepare_run_dir(run_dir, cfg)
-        with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
-            handle.write(to_yaml(cfg))
+        # [distributed] this process's rank among torchrun's (alone: world 1, every collective a no-op)
+        self.dp = DataParallel.from_env(self.device, plan.dist_backend)
+        check_world_config(cfg, self.dp.world)  # before any model loads: what data parallelism cannot run
+        # first of all: the run dir's lock and every check that must fail before a model loads. [distributed] The
+        # ranks of one job share the run dir: rank 0 takes the lock, checks and writes; the others wait for it
+        self.run_lock = None
+        if self.dp.is_main:
+            self.run_lock = prepare_run_dir(run_dir, cfg)
+            with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
+                handle.write(to_yaml(cfg))
+        self.dp.barrier()  # rank 0's checks passed (a failure ends the job: torchrun stops the waiting ranks)
         seed_everything(cfg.trainer.seed)
 
         acfg, algo_cfg = cfg.actor_rollout_ref, cfg.algorithm
@@ -249,6 +256,8 @@ class RLTrainer:
             # Same weights as the initial actor; a copy avoids loading (and dequantizing) twice.
             self.ref = copy.deepcopy(self.actor).to(plan.ref_device).eval().requires_grad_(False)
         self.actor.to(self.device)
+        for model in (self.actor, self.critic, self.ref):
+            self.dp.broadcast_parameters(model)  # [distributed] identical replicas from the first step
         if plan.gradient_checkpointing:
             enable_gradient_checkpointing(self.actor)
             if self.critic is not None:
@@ -301,6 +310,8 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------ helpers
     def write_plan_record(self) -> None:
         """plan.json: every decision with its reason, as it runs now (engine fallback, sizes OOM recovery lowered)."""
+        if not self.dp.is_main:
+            return
         record = {**self.plan.to_dict(), "notices": self.notices, "oom_events": self.oom_guard.events}
         tmp = os.path.join(self.run_dir, "plan.json.tmp")
         with open(tmp, "w") as handle:
@@ -330,10 +341,11 @@ class RLTrainer:
                               top_p=kw.top_p, top_k=max(kw.top_k, 0), n=kw.n if validation else rcfg.n,
                               stop_strings=tuple(as_list(rcfg.stop)), ignore_eos=bool(rcfg.ignore_eos and not validation))
 
-    def step_generator(self, step: int, salt: int = 0) -> torch.Generator:
-        """Sampling randomness is a function of (seed, step): a resumed run draws exactly what it would have."""
+    def step_generator(self, step: int, salt: int = 0, first_prompt: int = 0) -> torch.Generator:
+        """Sampling randomness is a function of (seed, step, global index of the call's first prompt): a resumed run
+        draws exactly what it would have, and a rank draws what one process would for the same prompts."""
         gen = torch.Generator(device=self.device if self.device.startswith("cuda") else "cpu")
-        gen.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 7919 + salt)
+        gen.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 7919 + salt + first_prompt * 104_729)
         return gen
 
     @property
@@ -403,14 +415,16 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------ updates
     def _accumulate(self, model, optimizer, batch: StepBatch, rows: list[int], size: int,
-                    loss_fn: Callable) -> dict:
+                    loss_fn: Callable, scale: Optional[algo.LossScale] = None) -> dict:
         """One optimizer step's gradient over `rows`, accumulated over micro-batches of `size`.
 
         The mini-batch's denominators (tokens, sequences, T) are fixed once, before the split, and every
         micro-batch loss is its exact share of the mini-batch loss: the gradient does not depend on the
-        micro-batch size, the token budget or OOM halving, for every loss_agg_mode."""
+        micro-batch size, the token budget or OOM halving, for every loss_agg_mode. Under data parallelism `scale`
+        holds the counts of all ranks' rows (DataParallel.loss_scale)."""
         optimizer.zero_grad(set_to_none=True)
-        scale = algo.LossScale.of(batch.mask[rows], norm_length=self.response_length)
+        if scale is None:
+            scale = algo.LossScale.of(batch.mask[rows], norm_length=self.response_length)
         totals: dict[str, float] = {}
         for micro in self.micro_batches(batch, rows, size):
             ids, mask, pos, resp_len = self.forward_rows(batch, micro)
@@ -464,12 +478,19 @@ class RLTrainer:
             if shuffle:
                 gen = torch.Generator().manual_seed(self.cfg.trainer.seed + 31 * self.global_step + epoch)
                 order = torch.randperm(batch.rows, generator=gen).tolist()
-            for start in range(0, batch.rows, mini_rows):
-                rows = order[start:start + mini_rows]
+            # [distributed] mini_rows counts all ranks' rows: as many optimizer steps on every rank, each over its
+            # share; the loss denominators and the gradient are summed over ranks
+            steps = -(-(self.dp.layout.total if self.dp.enabled else batch.rows) // mini_rows)
+            local_mini = -(-batch.rows // max(steps, 1)) if self.dp.enabled else mini_rows
+            for start in range(0, steps * local_mini, local_mini):
+                rows = order[start:start + local_mini]
+                scale = self.dp.loss_scale(batch.mask[rows], self.response_length) if self.dp.enabled else None
                 metrics = self.guarded(
                     f"{name}_update",
-                    lambda size, rows=rows: self._accumulate(model, optimizer, batch, rows, size, loss_fn),
+                    lambda size, rows=rows: self._accumulate(model, optimizer, batch, rows, size, loss_fn, scale),
                     self.size_attr(size_attr))
+                self.dp.sum_gradients(model)
+                metrics = self.dp.sum_dict(metrics)
                 metrics["grad_norm"] = self._optimizer_step(model, optimizer, grad_clip)
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
@@ -541,8 +562,11 @@ class RLTrainer:
                                 "actor_micro_batch_size")
 
     # ------------------------------------------------------------------------------------------ one step
-    def generate(self, items: list[dict], params: SamplingParams, generator) -> RolloutBatch:
-        """Sample params.n responses per prompt, plan.rollout_batch_size sequences at a time (OOM-guarded)."""
+    def generate(self, items: list[dict], params: SamplingParams, generator, first_prompt: int = 0) -> RolloutBatch:
+        """Sample params.n responses per prompt, plan.rollout_batch_size sequences at a time (OOM-guarded).
+
+        `generator` is a torch.Generator for all calls, or a function of the global index of each call's first
+        prompt (`first_prompt` + offset) returning one: then the draws do not depend on how prompts are split."""
         self.actor.eval()
         prompts = [item["input_ids"] for item in items]
         if self.plan.rollout_batch_size is None:
@@ -551,7 +575,8 @@ class RLTrainer:
         def run(size: int) -> RolloutBatch:
             per_call = max(1, size // params.n)
             with torch.no_grad():
-                parts = [self.engine.generate(prompts[i:i + per_call], params, generator=generator)
+                parts = [self.engine.generate(prompts[i:i + per_call], params, generator=generator(first_prompt + i)
+                                              if callable(generator) else generator)
                          for i in range(0, len(prompts), per_call)]
             # Step-level tensors live on the CPU; micro-batches visit the device (forward_rows).
             return concat_rollouts([part.to("cpu") for part in parts], self.tokenizer.pad_token_id)
@@ -588,7 +613,8 @@ class RLTrainer:
             raise UserError(f"algorithm.filter_groups.metric={name!r} is not a reward value; use one of {known}")
         return torch.tensor(part.info[name], dtype=torch.float64)
 
-    def rollout_and_score(self, items: list[dict], timer: PhaseTimer) -> tuple[ScoredRollout, dict]:
+    def rollout_and_score(self, items: list[dict], timer: PhaseTimer,
+                          first_prompt: int = 0) -> tuple[ScoredRollout, dict]:
         """Steps 1-2: n samples per prompt from the current policy, scored (and length-shaped).
 
         With DAPO's dynamic sampling (algorithm.filter_groups) groups whose metric is the same for every sample are
@@ -598,8 +624,11 @@ class RLTrainer:
         rounds, kept, dropped = [], [], []
         while True:
             with timer("rollout"):
-                rollout = self.generate(items, self.sampling_params(),
-                                        self.step_generator(self.global_step, salt=-len(rounds)))
+                # [distributed] draws seeded by the global index of each call's first prompt (first_prompt: this
+                # rank's first), so N ranks sample what one process would
+                step, salt = self.global_step, -len(rounds)
+                rollout = self.generate(items, self.sampling_params(), lambda first: self.step_generator(
+                    step, salt=salt, first_prompt=first), first_prompt)
             with timer("reward"):
                 rounds.append(self.shaped_scores(items, rollout))
             if not fcfg.enable:
@@ -651,21 +680,27 @@ class RLTrainer:
         if self.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats(self.device)
         step_start = time.perf_counter()
+        items, first_prompt = self.dp.share(items)  # [distributed] this rank's block of prompts (groups whole)
 
         # 1-2. rollout (n samples per prompt from the current policy) and rule-based reward per sequence;
         # DAPO's dynamic sampling may draw more prompts, and replaces `items` by the prompts trained on
-        scored, sampling_metrics = self.rollout_and_score(items, timer)
+        # ([distributed] one rank: check_world_config refuses dynamic sampling with several ranks)
+        scored, sampling_metrics = self.rollout_and_score(items, timer, first_prompt)
         items, rollout, scores, info = scored.items, scored.rollout, scored.scores, scored.info
         self.precision_guard.check_rollout(rollout.response_logprobs, rollout.response_mask)
         group_index = torch.arange(len(items)).repeat_interleave(self.n)
+        self.dp.set_rows(len(group_index))
         batch = StepBatch(rollout=rollout, group_index=group_index, scores=scores, reward_info=info)
         batch.loss_mask, truncation_metrics = self.truncated_loss_mask(rollout)
+        if self.dp.enabled:  # [distributed] the fraction over all ranks' rows
+            truncation_metrics = {key: self.dp.sum_dict({"v": value * len(group_index)})["v"] / self.dp.layout.total
+                                  for key, value in truncation_metrics.items()}
         mask = rollout.response_mask.float()  # every response carries its score, kept out of the loss or not
 
         # 3. old log-probs (the behaviour policy for the PPO ratio) and reference log-probs (for KL).
         # With a single on-policy optimizer step the old policy *is* the current one: its log-probs are the
         # detached log-probs of the update's own forward, so we skip a full forward pass here.
-        single_update = acfg.actor.ppo_epochs == 1 and acfg.actor.ppo_mini_batch_size >= len(items)
+        single_update = acfg.actor.ppo_epochs == 1 and acfg.actor.ppo_mini_batch_size >= len(items) * self.dp.world
         if not single_update:
             with timer("old_log_prob"):
                 batch.old_logprobs = self.batched_logprobs(self.actor, batch)
@@ -683,23 +718,31 @@ class RLTrainer:
             with timer("values"):
                 batch.values = self.batched_values(batch)
 
-        # 5. advantages (and the KL penalty folded into the reward when asked)
+        # 5. advantages (and the KL penalty folded into the reward when asked), over the whole global batch:
+        # [distributed] every rank gathers all rows, so whitening and the KL controller see what one process would
         with timer("advantages"):
+            whole = self.dp.gather_rows
+            local_mask = mask
+            scores, mask, group_index = whole(scores), whole(mask), whole(group_index + first_prompt)
+            old_logprobs, ref_logprobs, values = (whole(batch.old_logprobs), whole(batch.ref_logprobs),
+                                                  whole(batch.values))
             token_scores = algo.scores_to_token_rewards(scores, mask)
             kl_metrics = {}
-            if algo_cfg.use_kl_in_reward and batch.ref_logprobs is not None:
+            if algo_cfg.use_kl_in_reward and ref_logprobs is not None:
                 # as verl: beta is the value before this step; the controller then sees the batch mean of the
                 # per-sequence mean KL (of the configured kind) with n_steps = rows
-                token_rewards, kl_metrics = algo.apply_kl_in_reward(token_scores, batch.old_logprobs,
-                                                                    batch.ref_logprobs, mask, self.kl_ctrl,
-                                                                    algo_cfg.kl_penalty, update_controller=True)
+                token_rewards, kl_metrics = algo.apply_kl_in_reward(token_scores, old_logprobs, ref_logprobs, mask,
+                                                                    self.kl_ctrl, algo_cfg.kl_penalty,
+                                                                    update_controller=True)
             else:
                 token_rewards = token_scores
-            batch.token_rewards = token_rewards
-            batch.advantages, batch.returns = algo.compute_advantages(
-                algo_cfg.adv_estimator, scores=scores, token_rewards=token_rewards, values=batch.values, mask=mask,
+            advantages, returns = algo.compute_advantages(
+                algo_cfg.adv_estimator, scores=scores, token_rewards=token_rewards, values=values, mask=mask,
                 group_index=group_index, gamma=algo_cfg.gamma, lam=algo_cfg.lam,
                 norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo)
+            batch.token_rewards = self.dp.local_rows(token_rewards, local_mask)
+            batch.advantages = self.dp.local_rows(advantages, local_mask)
+            batch.returns = self.dp.local_rows(returns, local_mask)
 
         # 6. updates: critic first (it is trained on the same returns), then the actor after the warm-up
         metrics: dict[str, float] = {}
@@ -713,34 +756,34 @@ class RLTrainer:
                 scheduler.step()
             self.engine.sync_weights()
 
-        # 7. diagnostics
+        # 7. diagnostics (over all ranks' rows; timings are this rank's)
         resp_len = mask.sum(-1)
-        total_tokens = float(mask.sum() + rollout.prompt_mask.sum())
+        total_tokens = float(mask.sum()) + self.dp.sum_dict({"t": float(rollout.prompt_mask.sum())})["t"]
         step_time = time.perf_counter() - step_start
         metrics.update({
             "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
-            "reward/acc": float(np.mean(info["acc"])), "reward/format": float(np.mean(info["format"])),
-            "reward/errors": float(info["num_errors"]),
+            "reward/acc": float(np.mean(self.dp.gather_objects(info["acc"]))),
+            "reward/format": float(np.mean(self.dp.gather_objects(info["format"]))),
+            "reward/errors": self.dp.sum_dict({"e": float(info["num_errors"])})["e"],
             "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
             "response_length/clip_ratio": float((resp_len >= self.response_length).float().mean()),
             "actor/lr": self.schedulers["actor"].get_last_lr()[0],
             "perf/step_time_s": step_time, "perf/tokens_per_s": total_tokens / step_time,
             "perf/rollout_tokens_per_s": float(mask.sum()) / max(timer.times.get("rollout", 1e-9), 1e-9),
-            "perf/peak_memory_gib": _peak_memory_gib(self.device),
+            "perf/peak_memory_gib": self.dp.max_value(_peak_memory_gib(self.device)),
             **{f"timing/{k}": v for k, v in timer.times.items()},
             **kl_metrics, **sampling_metrics, **truncation_metrics,
         })
         if "overlong_penalty" in info:
-            metrics["reward/overlong_penalty"] = float(np.mean(info["overlong_penalty"]))
-        if batch.ref_logprobs is not None and batch.old_logprobs is not None:
-            metrics["actor/kl"] = float(algo.masked_mean(
-                algo.kl_penalty(batch.old_logprobs, batch.ref_logprobs, "kl"), mask))
+            metrics["reward/overlong_penalty"] = float(np.mean(self.dp.gather_objects(info["overlong_penalty"])))
+        if ref_logprobs is not None and old_logprobs is not None:
+            metrics["actor/kl"] = float(algo.masked_mean(algo.kl_penalty(old_logprobs, ref_logprobs, "kl"), mask))
         if algo_cfg.use_kl_in_reward:
             metrics["actor/kl_coef"] = self.kl_ctrl.value  # after this step's update: the next step's beta
-        if batch.values is not None:
-            metrics["critic/values_mean"] = float(algo.masked_mean(batch.values, mask))
-            metrics["critic/returns_mean"] = float(algo.masked_mean(batch.returns, mask))
-        metrics["oom/recoveries"] = float(len(self.oom_guard.events))
+        if values is not None:
+            metrics["critic/values_mean"] = float(algo.masked_mean(values, mask))
+            metrics["critic/returns_mean"] = float(algo.masked_mean(returns, mask))
+        metrics["oom/recoveries"] = self.dp.sum_dict({"n": float(len(self.oom_guard.events))})["n"]
         metrics.update(self.precision_guard.end_step(metrics))  # loss scale, skipped steps; stops on a tripped rail
         return metrics
 
@@ -750,14 +793,20 @@ class RLTrainer:
             return {}
         limit = self.cfg.data.val_max_samples
         indices = range(len(self.val_set) if limit is None or limit < 0 else min(limit, len(self.val_set)))
-        items = [self.val_set[i] for i in indices]
+        # [distributed] each rank answers a contiguous block of the prompts; the results are gathered
+        block = -(-len(indices) // self.dp.world)
+        offset = min(self.dp.rank * block, len(indices))
+        total = len(indices)
+        items = [self.val_set[i] for i in indices[offset:offset + block]]
         params = self.sampling_params(validation=True)
         chunk = self.cfg.data.val_batch_size or max(self.cfg.data.train_batch_size * self.n, 64)
         accs, formats, scores_all, lengths, samples = [], [], [], [], []
-        with tqdm(total=len(items), desc=f"validation (step {self.global_step})", unit="prompt", leave=False) as bar:
+        # [distributed] the progress bar is rank 0's (it counts rank 0's block of prompts)
+        with tqdm(total=len(items), desc=f"validation (step {self.global_step})", unit="prompt", leave=False,
+                  disable=not self.dp.is_main) as bar:
             for start in range(0, len(items), chunk):
                 part = items[start:start + chunk]
-                rollout = self.generate(part, params, self.step_generator(self.global_step, salt=1 + start))
+                rollout = self.generate(part, params, self.step_generator(self.global_step, salt=1 + offset + start))
                 scores, info, texts = self.score(part, rollout, params.n)
                 accs += info["acc"]
                 formats += info["format"]
@@ -765,12 +814,19 @@ class RLTrainer:
                 lengths += rollout.response_mask.sum(-1).tolist()
                 samples += texts
                 bar.update(len(part))
-        self.write_val_generations(items, samples, scores_all, params.n)
-        for text, item in list(zip(samples[::params.n], items))[: self.cfg.trainer.log_val_generations]:
-            log.info("val sample [truth %s]: %s", item["ground_truth"], text.strip()[:300])
+        # [distributed] every rank's prompts, responses and scores, in prompt order; rank 0 writes and logs them
+        all_items = self.dp.gather_objects([{k: item[k] for k in ("index", "input_ids", "ground_truth")}
+                                            for item in items]) if self.dp.enabled else items
+        all_samples, all_scores = self.dp.gather_objects(samples), self.dp.gather_objects(scores_all)
+        if self.dp.is_main:
+            self.write_val_generations(all_items, all_samples, all_scores, params.n)
+            for text, item in list(zip(all_samples[::params.n], all_items))[: self.cfg.trainer.log_val_generations]:
+                log.info("val sample [truth %s]: %s", item["ground_truth"], text.strip()[:300])
+        accs, formats, lengths = (self.dp.gather_objects(v) for v in (accs, formats, lengths))
+        scores_all = all_scores
         return {"val/acc": float(np.mean(accs)), "val/format": float(np.mean(formats)),
                 "val/reward": float(np.mean(scores_all)), "val/response_length": float(np.mean(lengths)),
-                "val/num_samples": float(len(items))}
+                "val/num_samples": float(total)}
 
     def write_val_generations(self, items: list[dict], texts: list[str], scores: list[float], n: int) -> str:
         """Every validation response of this step as one JSON line each in RUN_DIR/val_generations/step_N.jsonl
@@ -797,13 +853,17 @@ class RLTrainer:
         export = None
         if self.use_lora:
             export = merged_state_for_export(self.actor)
-        path = save_checkpoint(self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
-                               critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
-                               trainer_state=self.trainer_state(), export_actor=export,
-                               keep=self.cfg.trainer.max_actor_ckpt_to_keep, config_yaml=to_yaml(self.cfg))
+        # [distributed] replicas are identical: rank 0 writes, the others wait until it is complete
+        path = os.path.join(self.run_dir, "checkpoints", f"global_step_{self.global_step}")
+        if self.dp.is_main:
+            path = save_checkpoint(self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
+                                   critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
+                                   trainer_state=self.trainer_state(), export_actor=export,
+                                   keep=self.cfg.trainer.max_actor_ckpt_to_keep, config_yaml=to_yaml(self.cfg))
+            log.info("checkpoint saved: %s", path)
+        self.dp.barrier()
         if self.nonfinite_streak == 0:
             self.last_good_checkpoint = path
-        log.info("checkpoint saved: %s", path)
         return path
 
     def save_final_model(self) -> str:
@@ -813,14 +873,16 @@ class RLTrainer:
         if latest and os.path.basename(latest) == f"global_step_{self.global_step}":
             return os.path.join(latest, "actor")
         final = os.path.join(self.run_dir, "final_model")
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         model = merged_state_for_export(self.actor) if self.use_lora else self.actor
-        model.save_pretrained(tmp, safe_serialization=True)
-        self.tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # a run killed mid-write leaves final_model.tmp, never a half-written final_model
-        log.info("final model saved: %s", final)
+        if self.dp.is_main:  # [distributed] replicas are identical: rank 0 writes, the others wait for it
+            tmp = final + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)  # a run killed mid-write leaves final_model.tmp, never a half-written final_model
+            log.info("final model saved: %s", final)
+        self.dp.barrier()
         return final
 
     def maybe_resume(self) -> None:
@@ -894,7 +956,9 @@ class RLTrainer:
 
     def _droppable(self, fn: Callable):
         """fn() while a stop signal may drop it (it must change no training state): None when dropped."""
-        self.stop_signals.droppable = self.stop_signals.received is None
+        # [distributed] never with several ranks: a rank dropped mid-step would leave the others in a collective;
+        # the step finishes and the ranks stop together at the next step boundary (_signal_received)
+        self.stop_signals.droppable = self.stop_signals.received is None and not self.dp.enabled
         try:
             return fn()
         except StepDropped:
@@ -915,9 +979,18 @@ class RLTrainer:
             restore_rng(*rng)
         return metrics
 
+    def _signal_received(self) -> Optional[int]:
+        """The stop signal received, if any; [distributed] by any rank, so that every rank stops at the same step."""
+        stop = self.stop_signals
+        if self.dp.enabled:
+            received = int(self.dp.max_value(float(stop.received or 0)))
+            if received and stop.received is None:
+                stop.received = received
+        return stop.received
+
     def _stop_on_signal(self, saved_step: int) -> None:
         stop = self.stop_signals
-        if stop.received is None:
+        if self._signal_received() is None:
             return
         path = None
         if self.global_step > 0:
@@ -931,7 +1004,8 @@ class RLTrainer:
             self.maybe_resume()
             self.tracker = Tracker(self.run_dir, as_list(tcfg.logger), tcfg.project_name, tcfg.experiment_name,
                                    OmegaConf.to_container(self.cfg, resolve=True), self.total_steps,
-                                   resume_step=self.global_step if self.global_step > 0 else None)
+                                   resume_step=self.global_step if self.global_step > 0 else None) \
+                if self.dp.is_main else NullTracker()  # [distributed] metrics, progress and plots from rank 0 alone
             with StopSignals() as self.stop_signals:
                 return self._loop()
         finally:
@@ -939,7 +1013,8 @@ class RLTrainer:
             if self.tracker is not None:
                 self.tracker.close()
             self.reward_manager.close()
-            self.run_lock.release()
+            if self.run_lock is not None:
+                self.run_lock.release()
 
     def _loop(self) -> dict:
         tcfg, stop = self.cfg.trainer, self.stop_signals
@@ -960,7 +1035,8 @@ class RLTrainer:
             stop.step = self.global_step
             metrics["train/epoch"] = float(self.loader.epoch)
             is_last = self.global_step >= self.total_steps
-            if tcfg.test_freq > 0 and (self.global_step % tcfg.test_freq == 0 or is_last) and stop.received is None:
+            if tcfg.test_freq > 0 and (self.global_step % tcfg.test_freq == 0 or is_last) and \
+                    self._signal_received() is None:
                 last_val = self._droppable(self.validate) or {}
                 metrics.update(last_val)
             self.tracker.log(metrics, step=self.global_step)
