@@ -29,8 +29,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from . import algorithms as algo
-from .checkpoint import (capture_rng, load_checkpoint, restore_rng, resume_latest, retire_later_checkpoints,
-                         save_checkpoint)
+from .checkpoint import (capture_rng, find_latest_checkpoint, load_checkpoint, restore_rng, resume_latest,
+                         retire_later_checkpoints, save_checkpoint)
 from .config import as_list, to_yaml
 from .errors import UserError
 from .data import PromptLoader, RLDataset
