@@ -186,6 +186,10 @@ _worker_fn: Callable | None = None  # the user's function inside a pool worker (
 def _init_worker(fn: Callable) -> None:
     global _worker_fn
     _worker_fn = fn
+    # A process group of its own: a signal to the trainer's group (torchrun stops a rank with killpg(SIGTERM), a
+    # terminal's Ctrl-C) is the trainer's to handle; a worker killed by it would leave the pool waiting forever
+    # for its result, and the trainer could never save. Pool.terminate() still ends the worker by its pid.
+    os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal reaches the whole group: the parent handles it
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's save-and-stop handler, inherited by fork
     signal.signal(signal.SIGALRM, _raise_timeout)
