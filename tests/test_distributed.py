@@ -38,6 +38,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     hang = os.environ.get("RLA_TEST_HANG_WHEN")
     if hang and os.path.exists(hang):  # the run to be killed: stop inside step 3, after checkpoint 2
         time.sleep(600)
+    slow = os.environ.get("RLA_TEST_SLOW_REWARD")
+    if slow:  # steps long enough to be signalled in the middle of one
+        time.sleep(float(slow))
     return (len(solution_str) % 5) / 4.0  # varies within a group, so GRPO advantages are not all zero
 '''
 
@@ -218,6 +221,43 @@ def test_a_failing_rank_ends_the_job_with_its_message(tiny_model_dir, arith_data
     assert proc.returncode != 0
     assert "error: rank 1 of 2 failed: RuntimeError: injected failure on rank 1" in out
     assert time.time() - start < 240
+
+
+def test_sigterm_stops_every_rank_at_one_step_and_saves_it(tiny_model_dir, arith_data, tmp_path, reward_file):
+    """SIGTERM to torchrun (what a scheduler or Ctrl-C does: torchrun passes it to the ranks): no rank drops its
+    step (the others would wait in a collective); the ranks agree at the next step boundary, rank 0 saves that step
+    and each rank stops with the faults lane's message and exit code."""
+    run_dir = tmp_path / "run"
+    proc = torchrun(overrides(tiny_model_dir, arith_data, run_dir, reward_file, **{
+        "trainer.total_training_steps": 40, "trainer.test_freq": -1, "trainer.save_freq": -1}),
+        {"RLA_TEST_SLOW_REWARD": "0.05"})
+    deadline = time.time() + 240
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.time() < deadline, "no second step"
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "stopped by SIGTERM at step" in out, out[-4000:]
+    assert "failed" not in out, out[-4000:]
+    step = int(out.split("stopped by SIGTERM at step ")[1].split(":")[0])
+    assert 2 <= step < 40
+    latest = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    assert latest.read_text().strip() == str(step)
+    trained = [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r]
+    assert trained == list(range(1, step + 1))  # each step once: rank 0 alone logs
+
+
+def test_dynamic_sampling_is_refused_on_several_ranks():
+    from rlanywhere.distributed import check_world_config
+    from rlanywhere.errors import UserError
+
+    cfg = load_config(None, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"])
+    check_world_config(cfg, 1)
+    with pytest.raises(UserError, match="filter_groups.enable=true .* not over 2 ranks"):
+        check_world_config(cfg, 2)
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
