@@ -412,6 +412,7 @@ def test_resume_prints_what_changed_and_takes_the_new_value(tmp_path, caplog):
 @pytest.mark.slow
 def test_trainer_skips_a_truncated_checkpoint_and_the_resumed_optimizer_uses_the_new_lr(tiny_model_dir, arith_data,
                                                                                        tmp_path, caplog):
+    caplog.set_level("INFO", logger="rlanywhere")  # "resumed from" is INFO: not only after a test that set it
     run = tmp_path / "run"
     _trainer(_overrides(tiny_model_dir, arith_data, run, **{"trainer.total_training_steps": 2})).fit()
     weights = _weights_file(run, 2)
