@@ -54,7 +54,8 @@ def demo_profile(on_gpu: bool) -> dict:
 
     CPU (minutes on 2 cores): single-digit addition. Before training the model answers about half the held-out
     questions with "To solve this equation, you need to ..." and runs out of its 12 tokens before any answer;
-    GRPO with 4 prompts x 8 samples and a high learning rate teaches it within a few steps to answer "a + b = c"
+    GRPO with 4 prompts x 8 samples and lr 1e-5 teaches it within a few steps (3e-5 overshot: +25 points
+    at step 4, +9 at step 8) to answer "a + b = c"
     at once (measured before -> after: README). GPU: 2-digit addition, more prompts, samples and steps, as
     measured on an H200 (README); unchanged."""
     small = not on_gpu
@@ -65,7 +66,7 @@ def demo_profile(on_gpu: bool) -> dict:
                  "max_response_length": 12 if small else 96, "val_max_samples": 32 if small else 200},
         "actor_rollout_ref": {
             "model": {"path": "smollm2-135m-instruct"},
-            "actor": {"optim": {"lr": 3e-5 if small else 5e-6}, "ppo_mini_batch_size": 4 if small else 32,
+            "actor": {"optim": {"lr": 1e-5 if small else 5e-6}, "ppo_mini_batch_size": 4 if small else 32,
                       "ppo_epochs": 1, "entropy_coeff": 0.0, "use_kl_loss": False},
             "rollout": {"n": 8, "temperature": 0.8 if small else 0.7, "top_p": 1.0},
         },
