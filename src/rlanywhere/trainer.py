@@ -433,7 +433,7 @@ class RLTrainer:
                 loss, shares, means = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask, scale)
             if not torch.isfinite(loss.detach()):  # say which rows, so a rare NaN can be traced to its data
                 log.warning("non-finite loss %s in a micro-batch of rows %s (response lengths %s, prompt lengths %s)",
-                            float(loss), micro[:16], batch.mask[micro].sum(-1).int().tolist()[:16],
+                            float(loss.detach()), micro[:16], batch.mask[micro].sum(-1).int().tolist()[:16],
                             batch.rollout.prompt_mask[micro].sum(-1).tolist()[:16])
             (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             # loss terms add up to the mini-batch's value; diagnostics (token means) are weighted by tokens
