@@ -82,6 +82,7 @@ def gap_main(args) -> int:
     from transformers import AutoModelForCausalLM
 
     from rlanywhere import hardware as hw
+    from rlanywhere.plan import RolloutPlan
     from rlanywhere.logprobs import response_logprobs
     from rlanywhere.models import ModelSource, fetch_demo_model, load_tokenizer
     from rlanywhere.precision_guard import rollout_logprob_gap
@@ -105,10 +106,10 @@ def gap_main(args) -> int:
     print(f"\n{'precision':<10}{'tokens':>8}{'mean':>11}{'p99.9':>11}{'max':>11}{'non-finite':>12}{'seconds':>9}")
     for precision in args.precisions.split(","):
         compute = hw.PRECISION_DTYPES[precision]
-        plan = hw.Plan(device=args.device, precision=precision, compute_dtype=compute, rollout_dtype=compute,
+        plan = hw.Plan(device=args.device, precision=precision, compute_dtype=compute, rollout=RolloutPlan(dtype=compute),
                        use_autocast=compute != hw.FP32)
         start = time.time()
-        engine = FastEngine(model, tokenizer, dtype=plan.rollout_dtype)
+        engine = FastEngine(model, tokenizer, dtype=plan.rollout.dtype)
         batch = engine.generate(prompts, params, generator=torch.Generator(args.device).manual_seed(0))
         ids, mask, pos = batch.sequences()
         with torch.no_grad(), hw.autocast_context(plan):

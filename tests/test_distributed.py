@@ -1,7 +1,7 @@
 """Data parallelism on CPU: 2 ranks with gloo under torchrun train like one process on the same global batch.
 
 The reference is a single process whose rollout is generated in the same two blocks of prompts the ranks hold
-(plan.rollout_batch_size = half the batch), so the samples are the same draws; then losses, gradient norms, every
+(plan.sizes.rollout_batch_size = half the batch), so the samples are the same draws; then losses, gradient norms, every
 metric and the final weights must agree to float round-off. A 2-rank run killed with SIGKILL after its step-2
 checkpoint and resumed (on 2 ranks, and on 1) reproduces step 3; a rank that raises ends the job with its message.
 """
@@ -58,7 +58,7 @@ def single_process(items: list[str], resume_from_dir: Path | None = None) -> RLT
     """One process, rollout generated in the ranks' two blocks of prompts."""
     cfg = load_config(None, items)
     plan = make_plan(cfg, for_execution=True)
-    plan.rollout_batch_size = cfg.data.train_batch_size // 2 * cfg.actor_rollout_ref.rollout.n
+    plan.sizes.rollout_batch_size = cfg.data.train_batch_size // 2 * cfg.actor_rollout_ref.rollout.n
     trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
     trainer.fit()
     return trainer

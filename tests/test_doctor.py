@@ -7,6 +7,7 @@ import torch
 from rlanywhere import doctor
 from rlanywhere import hardware as hw
 from rlanywhere.config import load_config
+from rlanywhere.plan import RolloutPlan
 
 CHECK_NAMES = {"probe", "torch kernels for the GPU", "plan", "matmul fp32", "matmul compute dtype", "attention",
                "tiny model fwd+bwd", "generation", "fp16", "memory cap"}
@@ -64,7 +65,7 @@ def test_impossible_plan_fails_the_doctor():
 
 
 def test_bf16_eager_path_checks_pass_on_cpu():
-    plan = hw.Plan(precision="bf16", compute_dtype=torch.bfloat16, rollout_dtype=torch.bfloat16, use_autocast=True,
+    plan = hw.Plan(precision="bf16", compute_dtype=torch.bfloat16, rollout=RolloutPlan(dtype=torch.bfloat16), use_autocast=True,
                    attn_implementation="eager", gradient_checkpointing=True)
     cpu = torch.device("cpu")
     for check in (doctor.check_matmul_compute, doctor.check_attention, doctor.check_tiny_model):
@@ -80,7 +81,7 @@ def test_doctor_main_exit_codes():
 
 def test_fp16_mixed_precision_path_checks_pass_on_cpu():
     """The fp16 plan of a T4/V100 (fp16 autocast, fp32 master weights, GradScaler), run on CPU autocast."""
-    plan = hw.Plan(precision="fp16", compute_dtype=torch.float16, rollout_dtype=torch.float16, use_autocast=True,
+    plan = hw.Plan(precision="fp16", compute_dtype=torch.float16, rollout=RolloutPlan(dtype=torch.float16), use_autocast=True,
                    use_grad_scaler=True)
     cpu = torch.device("cpu")
     for check in (doctor.check_matmul_compute, doctor.check_attention, doctor.check_tiny_model, doctor.check_fp16):

@@ -188,14 +188,14 @@ def test_unknown_key_is_rejected_before_loading(tmp_path, capsys):
 
 
 def test_rollout_in_chunks_equals_one_call_and_survives_oom(tiny_model_dir, arith_data, tmp_path, monkeypatch):
-    """plan.rollout_batch_size splits generation; a simulated OOM in rollout halves it and the step goes on."""
+    """plan.sizes.rollout_batch_size splits generation; a simulated OOM in rollout halves it and the step goes on."""
     cfg = load_config(None, base_overrides(tiny_model_dir, arith_data, tmp_path / "run",
                                            **{"algorithm.adv_estimator": "grpo"}))
     plan = make_plan(cfg, for_execution=True)
     trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
     items = trainer.loader.next_batch()
     params = trainer.sampling_params()
-    plan.rollout_batch_size = 8
+    plan.sizes.rollout_batch_size = 8
     whole = trainer.generate(items, params, trainer.step_generator(0))
     calls = []
     original = trainer.engine.generate
@@ -210,9 +210,9 @@ def test_rollout_in_chunks_equals_one_call_and_survives_oom(tiny_model_dir, arit
     params = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=params.n)
     greedy_whole = original([it["input_ids"] for it in items], params)
     chunked = trainer.generate(items, params, None)
-    assert plan.rollout_batch_size == 2 and len(trainer.oom_guard.events) == 2  # 8 -> 4 -> 2
+    assert plan.sizes.rollout_batch_size == 2 and len(trainer.oom_guard.events) == 2  # 8 -> 4 -> 2
     record = json.loads((tmp_path / "run" / "plan.json").read_text())
-    assert record["rollout_batch_size"] == 2 and len(record["oom_events"]) == 2  # the record follows the run
+    assert record["sizes"]["rollout_batch_size"] == 2 and len(record["oom_events"]) == 2  # the record follows the run
     assert calls[-4:] == [1, 1, 1, 1]
     # Greedy: the same tokens whether generated at once or one prompt at a time.
     for row in range(whole.response_ids.shape[0]):
@@ -248,8 +248,8 @@ def test_token_budget_micro_batches_give_the_same_training(tiny_model_dir, arith
     dynamic_trainer, dynamic = run_training(base_overrides(
         tiny_model_dir, arith_data, tmp_path / "dyn", **extra,
         **{"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 80}))
-    assert dynamic_trainer.plan.max_token_len_per_micro_batch is not None
-    assert fixed_trainer.plan.max_token_len_per_micro_batch is None
+    assert dynamic_trainer.plan.sizes.max_token_len_per_micro_batch is not None
+    assert fixed_trainer.plan.sizes.max_token_len_per_micro_batch is None
     a, b = train_rows(fixed), train_rows(dynamic)
     for step in (1, 2):
         for key in ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
@@ -280,22 +280,22 @@ def test_plan_record_shows_an_engine_fallback(tiny_model_dir, arith_data, tmp_pa
     monkeypatch.setattr(FastEngine, "supports", staticmethod(lambda model: (False, "no kernel for this model")))
     cfg = load_config(None, base_overrides(tiny_model_dir, arith_data, tmp_path, **{"algorithm.adv_estimator": "grpo"}))
     plan = make_plan(cfg, for_execution=True)
-    assert plan.rollout_engine == "fast"
+    assert plan.rollout.engine == "fast"
     trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
     assert isinstance(trainer.engine, HFEngine)
     record = json.loads((tmp_path / "plan.json").read_text())
-    assert record["rollout_engine"] == "hf" and "no kernel for this model" in record["reasons"]["rollout_engine"]
+    assert record["rollout"]["engine"] == "hf" and "no kernel for this model" in record["reasons"]["rollout_engine"]
 
 
 def test_sizes_lowered_by_oom_recovery_survive_a_resume(tiny_model_dir, arith_data, tmp_path):
     cfg = load_config(None, base_overrides(tiny_model_dir, arith_data, tmp_path, **{"algorithm.adv_estimator": "grpo"}))
     trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
-    trainer.plan.rollout_batch_size, trainer.plan.actor_micro_batch_size = 3, 1  # as OOM recovery would leave them
+    trainer.plan.sizes.rollout_batch_size, trainer.plan.sizes.actor_micro_batch_size = 3, 1  # as OOM recovery would leave them
     trainer.global_step = 1
     trainer.save()
     resumed = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
-    assert resumed.plan.actor_micro_batch_size != 1
+    assert resumed.plan.sizes.actor_micro_batch_size != 1
     resumed.maybe_resume()
-    assert (resumed.plan.rollout_batch_size, resumed.plan.actor_micro_batch_size) == (3, 1)
+    assert (resumed.plan.sizes.rollout_batch_size, resumed.plan.sizes.actor_micro_batch_size) == (3, 1)
     record = json.loads((tmp_path / "plan.json").read_text())
-    assert (record["rollout_batch_size"], record["actor_micro_batch_size"]) == (3, 1)
+    assert (record["sizes"]["rollout_batch_size"], record["sizes"]["actor_micro_batch_size"]) == (3, 1)

@@ -280,7 +280,7 @@ def test_cpu_allocation_failure_shrinks_the_plan_like_cuda_oom():
         return size
 
     assert OOMGuard(plan, log_fn=lambda _: None).run("actor_update", phase, "actor_micro_batch_size") == 2
-    assert sizes == [8, 4, 2] and plan.actor_micro_batch_size == 2
+    assert sizes == [8, 4, 2] and plan.sizes.actor_micro_batch_size == 2
 
 
 # ------------------------------------------------------------------------------------------------ runs

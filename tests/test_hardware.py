@@ -66,7 +66,7 @@ def test_card_table():
 @pytest.mark.parametrize("card", ["p40", "p100"])
 def test_pascal_plans_fp32_without_flash(card):
     plan = make_plan(cfg_of(*SMALL), fake(card, flash=True))  # flash_attn installed, but the card can't run it
-    assert plan.precision == "fp32" and plan.param_dtype == plan.compute_dtype == plan.rollout_dtype == torch.float32
+    assert plan.precision == "fp32" and plan.param_dtype == plan.compute_dtype == plan.rollout.dtype == torch.float32
     assert not plan.use_autocast and not plan.use_grad_scaler and not plan.allow_tf32
     assert plan.attn_implementation in ("sdpa", "eager")
     assert "no bf16 and no fp16 tensor cores" in plan.reasons["precision"] and hw.card_spec(card).name in plan.card
@@ -82,7 +82,7 @@ def test_planner_precision_per_card(card, precision, compute, scaler):
     plan = make_plan(cfg_of(*SMALL), fake(card))
     assert (plan.precision, plan.compute_dtype, plan.use_grad_scaler) == (precision, compute, scaler)
     assert plan.param_dtype == torch.float32  # master weights (and the optimizer) stay fp32 on every card
-    assert plan.rollout_dtype == compute and plan.use_autocast == (compute != torch.float32)
+    assert plan.rollout.dtype == compute and plan.use_autocast == (compute != torch.float32)
     if precision == "fp16":  # fp16 tensor cores, no bf16; SDPA's memory-efficient kernel runs fp16 on cc 7.x
         assert "fp16 tensor cores and no bf16" in plan.reasons["precision"]
         assert "not run" in plan.reasons["precision"]  # a hand-made probe: nothing was run
@@ -96,7 +96,7 @@ def test_fp16_chosen_when_the_checks_passed_and_fp32_when_they_failed(caplog):
     assert plan.precision == "fp16" and "fp16 checks passed on cuda:0 (Tesla T4)" in plan.reasons["precision"]
     probe.devices[0].fp16_problems = ["fp16 SDPA: no SDPA backend runs forward and backward in float16"]
     plan = make_plan(cfg_of(*SMALL), probe)
-    assert plan.precision == "fp32" and not plan.use_grad_scaler and plan.rollout_dtype == torch.float32
+    assert plan.precision == "fp32" and not plan.use_grad_scaler and plan.rollout.dtype == torch.float32
     assert "fp16 checks failed on cuda:0 (Tesla T4): fp16 SDPA" in plan.reasons["precision"]
     assert "fp32 instead of fp16" in caplog.text
     with pytest.raises(PlanError, match="fp16 checks failed.*hardware.precision=fp32"):
@@ -148,7 +148,7 @@ def test_ampere_and_hopper_plan_bf16_autocast_and_tf32(card, flash):
     plan = make_plan(cfg_of(*SMALL), fake(card, flash=flash))
     assert plan.precision == "bf16" and plan.param_dtype == torch.float32 and plan.compute_dtype == torch.bfloat16
     assert plan.use_autocast and not plan.use_grad_scaler and plan.allow_tf32
-    assert plan.rollout_dtype == torch.bfloat16
+    assert plan.rollout.dtype == torch.bfloat16
     assert plan.attn_implementation == ("flash_attention_2" if flash else "sdpa")
 
 
@@ -186,9 +186,9 @@ def test_fp16_on_cpu_is_an_error():
 
 def test_verl_rollout_dtype_bfloat16_is_adapted_not_an_error():
     plan = make_plan(cfg_of(*SMALL, "actor_rollout_ref.rollout.dtype=bfloat16"), fake("p40"))
-    assert plan.rollout_dtype == torch.float32 and "overridden" in plan.reasons["rollout_dtype"]
+    assert plan.rollout.dtype == torch.float32 and "overridden" in plan.reasons["rollout_dtype"]
     plan = make_plan(cfg_of(*SMALL, "actor_rollout_ref.rollout.dtype=bfloat16"), fake("a100-80g"))
-    assert plan.rollout_dtype == torch.bfloat16
+    assert plan.rollout.dtype == torch.bfloat16
 
 
 # ----------------------------------------------------------------------------------------------- device
@@ -223,7 +223,7 @@ def test_cuda_requested_without_cuda():
 # ------------------------------------------------------------------------------------- models and memory
 def test_which_models_exist():
     grpo = make_plan(cfg_of(*SMALL, "algorithm.adv_estimator=grpo"), fake("t4"))
-    assert not grpo.use_critic and grpo.critic_micro_batch_size is None and grpo.ref_device == "none"
+    assert not grpo.use_critic and grpo.sizes.critic_micro_batch_size is None and grpo.ref_device == "none"
     ppo_kl = make_plan(cfg_of(*SMALL, "actor_rollout_ref.actor.use_kl_loss=true"), fake("t4"))
     assert ppo_kl.use_critic and ppo_kl.use_ref and ppo_kl.ref_device in ("cuda:0", "cpu")
     zero_coef = make_plan(cfg_of(*SMALL, "actor_rollout_ref.actor.use_kl_loss=true",
@@ -245,8 +245,8 @@ def test_p40_fits_the_05b_ppo_workload_and_says_how():
     for key in ("gradient_checkpointing", "actor_micro_batch_size", "critic_micro_batch_size",
                 "logprob_micro_batch_size", "optimizer_offload", "param_offload", "ref_device", "memory_budget"):
         assert plan.reasons[key], key
-    assert str(plan.actor_micro_batch_size) in plan.reasons["actor_micro_batch_size"]
-    assert plan.actor_micro_batch_size >= 1 and plan.rollout_batch_size >= 1
+    assert str(plan.sizes.actor_micro_batch_size) in plan.reasons["actor_micro_batch_size"]
+    assert plan.sizes.actor_micro_batch_size >= 1 and plan.sizes.rollout_batch_size >= 1
 
 
 def test_explicit_micro_batches_and_offload_are_honoured():
@@ -254,7 +254,7 @@ def test_explicit_micro_batches_and_offload_are_honoured():
                             "critic.ppo_micro_batch_size_per_gpu=2",
                             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5",
                             "hardware.optimizer_offload=true"), fake("p40"))
-    assert (plan.actor_micro_batch_size, plan.critic_micro_batch_size, plan.logprob_micro_batch_size) == (4, 2, 5)
+    assert (plan.sizes.actor_micro_batch_size, plan.sizes.critic_micro_batch_size, plan.sizes.logprob_micro_batch_size) == (4, 2, 5)
     assert plan.optimizer_offload and "hardware.optimizer_offload=True" in plan.reasons["optimizer_offload"]
     assert "ppo_micro_batch_size_per_gpu=4" in plan.reasons["actor_micro_batch_size"]
 
@@ -267,7 +267,7 @@ def test_offload_on_cpu_is_ignored_with_a_reason():
 def test_dynamic_bsz_gives_a_token_budget():
     plan = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.actor.use_dynamic_bsz=true",
                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"), fake("p40"))
-    assert 512 <= plan.max_token_len_per_micro_batch <= 4096
+    assert 512 <= plan.sizes.max_token_len_per_micro_batch <= 4096
 
 
 def test_seven_b_on_p40_does_not_fit_and_says_what_would():
@@ -286,9 +286,9 @@ def test_memory_budget_override():
 def test_verl_p40_command_line_plans_on_p40():
     overrides = [line.strip() for line in VERL_P40_ARGS.read_text().splitlines() if line.strip()]
     plan = make_plan(load_config(None, overrides), fake("p40"))
-    assert plan.precision == "fp32" and plan.attn_implementation == "sdpa" and plan.rollout_engine == "fast"
+    assert plan.precision == "fp32" and plan.attn_implementation == "sdpa" and plan.rollout.engine == "fast"
     assert plan.param_offload  # verl's fsdp_config.offload_params=true, translated by config.py
-    assert plan.actor_micro_batch_size == 1 and plan.critic_micro_batch_size == 1
+    assert plan.sizes.actor_micro_batch_size == 1 and plan.sizes.critic_micro_batch_size == 1
     assert plan.use_critic and not plan.use_ref  # kl_coef is set but neither KL switch is on
 
 

@@ -52,7 +52,7 @@ def trainer_and_batch(tiny_model_dir, arith_data, tmp_path_factory):
 
 def _gradient(trainer, model, loss_fn, batch, size, token_budget=False, fail_first=False):
     """The accumulated gradient (and metrics) with micro-batches of `size` rows, or of `size` tokens."""
-    trainer.plan.max_token_len_per_micro_batch = size if token_budget else None
+    trainer.plan.sizes.max_token_len_per_micro_batch = size if token_budget else None
     rows = list(range(batch.rows))
     attr = trainer.size_attr("actor_micro_batch_size")
     setattr(trainer.plan, attr, size)
@@ -68,7 +68,7 @@ def _gradient(trainer, model, loss_fn, batch, size, token_budget=False, fail_fir
     metrics = trainer.guarded("update", lambda s: trainer._accumulate(model, optimizer, batch, rows, s, flaky), attr)
     if fail_first:
         assert getattr(trainer.plan, attr) == size // 2, "OOM recovery did not halve the micro-batch"
-    trainer.plan.max_token_len_per_micro_batch = None
+    trainer.plan.sizes.max_token_len_per_micro_batch = None
     grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     return grad.clone(), metrics
 

@@ -12,6 +12,7 @@ import torch
 from rlanywhere import algorithms as algo
 from rlanywhere import hardware as hw
 from rlanywhere.errors import UserError
+from rlanywhere.plan import RolloutPlan
 from rlanywhere.logprobs import chunked_logprobs_and_entropy, naive_logprobs_and_entropy
 from rlanywhere.precision_guard import (PrecisionGuard, PrecisionGuardError, logprobs_comparable, optimizer_step,
                                         rollout_logprob_gap)
@@ -195,7 +196,8 @@ def _trainer(model_dir, data_dir, run_dir, fp16: bool = True, **extra):
         "trainer.val_before_train": False, **extra}))
     plan = make_plan(cfg)
     if fp16:
-        plan = replace(plan, precision="fp16", compute_dtype=torch.float16, rollout_dtype=torch.float16,
+        plan = replace(plan, precision="fp16", compute_dtype=torch.float16,
+                       rollout=replace(plan.rollout, dtype=torch.float16),
                        use_autocast=True, use_grad_scaler=True)
     return RLTrainer(cfg, plan, str(run_dir))
 

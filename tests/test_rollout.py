@@ -422,14 +422,11 @@ def test_make_engine_and_supports(caplog):
     assert isinstance(make_engine(qwen, None), FastEngine)
     assert isinstance(make_engine(qwen, None, engine="hf"), HFEngine)
 
-    class Plan:
-        rollout_engine = "hf"
-        rollout_dtype = torch.float32
+    from rlanywhere.hardware import Plan
+    from rlanywhere.plan import RolloutPlan
 
-    assert isinstance(make_engine(qwen, None, plan=Plan()), HFEngine)
-    Plan.rollout_engine = "fast"
-    Plan.rollout_dtype = torch.float64
-    engine = make_engine(qwen, None, plan=Plan())
+    assert isinstance(make_engine(qwen, None, plan=Plan(rollout=RolloutPlan(engine="hf"))), HFEngine)
+    engine = make_engine(qwen, None, plan=Plan(rollout=RolloutPlan(engine="fast", dtype=torch.float64)))
     assert isinstance(engine, FastEngine) and engine.dtype == torch.float64
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=64))
@@ -441,11 +438,11 @@ def test_make_engine_and_supports(caplog):
     with pytest.raises(ValueError, match="engine='hf'"):
         make_engine(gpt2, None, engine="fast")
     # the trainer passes the plan's automatic "fast" as engine=: that may still fall back
-    Plan.reasons = {"rollout_engine": "auto: the fast engine ..."}
-    assert isinstance(make_engine(gpt2, None, plan=Plan(), engine=Plan.rollout_engine), HFEngine)
-    Plan.reasons = {"rollout_engine": "actor_rollout_ref.rollout.name=fast"}
+    automatic = Plan(rollout=RolloutPlan(engine="fast", fallback_allowed=True))
+    assert isinstance(make_engine(gpt2, None, plan=automatic, engine="fast"), HFEngine)
+    asked = Plan(rollout=RolloutPlan(engine="fast", fallback_allowed=False))
     with pytest.raises(ValueError, match="engine='hf'"):
-        make_engine(gpt2, None, plan=Plan(), engine="fast")
+        make_engine(gpt2, None, plan=asked, engine="fast")
     with pytest.raises(ValueError, match="engine must be"):
         make_engine(qwen, None, engine="vllm")
 

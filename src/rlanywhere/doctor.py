@@ -227,8 +227,8 @@ def check_tiny_model(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
 def check_generation(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
     planned, _ = _build_models(plan, device)
     planned.eval()
-    rollout_plan = replace(plan, compute_dtype=plan.rollout_dtype,
-                           use_autocast=plan.rollout_dtype != plan.param_dtype)
+    rollout_plan = replace(plan, compute_dtype=plan.rollout.dtype,
+                           use_autocast=plan.rollout.dtype != plan.param_dtype)
     input_ids, attention_mask, _ = _tiny_batch(device)
     with torch.no_grad(), hw.autocast_context(rollout_plan):
         out = planned.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=GENERATE_TOKENS,
@@ -243,7 +243,7 @@ def check_generation(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
     new = sequences[:, input_ids.shape[1]:]
     if bool(((new < 0) | (new >= planned.config.vocab_size)).any()):
         return "fail", "generated token ids outside the vocabulary"
-    return "pass", f"{GENERATE_TOKENS} tokens x {expected[0]} sequences in {hw.dtype_name(plan.rollout_dtype)}"
+    return "pass", f"{GENERATE_TOKENS} tokens x {expected[0]} sequences in {hw.dtype_name(plan.rollout.dtype)}"
 
 
 def check_fp16(plan: hw.Plan, device: torch.device) -> tuple[str, str]:

@@ -39,88 +39,16 @@ import torch
 from rlanywhere import estimator as est
 
 from .errors import UserError
+from .plan import RolloutPlan, RuntimeSizes
+from .vocabulary import (  # noqa: F401 - re-exported: the planner's vocabulary
+    FP32, BF16, FP16, ACCUMULATE_DTYPE, REFERENCE_DTYPE, PRECISION_DTYPES,
+    ATTN_FLASH, ATTN_SDPA, ATTN_EAGER, ATTN_IMPLEMENTATIONS, ALLOC_CONF, LOSS_SCALE_INIT,
+    LOSS_SCALE_GROWTH_INTERVAL, FP16_MATMUL_TOLERANCE, dtype_from_name, dtype_name, precision_name, is_half,
+    has_native_bf16, has_fast_fp16, has_tf32, flash_attn_capable, _cc_str, PlanError,
+    NoFitError,
+)
 
 log = logging.getLogger(__name__)
-
-# ------------------------------------------------------------------------------ dtype and attention names
-FP32 = torch.float32
-BF16 = torch.bfloat16
-FP16 = torch.float16
-ACCUMULATE_DTYPE = torch.float32  # log-softmax, advantages, losses: always reduced in fp32
-REFERENCE_DTYPE = torch.float64  # numerical references (doctor, tests)
-PRECISION_DTYPES = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
-
-ATTN_FLASH = "flash_attention_2"
-ATTN_SDPA = "sdpa"
-ATTN_EAGER = "eager"
-ATTN_IMPLEMENTATIONS = (ATTN_FLASH, ATTN_SDPA, ATTN_EAGER)
-
-ALLOC_CONF = "expandable_segments:True"  # fewer fragmentation OOMs when phase shapes change
-
-# Dynamic loss scaling for fp16 (torch.amp.GradScaler). An RL run takes a few optimizer steps per RL step, so
-# torch's default growth interval (2000 steps) would leave a scale halved by one early overflow low for the whole
-# run; 100 lets it grow back within tens of RL steps (DeepSpeed and Megatron use windows of 1000 for pre-training).
-LOSS_SCALE_INIT = 2.0 ** 16
-LOSS_SCALE_GROWTH_INTERVAL = 100
-FP16_MATMUL_TOLERANCE = 5e-3  # relative error of a fp16-autocast matmul against fp64 (the doctor uses it too)
-
-_DTYPE_ALIASES = {
-    FP32: ("fp32", "float32", "float", "f32", "torch.float32", "32"),
-    BF16: ("bf16", "bfloat16", "torch.bfloat16"),
-    FP16: ("fp16", "float16", "half", "f16", "torch.float16", "16"),
-}
-_DTYPE_BY_NAME = {alias: dtype for dtype, aliases in _DTYPE_ALIASES.items() for alias in aliases}
-_PRECISION_BY_DTYPE = {dtype: name for name, dtype in PRECISION_DTYPES.items()}
-
-
-def dtype_from_name(name: Union[str, torch.dtype]) -> torch.dtype:
-    """'fp32' / 'float32' / 'bfloat16' / 'bf16' / 'fp16' / 'half' / a torch.dtype -> torch.dtype."""
-    if isinstance(name, torch.dtype):
-        return name
-    key = str(name).strip().lower()
-    if key not in _DTYPE_BY_NAME:
-        raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16 (or float32, bfloat16, float16)")
-    return _DTYPE_BY_NAME[key]
-
-
-def dtype_name(dtype: Union[str, torch.dtype]) -> str:
-    """torch.bfloat16 -> 'bfloat16' (also accepts the aliases dtype_from_name takes)."""
-    return str(dtype_from_name(dtype) if isinstance(dtype, str) else dtype).replace("torch.", "")
-
-
-def precision_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> 'bf16'."""
-    return _PRECISION_BY_DTYPE.get(dtype, dtype_name(dtype))
-
-
-def is_half(dtype: torch.dtype) -> bool:
-    return dtype in (BF16, FP16)
-
-
-# ------------------------------------------------------------------------------------ capability rules
-def has_native_bf16(cc: Optional[tuple[int, int]]) -> bool:
-    """Native bf16 math needs Ampere (8.0). torch.cuda.is_bf16_supported() also says True on a T4 because it counts
-    emulation, which is slow and not what a plan should rely on."""
-    return cc is not None and tuple(cc) >= (8, 0)
-
-
-def has_fast_fp16(cc: Optional[tuple[int, int]]) -> bool:
-    """fp16 tensor cores: Volta (7.0) and later."""
-    return cc is not None and tuple(cc) >= (7, 0)
-
-
-def has_tf32(cc: Optional[tuple[int, int]]) -> bool:
-    return cc is not None and tuple(cc) >= (8, 0)
-
-
-def flash_attn_capable(cc: Optional[tuple[int, int]]) -> bool:
-    """FlashAttention-2 supports Ampere, Ada and Hopper."""
-    return cc is not None and tuple(cc) >= (8, 0)
-
-
-def _cc_str(cc: Optional[tuple[int, int]]) -> str:
-    return f"{cc[0]}.{cc[1]}" if cc else "n/a"
-
 
 # ------------------------------------------------------------------------------------------ card table
 @dataclass(frozen=True)
@@ -604,18 +532,6 @@ def _shape_from_hub(repo_id: str) -> ModelShape:
 
 
 # ------------------------------------------------------------------------------------------------ plan
-class PlanError(UserError, RuntimeError):
-    """An impossible request, found before anything loads. The message names the problem and the fix."""
-
-
-class NoFitError(PlanError):
-    """Nothing fits the memory budget; the message says what would (with numbers)."""
-
-    def __init__(self, message: str, estimate: Optional[dict] = None):
-        super().__init__(message)
-        self.estimate = estimate
-
-
 @dataclass
 class Plan:
     """Every hardware decision for a run, with the reason for each (see docs/ARCHITECTURE.md).
@@ -628,17 +544,11 @@ class Plan:
     precision: str = "fp32"
     param_dtype: torch.dtype = FP32
     compute_dtype: torch.dtype = FP32
-    rollout_dtype: torch.dtype = FP32
     use_autocast: bool = False
     use_grad_scaler: bool = False
     allow_tf32: bool = False
     attn_implementation: str = ATTN_SDPA
-    rollout_engine: str = "hf"
     gradient_checkpointing: bool = False
-    actor_micro_batch_size: int = 4
-    critic_micro_batch_size: Optional[int] = 4
-    logprob_micro_batch_size: int = 4
-    max_token_len_per_micro_batch: Optional[int] = None
     logprob_chunk_size: int = 1024
     optimizer_offload: bool = False
     param_offload: bool = False
@@ -653,7 +563,8 @@ class Plan:
     use_critic: bool = False
     use_ref: bool = False  # reference log-probs are needed (a separate model, or the adapter-disabled base)
     use_lora: bool = False
-    rollout_batch_size: Optional[int] = None  # sequences generated at once (None: the whole batch)
+    rollout: RolloutPlan = field(default_factory=lambda: RolloutPlan(dtype=FP32))  # how responses are generated
+    sizes: RuntimeSizes = field(default_factory=RuntimeSizes)  # batch sizes OOM recovery may lower
     world_size: int = 1  # ranks (trainer.nnodes x trainer.n_gpus_per_node); sizes above are per rank
     data_parallel: str = "none"  # "none" | "replicate" (every rank holds the full models; gradients all-reduced)
     dist_backend: Optional[str] = None  # "nccl" | "gloo" when world_size > 1
@@ -670,23 +581,23 @@ class Plan:
             ("precision", f"{self.precision}: params {dtype_name(self.param_dtype)}, compute "
              f"{dtype_name(self.compute_dtype)}" + (", autocast" if self.use_autocast else "")
              + (", grad scaler" if self.use_grad_scaler else ""), self.reasons.get("precision", "")),
-            ("rollout dtype", dtype_name(self.rollout_dtype), self.reasons.get("rollout_dtype", "")),
+            ("rollout dtype", dtype_name(self.rollout.dtype), self.reasons.get("rollout_dtype", "")),
             ("tf32", "on" if self.allow_tf32 else "off", self.reasons.get("allow_tf32", "")),
             ("attention", self.attn_implementation, self.reasons.get("attn_implementation", "")),
-            ("rollout engine", self.rollout_engine, self.reasons.get("rollout_engine", "")),
+            ("rollout engine", self.rollout.engine, self.reasons.get("rollout_engine", "")),
             ("critic", "yes" if self.use_critic else "no", self.reasons.get("use_critic", "")),
             ("reference", self.ref_device, self.reasons.get("ref_device", "")),
             ("lora", "yes" if self.use_lora else "no", self.reasons.get("use_lora", "")),
             ("grad checkpointing", "on" if self.gradient_checkpointing else "off",
              self.reasons.get("gradient_checkpointing", "")),
-            ("actor micro-batch", str(self.actor_micro_batch_size), self.reasons.get("actor_micro_batch_size", "")),
-            ("critic micro-batch", str(self.critic_micro_batch_size) if self.use_critic else "-",
+            ("actor micro-batch", str(self.sizes.actor_micro_batch_size), self.reasons.get("actor_micro_batch_size", "")),
+            ("critic micro-batch", str(self.sizes.critic_micro_batch_size) if self.use_critic else "-",
              self.reasons.get("critic_micro_batch_size", "")),
-            ("log-prob micro-batch", str(self.logprob_micro_batch_size),
+            ("log-prob micro-batch", str(self.sizes.logprob_micro_batch_size),
              self.reasons.get("logprob_micro_batch_size", "")),
-            ("tokens per micro-batch", str(self.max_token_len_per_micro_batch or "-"),
+            ("tokens per micro-batch", str(self.sizes.max_token_len_per_micro_batch or "-"),
              self.reasons.get("max_token_len_per_micro_batch", "")),
-            ("rollout batch", str(self.rollout_batch_size or "all"), self.reasons.get("rollout_batch_size", "")),
+            ("rollout batch", str(self.sizes.rollout_batch_size or "all"), self.reasons.get("rollout_batch_size", "")),
             ("log-prob chunk", f"{self.logprob_chunk_size} tokens", self.reasons.get("logprob_chunk_size", "")),
             ("optimizer offload", "on" if self.optimizer_offload else "off", self.reasons.get("optimizer_offload", "")),
             ("param offload", "on" if self.param_offload else "off", self.reasons.get("param_offload", "")),
@@ -1018,6 +929,7 @@ def make_plan(cfg: Any, probe: Optional[HardwareProbe] = None, *, for_execution:
     attn, backends = _decide_attention(str(hcfg.attn_implementation), hw, target, precision.compute, shape.head_dim,
                                        reasons)
     engine = str(arr.rollout.name)
+    fallback_allowed = engine == "auto"
     if engine == "auto":
         engine = "fast"
         reasons["rollout_engine"] = ("auto: the fast engine (static KV cache, CUDA graphs); it falls back to hf "
@@ -1040,11 +952,15 @@ def make_plan(cfg: Any, probe: Optional[HardwareProbe] = None, *, for_execution:
 
     # memory
     plan = Plan(device=device, card=target.name, compute_capability=target.cc, precision=precision.name,
-                param_dtype=precision.param, compute_dtype=precision.compute, rollout_dtype=rollout_dtype,
+                param_dtype=precision.param, compute_dtype=precision.compute,
                 use_autocast=precision.autocast, use_grad_scaler=precision.scaler, allow_tf32=allow_tf32,
-                attn_implementation=attn, rollout_engine=engine, reasons=reasons, emulated=target.emulated,
+                attn_implementation=attn, reasons=reasons, emulated=target.emulated,
                 use_critic=use_critic, use_ref=use_ref, use_lora=use_lora,
                 alloc_conf=ALLOC_CONF if target.is_cuda else None)
+    plan.rollout = RolloutPlan(engine=engine, fallback_allowed=fallback_allowed, dtype=rollout_dtype,
+                               reasons={"engine": reasons["rollout_engine"], "dtype": reasons["rollout_dtype"],
+                                        "fallback_allowed": "automatic choice" if fallback_allowed else
+                                        f"actor_rollout_ref.rollout.name={engine} asked for this engine"})
     reasons["alloc_conf"] = ("fewer fragmentation OOMs as phase shapes change (set before CUDA initialises)"
                              if target.is_cuda else "CPU")
     scores = attn == ATTN_EAGER or (attn == ATTN_SDPA and set(backends) <= {"math"})
@@ -1079,7 +995,7 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
         f"{source} - {est.format_bytes(est.CUDA_CONTEXT_BYTES)} CUDA context, x {est.SAFETY_FRACTION} margin"
         if target.is_cuda else f"{source} available RAM x {est.CPU_RAM_FRACTION}")
     workload = est.Workload(
-        param_dtype=plan.param_dtype, compute_dtype=plan.compute_dtype, rollout_dtype=plan.rollout_dtype,
+        param_dtype=plan.param_dtype, compute_dtype=plan.compute_dtype, rollout_dtype=plan.rollout.dtype,
         use_autocast=plan.use_autocast, prompts_per_step=max(1, math.ceil(prompts / world)), samples_per_prompt=n,
         prompt_length=int(arr.rollout.prompt_length or cfg.data.max_prompt_length),
         response_length=int(arr.rollout.response_length or cfg.data.max_response_length),
@@ -1089,7 +1005,7 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
         attention_materializes_scores=scores_materialized, on_cuda=target.is_cuda,
         use_dynamic_bsz=bool(actor.use_dynamic_bsz),
         token_budget_cap=int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
-        rollout_engine=plan.rollout_engine)
+        rollout_engine=plan.rollout.engine)
 
     fixed: dict[str, Any] = {
         "gradient_checkpointing": _auto(arr.model.enable_gradient_checkpointing),
@@ -1125,12 +1041,12 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
     plan.gradient_checkpointing = placement.gradient_checkpointing
     plan.optimizer_offload = placement.optimizer_offload and target.is_cuda
     plan.param_offload = placement.param_offload and target.is_cuda
-    plan.actor_micro_batch_size = placement.actor_micro_batch
-    plan.critic_micro_batch_size = placement.critic_micro_batch if plan.use_critic else None
-    plan.logprob_micro_batch_size = placement.logprob_micro_batch
-    plan.max_token_len_per_micro_batch = placement.max_token_len
+    plan.sizes.actor_micro_batch_size = placement.actor_micro_batch
+    plan.sizes.critic_micro_batch_size = placement.critic_micro_batch if plan.use_critic else None
+    plan.sizes.logprob_micro_batch_size = placement.logprob_micro_batch
+    plan.sizes.max_token_len_per_micro_batch = placement.max_token_len
     plan.logprob_chunk_size = placement.logprob_chunk_size
-    plan.rollout_batch_size = placement.rollout_batch
+    plan.sizes.rollout_batch_size = placement.rollout_batch
     # planning-only runs (emulated card, no GPU here) still name the card's device for what lives on it
     on_device = plan.device if (plan.device != "cpu" or not target.is_cuda) else "cuda:0"
     plan.ref_device = (on_device if placement.ref_on_device else "cpu") if separate_ref else "none"
@@ -1366,10 +1282,10 @@ def plan_main(config: Any = None, overrides: Optional[list[str]] = None, emulate
     print(f"\nplan{' (emulating ' + plan.emulated + ')' if plan.emulated else ''}:\n{plan.summary()}")
     print(f"\npredicted peak memory per phase (budget {est.format_bytes(plan.memory_budget_bytes or 0)}):")
     print(_estimate_table(plan))
-    print(f"\nmicro-batches: actor {plan.actor_micro_batch_size}, critic "
-          f"{plan.critic_micro_batch_size if plan.use_critic else '-'}, log-prob {plan.logprob_micro_batch_size}"
-          + (f", tokens {plan.max_token_len_per_micro_batch}" if plan.max_token_len_per_micro_batch else "")
-          + f"; rollout {plan.rollout_batch_size} sequences at once")
+    print(f"\nmicro-batches: actor {plan.sizes.actor_micro_batch_size}, critic "
+          f"{plan.sizes.critic_micro_batch_size if plan.use_critic else '-'}, log-prob {plan.sizes.logprob_micro_batch_size}"
+          + (f", tokens {plan.sizes.max_token_len_per_micro_batch}" if plan.sizes.max_token_len_per_micro_batch else "")
+          + f"; rollout {plan.sizes.rollout_batch_size} sequences at once")
     if json_out:
         Path(json_out).write_text(json.dumps(payload, indent=2))
         print(f"wrote {json_out}")

@@ -45,6 +45,7 @@ from .oom import OOMGuard
 from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .rewards import RewardManager, load_custom_reward
+from .plan import RuntimeSizes
 from .rollout import make_engine
 from .runguard import RunInterrupted, StepDropped, StopSignals, prepare_run_dir
 from .rollout.base import RolloutBatch, SamplingParams, StopStringMatcher, collect_eos_ids
@@ -138,8 +139,6 @@ class ScoredRollout:
 
 
 # The plan fields OOM recovery may lower during a run; saved with each checkpoint and restored on resume.
-OOM_ADJUSTED_SIZES = ("actor_micro_batch_size", "critic_micro_batch_size", "logprob_micro_batch_size",
-                      "max_token_len_per_micro_batch", "rollout_batch_size")
 
 
 class PhaseTimer:
@@ -275,22 +274,22 @@ class RLTrainer:
             self.schedulers["critic"] = _make_scheduler(self.optimizers["critic"], cfg.critic.optim, self.total_steps)
         self.grad_scaler = make_grad_scaler(plan)  # fp16 plans: one dynamic loss scale for actor and critic
         # the guard speaks of the rollout's precision: its overflow rule is for half-precision rollouts
-        self.precision_guard = PrecisionGuard.from_config(cfg.hardware, precision_name(plan.rollout_dtype))
+        self.precision_guard = PrecisionGuard.from_config(cfg.hardware, precision_name(plan.rollout.dtype))
         self.last_step_outcome: Optional[StepOutcome] = None
         self.kl_ctrl = algo.make_kl_controller(algo_cfg.kl_ctrl.type, algo_cfg.kl_ctrl.kl_coef,
                                                algo_cfg.kl_ctrl.target_kl, algo_cfg.kl_ctrl.horizon)
         # A token budget can shrink no further than one full-length sequence.
-        self.oom_guard = OOMGuard(plan, log_fn=lambda msg: log.warning("%s", msg), min_size={
+        self.oom_guard = OOMGuard(plan.sizes, log_fn=lambda msg: log.warning("%s", msg), min_size={
             "max_token_len_per_micro_batch": cfg.data.max_prompt_length + self.response_length})
 
         # ---- rollout engine (shares the actor's weights)
         max_len = cfg.data.max_prompt_length + self.response_length
         self.engine = make_engine(self.actor, self.tokenizer, plan, engine=acfg.rollout.name,
-                                  max_batch_size=plan.rollout_batch_size or cfg.data.train_batch_size * self.n,
+                                  max_batch_size=plan.sizes.rollout_batch_size or cfg.data.train_batch_size * self.n,
                                   max_seq_len=max_len)
         fallback = getattr(self.engine, "fallback_reason", None)
-        if fallback and plan.rollout_engine != "hf":
-            plan.rollout_engine = "hf"
+        if fallback and plan.rollout.engine != "hf":
+            plan.rollout.engine = "hf"
             plan.reasons["rollout_engine"] = f"{plan.reasons.get('rollout_engine', '')}; fell back to hf: {fallback}"
         self.write_plan_record()  # after the engine is known: the record shows what runs
         # On a tight card the KV cache must not sit beside the update's activations (the estimator assumes so).
@@ -321,7 +320,7 @@ class RLTrainer:
     def guarded(self, phase: str, fn: Callable[[int], object], size_attr: str):
         """fn(size) under OOM recovery (hardware.oom_recovery): on CUDA OOM, halve plan.<size_attr> and redo."""
         if not self.cfg.hardware.oom_recovery:
-            return fn(getattr(self.plan, size_attr))
+            return fn(getattr(self.plan.sizes, size_attr))
         events = len(self.oom_guard.events)
         try:
             return self.oom_guard.run(phase, fn, size_attr)
@@ -350,7 +349,7 @@ class RLTrainer:
 
     @property
     def uses_token_budget(self) -> bool:
-        return self.plan.max_token_len_per_micro_batch is not None
+        return self.plan.sizes.max_token_len_per_micro_batch is not None
 
     def size_attr(self, fixed_size_attr: str) -> str:
         """The plan field that sizes a phase's micro-batches: the token budget when there is one."""
@@ -563,14 +562,14 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------ one step
     def generate(self, items: list[dict], params: SamplingParams, generator, first_prompt: int = 0) -> RolloutBatch:
-        """Sample params.n responses per prompt, plan.rollout_batch_size sequences at a time (OOM-guarded).
+        """Sample params.n responses per prompt, plan.sizes.rollout_batch_size sequences at a time (OOM-guarded).
 
         `generator` is a torch.Generator for all calls, or a function of the global index of each call's first
         prompt (`first_prompt` + offset) returning one: then the draws do not depend on how prompts are split."""
         self.actor.eval()
         prompts = [item["input_ids"] for item in items]
-        if self.plan.rollout_batch_size is None:
-            self.plan.rollout_batch_size = len(prompts) * params.n
+        if self.plan.sizes.rollout_batch_size is None:
+            self.plan.sizes.rollout_batch_size = len(prompts) * params.n
 
         def run(size: int) -> RolloutBatch:
             per_call = max(1, size // params.n)
@@ -847,7 +846,7 @@ class RLTrainer:
     def trainer_state(self) -> dict:
         return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,  # fp16 loss scale
-                "plan_sizes": {k: getattr(self.plan, k) for k in OOM_ADJUSTED_SIZES}}
+                "plan_sizes": self.plan.sizes.to_dict()}
 
     def save(self) -> str:
         export = None
@@ -907,8 +906,9 @@ class RLTrainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])
-        for key, value in state.get("plan_sizes", {}).items():
-            setattr(self.plan, key, value)  # keep what OOM recovery learned
+        if state.get("plan_sizes"):
+            self.plan.sizes = RuntimeSizes.from_dict(state["plan_sizes"])  # keep what OOM recovery learned
+            self.oom_guard.plan = self.plan.sizes
         self.write_plan_record()
         self._apply_optim_config()
         self.engine.sync_weights()

@@ -31,23 +31,21 @@ def make_engine(
 ) -> RolloutEngine:
     """Build the rollout engine for `model`.
 
-    engine: "fast", "hf" or "auto". With "auto", `plan.rollout_engine` (when a plan is given) is the request, and
+    engine: "fast", "hf" or "auto". With "auto", `plan.rollout.engine` (when a plan is given) is the request, and
     "fast" falls back to "hf" (logged) when `FastEngine.supports(model)` says no; an explicit "fast" raises
-    instead, unless it is the plan's automatic choice (plan.reasons["rollout_engine"] starts with "auto"). dtype: explicit engine dtype, else
-    `plan.rollout_dtype`, else the model's own dtype.
+    instead, unless the plan allows the fall-back (`plan.rollout.fallback_allowed`: its own automatic choice).
+    dtype: explicit engine dtype, else `plan.rollout.dtype`, else the model's own dtype.
     """
     if engine not in ENGINE_CHOICES:
         raise ValueError(f"engine must be one of {ENGINE_CHOICES}, got {engine!r}")
-    requested = engine
-    planned = getattr(plan, "rollout_engine", None) if plan is not None else None
-    if engine == "auto" and planned in ("fast", "hf"):
-        requested = planned
+    rollout_plan = getattr(plan, "rollout", None) if plan is not None else None
+    planned = rollout_plan.engine if rollout_plan is not None else None
+    requested = planned if engine == "auto" and planned in ("fast", "hf") else engine
     # "fast" may fall back to hf when it was an automatic choice: engine="auto", or the plan's own "fast" from
-    # rollout.name=auto passed through as engine=plan.rollout_engine.
-    plan_reason = str((getattr(plan, "reasons", None) or {}).get("rollout_engine", "")) if plan is not None else ""
-    may_fall_back = engine == "auto" or (engine == planned and plan_reason.startswith("auto"))
-    if dtype is None and plan is not None:
-        dtype = getattr(plan, "rollout_dtype", None)
+    # rollout.name=auto passed through as engine=plan.rollout.engine.
+    may_fall_back = engine == "auto" or (engine == planned and bool(rollout_plan.fallback_allowed))
+    if dtype is None and rollout_plan is not None:
+        dtype = rollout_plan.dtype
 
     if requested == "hf":
         if engine == "auto":
