@@ -12,7 +12,6 @@ import torch
 from rlanywhere import algorithms as algo
 from rlanywhere import hardware as hw
 from rlanywhere.errors import UserError
-from rlanywhere.plan import RolloutPlan
 from rlanywhere.logprobs import chunked_logprobs_and_entropy, naive_logprobs_and_entropy
 from rlanywhere.precision_guard import (PrecisionGuard, PrecisionGuardError, logprobs_comparable, optimizer_step,
                                         rollout_logprob_gap)

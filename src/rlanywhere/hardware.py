@@ -38,7 +38,6 @@ import torch
 
 from rlanywhere import estimator as est
 
-from .errors import UserError
 from .plan import RolloutPlan, RuntimeSizes
 from .vocabulary import (  # noqa: F401 - re-exported: the planner's vocabulary
     FP32, BF16, FP16, ACCUMULATE_DTYPE, REFERENCE_DTYPE, PRECISION_DTYPES,
