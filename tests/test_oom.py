@@ -1,4 +1,3 @@
-import types
 import weakref
 
 import pytest
@@ -6,6 +5,7 @@ import torch
 from torch import nn
 
 from rlanywhere.oom import OOMGuard, OutOfMemoryAtMinimumError, is_oom_error
+from rlanywhere.plan import RuntimeSizes, SizeKind
 
 
 def fake_oom(size):
@@ -31,7 +31,7 @@ def test_is_oom_error_recognises_devices_and_chains():
 
 
 def test_sizes_halve_until_it_fits_and_plan_remembers():
-    plan = types.SimpleNamespace(actor_micro_batch_size=16)
+    plan = RuntimeSizes(actor_micro_batch_size=16)
     logs, calls = [], []
 
     def fn(size):
@@ -41,7 +41,7 @@ def test_sizes_halve_until_it_fits_and_plan_remembers():
         return size * 10
 
     guard = OOMGuard(plan, log_fn=logs.append)
-    assert guard.run("actor_update", fn, "actor_micro_batch_size") == 40
+    assert guard.run("actor_update", fn, SizeKind.ACTOR_MICRO_BATCH) == 40
     assert calls == [16, 8, 4]
     assert plan.actor_micro_batch_size == 4
     assert [(e["phase"], e["attribute"], e["old_size"], e["new_size"]) for e in guard.events] == [
@@ -51,12 +51,12 @@ def test_sizes_halve_until_it_fits_and_plan_remembers():
     assert len(logs) == 2 and "actor_update" in logs[0] and "16" in logs[0] and "8" in logs[0]
     # next step starts at the remembered size: no new OOM, no new event
     calls.clear()
-    assert guard.run("actor_update", fn, "actor_micro_batch_size") == 40
+    assert guard.run("actor_update", fn, SizeKind.ACTOR_MICRO_BATCH) == 40
     assert calls == [4] and len(guard.events) == 2
 
 
 def test_only_first_k_calls_fail():
-    plan = types.SimpleNamespace(max_token_len_per_micro_batch=4096)
+    plan = RuntimeSizes(max_token_len_per_micro_batch=4096)
     failures = {"left": 1}
 
     def fn(size):
@@ -66,7 +66,7 @@ def test_only_first_k_calls_fail():
         return size
 
     guard = OOMGuard(plan, log_fn=lambda _: None)
-    assert guard.run("logprobs", fn, "max_token_len_per_micro_batch") == 2048
+    assert guard.run("logprobs", fn, SizeKind.TOKENS_PER_MICRO_BATCH) == 2048
 
 
 def test_restarted_mini_batch_accumulates_the_same_gradient():
@@ -87,9 +87,9 @@ def test_restarted_mini_batch_accumulates_the_same_gradient():
 
     expected_full = accumulate(8)
     expected_at_2 = accumulate(2)
-    plan = types.SimpleNamespace(actor_micro_batch_size=8)
+    plan = RuntimeSizes(actor_micro_batch_size=8)
     guard = OOMGuard(plan, log_fn=lambda _: None)
-    got = guard.run("actor_update", lambda size: accumulate(size, fail_above=2), "actor_micro_batch_size")
+    got = guard.run("actor_update", lambda size: accumulate(size, fail_above=2), SizeKind.ACTOR_MICRO_BATCH)
     assert plan.actor_micro_batch_size == 2
     for g, e2, e8 in zip(got, expected_at_2, expected_full):
         assert torch.equal(g, e2)  # same micro-batching, same numbers
@@ -97,7 +97,7 @@ def test_restarted_mini_batch_accumulates_the_same_gradient():
 
 
 def test_failed_attempt_memory_is_released_before_retry():
-    plan = types.SimpleNamespace(critic_micro_batch_size=4)
+    plan = RuntimeSizes(critic_micro_batch_size=4)
     refs = []
 
     def fn(size):
@@ -113,18 +113,18 @@ def test_failed_attempt_memory_is_released_before_retry():
         assert refs[0]() is None
         return size
 
-    assert OOMGuard(plan, log_fn=lambda _: None).run("critic_update", fn, "critic_micro_batch_size") == 2
+    assert OOMGuard(plan, log_fn=lambda _: None).run("critic_update", fn, SizeKind.CRITIC_MICRO_BATCH) == 2
 
 
 def test_minimum_size_reraises_with_advice():
-    plan = types.SimpleNamespace(actor_micro_batch_size=2)
+    plan = RuntimeSizes(actor_micro_batch_size=2)
     guard = OOMGuard(plan, log_fn=lambda _: None)
 
     def always_oom(size):
         raise fake_oom(size)
 
     with pytest.raises(OutOfMemoryAtMinimumError) as info:
-        guard.run("actor_update", always_oom, "actor_micro_batch_size")
+        guard.run("actor_update", always_oom, SizeKind.ACTOR_MICRO_BATCH)
     message = str(info.value)
     for hint in ("actor_micro_batch_size=1", "lora_rank", "offload", "max_response_length", "train_batch_size"):
         assert hint in message
@@ -133,18 +133,18 @@ def test_minimum_size_reraises_with_advice():
 
 
 def test_minimum_per_attribute_for_token_budgets():
-    plan = types.SimpleNamespace(max_token_len_per_micro_batch=2048)
-    guard = OOMGuard(plan, log_fn=lambda _: None, min_size={"max_token_len_per_micro_batch": 1024})
+    plan = RuntimeSizes(max_token_len_per_micro_batch=2048)
+    guard = OOMGuard(plan, log_fn=lambda _: None, min_size={SizeKind.TOKENS_PER_MICRO_BATCH: 1024})
 
     def always_oom(size):
         raise fake_oom(size)
 
     with pytest.raises(OutOfMemoryAtMinimumError, match="max_token_len_per_micro_batch=1024"):
-        guard.run("logprobs", always_oom, "max_token_len_per_micro_batch")
+        guard.run("logprobs", always_oom, SizeKind.TOKENS_PER_MICRO_BATCH)
 
 
-def test_other_errors_are_not_retried_and_bad_attributes_are_explained():
-    plan = types.SimpleNamespace(actor_micro_batch_size=8, max_token_len_per_micro_batch=None)
+def test_other_errors_are_not_retried_and_bad_kinds_are_explained():
+    plan = RuntimeSizes(actor_micro_batch_size=8, max_token_len_per_micro_batch=None)
     calls = []
 
     def broken(size):
@@ -153,9 +153,34 @@ def test_other_errors_are_not_retried_and_bad_attributes_are_explained():
 
     guard = OOMGuard(plan, log_fn=lambda _: None)
     with pytest.raises(ValueError, match="a real bug"):
-        guard.run("actor_update", broken, "actor_micro_batch_size")
+        guard.run("actor_update", broken, SizeKind.ACTOR_MICRO_BATCH)
     assert calls == [8] and guard.events == []
-    with pytest.raises(AttributeError, match="no attribute"):
-        guard.run("actor_update", broken, "actor_mbs")
+    with pytest.raises(TypeError, match="SizeKind"):  # a size is named by its kind, never by a field-name string
+        guard.run("actor_update", broken, "actor_micro_batch_size")
     with pytest.raises(ValueError, match="positive int"):
-        guard.run("logprobs", broken, "max_token_len_per_micro_batch")
+        guard.run("logprobs", broken, SizeKind.TOKENS_PER_MICRO_BATCH)
+
+
+def test_disabled_guard_runs_once_and_on_change_follows_every_lowering():
+    sizes = RuntimeSizes(logprob_micro_batch_size=8)
+    changes = []
+
+    def oom_above_2(size):
+        if size > 2:
+            raise fake_oom(size)
+        return size
+
+    off = OOMGuard(sizes, log_fn=lambda _: None, enabled=False, on_change=lambda: changes.append("off"))
+    with pytest.raises(torch.OutOfMemoryError):
+        off.run("log_probs", oom_above_2, SizeKind.LOGPROB_MICRO_BATCH)
+    assert sizes.logprob_micro_batch_size == 8 and off.events == [] and changes == []
+    on = OOMGuard(sizes, log_fn=lambda _: None, on_change=lambda: changes.append(sizes.to_dict()))
+    assert on.run("log_probs", oom_above_2, SizeKind.LOGPROB_MICRO_BATCH) == 2
+    assert [c["logprob_micro_batch_size"] for c in changes] == [2]  # once per phase, after the last halving
+    assert on.run("log_probs", oom_above_2, SizeKind.LOGPROB_MICRO_BATCH) == 2 and len(changes) == 1
+
+
+def test_size_kinds_name_every_runtime_size():
+    from dataclasses import fields
+
+    assert sorted(kind.value for kind in SizeKind) == sorted(f.name for f in fields(RuntimeSizes))

@@ -353,3 +353,24 @@ def retire_later_checkpoints(run_dir: str, step: int) -> list[str]:
     if moved:
         _atomic_write_text(os.path.join(checkpoint_root(run_dir), LATEST_FILE), str(step))
     return moved
+
+
+def export_final_model(run_dir: str, step: int, model_to_export: Callable[[], Any], tokenizer, dp) -> str:
+    """The trained actor in HF format at the end of a run: the last checkpoint's actor/ when one was written at
+    `step`, else RUN_DIR/final_model/ (model + tokenizer, no optimizer), written atomically by rank 0.
+    `model_to_export()` gives the model to write (with LoRA: the merged one)."""
+    latest = find_latest_checkpoint(run_dir)
+    if latest and os.path.basename(latest) == f"global_step_{step}":
+        return os.path.join(latest, "actor")
+    final = os.path.join(run_dir, "final_model")
+    model = model_to_export()
+    if dp.is_main:  # [distributed] replicas are identical: rank 0 writes, the others wait for it
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # a run killed mid-write leaves final_model.tmp, never a half-written final_model
+        log.info("final model saved: %s", final)
+    dp.barrier()
+    return final

@@ -1,12 +1,12 @@
 """Recover from out-of-memory errors by halving a phase's micro-batch size and redoing the phase.
 
 The planner's memory estimate can be wrong (fragmentation, a long-response batch, another process on the card).
-Instead of crashing hours into a run, ``OOMGuard.run(phase, fn, size_attr)`` calls ``fn(size)`` with the plan's
-current micro-batch size (or token budget) for that phase; on an out-of-memory error it frees what the failed
-attempt held, halves the plan attribute (so every later step of the run uses the smaller size), logs one line,
-records an event and calls ``fn`` again from the start. ``fn`` must be restartable: it starts with
-``optimizer.zero_grad()`` and recomputes everything it needs from its inputs. At the minimum size the error is
-re-raised with a message naming what to change.
+Instead of crashing hours into a run, ``OOMGuard.run(phase, fn, kind)`` calls ``fn(size)`` with the run's current
+size of that kind (``RuntimeSizes.get(kind)``: a micro-batch size or a token budget); on an out-of-memory error it
+frees what the failed attempt held, halves that size in the RuntimeSizes (so every later step of the run uses the
+smaller size), logs one line, records an event and calls ``fn`` again from the start. ``fn`` must be restartable:
+it starts with ``optimizer.zero_grad()`` and recomputes everything it needs from its inputs. At the minimum size
+the error is re-raised with a message naming what to change.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from __future__ import annotations
 import gc
 import time
 import traceback
-from typing import Callable, Mapping, TypeVar
+from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
+
+from .plan import RuntimeSizes, SizeKind
 
 T = TypeVar("T")
 
@@ -72,38 +74,49 @@ def free_accelerator_memory() -> None:
 
 
 class OOMGuard:
-    """Run phases under out-of-memory recovery; halves ``plan.<size_attr>`` on each OOM.
+    """Run phases under out-of-memory recovery; halves ``sizes.get(kind)`` on each OOM.
 
-    ``min_size`` is the smallest size a phase may run at: one int for all attributes, or a mapping
-    attribute -> int (e.g. a token budget's minimum is a sequence length, not 1). ``events`` lists every
-    recovery as a dict (phase, attribute, old_size, new_size, error, time).
+    ``min_size`` is the smallest size a phase may run at: one int for all kinds, or a mapping SizeKind -> int
+    (e.g. a token budget's minimum is a sequence length, not 1). ``events`` lists every recovery as a dict
+    (phase, attribute, old_size, new_size, error, time). ``enabled=False`` (hardware.oom_recovery=false) runs
+    ``fn`` once at the current size. ``on_change`` is called after a phase that lowered a size (the trainer
+    rewrites plan.json there). ``sizes`` may be replaced whole (a resume restores a checkpoint's sizes).
     """
 
-    def __init__(self, plan, log_fn: Callable[[str], None] = print, min_size: int | Mapping[str, int] = 1):
-        self.plan = plan
+    def __init__(self, sizes: RuntimeSizes, log_fn: Callable[[str], None] = print,
+                 min_size: int | Mapping[SizeKind, int] = 1, enabled: bool = True,
+                 on_change: Optional[Callable[[], None]] = None):
+        self.sizes = sizes
         self.log_fn = log_fn
         self.min_size = min_size
+        self.enabled = enabled
+        self.on_change = on_change
         self.events: list[dict] = []
 
-    def _minimum(self, size_attr: str) -> int:
+    def _minimum(self, kind: SizeKind) -> int:
         if isinstance(self.min_size, Mapping):
-            return int(self.min_size.get(size_attr, 1))
+            return int(self.min_size.get(kind, 1))
         return int(self.min_size)
 
-    def run(self, phase: str, fn: Callable[[int], T], size_attr: str) -> T:
-        """Return ``fn(size)`` with ``size = plan.<size_attr>``, halving it and retrying on OOM."""
-        if not hasattr(self.plan, size_attr):
-            raise AttributeError(
-                f"the plan has no attribute {size_attr!r}; pass the name of the plan field holding this phase's "
-                "micro-batch size (e.g. 'actor_micro_batch_size') or token budget ('max_token_len_per_micro_batch')"
-            )
-        minimum = self._minimum(size_attr)
+    def run(self, phase: str, fn: Callable[[int], T], kind: SizeKind) -> T:
+        """Return ``fn(size)`` with ``size = sizes.get(kind)``, halving it and retrying on OOM."""
+        size = self.sizes.get(kind)  # a TypeError unless kind is a SizeKind
+        if not self.enabled:
+            return fn(size)
+        events = len(self.events)
+        try:
+            return self._run(phase, fn, kind)
+        finally:
+            if len(self.events) != events and self.on_change is not None:
+                self.on_change()
+
+    def _run(self, phase: str, fn: Callable[[int], T], kind: SizeKind) -> T:
+        name = kind.value
+        minimum = self._minimum(kind)
         while True:
-            size = getattr(self.plan, size_attr)
+            size = self.sizes.get(kind)
             if not (isinstance(size, int) and size > 0):
-                raise ValueError(
-                    f"plan.{size_attr} must be a positive int for OOM recovery in phase {phase!r}, got {size!r}"
-                )
+                raise ValueError(f"{name} must be a positive int for OOM recovery in phase {phase!r}, got {size!r}")
             try:
                 return fn(size)
             except Exception as exc:  # noqa: BLE001 - filtered by is_oom_error, everything else re-raised
@@ -112,7 +125,7 @@ class OOMGuard:
                 new_size = size // 2
                 if size <= minimum or new_size < minimum:
                     raise OutOfMemoryAtMinimumError(
-                        f"Out of memory in phase {phase!r} even at {size_attr}={size} (its minimum). To fit, reduce "
+                        f"Out of memory in phase {phase!r} even at {name}={size} (its minimum). To fit, reduce "
                         "memory another way: train LoRA adapters instead of all weights "
                         "(actor_rollout_ref.model.lora_rank), offload the optimizer and/or parameters "
                         "(actor_rollout_ref.actor.fsdp_config.optimizer_offload / param_offload), shorten responses "
@@ -124,18 +137,10 @@ class OOMGuard:
                 traceback.clear_frames(exc.__traceback__)
             # outside the except block the exception itself is released too
             free_accelerator_memory()
-            setattr(self.plan, size_attr, new_size)
-            self.events.append(
-                {
-                    "phase": phase,
-                    "attribute": size_attr,
-                    "old_size": size,
-                    "new_size": new_size,
-                    "error": error_line,
-                    "time": time.time(),
-                }
-            )
-            self.log_fn(f"[oom] {phase}: out of memory at {size_attr}={size}; retrying with {size_attr}={new_size}")
+            self.sizes.set(kind, new_size)
+            self.events.append({"phase": phase, "attribute": name, "old_size": size, "new_size": new_size,
+                                "error": error_line, "time": time.time()})
+            self.log_fn(f"[oom] {phase}: out of memory at {name}={size}; retrying with {name}={new_size}")
 
 
 def _first_line(exc: BaseException) -> str:

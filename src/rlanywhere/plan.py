@@ -9,6 +9,7 @@ copies) so a test or a bench can build one by hand. `RuntimeSizes` holds the siz
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any, Optional
 
 import torch
@@ -40,6 +41,16 @@ class RolloutPlan:
         return record
 
 
+class SizeKind(str, Enum):
+    """Which runtime size a phase runs at: each member's value is the RuntimeSizes field holding it."""
+
+    ACTOR_MICRO_BATCH = "actor_micro_batch_size"
+    CRITIC_MICRO_BATCH = "critic_micro_batch_size"
+    LOGPROB_MICRO_BATCH = "logprob_micro_batch_size"
+    TOKENS_PER_MICRO_BATCH = "max_token_len_per_micro_batch"
+    ROLLOUT_BATCH = "rollout_batch_size"
+
+
 @dataclass
 class RuntimeSizes:
     """The batch sizes a run may lower while it goes (OOM recovery); saved and restored whole."""
@@ -49,6 +60,12 @@ class RuntimeSizes:
     logprob_micro_batch_size: int = 4
     max_token_len_per_micro_batch: Optional[int] = None
     rollout_batch_size: Optional[int] = None  # sequences generated at once (None: the whole batch)
+
+    def get(self, kind: SizeKind) -> Optional[int]:
+        return getattr(self, _field_of(kind))
+
+    def set(self, kind: SizeKind, size: Optional[int]) -> None:
+        setattr(self, _field_of(kind), size)
 
     def to_dict(self) -> dict[str, Optional[int]]:
         return asdict(self)
@@ -61,3 +78,9 @@ class RuntimeSizes:
         if unknown:
             raise ValueError(f"unknown runtime sizes in the checkpoint: {unknown}; known: {sorted(known)}")
         return cls(**record)
+
+
+def _field_of(kind: SizeKind) -> str:
+    if not isinstance(kind, SizeKind):
+        raise TypeError(f"a runtime size is named by a SizeKind (e.g. SizeKind.ACTOR_MICRO_BATCH), got {kind!r}")
+    return kind.value

@@ -259,3 +259,84 @@ class StopSignals:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+
+
+class TrainingStopped(UserError):
+    """The run stopped itself rather than train on garbage: diverged updates, or every reward call failing."""
+
+
+class RunStops:
+    """When a run stops itself or is stopped: updates diverging, rewards failing, a signal (with `signals`, the
+    StopSignals of the running `fit`, set while it runs). Remembers the last good checkpoint for the advice."""
+
+    def __init__(self, trainer_cfg, actor_lr: float, dp):
+        self.limits = {  # read up front: the run stops itself after this many bad updates / reward steps
+            "trainer.max_consecutive_nonfinite_updates": trainer_cfg.max_consecutive_nonfinite_updates,
+            "trainer.max_consecutive_failed_reward_steps": trainer_cfg.max_consecutive_failed_reward_steps}
+        self.actor_lr, self.dp = actor_lr, dp
+        self.nonfinite_streak = 0  # optimizer updates skipped in a row for a non-finite grad norm
+        self.failed_reward_streak = 0
+        self.last_good_checkpoint: Optional[str] = None  # the newest one saved (or resumed) before any such streak
+        self.signals: Optional[StopSignals] = None
+
+    def _stop_after(self, streak: int, limit_key: str, what: str, advice: str) -> None:
+        """Raise TrainingStopped once `streak` reaches the config's `limit_key` (0: never)."""
+        limit = self.limits[limit_key]
+        if limit > 0 and streak >= limit:
+            raise TrainingStopped(f"{what} ({limit_key}={limit}): {advice}")
+
+    def last_good_hint(self) -> str:
+        if self.last_good_checkpoint:
+            return (f"The last good checkpoint is {self.last_good_checkpoint}: resume from it with a lower learning "
+                    f"rate (trainer.resume_mode=resume_path trainer.resume_from_path={self.last_good_checkpoint})")
+        return "No checkpoint was saved before; lower the learning rate and start again"
+
+    def checkpoint_saved(self, path: str) -> None:
+        if self.nonfinite_streak == 0:
+            self.last_good_checkpoint = path
+
+    def weights_changing(self) -> None:
+        """From here the step changes weights: a signal now finishes the step instead of dropping it."""
+        if self.signals is not None:
+            self.signals.droppable = False
+
+    def record_update(self, outcome) -> None:
+        """After each optimizer step (a precision_guard.StepOutcome): stop once too many in a row were non-finite.
+        fp16 scaler skips are not failures (precision_guard counts those)."""
+        if outcome.nonfinite_failure:
+            self.nonfinite_streak += 1
+            self._stop_after(self.nonfinite_streak, "trainer.max_consecutive_nonfinite_updates",
+                             f"{self.nonfinite_streak} optimizer updates in a row had a NaN/inf gradient norm and "
+                             "were skipped",
+                             f"the run has diverged, training on would change nothing. {self.last_good_hint()}, "
+                             f"e.g. actor_rollout_ref.actor.optim.lr={self.actor_lr / 10:g}")
+        elif outcome.applied:
+            self.nonfinite_streak = 0
+
+    def record_rewards(self, errors: float, rows: int, last_error) -> None:
+        """After each step: stop once every reward call failed for too many steps in a row."""
+        self.failed_reward_streak = self.failed_reward_streak + 1 if errors >= rows else 0
+        self._stop_after(self.failed_reward_streak, "trainer.max_consecutive_failed_reward_steps",
+                         f"every reward call failed for {self.failed_reward_streak} steps in a row",
+                         f"nothing can be learned. Last error: {last_error}. Fix the reward "
+                         "function (custom_reward_function.path) or the data's data_source / ground_truth")
+
+    def droppable(self, fn):
+        """fn() while a stop signal may drop it (it must change no training state): None when dropped."""
+        # [distributed] never with several ranks: a rank dropped mid-step would leave the others in a collective;
+        # the step finishes and the ranks stop together at the next step boundary (signal_received)
+        self.signals.droppable = self.signals.received is None and not self.dp.enabled
+        try:
+            return fn()
+        except StepDropped:
+            return None
+        finally:
+            self.signals.droppable = False
+
+    def signal_received(self) -> Optional[int]:
+        """The stop signal received, if any; [distributed] by any rank, so that every rank stops at the same step."""
+        if self.dp.enabled:
+            received = int(self.dp.max_value(float(self.signals.received or 0)))
+            if received and self.signals.received is None:
+                self.signals.received = received
+        return self.signals.received

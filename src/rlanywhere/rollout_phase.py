@@ -1,0 +1,174 @@
+"""Steps 1-2 of a training step (and validation's generation): sample n responses per prompt from the current
+policy, score them with the reward, shape the scores (DAPO's overlong penalty), and with dynamic sampling
+(algorithm.filter_groups) draw more prompts until enough groups are informative. Also the loss mask that keeps
+truncated responses out of the losses (TRL's mask_truncated_completions).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from . import algorithms as algo
+from .config import as_list
+from .errors import UserError
+from .oom import OOMGuard
+from .hardware import Plan
+from .plan import SizeKind
+from .rollout.base import RolloutBatch, SamplingParams, StopStringMatcher, collect_eos_ids
+from .stepbatch import ScoredRollout, concat_rollouts
+
+log = logging.getLogger(__name__)
+
+
+def generate_in_waves(engine, prompts: list, params: SamplingParams, generator, first_prompt: int, rows: int,
+                      pad_token_id: int) -> RolloutBatch:
+    """Generate at most `rows` sequences per engine call (prompts x n), stacked on the CPU. Replaced by the
+    engines' own `generate(..., rows_per_wave=)` when that lands."""
+    per_call = max(1, rows // params.n)
+    with torch.no_grad():
+        parts = [engine.generate(prompts[i:i + per_call], params, generator=generator(first_prompt + i)
+                                 if callable(generator) else generator)
+                 for i in range(0, len(prompts), per_call)]
+    # Step-level tensors live on the CPU; micro-batches visit the device (Updater.forward_rows).
+    return concat_rollouts([part.to("cpu") for part in parts], pad_token_id)
+
+
+class RolloutPhase:
+    """Generation and scoring for one run: the engine, the reward, the sampling settings of the config."""
+
+    def __init__(self, cfg: DictConfig, plan: Plan, engine, actor, tokenizer, reward_manager, oom: OOMGuard,
+                 next_prompts: Callable[[], list[dict]], release_kv: bool):
+        self.cfg, self.plan, self.engine, self.actor, self.tokenizer = cfg, plan, engine, actor, tokenizer
+        self.reward_manager, self.oom, self.next_prompts = reward_manager, oom, next_prompts
+        self.release_kv = release_kv  # free the engine's KV cache once a step's rollouts are done
+        self.n = cfg.actor_rollout_ref.rollout.n
+
+    @property
+    def response_length(self) -> int:
+        return self.cfg.actor_rollout_ref.rollout.response_length or self.cfg.data.max_response_length
+
+    def sampling_params(self, validation: bool = False) -> SamplingParams:
+        rollout_cfg = self.cfg.actor_rollout_ref.rollout
+        kw = rollout_cfg.val_kwargs if validation else rollout_cfg
+        greedy = not kw.do_sample or kw.temperature == 0
+        return SamplingParams(max_new_tokens=self.response_length, temperature=0.0 if greedy else kw.temperature,
+                              top_p=kw.top_p, top_k=max(kw.top_k, 0), n=kw.n if validation else rollout_cfg.n,
+                              stop_strings=tuple(as_list(rollout_cfg.stop)),
+                              ignore_eos=bool(rollout_cfg.ignore_eos and not validation))
+
+    def step_generator(self, step: int, salt: int = 0, first_prompt: int = 0) -> torch.Generator:
+        """Sampling randomness is a function of (seed, step, global index of the call's first prompt): a resumed run
+        draws exactly what it would have, and a rank draws what one process would for the same prompts."""
+        device = self.plan.device
+        gen = torch.Generator(device=device if device.startswith("cuda") else "cpu")
+        gen.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 7919 + salt + first_prompt * 104_729)
+        return gen
+
+    def generate(self, items: list[dict], params: SamplingParams, generator, first_prompt: int = 0) -> RolloutBatch:
+        """Sample params.n responses per prompt, plan.sizes.rollout_batch_size sequences at a time (OOM-guarded).
+
+        `generator` is a torch.Generator for all calls, or a function of the global index of each call's first
+        prompt (`first_prompt` + offset) returning one: then the draws do not depend on how prompts are split."""
+        self.actor.eval()
+        prompts = [item["input_ids"] for item in items]
+        if self.plan.sizes.rollout_batch_size is None:
+            self.plan.sizes.rollout_batch_size = len(prompts) * params.n
+        return self.oom.run("rollout", lambda rows: generate_in_waves(
+            self.engine, prompts, params, generator, first_prompt, rows, self.tokenizer.pad_token_id),
+            SizeKind.ROLLOUT_BATCH)
+
+    def score(self, items: list[dict], rollout: RolloutBatch, n: int):
+        texts = rollout.decode(self.tokenizer)
+        expand = lambda key: [item[key] for item in items for _ in range(n)]  # noqa: E731
+        scores, info = self.reward_manager(texts, expand("ground_truth"), expand("data_source"), expand("extra_info"))
+        return scores.float(), info, texts
+
+    def shaped_scores(self, items: list[dict], rollout: RolloutBatch) -> ScoredRollout:
+        """Rule scores plus DAPO's overlong penalty (reward_model.overlong_buffer) when it is on."""
+        scores, info, _ = self.score(items, rollout, self.n)
+        buffer = self.cfg.reward_model.overlong_buffer
+        if buffer.enable:
+            penalty = algo.overlong_penalty(rollout.response_lengths(), self.response_length, buffer.len,
+                                            buffer.penalty_factor)
+            scores = scores + penalty.to(scores.dtype)
+            info["overlong_penalty"] = penalty.tolist()
+        return ScoredRollout(items, rollout, scores, info)
+
+    def filter_metric(self, part: ScoredRollout) -> torch.Tensor:
+        """Per-row values of algorithm.filter_groups.metric: seq_reward (shaped score), score (before the overlong
+        penalty), or a number the reward function returns (acc, ...)."""
+        name = self.cfg.algorithm.filter_groups.metric
+        if name == "seq_reward":
+            return part.scores
+        if name == "score":
+            return part.scores - torch.tensor(part.info.get("overlong_penalty", 0.0), dtype=part.scores.dtype)
+        if not isinstance(part.info.get(name), list):
+            known = ["score", "seq_reward"] + sorted(k for k, v in part.info.items() if isinstance(v, list))
+            raise UserError(f"algorithm.filter_groups.metric={name!r} is not a reward value; use one of {known}")
+        return torch.tensor(part.info[name], dtype=torch.float64)
+
+    def rollout_and_score(self, items: list[dict], timer, step: int = 0,
+                          first_prompt: int = 0) -> tuple[ScoredRollout, dict]:
+        """Steps 1-2: n samples per prompt from the current policy, scored (and length-shaped).
+
+        With DAPO's dynamic sampling (algorithm.filter_groups) groups whose metric is the same for every sample are
+        dropped and more prompts are drawn until train_batch_size prompts are kept, at most max_num_gen_batches
+        rounds; a batch still short at the cap is topped up with dropped groups (verl stops the run there)."""
+        filter_cfg = self.cfg.algorithm.filter_groups
+        rounds, kept, dropped = [], [], []
+        while True:
+            with timer("rollout"):
+                # [distributed] draws seeded by the global index of each call's first prompt (first_prompt: this
+                # rank's first), so N ranks sample what one process would
+                salt = -len(rounds)
+                rollout = self.generate(items, self.sampling_params(), lambda first: self.step_generator(
+                    step, salt=salt, first_prompt=first), first_prompt)
+            with timer("reward"):
+                rounds.append(self.shaped_scores(items, rollout))
+            if not filter_cfg.enable:
+                break
+            keep = algo.informative_groups(self.filter_metric(rounds[-1]),
+                                           torch.arange(len(items)).repeat_interleave(self.n))
+            kept.append(rounds[-1].select([p for p in range(len(items)) if keep[p * self.n]]))
+            dropped.append(rounds[-1].select([p for p in range(len(items)) if not keep[p * self.n]]))
+            informative = sum(len(part.items) for part in kept)
+            at_cap = 0 < filter_cfg.max_num_gen_batches <= len(rounds)
+            if informative >= self.cfg.data.train_batch_size or at_cap:
+                break
+            items = self.next_prompts()
+        if self.release_kv:
+            self.engine.release_memory()
+        if not filter_cfg.enable:
+            return rounds[0], {}
+        pool = ScoredRollout.concat([part for part in kept + dropped if part.items], self.tokenizer.pad_token_id)
+        batch = pool.select(list(range(min(self.cfg.data.train_batch_size, len(pool.items)))))
+        batch.info["num_errors"] = sum(part.info["num_errors"] for part in rounds)
+        topped_up = max(len(batch.items) - informative, 0)
+        if topped_up:
+            log.warning("dynamic sampling: %d informative prompts after %d generation rounds "
+                        "(algorithm.filter_groups.max_num_gen_batches); topped up with %d uninformative ones",
+                        informative, len(rounds), topped_up)
+        drawn_acc = [acc for part in rounds for acc in part.info["acc"]]
+        return batch, {"filter_groups/num_gen_batches": float(len(rounds)),
+                       "filter_groups/prompts_drawn": float(sum(len(part.items) for part in rounds)),
+                       "filter_groups/prompts_informative": float(informative),
+                       "filter_groups/prompts_topped_up": float(topped_up),
+                       "filter_groups/drawn_acc": float(np.mean(drawn_acc))}
+
+    def truncated_loss_mask(self, rollout: RolloutBatch) -> tuple[Optional[torch.Tensor], dict]:
+        """TRL's mask_truncated_completions: the response mask without responses cut off by the length limit."""
+        if not self.cfg.algorithm.mask_truncated_completions:
+            return None, {}
+        eos_ids = getattr(self.engine, "eos_ids", None) or collect_eos_ids(self.tokenizer, self.actor)  # the engine's
+        truncated = algo.truncated_rows(rollout.response_ids, rollout.response_mask, self.response_length, eos_ids)
+        stops = StopStringMatcher(self.tokenizer, as_list(self.cfg.actor_rollout_ref.rollout.stop))
+        if stops:  # a response that ends on a stop string exactly at the limit was finished, not cut off
+            for row in truncated.nonzero().flatten().tolist():
+                truncated[row] = not stops.ends_with_stop(rollout.response_ids[row].tolist())
+        loss_mask = rollout.response_mask.float() * (~truncated).float().unsqueeze(-1)
+        return loss_mask, {"response_length/truncated_masked": float(truncated.float().mean())}

@@ -1,0 +1,85 @@
+"""The data of one training step: the rollout with its scores (ScoredRollout, steps 1-2) and everything computed
+from it on the way to the updates (StepBatch: log-probs, values, advantages, the loss mask)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .rollout.base import RolloutBatch
+
+
+@dataclass
+class StepBatch:
+    """Everything known about one step's sequences; tensors are [rows, response_len] unless noted."""
+
+    rollout: RolloutBatch
+    group_index: torch.Tensor  # [rows] which prompt each row answers
+    scores: torch.Tensor  # [rows]
+    reward_info: dict
+    old_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    token_rewards: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
+    metrics: dict = field(default_factory=dict)
+    loss_mask: Optional[torch.Tensor] = None  # the response mask less rows kept out of the losses (truncated ones)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The mask the losses and their normalisers use."""
+        return self.loss_mask if self.loss_mask is not None else self.rollout.response_mask.float()
+
+    @property
+    def rows(self) -> int:
+        return self.rollout.response_ids.shape[0]
+
+
+def concat_rollouts(parts: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """Stack rollouts generated in several engine calls: prompts stay left-padded, responses right-padded."""
+    if len(parts) == 1:
+        return parts[0]
+    width_p = max(p.prompt_ids.shape[1] for p in parts)
+    width_r = max(p.response_ids.shape[1] for p in parts)
+    left = lambda t, v: torch.nn.functional.pad(t, (width_p - t.shape[1], 0), value=v)  # noqa: E731
+    right = lambda t, v: torch.nn.functional.pad(t, (0, width_r - t.shape[1]), value=v)  # noqa: E731
+    return RolloutBatch(
+        prompt_ids=torch.cat([left(p.prompt_ids, pad_token_id) for p in parts]),
+        prompt_mask=torch.cat([left(p.prompt_mask, 0) for p in parts]),
+        response_ids=torch.cat([right(p.response_ids, pad_token_id) for p in parts]),
+        response_mask=torch.cat([right(p.response_mask, 0) for p in parts]),
+        response_logprobs=torch.cat([right(p.response_logprobs, 0.0) for p in parts]),
+        num_prompts=sum(p.num_prompts for p in parts), n=parts[0].n)
+
+
+@dataclass
+class ScoredRollout:
+    """Steps 1-2 of a step: prompts, their rollout, per-row scores and the reward details (lists per row)."""
+
+    items: list[dict]
+    rollout: RolloutBatch
+    scores: torch.Tensor
+    info: dict
+
+    def select(self, prompts: list[int]) -> "ScoredRollout":
+        """The given prompts with their n samples each, in that order (counts such as num_errors are kept)."""
+        r = self.rollout
+        rows = [p * r.n + j for p in prompts for j in range(r.n)]
+        info = {key: [value[i] for i in rows] if isinstance(value, list) else value for key, value in self.info.items()}
+        rollout = RolloutBatch(prompt_ids=r.prompt_ids[rows], prompt_mask=r.prompt_mask[rows],
+                               response_ids=r.response_ids[rows], response_mask=r.response_mask[rows],
+                               response_logprobs=r.response_logprobs[rows], num_prompts=len(prompts), n=r.n)
+        return ScoredRollout([self.items[p] for p in prompts], rollout, self.scores[rows], info)
+
+    @staticmethod
+    def concat(parts: list["ScoredRollout"], pad_token_id: int) -> "ScoredRollout":
+        if len(parts) == 1:
+            return parts[0]
+        info = {key: (sum((part.info[key] for part in parts), []) if isinstance(value, list)
+                      else sum(part.info[key] for part in parts)) for key, value in parts[0].info.items()}
+        return ScoredRollout(sum((part.items for part in parts), []),
+                             concat_rollouts([part.rollout for part in parts], pad_token_id),
+                             torch.cat([part.scores for part in parts]), info)

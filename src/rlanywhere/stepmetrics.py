@@ -1,0 +1,76 @@
+"""What a training step reports besides the losses: rewards, response lengths, KL, values, speed, memory, phase
+timings. [distributed] Computed over all ranks' rows (the caller passes gathered tensors); timings are this rank's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import algorithms as algo
+
+
+class PhaseTimer:
+    """Wall time per phase of a step (`with timer("rollout"): ...`), synchronised with the GPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+def peak_memory_gib(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux: the process's resident high-water mark.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def step_metrics(dp, *, scores: torch.Tensor, mask: torch.Tensor, prompt_mask: torch.Tensor, info: dict,
+                 response_length: int, actor_lr: float, step_time: float, timer: PhaseTimer, device: str,
+                 old_logprobs: Optional[torch.Tensor], ref_logprobs: Optional[torch.Tensor],
+                 kl_coef: Optional[float], values: Optional[torch.Tensor], returns: Optional[torch.Tensor],
+                 oom_recoveries: int, extra: dict) -> dict:
+    """Step 7's diagnostics. `scores`, `mask` and the per-token tensors hold every rank's rows; `prompt_mask` and
+    `info` are this rank's; `extra` (KL-in-reward, dynamic sampling, truncation metrics) is merged as it is."""
+    resp_len = mask.sum(-1)
+    total_tokens = float(mask.sum()) + dp.sum_dict({"t": float(prompt_mask.sum())})["t"]
+    metrics = {
+        "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
+        "reward/acc": float(np.mean(dp.gather_objects(info["acc"]))),
+        "reward/format": float(np.mean(dp.gather_objects(info["format"]))),
+        "reward/errors": dp.sum_dict({"e": float(info["num_errors"])})["e"],
+        "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
+        "response_length/clip_ratio": float((resp_len >= response_length).float().mean()),
+        "actor/lr": actor_lr,
+        "perf/step_time_s": step_time, "perf/tokens_per_s": total_tokens / step_time,
+        "perf/rollout_tokens_per_s": float(mask.sum()) / max(timer.times.get("rollout", 1e-9), 1e-9),
+        "perf/peak_memory_gib": dp.max_value(peak_memory_gib(device)),
+        **{f"timing/{k}": v for k, v in timer.times.items()},
+        **extra,
+    }
+    if "overlong_penalty" in info:
+        metrics["reward/overlong_penalty"] = float(np.mean(dp.gather_objects(info["overlong_penalty"])))
+    if ref_logprobs is not None and old_logprobs is not None:
+        metrics["actor/kl"] = float(algo.masked_mean(algo.kl_penalty(old_logprobs, ref_logprobs, "kl"), mask))
+    if kl_coef is not None:
+        metrics["actor/kl_coef"] = kl_coef  # after this step's update: the next step's beta
+    if values is not None:
+        metrics["critic/values_mean"] = float(algo.masked_mean(values, mask))
+        metrics["critic/returns_mean"] = float(algo.masked_mean(returns, mask))
+    metrics["oom/recoveries"] = dp.sum_dict({"n": float(oom_recoveries)})["n"]
+    return metrics

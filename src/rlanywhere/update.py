@@ -1,0 +1,231 @@
+"""The update mechanics: turn a StepBatch into log-probs, values and new weights, micro-batch by micro-batch.
+
+Everything between the step's data and an optimizer step lives here: splitting rows into micro-batches (a fixed
+number of rows, or a token budget), padding-free forward passes over every micro-batch (log-probs, values), the
+PPO loop of epochs x mini-batches with gradient accumulated under the mini-batch's LossScale, the OOM guard around
+each restartable phase, and the optimizer step (unscale, clip, non-finite handling). The losses are the actor's
+(PPO clip - entropy bonus + KL loss) and the critic's (clipped value loss); the algorithms are in algorithms.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from . import algorithms as algo
+from .distributed import DataParallel
+from .hardware import Plan, autocast_context
+from .logprobs import response_logprobs
+from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
+from .models import response_values
+from .offload import load_optimizer_state, offload_optimizer_state, on_device
+from .oom import OOMGuard
+from .plan import SizeKind
+from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
+from .stepbatch import StepBatch
+
+log = logging.getLogger(__name__)
+
+# A loss_fn for Updater.accumulate: (model, rows, ids, mask, position_ids, response_len, response_mask, scale) ->
+# (loss, shares: terms that add up to the mini-batch's value, means: token-mean diagnostics)
+LossFn = Callable[..., tuple[torch.Tensor, dict, dict]]
+
+
+class Updater:
+    """Micro-batched forward passes and PPO updates for one process, sized by the plan's RuntimeSizes.
+
+    `before_weights_change` is called right before an optimizer step may change weights (a stop signal can no
+    longer drop the step); `after_optimizer_step(outcome)` sees each step's outcome (the run's divergence stop)."""
+
+    def __init__(self, plan: Plan, dp: DataParallel, oom: OOMGuard, grad_scaler, precision_guard: PrecisionGuard,
+                 pad_token_id: int, response_length: int,
+                 before_weights_change: Callable[[], None] = lambda: None,
+                 after_optimizer_step: Callable[[StepOutcome], None] = lambda outcome: None):
+        self.plan, self.dp, self.oom, self.grad_scaler = plan, dp, oom, grad_scaler
+        self.precision_guard, self.pad_token_id, self.response_length = precision_guard, pad_token_id, response_length
+        self.device = plan.device
+        self.before_weights_change, self.after_optimizer_step = before_weights_change, after_optimizer_step
+
+    # ------------------------------------------------------------------------------------------ micro-batches
+    def size_kind(self, fixed: SizeKind) -> SizeKind:
+        """The size a phase's micro-batches follow: the token budget when there is one, else `fixed` rows."""
+        return SizeKind.TOKENS_PER_MICRO_BATCH if self.uses_token_budget else fixed
+
+    @property
+    def uses_token_budget(self) -> bool:
+        return self.plan.sizes.max_token_len_per_micro_batch is not None
+
+    def micro_batches(self, batch: StepBatch, rows: list[int], size: int) -> list[list[int]]:
+        if self.uses_token_budget:
+            groups = split_rows_by_token_budget(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows],
+                                                size)
+        else:
+            groups = split_fixed(len(rows), size)
+        return [[rows[i] for i in group] for group in groups]
+
+    def forward_rows(self, batch: StepBatch, rows: list[int]):
+        """Padding-free tensors for a micro-batch on the device: (input_ids, attention_mask, position_ids,
+        response_len)."""
+        r = batch.rollout
+        tensors = compact_rows(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, rows, self.pad_token_id)
+        return tuple(t.to(self.device) if torch.is_tensor(t) else t for t in tensors)
+
+    # ------------------------------------------------------------------------------------------ forward passes
+    @torch.no_grad()
+    def forward_all(self, phase: str, batch: StepBatch, compute: Callable) -> torch.Tensor:
+        """compute(ids, mask, position_ids, response_len) -> [rows, response_len] over every micro-batch, gathered
+        into a [rows, R] CPU tensor (0 at padding); micro-batched by the plan, OOM-guarded."""
+
+        def run(size: int) -> torch.Tensor:
+            out = torch.zeros(batch.mask.shape, dtype=torch.float32)
+            for rows in self.micro_batches(batch, list(range(batch.rows)), size):
+                ids, mask, pos, resp_len = self.forward_rows(batch, rows)
+                with autocast_context(self.plan):
+                    out[rows, :resp_len] = compute(ids, mask, pos, resp_len).float().cpu()
+            return out * batch.rollout.response_mask  # every response: a loss mask only narrows the losses
+
+        return self.oom.run(phase, run, self.size_kind(SizeKind.LOGPROB_MICRO_BATCH))
+
+    def logprobs(self, model, batch: StepBatch, temperature: float) -> torch.Tensor:
+        """Log-probs of every response token under `model`."""
+        return self.forward_all("log_probs", batch, lambda ids, mask, pos, resp_len: response_logprobs(
+            model, ids, mask, resp_len, temperature=temperature, chunk_size=self.plan.logprob_chunk_size,
+            position_ids=pos)[0])
+
+    def values(self, critic, batch: StepBatch) -> torch.Tensor:
+        return self.forward_all("values", batch, lambda ids, mask, pos, resp_len: response_values(
+            critic, ids, mask, resp_len, pos))
+
+    # ------------------------------------------------------------------------------------------ updates
+    def accumulate(self, model, optimizer, batch: StepBatch, rows: list[int], size: int, loss_fn: LossFn,
+                   scale: Optional[algo.LossScale] = None) -> dict:
+        """One optimizer step's gradient over `rows`, accumulated over micro-batches of `size`.
+
+        The mini-batch's denominators (tokens, sequences, T) are fixed once, before the split, and every
+        micro-batch loss is its exact share of the mini-batch loss: the gradient does not depend on the
+        micro-batch size, the token budget or OOM halving, for every loss_agg_mode. Under data parallelism `scale`
+        holds the counts of all ranks' rows (DataParallel.loss_scale)."""
+        optimizer.zero_grad(set_to_none=True)
+        if scale is None:
+            scale = algo.LossScale.of(batch.mask[rows], norm_length=self.response_length)
+        totals: dict[str, float] = {}
+        for micro in self.micro_batches(batch, rows, size):
+            ids, mask, pos, resp_len = self.forward_rows(batch, micro)
+            resp_mask = batch.mask[micro, :resp_len].to(self.device)
+            with autocast_context(self.plan):
+                loss, shares, means = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask, scale)
+            if not torch.isfinite(loss.detach()):  # say which rows, so a rare NaN can be traced to its data
+                log.warning("non-finite loss %s in a micro-batch of rows %s (response lengths %s, prompt lengths %s)",
+                            float(loss.detach()), micro[:16], batch.mask[micro].sum(-1).int().tolist()[:16],
+                            batch.rollout.prompt_mask[micro].sum(-1).tolist()[:16])
+            (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+            # loss terms add up to the mini-batch's value; diagnostics (token means) are weighted by tokens
+            token_share = float(resp_mask.sum()) / max(scale.tokens, 1.0)
+            for key, value in shares.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+            for key, value in means.items():
+                totals[key] = totals.get(key, 0.0) + float(value) * token_share
+        return totals
+
+    def optimizer_step(self, name: str, model, optimizer, grad_clip: float) -> float:
+        """Unscale, clip, step (see precision_guard.optimizer_step); returns the grad norm. A step skipped by the
+        fp16 loss scaler is normal (counted, logged as */skipped_steps); a non-finite norm skips the step."""
+        self.before_weights_change()
+        outcome = optimizer_step(optimizer, [p for p in model.parameters() if p.requires_grad], grad_clip,
+                                 self.grad_scaler)
+        self.precision_guard.record(name, outcome)
+        if outcome.nonfinite_failure:
+            bad = [param for param, p in model.named_parameters()
+                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            log.warning("non-finite grad norm %.3g: skipping this optimizer step (%d parameter tensors non-finite, "
+                        "first: %s)", outcome.grad_norm, len(bad), ", ".join(bad[:4]))
+        self.after_optimizer_step(outcome)
+        optimizer.zero_grad(set_to_none=True)
+        return outcome.grad_norm
+
+    def ppo_update(self, name: str, model, optimizer, batch: StepBatch, loss_fn: LossFn, *, mini_rows: int,
+                   epochs: int, shuffle_seed: Optional[int], grad_clip: float, kind: SizeKind,
+                   park: Optional[torch.nn.Module] = None) -> dict:
+        """`epochs` passes over the batch in mini-batches of `mini_rows` rows (all ranks' rows), one optimizer step
+        each (rows shuffled per epoch when `shuffle_seed` is given); metrics averaged over the steps as
+        `name/<metric>`. With param offload, `park` (the model not being trained) leaves the GPU meanwhile."""
+        parked = on_device(park, "cpu") if park is not None and self.plan.param_offload and self.device != "cpu" \
+            else contextlib.nullcontext()
+        with parked:
+            if self.plan.optimizer_offload:
+                load_optimizer_state(optimizer, self.device)
+            model.train()
+            totals: dict[str, float] = {}
+            count = 0
+            for epoch in range(epochs):
+                order = list(range(batch.rows))
+                if shuffle_seed is not None:
+                    order = torch.randperm(batch.rows, generator=torch.Generator().manual_seed(shuffle_seed + epoch))
+                    order = order.tolist()
+                # [distributed] mini_rows counts all ranks' rows: as many optimizer steps on every rank, each over
+                # its share; the loss denominators and the gradient are summed over ranks
+                steps = -(-(self.dp.layout.total if self.dp.enabled else batch.rows) // mini_rows)
+                local_mini = -(-batch.rows // max(steps, 1)) if self.dp.enabled else mini_rows
+                for start in range(0, steps * local_mini, local_mini):
+                    rows = order[start:start + local_mini]
+                    scale = self.dp.loss_scale(batch.mask[rows], self.response_length) if self.dp.enabled else None
+                    metrics = self.oom.run(f"{name}_update", lambda size, rows=rows: self.accumulate(
+                        model, optimizer, batch, rows, size, loss_fn, scale), self.size_kind(kind))
+                    self.dp.sum_gradients(model)
+                    metrics = self.dp.sum_dict(metrics)
+                    metrics["grad_norm"] = self.optimizer_step(name, model, optimizer, grad_clip)
+                    for key, value in metrics.items():
+                        totals[key] = totals.get(key, 0.0) + value
+                    count += 1
+            model.eval()
+            if self.plan.optimizer_offload:
+                offload_optimizer_state(optimizer, "cpu")
+        return {f"{name}/{k}": v / max(count, 1) for k, v in totals.items()}
+
+
+# ---------------------------------------------------------------------------------------------- the losses
+def critic_loss(batch: StepBatch, critic_cfg, device: str) -> LossFn:
+    """The critic's loss_fn: clipped value loss against the batch's returns."""
+
+    def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask, scale):
+        pick = lambda t: t[rows, :resp_len].to(device)  # noqa: E731
+        values = response_values(model, ids, mask, resp_len, pos)
+        loss, metrics = algo.value_loss(values, pick(batch.values), pick(batch.returns), resp_mask,
+                                        critic_cfg.cliprange_value, critic_cfg.loss_agg_mode, scale)
+        return loss, {"vf_loss": loss.detach()}, metrics
+
+    return loss_fn
+
+
+def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int, device: str) -> LossFn:
+    """The actor's loss_fn: PPO clip (or GSPO) - entropy bonus + KL loss, one aggregation mode."""
+    temperature = rollout_cfg.temperature or 1.0
+    clip_low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
+    clip_high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
+    mode = actor_cfg.loss_agg_mode
+    policy_loss = algo.POLICY_LOSSES[actor_cfg.policy_loss.loss_mode]  # vanilla PPO clip or GSPO
+    compare_rollout = logprobs_comparable(rollout_cfg.top_k, rollout_cfg.top_p)
+
+    def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask, scale):
+        logprob, entropy = response_logprobs(model, ids, mask, resp_len, temperature=temperature,
+                                             chunk_size=logprob_chunk_size, with_entropy=True, position_ids=pos)
+        pick = lambda t: t[rows, :resp_len].to(device)  # noqa: E731
+        old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
+        # means: pg_clipfrac, approx_kl, ratio statistics (algorithms.POLICY_LOSSES)
+        pg_loss, means = policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low, clip_high,
+                                     actor_cfg.clip_ratio_c, mode, scale)
+        ent = algo.entropy_loss(entropy, resp_mask, mode, scale)
+        loss = pg_loss - actor_cfg.entropy_coeff * ent
+        shares = {"pg_loss": pg_loss.detach(), "entropy": ent.detach()}
+        if compare_rollout:  # trainer vs rollout log-probs of the behaviour policy (precision_guard)
+            means["rollout_logprob_gap"] = rollout_logprob_gap(old, pick(batch.rollout.response_logprobs), resp_mask)
+        if actor_cfg.use_kl_loss and batch.ref_logprobs is not None:
+            kl = algo.kl_loss(logprob, pick(batch.ref_logprobs), resp_mask, actor_cfg.kl_loss_type, mode, scale)
+            loss = loss + actor_cfg.kl_loss_coef * kl
+            shares["kl_loss"] = kl.detach()
+        return loss, shares, means
+
+    return loss_fn

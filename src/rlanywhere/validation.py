@@ -1,0 +1,73 @@
+"""Validation: answer the held-out prompts with the current policy (val_kwargs sampling), score them, write every
+response to RUN_DIR/val_generations/step_N.jsonl and return the val/* metrics. [distributed] Each rank answers a
+contiguous block of the prompts; rank 0 gathers, writes and logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .rollout_phase import RolloutPhase
+
+log = logging.getLogger(__name__)
+
+
+def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> dict:
+    cfg = rollouts.cfg
+    if val_set is None:
+        return {}
+    limit = cfg.data.val_max_samples
+    indices = range(len(val_set) if limit is None or limit < 0 else min(limit, len(val_set)))
+    block = -(-len(indices) // dp.world)
+    offset = min(dp.rank * block, len(indices))
+    total = len(indices)
+    items = [val_set[i] for i in indices[offset:offset + block]]
+    params = rollouts.sampling_params(validation=True)
+    chunk = cfg.data.val_batch_size or max(cfg.data.train_batch_size * rollouts.n, 64)
+    accs, formats, scores_all, lengths, samples = [], [], [], [], []
+    # [distributed] the progress bar is rank 0's (it counts rank 0's block of prompts)
+    with tqdm(total=len(items), desc=f"validation (step {step})", unit="prompt", leave=False,
+              disable=not dp.is_main) as bar:
+        for start in range(0, len(items), chunk):
+            part = items[start:start + chunk]
+            rollout = rollouts.generate(part, params, rollouts.step_generator(step, salt=1 + offset + start))
+            scores, info, texts = rollouts.score(part, rollout, params.n)
+            accs += info["acc"]
+            formats += info["format"]
+            scores_all += scores.tolist()
+            lengths += rollout.response_mask.sum(-1).tolist()
+            samples += texts
+            bar.update(len(part))
+    # [distributed] every rank's prompts, responses and scores, in prompt order; rank 0 writes and logs them
+    all_items = dp.gather_objects([{k: item[k] for k in ("index", "input_ids", "ground_truth")}
+                                   for item in items]) if dp.enabled else items
+    all_samples, all_scores = dp.gather_objects(samples), dp.gather_objects(scores_all)
+    if dp.is_main:
+        write_val_generations(run_dir, step, rollouts.tokenizer, all_items, all_samples, all_scores, params.n)
+        for text, item in list(zip(all_samples[::params.n], all_items))[: cfg.trainer.log_val_generations]:
+            log.info("val sample [truth %s]: %s", item["ground_truth"], text.strip()[:300])
+    accs, formats, lengths = (dp.gather_objects(v) for v in (accs, formats, lengths))
+    return {"val/acc": float(np.mean(accs)), "val/format": float(np.mean(formats)),
+            "val/reward": float(np.mean(all_scores)), "val/response_length": float(np.mean(lengths)),
+            "val/num_samples": float(total)}
+
+
+def write_val_generations(run_dir: str, step: int, tokenizer, items: list[dict], texts: list[str],
+                          scores: list[float], n: int) -> str:
+    """Every validation response of this step as one JSON line each in RUN_DIR/val_generations/step_N.jsonl
+    (verl's trainer.validation_data_dir, kept in the run dir): prompt, response, ground truth, score."""
+    folder = os.path.join(run_dir, "val_generations")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"step_{step}.jsonl")
+    with open(path, "w") as handle:
+        for row, (text, score) in enumerate(zip(texts, scores)):
+            item = items[row // n]
+            prompt = tokenizer.decode(item["input_ids"], skip_special_tokens=False)
+            handle.write(json.dumps({"step": step, "index": item["index"], "prompt": prompt,
+                                     "response": text, "ground_truth": item["ground_truth"],
+                                     "score": score}) + "\n")
+    return path
