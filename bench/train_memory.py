@@ -118,6 +118,7 @@ def naive_response_logprobs(model, input_ids, attention_mask, response_len, temp
 
 def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str) -> dict:
     from rlanywhere import trainer as trainer_module
+    from rlanywhere import update as update_module  # where the trainer's log-prob passes call response_logprobs
     from rlanywhere.config import load_config
     from rlanywhere.hardware import PlanError, apply_runtime, make_plan
     from rlanywhere.tracking import read_metrics
@@ -141,9 +142,9 @@ def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str) ->
         return {"config": name, "logprobs": logprobs, "error": f"plan refused: {exc}"}
     apply_runtime(plan)
     predicted = (plan.estimate or {}).get("peak_bytes")
-    original = trainer_module.response_logprobs
+    original = update_module.response_logprobs
     if logprobs == "naive":
-        trainer_module.response_logprobs = naive_response_logprobs
+        update_module.response_logprobs = naive_response_logprobs
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -170,7 +171,7 @@ def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str) ->
         row["measured_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() \
             else None
     finally:
-        trainer_module.response_logprobs = original
+        update_module.response_logprobs = original
         trainer = None
         import gc
 

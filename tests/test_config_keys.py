@@ -122,12 +122,12 @@ def test_every_listed_pattern_names_schema_keys():
 def test_cosine_schedule_decays_to_min_lr_ratio():
     import torch
 
-    from rlanywhere.trainer import _make_scheduler
+    from rlanywhere.builders import make_scheduler
 
     cfg = load_config(None, ["actor_rollout_ref.actor.optim.warmup_style=cosine",
                              "actor_rollout_ref.actor.optim.min_lr_ratio=0.1", "actor_rollout_ref.actor.optim.lr=1.0"])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = _make_scheduler(optimizer, cfg.actor_rollout_ref.actor.optim, total_steps=10)
+    scheduler = make_scheduler(optimizer, cfg.actor_rollout_ref.actor.optim, total_steps=10)
     lrs = []
     for _ in range(10):
         optimizer.step()
@@ -156,9 +156,9 @@ def test_ignore_eos_applies_to_training_rollouts_only(tiny_model_dir, arith_data
     cfg = load_config(None, base_overrides(tiny_model_dir, arith_data, tmp_path, **{
         "actor_rollout_ref.rollout.ignore_eos": True, "algorithm.adv_estimator": "grpo"}))
     trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
-    assert trainer.sampling_params().ignore_eos and not trainer.sampling_params(validation=True).ignore_eos
+    assert trainer.rollouts.sampling_params().ignore_eos and not trainer.rollouts.sampling_params(validation=True).ignore_eos
     items = trainer.loader.next_batch()
-    rollout = trainer.generate(items, trainer.sampling_params(), trainer.step_generator(0))
+    rollout = trainer.rollouts.generate(items, trainer.rollouts.sampling_params(), trainer.rollouts.step_generator(0))
     assert bool((rollout.response_mask.sum(-1) == trainer.response_length).all())
 
 

@@ -194,9 +194,9 @@ def test_rollout_in_chunks_equals_one_call_and_survives_oom(tiny_model_dir, arit
     plan = make_plan(cfg, for_execution=True)
     trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
     items = trainer.loader.next_batch()
-    params = trainer.sampling_params()
+    params = trainer.rollouts.sampling_params()
     plan.sizes.rollout_batch_size = 8
-    whole = trainer.generate(items, params, trainer.step_generator(0))
+    whole = trainer.rollouts.generate(items, params, trainer.rollouts.step_generator(0))
     calls = []
     original = trainer.engine.generate
 
@@ -209,7 +209,7 @@ def test_rollout_in_chunks_equals_one_call_and_survives_oom(tiny_model_dir, arit
     monkeypatch.setattr(trainer.engine, "generate", flaky_generate)
     params = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=params.n)
     greedy_whole = original([it["input_ids"] for it in items], params)
-    chunked = trainer.generate(items, params, None)
+    chunked = trainer.rollouts.generate(items, params, None)
     assert plan.sizes.rollout_batch_size == 2 and len(trainer.oom_guard.events) == 2  # 8 -> 4 -> 2
     record = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert record["sizes"]["rollout_batch_size"] == 2 and len(record["oom_events"]) == 2  # the record follows the run

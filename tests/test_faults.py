@@ -263,14 +263,13 @@ def test_non_parquet_data_is_one_line_naming_the_file_and_prepare_generic(tmp_pa
 
 # ------------------------------------------------------------------------------------------------ CPU memory
 def test_cpu_allocation_failure_shrinks_the_plan_like_cuda_oom():
-    from types import SimpleNamespace
-
     from rlanywhere.oom import OOMGuard, is_oom_error
+    from rlanywhere.plan import RuntimeSizes, SizeKind
 
     cpu_message = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
                    "to allocate 34359738368 bytes. Error code 12 (Cannot allocate memory)")
     assert is_oom_error(RuntimeError(cpu_message)) and is_oom_error(MemoryError())
-    plan = SimpleNamespace(actor_micro_batch_size=8)
+    plan_sizes = RuntimeSizes(actor_micro_batch_size=8)
     sizes = []
 
     def phase(size):
@@ -279,8 +278,8 @@ def test_cpu_allocation_failure_shrinks_the_plan_like_cuda_oom():
             raise RuntimeError(cpu_message)
         return size
 
-    assert OOMGuard(plan, log_fn=lambda _: None).run("actor_update", phase, "actor_micro_batch_size") == 2
-    assert sizes == [8, 4, 2] and plan.sizes.actor_micro_batch_size == 2
+    assert OOMGuard(plan_sizes, log_fn=lambda _: None).run("actor_update", phase, SizeKind.ACTOR_MICRO_BATCH) == 2
+    assert sizes == [8, 4, 2] and plan_sizes.actor_micro_batch_size == 2
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -310,7 +309,7 @@ def _train_rows(run_dir):
 @pytest.mark.slow
 def test_absurd_lr_stops_after_k_skipped_updates_naming_the_last_good_checkpoint(tiny_model_dir, arith_data,
                                                                                  tmp_path):
-    from rlanywhere.trainer import TrainingStopped
+    from rlanywhere.runguard import TrainingStopped
 
     # lr 1e5 with weight decay 0.01 multiplies every weight by -999 a step: inf activations, NaN grads in a few steps
     trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
@@ -319,7 +318,7 @@ def test_absurd_lr_stops_after_k_skipped_updates_naming_the_last_good_checkpoint
     with pytest.raises(TrainingStopped, match="2 optimizer updates in a row had a NaN/inf") as info:
         trainer.fit()
     assert trainer.global_step < 12
-    good = trainer.last_good_checkpoint
+    good = trainer.stops.last_good_checkpoint
     assert good and f"trainer.resume_from_path={good}" in str(info.value)
     assert verify_checkpoint(good) is None
     # every checkpoint on disk is finite: NaN weights are never saved
@@ -332,7 +331,7 @@ def test_absurd_lr_stops_after_k_skipped_updates_naming_the_last_good_checkpoint
 @pytest.mark.slow
 def test_every_reward_call_failing_stops_after_k_steps_and_shows_in_the_console(tiny_model_dir, arith_data,
                                                                                   tmp_path, capsys):
-    from rlanywhere.trainer import TrainingStopped
+    from rlanywhere.runguard import TrainingStopped
 
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -458,25 +457,26 @@ def test_sigterm_during_rollout_drops_the_step_saves_and_resume_is_exact(tiny_mo
     import signal
 
     from rlanywhere.runguard import RunInterrupted
-    from rlanywhere.trainer import RLTrainer
+    from rlanywhere.rollout_phase import RolloutPhase
 
     extra = {"trainer.total_training_steps": 3, "trainer.save_freq": -1}  # the signal's save is the only one
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra)).fit()
 
-    original_score = RLTrainer.score
+    original_score = RolloutPhase.score
+    preempted = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
 
     def score_then_preempted(self, items, rollout, n):
-        if self.global_step == 1:  # the second step, before any update: SIGTERM drops it
+        if preempted.global_step == 1:  # the second step, before any update: SIGTERM drops it
             os.kill(os.getpid(), signal.SIGTERM)
         return original_score(self, items, rollout, n)
 
-    monkeypatch.setattr(RLTrainer, "score", score_then_preempted)
+    monkeypatch.setattr(RolloutPhase, "score", score_then_preempted)
     with pytest.raises(RunInterrupted) as info:
-        _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
+        preempted.fit()
     assert info.value.exit_code == 143 and info.value.step == 1
     assert info.value.checkpoint.endswith("global_step_1") and verify_checkpoint(info.value.checkpoint) is None
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
-    monkeypatch.setattr(RLTrainer, "score", original_score)
+    monkeypatch.setattr(RolloutPhase, "score", original_score)
 
     trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
     trainer.fit()
@@ -493,22 +493,23 @@ def test_ctrl_c_during_the_update_finishes_the_step_and_saves_it(tiny_model_dir,
     import signal
 
     from rlanywhere.runguard import RunInterrupted
-    from rlanywhere.trainer import RLTrainer
+    from rlanywhere.update import Updater
 
-    original_step = RLTrainer._optimizer_step
+    original_step = Updater.optimizer_step
     sent = []
+    running = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
+        "trainer.total_training_steps": 5, "trainer.save_freq": -1}))
 
-    def step_then_interrupted(self, model, optimizer, grad_clip):
-        norm = original_step(self, model, optimizer, grad_clip)
-        if self.global_step == 1 and not sent:  # after the first of the step's two mini-batch updates
+    def step_then_interrupted(self, name, model, optimizer, grad_clip):
+        norm = original_step(self, name, model, optimizer, grad_clip)
+        if running.global_step == 1 and not sent:  # after the first of the step's two mini-batch updates
             sent.append(signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
         return norm
 
-    monkeypatch.setattr(RLTrainer, "_optimizer_step", step_then_interrupted)
+    monkeypatch.setattr(Updater, "optimizer_step", step_then_interrupted)
     with pytest.raises(RunInterrupted) as info:
-        _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
-            "trainer.total_training_steps": 5, "trainer.save_freq": -1})).fit()
+        running.fit()
     assert info.value.exit_code == 130 and info.value.step == 2
     assert info.value.checkpoint.endswith("global_step_2")
     assert sorted(_train_rows(tmp_path / "run")) == [1, 2]

@@ -12,7 +12,10 @@ import torch
 from rlanywhere import algorithms as algo
 from rlanywhere.config import load_config
 from rlanywhere.hardware import make_plan
-from rlanywhere.trainer import RLTrainer, StepBatch
+from rlanywhere.plan import SizeKind
+from rlanywhere.stepbatch import StepBatch
+from rlanywhere.trainer import RLTrainer
+from rlanywhere.update import actor_loss, critic_loss
 
 from .test_e2e import base_overrides
 
@@ -29,7 +32,7 @@ def trainer_and_batch(tiny_model_dir, arith_data, tmp_path_factory):
     cfg = load_config(None, overrides)
     trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), str(run_dir))
     items = trainer.loader.next_batch()
-    rollout = trainer.generate(items, trainer.sampling_params(), trainer.step_generator(0))
+    rollout = trainer.rollouts.generate(items, trainer.rollouts.sampling_params(), trainer.rollouts.step_generator(0))
     # rows of very different lengths (a random model rarely stops early by itself)
     for row, length in enumerate(RESPONSE_LENGTHS):
         rollout.response_mask[row, length:] = 0
@@ -41,11 +44,11 @@ def trainer_and_batch(tiny_model_dir, arith_data, tmp_path_factory):
                       scores=torch.zeros(rows), reward_info={})
     gen = torch.Generator().manual_seed(0)
     noise = lambda scale: scale * torch.randn(batch.mask.shape, generator=gen, dtype=torch.float64) * batch.mask  # noqa: E731
-    current = trainer.batched_logprobs(trainer.actor, batch).double()
+    current = trainer.logprobs(trainer.actor, batch).double()
     batch.old_logprobs = current + noise(0.3)  # ratios away from 1: the clipped branches are active
     batch.ref_logprobs = current + noise(0.5)
     batch.advantages = noise(1.0)
-    batch.values = trainer.batched_values(batch).double() + noise(0.1)
+    batch.values = trainer.updater.values(trainer.critic, batch).double() + noise(0.1)
     batch.returns = noise(1.0)
     return trainer, batch
 
@@ -54,8 +57,8 @@ def _gradient(trainer, model, loss_fn, batch, size, token_budget=False, fail_fir
     """The accumulated gradient (and metrics) with micro-batches of `size` rows, or of `size` tokens."""
     trainer.plan.sizes.max_token_len_per_micro_batch = size if token_budget else None
     rows = list(range(batch.rows))
-    attr = trainer.size_attr("actor_micro_batch_size")
-    setattr(trainer.plan, attr, size)
+    kind = trainer.updater.size_kind(SizeKind.ACTOR_MICRO_BATCH)
+    trainer.plan.sizes.set(kind, size)
     calls = {"n": 0}
 
     def flaky(*args):
@@ -65,9 +68,10 @@ def _gradient(trainer, model, loss_fn, batch, size, token_budget=False, fail_fir
         return loss_fn(*args)
 
     optimizer = trainer.optimizers["critic" if model is trainer.critic else "actor"]
-    metrics = trainer.guarded("update", lambda s: trainer._accumulate(model, optimizer, batch, rows, s, flaky), attr)
+    metrics = trainer.oom_guard.run("update", lambda s: trainer.updater.accumulate(model, optimizer, batch, rows, s,
+                                                                                   flaky), kind)
     if fail_first:
-        assert getattr(trainer.plan, attr) == size // 2, "OOM recovery did not halve the micro-batch"
+        assert trainer.plan.sizes.get(kind) == size // 2, "OOM recovery did not halve the micro-batch"
     trainer.plan.sizes.max_token_len_per_micro_batch = None
     grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     return grad.clone(), metrics
@@ -80,7 +84,8 @@ def test_gradient_does_not_depend_on_the_split(trainer_and_batch, which, mode):
     section = trainer.cfg.actor_rollout_ref.actor if which == "actor" else trainer.cfg.critic
     section.loss_agg_mode = mode
     model = trainer.actor if which == "actor" else trainer.critic
-    loss_fn = (trainer.actor_loss if which == "actor" else trainer.critic_loss)(batch)
+    loss_fn = (actor_loss(batch, section, trainer.cfg.actor_rollout_ref.rollout, trainer.plan.logprob_chunk_size, "cpu")
+               if which == "actor" else critic_loss(batch, section, "cpu"))
     reference, ref_metrics = _gradient(trainer, model, loss_fn, batch, size=batch.rows)
     assert reference.abs().max() > 0
     longest = int((batch.rollout.prompt_mask.sum(-1) + batch.mask.sum(-1)).max())

@@ -8,7 +8,8 @@ import torch
 
 from rlanywhere.config import load_config
 from rlanywhere.hardware import make_plan
-from rlanywhere.trainer import PhaseTimer, RLTrainer
+from rlanywhere.stepmetrics import PhaseTimer
+from rlanywhere.trainer import RLTrainer
 
 from .test_e2e import base_overrides, killed_then_resumed, run_training, train_rows
 
@@ -43,7 +44,7 @@ def test_dynamic_sampling_keeps_only_informative_groups(tiny_model_dir, arith_da
         "algorithm.adv_estimator": "grpo", "algorithm.filter_groups.enable": True,
         "algorithm.filter_groups.metric": "acc", "algorithm.filter_groups.max_num_gen_batches": 20,
         "data.gen_batch_size": 3, "custom_reward_function.path": reward_file(tmp_path)}))
-    scored, metrics = trainer.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
+    scored, metrics = trainer.rollouts.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
     assert len(scored.items) == 4 and scored.rollout.response_ids.shape[0] == 8  # train_batch_size x n
     assert metrics["filter_groups/prompts_topped_up"] == 0
     for group in groups_of(scored.scores, 2):
@@ -64,7 +65,7 @@ def test_dynamic_sampling_tops_up_at_the_cap(tiny_model_dir, arith_data, tmp_pat
         "algorithm.adv_estimator": "grpo", "algorithm.filter_groups.enable": True,
         "algorithm.filter_groups.metric": "score", "algorithm.filter_groups.max_num_gen_batches": 2,
         "custom_reward_function.path": reward_file(tmp_path, constant)}))
-    scored, metrics = trainer.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
+    scored, metrics = trainer.rollouts.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
     assert metrics["filter_groups/num_gen_batches"] == 2 and trainer.loader.position == 2
     assert metrics["filter_groups/prompts_informative"] == 0
     assert metrics["filter_groups/prompts_topped_up"] == 4 and len(scored.items) == 4
@@ -77,7 +78,7 @@ def test_unknown_filter_metric_names_the_choices(tiny_model_dir, arith_data, tmp
         "algorithm.adv_estimator": "grpo", "algorithm.filter_groups.enable": True,
         "algorithm.filter_groups.metric": "accuracy"}))
     with pytest.raises(UserError, match="'acc'"):
-        trainer.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
+        trainer.rollouts.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
 
 
 def test_dapo_recipe_trains(tiny_model_dir, arith_data, tmp_path):
@@ -101,7 +102,7 @@ def test_overlong_penalty_is_added_to_the_score(tiny_model_dir, arith_data, tmp_
     trainer = make_trainer(base_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
         "algorithm.adv_estimator": "grpo", "reward_model.overlong_buffer.enable": True,
         "reward_model.overlong_buffer.len": 4, "custom_reward_function.path": reward_file(tmp_path)}))
-    scored, _ = trainer.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
+    scored, _ = trainer.rollouts.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
     lengths = scored.rollout.response_lengths().float()
     texts = scored.rollout.decode(trainer.tokenizer)
     parity = torch.tensor([float(sum(map(ord, text)) % 2) for text in texts])

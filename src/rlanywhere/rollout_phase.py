@@ -25,6 +25,11 @@ from .stepbatch import ScoredRollout, concat_rollouts
 log = logging.getLogger(__name__)
 
 
+def response_length(cfg: DictConfig) -> int:
+    """New tokens per response: rollout.response_length, else data.max_response_length."""
+    return cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
+
+
 def generate_in_waves(engine, prompts: list, params: SamplingParams, generator, first_prompt: int, rows: int,
                       pad_token_id: int) -> RolloutBatch:
     """Generate at most `rows` sequences per engine call (prompts x n), stacked on the CPU. Replaced by the
@@ -50,14 +55,15 @@ class RolloutPhase:
 
     @property
     def response_length(self) -> int:
-        return self.cfg.actor_rollout_ref.rollout.response_length or self.cfg.data.max_response_length
+        return response_length(self.cfg)
 
     def sampling_params(self, validation: bool = False) -> SamplingParams:
         rollout_cfg = self.cfg.actor_rollout_ref.rollout
-        kw = rollout_cfg.val_kwargs if validation else rollout_cfg
-        greedy = not kw.do_sample or kw.temperature == 0
-        return SamplingParams(max_new_tokens=self.response_length, temperature=0.0 if greedy else kw.temperature,
-                              top_p=kw.top_p, top_k=max(kw.top_k, 0), n=kw.n if validation else rollout_cfg.n,
+        sampling = rollout_cfg.val_kwargs if validation else rollout_cfg
+        greedy = not sampling.do_sample or sampling.temperature == 0
+        return SamplingParams(max_new_tokens=self.response_length,
+                              temperature=0.0 if greedy else sampling.temperature, top_p=sampling.top_p,
+                              top_k=max(sampling.top_k, 0), n=sampling.n if validation else rollout_cfg.n,
                               stop_strings=tuple(as_list(rollout_cfg.stop)),
                               ignore_eos=bool(rollout_cfg.ignore_eos and not validation))
 

@@ -36,7 +36,7 @@ from .offload import on_device
 from .oom import OOMGuard
 from .plan import RuntimeSizes, SizeKind
 from .precision_guard import PrecisionGuard
-from .rollout_phase import RolloutPhase
+from .rollout_phase import RolloutPhase, response_length
 from .runguard import RunInterrupted, RunStops, StopSignals, prepare_run_dir
 from .stepbatch import StepBatch
 from .stepmetrics import PhaseTimer, step_metrics
@@ -112,7 +112,7 @@ class RLTrainer:
 
     @property
     def response_length(self) -> int:
-        return self.cfg.actor_rollout_ref.rollout.response_length or self.cfg.data.max_response_length
+        return response_length(self.cfg)
 
     def ref_context(self):
         """The reference policy: a frozen copy, or with LoRA the adapter-disabled base (no extra weights).
