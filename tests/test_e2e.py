@@ -297,5 +297,6 @@ def test_sizes_lowered_by_oom_recovery_survive_a_resume(tiny_model_dir, arith_da
     assert resumed.plan.sizes.actor_micro_batch_size != 1
     resumed.maybe_resume()
     assert (resumed.plan.sizes.rollout_batch_size, resumed.plan.sizes.actor_micro_batch_size) == (3, 1)
+    assert resumed.oom_guard.sizes is resumed.plan.sizes  # OOM recovery goes on lowering the restored sizes
     record = json.loads((tmp_path / "plan.json").read_text())
     assert (record["sizes"]["rollout_batch_size"], record["sizes"]["actor_micro_batch_size"]) == (3, 1)
