@@ -148,7 +148,7 @@ def run_recipe(gsm8k_dir: str, work_dir: str, model: Optional[str], smoke: bool,
     return {"label": "rlanywhere grpo, gsm8k_format recipe", "algorithm": "grpo",
             "task": f"GSM8K one-shot ({points[-1]['num_samples']} held-out, greedy; acc = strict)",
             "model": "tiny random (--smoke)" if smoke else "SmolLM2-135M-Instruct",
-            "hardware": hardware, "steps": points[-1]["step"], "run_dir": run_dir,
+            "hardware": hardware, "steps": points[-1]["step"], "test_freq": points[1]["step"] - points[0]["step"],
             "process_minutes": (time.time() - started) / 60, "points": points}
 
 
