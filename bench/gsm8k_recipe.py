@@ -6,6 +6,10 @@ strict accuracy and flexible accuracy before and after, and the curve as JSON in
         --out docs/curves/gsm8k-format.json
     # CPU smoke (tiny random model, 1 step, a handful of prompts): checks the recipe end to end, learns nothing
     python bench/gsm8k_recipe.py --smoke --out /tmp/gsm8k-smoke.json
+    # no training: what the prompt alone gives the untrained model (zero-shot vs one-shot, greedy, N test prompts)
+    python bench/gsm8k_recipe.py --probe 200 --out gsm8k-probe.json
+    # the contrast run: the same recipe with verl's instruction alone (no worked example)
+    python bench/gsm8k_recipe.py --zero-shot --out docs/curves/gsm8k-format-0shot.json
 
 Steps: write the one-shot GSM8K parquet (rlanywhere.data.prepare_gsm8k(one_shot=True)) from train.jsonl /
 test.jsonl, run `rlanywhere train examples/gsm8k_format.yaml` in this process (validation before training and every
@@ -117,14 +121,50 @@ def summary_lines(points: list[dict]) -> list[str]:
     return lines
 
 
-def run_recipe(gsm8k_dir: str, work_dir: str, model: Optional[str], smoke: bool, overrides: list[str]) -> dict:
+def probe_prompts(gsm8k_dir: str, count: int, model: Optional[str], device: Optional[str]) -> list[dict]:
+    """No training: greedy answers of the untrained model to the first `count` test questions, zero-shot and
+    one-shot, with the three numbers, mean response tokens and how many hit the 256-token cap. Says how much of the
+    format the prompt alone gives (and so how much is left for RL)."""
+    import torch
+    from rlanywhere.api import load_model
+    from rlanywhere.data import extract_gsm8k_answer, gsm8k_messages, render_prompt, tokenize_rendered
+    from rlanywhere.rewards import gsm8k_metrics
+    from rlanywhere.rollout.base import SamplingParams
+
+    with open(os.path.join(gsm8k_dir, "test.jsonl")) as handle:
+        rows = [json.loads(line) for line in handle if line.strip()][:count]
+    truths = [extract_gsm8k_answer(row["answer"]) for row in rows]
+    cap = 256
+    loaded = load_model(model or "smollm2-135m-instruct", max_new_tokens=cap, batch_size=len(rows),
+                        overrides=[f"hardware.device={device}"] if device else [])
+    tokenizer, results = loaded.tokenizer, []
+    for one_shot in (False, True):
+        ids = tokenize_rendered(tokenizer, [render_prompt(tokenizer, gsm8k_messages(r["question"], one_shot))
+                                            for r in rows])
+        started = time.time()
+        with torch.no_grad():
+            out = loaded.engine.generate(ids, SamplingParams(max_new_tokens=cap, temperature=0.0))
+        responses = out.decode(tokenizer)
+        lengths = out.response_mask.sum(-1).tolist()
+        results.append({"prompt": "one-shot" if one_shot else "zero-shot", **gsm8k_metrics(responses, truths),
+                        "prompt_tokens_mean": sum(map(len, ids)) / len(ids),
+                        "response_tokens_mean": sum(lengths) / len(lengths),
+                        "at_cap": sum(length >= cap for length in lengths), "seconds": time.time() - started,
+                        "examples": [text[-300:] for text in responses[:2]]})
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "examples"}), flush=True)
+    return results
+
+
+def run_recipe(gsm8k_dir: str, work_dir: str, model: Optional[str], smoke: bool, overrides: list[str],
+               one_shot: bool = True) -> dict:
     """Prepare the data, train the recipe in this process, and return the curve (docs/curves/ format)."""
     import torch
     from rlanywhere.cli import main as cli_main
     from rlanywhere.data import prepare_gsm8k
     from rlanywhere.tracking import read_metrics
 
-    paths = prepare_gsm8k(gsm8k_dir, os.path.join(work_dir, "gsm8k_1shot"), one_shot=True)
+    paths = prepare_gsm8k(gsm8k_dir, os.path.join(work_dir, "gsm8k_1shot" if one_shot else "gsm8k_0shot"),
+                          one_shot=one_shot)
     run_dir = os.path.join(work_dir, "run")
     shutil.rmtree(run_dir, ignore_errors=True)  # one fresh run each time
     items = [RECIPE, f"data.train_files={paths['train']}", f"data.val_files={paths['test']}",
@@ -145,8 +185,9 @@ def run_recipe(gsm8k_dir: str, work_dir: str, model: Optional[str], smoke: bool,
         raise SystemExit(f"the run saved {len(points)} validation(s) under {run_dir}/val_generations; before and "
                          "after need two (trainer.val_before_train=true and trainer.test_freq > 0)")
     hardware = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not smoke else "CPU"
-    return {"label": "rlanywhere grpo, gsm8k_format recipe", "algorithm": "grpo",
-            "task": f"GSM8K one-shot ({points[-1]['num_samples']} held-out, greedy; acc = strict)",
+    shots = "one-shot" if one_shot else "zero-shot"
+    return {"label": f"rlanywhere grpo, gsm8k_format recipe ({shots})", "algorithm": "grpo",
+            "task": f"GSM8K {shots} ({points[-1]['num_samples']} held-out, greedy; acc = strict)",
             "model": "tiny random (--smoke)" if smoke else "SmolLM2-135M-Instruct",
             "hardware": hardware, "steps": points[-1]["step"], "test_freq": points[1]["step"] - points[0]["step"],
             "process_minutes": (time.time() - started) / 60, "points": points}
@@ -173,17 +214,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model", default=None, help="actor_rollout_ref.model.path (default: the recipe's, the "
                                                       "demo GGUF; with --smoke a tiny random model)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny random model, 1 step, 4 held-out prompts")
+    parser.add_argument("--zero-shot", action="store_true", help="the contrast run: verl's instruction alone, no "
+                                                                 "worked example in the prompt")
+    parser.add_argument("--probe", type=int, default=0, metavar="N",
+                        help="no training: greedy format rate / strict / flexible of the untrained model on the "
+                             "first N test prompts, zero-shot and one-shot (--out gets the JSON)")
+    parser.add_argument("--device", default=None, help="--probe only: cpu or cuda (default: the planner's)")
     parser.add_argument("overrides", nargs="*", help="extra rlanywhere train overrides (after --)")
     args = parser.parse_args(argv)
 
-    work_dir = os.path.abspath(args.work_dir or os.path.join(REPO, "runs", "gsm8k_recipe" + ("-smoke" if args.smoke
-                                                                                              else "")))
+    if args.probe:
+        results = probe_prompts(find_gsm8k_dir(args.gsm8k_dir), args.probe, args.model, args.device)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as handle:
+            json.dump(results, handle, indent=2)
+        print(f"wrote {args.out}")
+        return 0
+    work_dir = os.path.abspath(args.work_dir or os.path.join(REPO, "runs", "gsm8k_recipe" + ("-smoke" if args.smoke else "")
+                                            + ("-0shot" if args.zero_shot else "")))
     model = args.model
     if args.smoke and not model:
         import sides
 
         model = sides.materialize_model(os.path.join(work_dir, "model-tiny"), "tiny")
-    result = run_recipe(find_gsm8k_dir(args.gsm8k_dir), work_dir, model, args.smoke, args.overrides)
+    result = run_recipe(find_gsm8k_dir(args.gsm8k_dir), work_dir, model, args.smoke, args.overrides,
+                        one_shot=not args.zero_shot)
     write_outputs(result, args.out)
     print("\n".join(summary_lines(result["points"])))
     return 0

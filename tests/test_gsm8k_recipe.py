@@ -94,10 +94,12 @@ def test_missing_gsm8k_dir_names_the_fix(tmp_path):
 
 # ---------------------------------------------------------------- the whole recipe, one CPU step
 @pytest.mark.slow
-def test_recipe_runs_one_step_on_cpu(tiny_model_dir, gsm8k_subset, tmp_path):
+@pytest.mark.parametrize("zero_shot", [False, True])
+def test_recipe_runs_one_step_on_cpu(tiny_model_dir, gsm8k_subset, tmp_path, zero_shot):
     out = tmp_path / "curve.json"
     code = gsm8k_recipe.main(["--smoke", "--model", str(tiny_model_dir), "--gsm8k-dir", str(gsm8k_subset),
-                              "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+                              "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+                             + (["--zero-shot"] if zero_shot else []))
     assert code == 0
     result = json.loads(out.read_text())
     assert [p["step"] for p in result["points"]] == [0, 1]
@@ -107,6 +109,21 @@ def test_recipe_runs_one_step_on_cpu(tiny_model_dir, gsm8k_subset, tmp_path):
         assert 0.0 <= point["flexible_acc"] <= 1.0 and 0.0 <= point["format"] <= 1.0
     assert result["points"][1]["minutes"] > 0
     saved = (tmp_path / "work" / "run" / "val_generations" / "step_0.jsonl").read_text().splitlines()
-    # the run was given the one-shot prompts: example question, example answer, question, the generation's turn
-    assert json.loads(saved[0])["prompt"].count("<|im_start|>") == 4
+    # one-shot: example question, example answer, question, the generation's turn; zero-shot: question, turn
+    assert json.loads(saved[0])["prompt"].count("<|im_start|>") == (2 if zero_shot else 4)
+    assert ("zero-shot" in result["label"]) == zero_shot
     assert (tmp_path / "curve.csv").exists()
+
+
+@pytest.mark.slow
+def test_probe_compares_zero_and_one_shot_prompts(tiny_model_dir, gsm8k_subset, tmp_path):
+    out = tmp_path / "probe.json"
+    assert gsm8k_recipe.main(["--probe", "2", "--model", str(tiny_model_dir), "--device", "cpu",
+                              "--gsm8k-dir", str(gsm8k_subset), "--out", str(out)]) == 0
+    zero, one = json.loads(out.read_text())
+    assert (zero["prompt"], one["prompt"]) == ("zero-shot", "one-shot")
+    assert zero["num_samples"] == one["num_samples"] == 2
+    assert one["prompt_tokens_mean"] > zero["prompt_tokens_mean"]  # the worked example is in the prompt
+    for row in (zero, one):
+        assert 0 < row["response_tokens_mean"] <= 256 and 0 <= row["at_cap"] <= 2
+        assert {"format_rate", "strict_acc", "flexible_acc"} <= set(row)
