@@ -6,15 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from rlanywhere import estimator as est
-from rlanywhere import hardware as hw
+from rlanywhere import cli, machine, model_shape, planner, plans, vocabulary
 from rlanywhere.config import load_config
-from rlanywhere.hardware import HardwareProbe, NoFitError, PlanError, make_plan
+from rlanywhere.machine import HardwareProbe
+from rlanywhere.planner import make_plan
+from rlanywhere.vocabulary import NoFitError, PlanError
 
 from .conftest import VERL_P40_ARGS
 
@@ -40,25 +41,25 @@ def fake(card=None, flash=False) -> HardwareProbe:
 def test_dtype_names_round_trip():
     for name, dtype in (("fp32", torch.float32), ("float32", torch.float32), ("bf16", torch.bfloat16),
                         ("bfloat16", torch.bfloat16), ("fp16", torch.float16), ("half", torch.float16)):
-        assert hw.dtype_from_name(name) is dtype
-        assert hw.dtype_from_name(hw.dtype_name(dtype)) is dtype
-    assert hw.dtype_name(torch.bfloat16) == "bfloat16"
+        assert vocabulary.dtype_from_name(name) is dtype
+        assert vocabulary.dtype_from_name(vocabulary.dtype_name(dtype)) is dtype
+    assert vocabulary.dtype_name(torch.bfloat16) == "bfloat16"
     with pytest.raises(ValueError, match="fp32, bf16, fp16"):
-        hw.dtype_from_name("int8")
+        vocabulary.dtype_from_name("int8")
 
 
 def test_card_table():
-    p40 = hw.card_spec("P40")
+    p40 = machine.card_spec("P40")
     assert p40.compute_capability == (6, 1) and p40.smem_per_block_kib == 48
     assert not (p40.bf16 or p40.tf32 or p40.flash_attn_capable or p40.fp16_tensor_cores)
-    t4 = hw.card_spec("tesla-t4")
+    t4 = machine.card_spec("tesla-t4")
     assert t4.fp16_tensor_cores and not t4.bf16 and 14 < t4.memory_gib <= 16
     for key in ("a10", "rtx3090", "a100-40g", "a100-80g", "h100"):
-        card = hw.CARDS[key]
+        card = machine.CARDS[key]
         assert card.bf16 and card.tf32 and card.flash_attn_capable and card.compute_capability >= (8, 0)
-    assert hw.CARDS["h100"].compute_capability == (9, 0) and hw.CARDS["v100-32g"].memory_gib > 31
+    assert machine.CARDS["h100"].compute_capability == (9, 0) and machine.CARDS["v100-32g"].memory_gib > 31
     with pytest.raises(PlanError) as err:
-        hw.card_spec("p4")
+        machine.card_spec("p4")
     assert "p40" in str(err.value) and "h100" in str(err.value)
 
 
@@ -69,7 +70,7 @@ def test_pascal_plans_fp32_without_flash(card):
     assert plan.precision == "fp32" and plan.param_dtype == plan.compute_dtype == plan.rollout.dtype == torch.float32
     assert not plan.use_autocast and not plan.use_grad_scaler and not plan.allow_tf32
     assert plan.attn_implementation in ("sdpa", "eager")
-    assert "no bf16 and no fp16 tensor cores" in plan.reasons["precision"] and hw.card_spec(card).name in plan.card
+    assert "no bf16 and no fp16 tensor cores" in plan.reasons["precision"] and machine.card_spec(card).name in plan.card
     assert plan.device == "cuda:0" and plan.alloc_conf == "expandable_segments:True"
 
 
@@ -123,7 +124,7 @@ def test_emulated_t4_runs_the_fp16_checks_of_the_real_gpu():
 
 
 def test_fp16_checks_run_for_real_and_catch_a_scaler_that_does_not_skip(monkeypatch):
-    assert hw.fp16_problems("cpu") == []  # CPU autocast has fp16 matmuls: the same checks run here
+    assert machine.fp16_problems("cpu") == []  # CPU autocast has fp16 matmuls: the same checks run here
 
     class NeverSkips(torch.amp.GradScaler):  # finds the overflow, steps anyway
         def step(self, optimizer, *args, **kwargs):
@@ -131,15 +132,15 @@ def test_fp16_checks_run_for_real_and_catch_a_scaler_that_does_not_skip(monkeypa
             return optimizer.step()
 
     monkeypatch.setattr(torch.amp, "GradScaler", NeverSkips)
-    assert "was not skipped" in hw._loss_scaling_problem("cpu")
+    assert "was not skipped" in machine._loss_scaling_problem("cpu")
 
 
 def test_grad_scaler_of_an_fp16_plan():
     plan = make_plan(cfg_of(*SMALL), fake("t4"))
     assert plan.use_grad_scaler
-    scaler = hw.make_grad_scaler(dataclasses.replace(plan, device="cpu"))  # no CUDA here: a CPU scaler
-    assert scaler.get_scale() == hw.LOSS_SCALE_INIT and scaler.get_growth_interval() == hw.LOSS_SCALE_GROWTH_INTERVAL
-    assert hw.make_grad_scaler(make_plan(cfg_of(*SMALL), fake("a100-40g"))) is None
+    scaler = planner.make_grad_scaler(dataclasses.replace(plan, device="cpu"))  # no CUDA here: a CPU scaler
+    assert scaler.get_scale() == vocabulary.LOSS_SCALE_INIT and scaler.get_growth_interval() == vocabulary.LOSS_SCALE_GROWTH_INTERVAL
+    assert planner.make_grad_scaler(make_plan(cfg_of(*SMALL), fake("a100-40g"))) is None
 
 
 @pytest.mark.parametrize("card", ["a100-80g", "h100"])
@@ -304,24 +305,24 @@ def test_plan_to_dict_and_summary():
 
 # -------------------------------------------------------------------------------------- probe and shapes
 def test_probe_this_machine():
-    probe = hw.probe_machine()
+    probe = machine.probe_machine()
     assert probe.cpu_cores >= 1 and probe.ram_total_bytes > 0
     assert len(probe.devices) == torch.cuda.device_count()
-    assert "math" in probe.cpu_sdpa_backends[f"float32/{hw.PROBE_HEAD_DIM}"]
+    assert "math" in probe.cpu_sdpa_backends[f"float32/{machine.PROBE_HEAD_DIM}"]
     json.dumps(probe.to_dict())
     assert "CPU:" in probe.summary()
 
 
 def test_sdpa_backend_probe_runs_math_everywhere():
-    backends = hw.sdpa_backends_that_run(torch.float32, 64, "cpu")
-    assert "math" in backends and set(backends) <= set(hw.SDPA_BACKEND_NAMES)
+    backends = machine.sdpa_backends_that_run(torch.float32, 64, "cpu")
+    assert "math" in backends and set(backends) <= set(machine.SDPA_BACKEND_NAMES)
 
 
 def test_named_shape_from_hub_style_name():
-    shape = hw.model_config_from_path("Qwen/Qwen2.5-0.5B-Instruct")
+    shape = model_shape.model_config_from_path("Qwen/Qwen2.5-0.5B-Instruct")
     assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (896, 24, 14, 2)
     assert shape.num_params() == 494_032_768
-    assert hw.model_config_from_path("smollm2-135m-instruct").hidden_size == 576
+    assert model_shape.model_config_from_path("smollm2-135m-instruct").hidden_size == 576
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -334,7 +335,7 @@ def test_shape_from_config_json_and_pretrained_config(tmp_path, tied):
     model = Qwen2ForCausalLM(config)
     real = sum({id(p): p.numel() for p in model.parameters()}.values())
     for source in (tmp_path, str(tmp_path / "config.json"), config):
-        shape = hw.model_config_from_path(source)
+        shape = model_shape.model_config_from_path(source)
         assert shape.num_params() == real and shape.tie_word_embeddings == tied and shape.head_dim == 16
 
 
@@ -357,57 +358,57 @@ def test_shape_from_gguf(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    shape = hw.model_config_from_path(path)
+    shape = model_shape.model_config_from_path(path)
     assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (64, 3, 4, 2)
     assert (shape.intermediate_size, shape.vocab_size, shape.head_dim) == (160, 100, 16)
     assert not shape.tie_word_embeddings  # it has an output.weight
-    assert hw.model_config_from_path(tmp_path).hidden_size == 64  # a directory holding the .gguf
+    assert model_shape.model_config_from_path(tmp_path).hidden_size == 64  # a directory holding the .gguf
 
 
 def test_unknown_model_error_lists_named_shapes():
     with pytest.raises(PlanError) as err:
-        hw.model_config_from_path("./no/such/model")
+        model_shape.model_config_from_path("./no/such/model")
     assert "qwen2.5-0.5b" in str(err.value)
 
 
 # ------------------------------------------------------------------------------------------------ runtime
 def test_autocast_context():
     a = torch.randn(4, 4)
-    with hw.autocast_context(hw.Plan()):
+    with planner.autocast_context(plans.Plan()):
         assert (a @ a).dtype == torch.float32
-    bf16 = hw.Plan(precision="bf16", compute_dtype=torch.bfloat16, use_autocast=True)
-    with hw.autocast_context(bf16):
+    bf16 = plans.Plan(precision="bf16", compute_dtype=torch.bfloat16, use_autocast=True)
+    with planner.autocast_context(bf16):
         assert (a @ a).dtype == torch.bfloat16
-    with hw.autocast_context(bf16, enabled=False):
+    with planner.autocast_context(bf16, enabled=False):
         assert (a @ a).dtype == torch.float32
-    assert hw.make_grad_scaler(hw.Plan()) is None
+    assert planner.make_grad_scaler(plans.Plan()) is None
 
 
 def test_apply_runtime_on_cpu():
     torch.set_float32_matmul_precision("high")
-    hw.apply_runtime(hw.Plan())
+    planner.apply_runtime(plans.Plan())
     assert torch.get_float32_matmul_precision() == "highest"
 
 
 def test_prepare_environment(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    hw.prepare_environment(cfg_of("hardware.device=cpu"))
+    planner.prepare_environment(cfg_of("hardware.device=cpu"))
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
-    hw.prepare_environment(cfg_of())
+    planner.prepare_environment(cfg_of())
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")  # the user's own setting wins
-    hw.prepare_environment(cfg_of())
+    planner.prepare_environment(cfg_of())
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
 
 
 def test_plan_main(capsys):
-    assert hw.plan_main(None, PPO_05B, emulate="p40", probe=fake(None)) == 0
+    assert cli.plan_main(None, PPO_05B, emulate="p40", machine=fake(None)) == 0
     out = capsys.readouterr().out
     assert "Tesla P40" in out and "predicted peak" in out and "actor_update" in out and "micro-batches:" in out
-    assert hw.plan_main(None, PPO_05B + ["actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct"], emulate="p40",
-                        probe=fake(None)) == 2
+    assert cli.plan_main(None, PPO_05B + ["actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct"], emulate="p40",
+                        machine=fake(None)) == 2
     assert "nothing fits" in capsys.readouterr().out
-    assert hw.plan_main(cfg_of(*SMALL), json_out="-", probe=fake("t4")) == 0
+    assert cli.plan_main(cfg_of(*SMALL), json_out="-", machine=fake("t4")) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["card"] == "Tesla T4" and data["plan"]["precision"] == "fp16"

@@ -6,7 +6,7 @@ Keys follow verl's `ppo_trainer.yaml` wherever the concept exists, so a verl com
 (`rlanywhere train <the same overrides>`). Keys that only make sense inside verl (vLLM memory fractions, FSDP wrap
 policies, Ray settings) are accepted with a one-line notice of what rlanywhere does instead. Anything else unknown
 is an error naming the closest valid key. Our own knobs live under `hardware.*`; "auto" there means the planner
-(hardware.py) decides.
+(planner.py) decides.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ class HardwareConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     attn_implementation: str = "auto"  # auto | flash_attention_2 | sdpa | eager
-    emulate: Optional[str] = None  # p40 | t4 | v100-16g | ... (see hardware.CARDS)
+    emulate: Optional[str] = None  # p40 | t4 | v100-16g | ... (see machine.CARDS)
     param_offload: Any = "auto"
     optimizer_offload: Any = "auto"
     ref_device: str = "auto"  # auto | cpu | cuda
@@ -485,6 +485,15 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         log.warning("notice: %s", line)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def config_from(config: Any, overrides: Optional[list[str]] = None) -> DictConfig:
+    """A loaded config passes through; a path (or None: the defaults) is loaded with the overrides."""
+    if isinstance(config, DictConfig):
+        if overrides:
+            raise ValueError("overrides are applied when loading: pass a config path, or fold them into the config")
+        return config
+    return load_config(config, list(overrides or []))
 
 
 def _load_yaml(path: str) -> DictConfig:

@@ -7,7 +7,7 @@ attention implementation without importing the planner. Only this module writes 
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -68,6 +68,17 @@ def is_half(dtype: torch.dtype) -> bool:
     return dtype in (BF16, FP16)
 
 
+def to_jsonable(value: Any) -> Any:
+    """Dicts, lists and tuples with torch.dtype leaves -> the same with dtype names (for JSON records)."""
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    return value
+
+
 # ------------------------------------------------------------------------------------ capability rules
 def has_native_bf16(cc: Optional[tuple[int, int]]) -> bool:
     """Native bf16 math needs Ampere (8.0). torch.cuda.is_bf16_supported() also says True on a T4 because it counts
@@ -89,7 +100,8 @@ def flash_attn_capable(cc: Optional[tuple[int, int]]) -> bool:
     return cc is not None and tuple(cc) >= (8, 0)
 
 
-def _cc_str(cc: Optional[tuple[int, int]]) -> str:
+def cc_str(cc: Optional[tuple[int, int]]) -> str:
+    """(8, 0) -> '8.0'; None (CPU) -> 'n/a'."""
     return f"{cc[0]}.{cc[1]}" if cc else "n/a"
 
 
