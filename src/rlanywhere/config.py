@@ -21,6 +21,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import UserError
+from .vocabulary import (
+    AdvantageEstimator, AttnImplementation, LossAggMode, PolicyLossMode, Precision, RolloutEngineName, Truncation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -527,7 +530,7 @@ def check_batch_sizes(cfg: DictConfig) -> None:
     minis = [("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size,
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu,
               actor.use_dynamic_bsz)]
-    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.ppo_mini_batch_size:
+    if cfg.algorithm.adv_estimator == AdvantageEstimator.GAE and cfg.critic.ppo_mini_batch_size:
         minis.append(("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size,
                       "critic.ppo_micro_batch_size_per_gpu", cfg.critic.ppo_micro_batch_size_per_gpu,
                       cfg.critic.use_dynamic_bsz))
@@ -551,17 +554,16 @@ def _largest_divisor_at_most(number: int, limit: int) -> int:
 
 def _check_values(cfg: DictConfig) -> None:
     choices = {
-        "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+        "algorithm.adv_estimator": AdvantageEstimator.values(),
         "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-        "actor_rollout_ref.actor.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                                  "seq-mean-token-sum-norm"),
-        "critic.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+        "actor_rollout_ref.actor.loss_agg_mode": LossAggMode.values(),
+        "critic.loss_agg_mode": LossAggMode.values(),
         "trainer.resume_mode": ("auto", "disable", "resume_path"),
-        "hardware.precision": ("auto", "fp32", "bf16", "fp16"),
-        "hardware.attn_implementation": ("auto", "flash_attention_2", "sdpa", "eager"),
-        "actor_rollout_ref.rollout.name": ("auto", "fast", "hf"),
-        "data.truncation": ("error", "left", "right"),
-        "actor_rollout_ref.actor.policy_loss.loss_mode": ("vanilla", "gspo"),
+        "hardware.precision": Precision.values(),
+        "hardware.attn_implementation": AttnImplementation.values(),
+        "actor_rollout_ref.rollout.name": RolloutEngineName.values(),
+        "data.truncation": Truncation.values(),
+        "actor_rollout_ref.actor.policy_loss.loss_mode": PolicyLossMode.values(),
     }
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
@@ -620,7 +622,7 @@ def _check_variant_values(cfg: DictConfig) -> None:
 def _differences_from_verl(cfg: DictConfig) -> list[str]:
     """Settings whose meaning here differs from verl's on purpose (docs/algorithms.md says why)."""
     out = []
-    if cfg.algorithm.adv_estimator == "reinforce_plus_plus_baseline" and cfg.algorithm.gamma != 1.0:
+    if cfg.algorithm.adv_estimator == AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE and cfg.algorithm.gamma != 1.0:
         out.append(f"algorithm.gamma={cfg.algorithm.gamma}: reinforce_plus_plus_baseline discounts the centred "
                    "score back from the last token here; verl ignores gamma for this estimator (same score on "
                    "every token)")

@@ -39,7 +39,8 @@ from .plans import Plan, RolloutPlan
 from .vocabulary import (
     ALLOC_CONF, ATTN_EAGER, ATTN_FLASH, ATTN_IMPLEMENTATIONS, ATTN_SDPA, BF16, FP16, FP32, LOSS_SCALE_GROWTH_INTERVAL,
     LOSS_SCALE_INIT, NoFitError, PlanError, cc_str, dtype_from_name, dtype_name, flash_attn_capable, has_fast_fp16,
-    has_native_bf16, has_tf32, is_half,
+    has_half_gemm_fp32_output, has_native_bf16, has_tf32, is_half, DECODE_MATMUL, DECODE_SDPA, AdvantageEstimator,
+    AttnImplementation, Precision, RolloutEngineName,
 )
 
 log = logging.getLogger(__name__)
@@ -181,16 +182,16 @@ def _fp16_checks(target: _Target, real: Optional[DeviceInfo], device: str, machi
 
 def _decide_precision(requested: str, target: _Target, fp16: _Fp16Checks, reasons: dict[str, str]) -> _Precision:
     cc = cc_str(target.cc)
-    fp32 = _Precision("fp32", FP32, FP32, False, False)
-    fp16_mixed = _Precision("fp16", FP32, FP16, True, True)
+    fp32 = _Precision(Precision.FP32.value, FP32, FP32, False, False)
+    fp16_mixed = _Precision(Precision.FP16.value, FP32, FP16, True, True)
     mixed = "fp16 autocast over fp32 master weights, dynamic loss scaling"
-    if requested == "auto":
+    if requested == Precision.AUTO:
         if not target.is_cuda:
             reasons["precision"] = "fp32: CPU (hardware.precision=bf16 opts in to bf16 autocast on CPU)"
             return fp32
         if target.bf16:
             reasons["precision"] = f"bf16 autocast over fp32 master weights: compute capability {cc} has native bf16"
-            return _Precision("bf16", FP32, BF16, True, False)
+            return _Precision(Precision.BF16.value, FP32, BF16, True, False)
         if not target.fast_fp16:
             reasons["precision"] = (f"fp32: compute capability {cc} has no bf16 and no fp16 tensor cores (fp16 "
                                     "would not be faster)")
@@ -208,18 +209,18 @@ def _decide_precision(requested: str, target: _Target, fp16: _Fp16Checks, reason
         log.warning("precision: fp32 instead of fp16 - the fp16 checks failed on %s: %s", fp16.where,
                     "; ".join(fp16.problems))
         return fp32
-    if requested == "fp32":
+    if requested == Precision.FP32:
         reasons["precision"] = "fp32: hardware.precision=fp32"
         return fp32
-    if requested == "bf16":
+    if requested == Precision.BF16:
         if target.is_cuda and not target.bf16:
             alt = " (or fp16, which this card runs on tensor cores)" if target.fast_fp16 else ""
             raise PlanError(f"hardware.precision=bf16: bf16 needs compute capability >= 8.0; the {target.name} has "
                             f"{cc}. Use hardware.precision=fp32 (or auto){alt}")
         where = "CPU (slow without AVX512-BF16/AMX)" if not target.is_cuda else f"compute capability {cc}"
         reasons["precision"] = f"bf16 autocast over fp32 master weights: hardware.precision=bf16 on {where}"
-        return _Precision("bf16", FP32, BF16, True, False)
-    if requested == "fp16":
+        return _Precision(Precision.BF16.value, FP32, BF16, True, False)
+    if requested == Precision.FP16:
         if not target.is_cuda:
             raise PlanError("hardware.precision=fp16 is not supported on CPU. Use hardware.precision=fp32 (or bf16)")
         if fp16.problems:
@@ -272,7 +273,7 @@ def _decide_attention(requested: str, machine: HardwareProbe, target: _Target, c
         flash_problem = None
     backends = _sdpa_backends(target, compute, head_dim)
     backends_text = f"SDPA backends that run for {dtype_name(compute)}, head dim {head_dim}: {', '.join(backends)}"
-    if requested == "auto":
+    if requested == AttnImplementation.AUTO:
         if flash_problem is None:
             reasons["attn_implementation"] = "auto: flash_attn is installed and usable on this card"
             return ATTN_FLASH, backends
@@ -343,9 +344,9 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     attn, backends = _decide_attention(str(hcfg.attn_implementation), machine, target, precision.compute, shape.head_dim,
                                        reasons)
     engine = str(arr.rollout.name)
-    fallback_allowed = engine == "auto"
-    if engine == "auto":
-        engine = "fast"
+    fallback_allowed = engine == RolloutEngineName.AUTO
+    if fallback_allowed:
+        engine = RolloutEngineName.FAST.value
         reasons["rollout_engine"] = ("auto: the fast engine (static KV cache, CUDA graphs); it falls back to hf "
                                      "for architectures it does not support")
     else:
@@ -353,7 +354,7 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
 
     # which models exist
     actor = arr.actor
-    use_critic = cfg.algorithm.adv_estimator == "gae"
+    use_critic = cfg.algorithm.adv_estimator == AdvantageEstimator.GAE
     reasons["use_critic"] = ("adv_estimator=gae needs a value model" if use_critic else
                              f"adv_estimator={cfg.algorithm.adv_estimator} needs no value model")
     kl_loss = bool(actor.use_kl_loss) and float(actor.kl_loss_coef) > 0
@@ -382,6 +383,7 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     _ref_reason(plan, use_ref, use_lora, kl_loss, kl_reward, reasons)
     _memory_cap(plan, card, real, for_execution, reasons)
     _plan_data_parallel(cfg, plan, machine, for_execution, reasons)
+    _plan_rollout(cfg, plan, target, shape, machine)
     if for_execution and card is not None and real is not None:
         _check_real_card_runs(plan, real, machine)
     return plan
@@ -517,6 +519,122 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
                                  "parked on CPU, moved to the device only for its log-prob pass: needed to fit"
                                  if not placement.ref_on_device else "fits beside the actor" +
                                  (" and critic" if plan.use_critic else ""))
+
+
+# Free the KV cache after each rollout when the planned peak takes more than this share of the budget. The
+# estimator assumes the cache is gone during the log-prob and update phases; with this much of the budget in use,
+# a cache held beside the update's activations (plus allocator fragmentation) risks an OOM. Below it the cache stays,
+# which saves reallocating it and recapturing the CUDA graphs every step.
+KV_RELEASE_PEAK_FRACTION = 0.6
+
+
+def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype], on_cuda: bool, torch_version: str,
+                    shape: Optional[ModelShape], budget_bytes: Optional[int]) -> None:
+    """The rollout engine's kernels and weight copies for `rollout.dtype` on this device; fills `rollout` and its
+    reasons. Shared by make_plan (a run) and plan_rollout_for (a bench without a config)."""
+    reasons = rollout.reasons
+    dtype = rollout.dtype if rollout.dtype is not None else weight_dtype
+    half = dtype is not None and is_half(dtype)
+    dtype_text = dtype_name(dtype) if dtype is not None else "the model's dtype"
+    if half:
+        rollout.decode_attention = DECODE_SDPA
+        reasons["decode_attention"] = f"{dtype_text}: SDPA keeps the scores in fp32 inside the kernel"
+    else:
+        rollout.decode_attention = DECODE_MATMUL
+        reasons["decode_attention"] = (f"{dtype_text}: batched GEMMs beat the fused attention kernels for a decode "
+                                       "step's few queries (2x on an H200)")
+    rollout.match_hf_numerics = True
+    reasons["match_hf_numerics"] = (
+        "round like transformers in RMSNorm, RoPE and residual adds: sampling log-probs stay ~1e-4 from the "
+        "trainer's in half precision" if half else f"on (no effect in {dtype_text}: rounds the same either way)")
+    fp32_output_gemm = has_half_gemm_fp32_output(torch_version, on_cuda)
+    rollout.fp32_logits = not (half and on_cuda and not fp32_output_gemm)
+    reasons["fp32_logits"] = (
+        f"logits already fp32 in {dtype_text}" if not half else
+        f"fp32 LM-head output as the trainer computes log-probs (torch {torch_version}: one half-in/fp32-out GEMM)"
+        if fp32_output_gemm else "fp32 LM-head output (CPU: the inputs are upcast)" if not on_cuda else
+        f"off: torch {torch_version} has no torch.mm(..., out_dtype=) (>= 2.8), and an fp32 copy of the LM head every "
+        "step would cost more than it gains")
+    rollout.cuda_graphs = on_cuda
+    reasons["cuda_graphs"] = "CUDA: one graph per decode step shape" if on_cuda else "CPU: no CUDA graphs"
+    if rollout.engine != RolloutEngineName.FAST:
+        rollout.fuse_weights = False
+        reasons["fuse_weights"] = f"the {rollout.engine} engine keeps no weight copies"
+    elif weight_dtype is not None and dtype != weight_dtype:
+        rollout.fuse_weights = True
+        reasons["fuse_weights"] = (f"free: rollouts in {dtype_text} keep a cast copy of the {dtype_name(weight_dtype)} "
+                                   "weights anyway, stored fused (fewer, larger GEMMs)")
+    elif not on_cuda:
+        rollout.fuse_weights = False
+        reasons["fuse_weights"] = "CPU: the weights are used in place (a fused copy would double them)"
+    elif shape is None or budget_bytes is None or dtype is None:
+        rollout.fuse_weights = False
+        reasons["fuse_weights"] = "off: no model shape or memory budget to size the copy against"
+    else:
+        copy = est.fused_copy_bytes(shape, dtype)
+        limit = est.FUSED_COPY_BUDGET_FRACTION * budget_bytes
+        rollout.fuse_weights = copy <= limit
+        reasons["fuse_weights"] = (
+            f"{'on' if rollout.fuse_weights else 'off'}: the fused QKV and gate/up copy takes "
+            f"{est.format_bytes(copy)}, {'within' if rollout.fuse_weights else 'over'} "
+            f"{est.FUSED_COPY_BUDGET_FRACTION:.0%} of the {est.format_bytes(budget_bytes)} budget"
+            + (" (~10% faster decode steps)" if rollout.fuse_weights else ""))
+    rollout.transpose_gate_up = True
+    reasons["transpose_gate_up"] = "fused gate/up stored [hidden, 2 x intermediate]: faster for 64-256 decode rows"
+    reasons.setdefault("prefill_tokens_per_chunk", f"{rollout.prefill_tokens_per_chunk} padded prompt tokens per "
+                                                   "prefill forward bound its activations")
+    reasons.setdefault("check_every", f"every {rollout.check_every} decode steps: finished rows and stop strings")
+
+
+def _plan_rollout(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, machine: HardwareProbe) -> None:
+    """Every RolloutPlan field with its reason: the engine's kernels for the rollout dtype, its wave size and cache
+    length from the memory plan, and whether its KV cache is freed for the training phases."""
+    rollout = plan.rollout
+    arr = cfg.actor_rollout_ref
+    _rollout_policy(rollout, weight_dtype=plan.param_dtype, on_cuda=target.is_cuda,
+                    torch_version=machine.torch_version, shape=shape, budget_bytes=plan.memory_budget_bytes)
+    rollout.rows_per_wave = plan.sizes.rollout_batch_size
+    rollout.reasons["rows_per_wave"] = f"the planned rollout batch: {plan.reasons.get('rollout_batch_size', '')}"
+    prompt = int(arr.rollout.prompt_length or cfg.data.max_prompt_length)
+    response = int(arr.rollout.response_length or cfg.data.max_response_length)
+    rollout.max_seq_len = prompt + response
+    rollout.reasons["max_seq_len"] = f"prompt {prompt} + response {response} tokens"
+    estimate = plan.estimate or {}
+    peak, budget = estimate.get("peak_bytes", 0), estimate.get("budget_bytes")
+    tight = budget is not None and peak > KV_RELEASE_PEAK_FRACTION * budget
+    rollout.release_kv_between_phases = target.is_cuda and (target.emulated is not None or tight)
+    rollout.reasons["release_kv_between_phases"] = (
+        "CPU: memory is not the limit" if not target.is_cuda else
+        f"emulating the {target.name}: its memory cap leaves no room for an idle cache" if target.emulated else
+        f"{'' if tight else 'kept: '}planned peak {est.format_bytes(peak)} is "
+        f"{'over' if tight else 'within'} {KV_RELEASE_PEAK_FRACTION:.0%} of the {est.format_bytes(budget or 0)} budget")
+
+
+def plan_rollout_for(model_or_shape: Any, device: Any = "cpu", dtype: Optional[torch.dtype] = None,
+                     budget_bytes: Optional[int] = None, *, engine: str = RolloutEngineName.FAST.value,
+                     rows_per_wave: Optional[int] = None, max_seq_len: Optional[int] = None) -> RolloutPlan:
+    """The RolloutPlan a run would use for this model on `device`, without a config (benches build engines
+    directly). model_or_shape: a loaded HF model (its weight dtype counts: a different `dtype` means a cast copy),
+    or anything model_config_from_path reads. dtype: the rollout dtype (default: the model's; fp32 for a shape).
+    budget_bytes: default the device's memory on CUDA. rows_per_wave: None decodes the whole request at once."""
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    weight = next(model_or_shape.parameters(), None) if hasattr(model_or_shape, "parameters") else None
+    config = getattr(model_or_shape, "config", None) if weight is not None else model_or_shape
+    shape = model_config_from_path(config) if config is not None else None
+    weight_dtype = weight.dtype if weight is not None else None
+    dtype = dtype if dtype is not None else (weight_dtype or FP32)
+    if budget_bytes is None and on_cuda:
+        budget_bytes = est.memory_budget_bytes(torch.cuda.get_device_properties(device).total_memory, True)
+    rollout = RolloutPlan(engine=engine, fallback_allowed=False, dtype=dtype, rows_per_wave=rows_per_wave,
+                          max_seq_len=max_seq_len,
+                          reasons={"engine": f"engine={engine}", "dtype": f"dtype={dtype_name(dtype)}",
+                                   "fallback_allowed": "a bench measures the engine it asked for",
+                                   "rows_per_wave": "given" if rows_per_wave else "the whole request at once",
+                                   "release_kv_between_phases": "a bench has no training phases"})
+    _rollout_policy(rollout, weight_dtype=weight_dtype or dtype, on_cuda=on_cuda, torch_version=torch.__version__,
+                    shape=shape, budget_bytes=budget_bytes)
+    return rollout
 
 
 def _local_rank() -> int:

@@ -43,6 +43,13 @@ class RolloutPlan:
     release_kv_between_phases: bool = False  # free the KV cache after each rollout for the training phases
     reasons: dict[str, str] = field(default_factory=dict)
 
+    def kernels_text(self) -> str:
+        """One line for a summary table: decode attention, weight fusion, logits, rounding, graphs."""
+        logits = "fp32" if self.fp32_logits else dtype_name(self.dtype) if self.dtype is not None else "model-dtype"
+        return (f"decode {self.decode_attention}, {'fused' if self.fuse_weights else 'separate'} QKV/gate-up, "
+                f"{logits} logits{', HF rounding' if self.match_hf_numerics else ''}"
+                f"{', CUDA graphs' if self.cuda_graphs else ''}")
+
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
         record["dtype"] = str(self.dtype).replace("torch.", "") if self.dtype is not None else None
@@ -125,6 +132,10 @@ class Plan:
             ("tf32", "on" if self.allow_tf32 else "off", self.reasons.get("allow_tf32", "")),
             ("attention", self.attn_implementation, self.reasons.get("attn_implementation", "")),
             ("rollout engine", self.rollout.engine, self.reasons.get("rollout_engine", "")),
+            ("rollout kernels", self.rollout.kernels_text(), self.rollout.reasons.get("fuse_weights", "")),
+            ("rollout KV cache", f"{self.rollout.max_seq_len or '-'} tokens x {self.rollout.rows_per_wave or 'all'} "
+             f"rows; {'freed after each rollout' if self.rollout.release_kv_between_phases else 'kept'}",
+             self.rollout.reasons.get("release_kv_between_phases", "")),
             ("critic", "yes" if self.use_critic else "no", self.reasons.get("use_critic", "")),
             ("reference", self.ref_device, self.reasons.get("ref_device", "")),
             ("lora", "yes" if self.use_lora else "no", self.reasons.get("use_lora", "")),
