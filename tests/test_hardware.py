@@ -303,6 +303,99 @@ def test_plan_to_dict_and_summary():
     assert "grad checkpointing" in text and "no bf16" in text
 
 
+# ------------------------------------------------------------------------------------------ rollout plan
+ROLLOUT_FIELDS = ("engine", "fallback_allowed", "dtype", "decode_attention", "fuse_weights", "transpose_gate_up",
+                  "fp32_logits", "match_hf_numerics", "cuda_graphs", "rows_per_wave", "max_seq_len",
+                  "prefill_tokens_per_chunk", "check_every", "release_kv_between_phases")
+
+
+def test_every_rollout_decision_has_its_reason():
+    for card in (None, "p40", "t4", "a100-80g"):
+        plan = make_plan(cfg_of(*PPO_05B), fake(card))
+        missing = [name for name in ROLLOUT_FIELDS if not plan.rollout.reasons.get(name)]
+        assert not missing, (card, missing)
+    assert set(ROLLOUT_FIELDS) | {"reasons"} == {f.name for f in dataclasses.fields(plans.RolloutPlan)}
+
+
+def test_bf16_rollout_plan_on_ampere():
+    plan = make_plan(cfg_of(*PPO_05B), fake("a100-80g"))
+    rollout = plan.rollout
+    assert rollout.dtype == torch.bfloat16 and rollout.decode_attention == "sdpa"
+    assert rollout.fuse_weights and "cast copy" in rollout.reasons["fuse_weights"]  # fp32 master weights
+    assert rollout.fp32_logits and rollout.match_hf_numerics and rollout.cuda_graphs
+    assert rollout.rows_per_wave == plan.sizes.rollout_batch_size and rollout.max_seq_len == 256 + 256
+    assert not rollout.fallback_allowed or rollout.engine == "fast"
+
+
+def test_fp32_rollout_plan_on_cpu_and_pascal():
+    cpu = make_plan(cfg_of(*SMALL), fake(None)).rollout
+    assert cpu.decode_attention == "matmul" and not cpu.fuse_weights and not cpu.cuda_graphs
+    assert cpu.fp32_logits and not cpu.release_kv_between_phases and cpu.max_seq_len == 128
+    p40 = make_plan(cfg_of(*PPO_05B), fake("p40"))
+    copy = est.fused_copy_bytes(model_shape.NAMED_SHAPES["qwen2.5-0.5b"], torch.float32)
+    assert p40.rollout.decode_attention == "matmul" and p40.rollout.cuda_graphs
+    assert p40.rollout.fuse_weights == (copy <= est.FUSED_COPY_BUDGET_FRACTION * p40.memory_budget_bytes)
+
+
+def test_fp32_logits_need_torch_2_8_on_cuda_in_half_precision():
+    old = fake("t4")
+    old.torch_version = "2.7.1"
+    plan = make_plan(cfg_of(*SMALL), old)
+    assert plan.rollout.dtype == torch.float16 and not plan.rollout.fp32_logits
+    assert "2.8" in plan.rollout.reasons["fp32_logits"]
+    new = fake("t4")
+    new.torch_version = "2.8.0"
+    assert make_plan(cfg_of(*SMALL), new).rollout.fp32_logits
+
+
+def test_kv_cache_released_when_the_planned_peak_is_tight_or_emulating():
+    for overrides in (SMALL, PPO_05B, PPO_05B + ["data.train_batch_size=512", "actor_rollout_ref.rollout.n=8"]):
+        plan = make_plan(cfg_of(*overrides), fake("a100-80g"))
+        tight = plan.estimate["peak_bytes"] > planner.KV_RELEASE_PEAK_FRACTION * plan.estimate["budget_bytes"]
+        assert plan.rollout.release_kv_between_phases == tight, overrides
+    assert not make_plan(cfg_of(*SMALL), fake("a100-80g")).rollout.release_kv_between_phases
+    assert make_plan(cfg_of(*PPO_05B, "data.train_batch_size=512", "actor_rollout_ref.rollout.n=8"),
+                     fake("a100-80g")).rollout.release_kv_between_phases
+    emulated = make_plan(cfg_of(*SMALL, "hardware.emulate=p40"), fake("h100"))
+    assert emulated.memory_fraction is not None and emulated.rollout.release_kv_between_phases
+    assert "emulating" in emulated.rollout.reasons["release_kv_between_phases"]
+
+
+def test_hf_engine_keeps_no_weight_copies():
+    plan = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.rollout.name=hf"), fake("a100-80g"))
+    assert plan.rollout.engine == "hf" and not plan.rollout.fallback_allowed and not plan.rollout.fuse_weights
+
+
+def test_plan_rollout_for_a_bench():
+    shape = model_shape.NAMED_SHAPES["qwen2.5-0.5b"]
+    copy = est.fused_copy_bytes(shape, torch.bfloat16)
+    roomy = planner.plan_rollout_for(shape, "cuda:0", torch.bfloat16, budget_bytes=int(copy * 100))
+    assert roomy.fuse_weights and roomy.cuda_graphs and roomy.decode_attention == "sdpa" and roomy.fp32_logits
+    assert roomy.engine == "fast" and not roomy.fallback_allowed and roomy.rows_per_wave is None
+    tight = planner.plan_rollout_for(shape, "cuda:0", torch.bfloat16, budget_bytes=int(copy * 10))
+    assert not tight.fuse_weights and "over 5%" in tight.reasons["fuse_weights"]
+    cpu = planner.plan_rollout_for("smollm2-135m", "cpu", rows_per_wave=8, max_seq_len=96)
+    assert cpu.dtype == torch.float32 and cpu.decode_attention == "matmul" and not cpu.cuda_graphs
+    assert (cpu.rows_per_wave, cpu.max_seq_len) == (8, 96) and not cpu.fuse_weights
+
+
+def test_plan_rollout_for_a_loaded_model_counts_its_cast_copy():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    same = planner.plan_rollout_for(model, "cpu")
+    assert same.dtype == torch.float32 and not same.fuse_weights
+    cast = planner.plan_rollout_for(model, "cpu", torch.bfloat16)
+    assert cast.fuse_weights and cast.decode_attention == "sdpa" and cast.fp32_logits
+
+
+def test_summary_shows_the_rollout_rows():
+    text = make_plan(cfg_of(*PPO_05B), fake("a100-80g")).summary()
+    assert "rollout kernels" in text and "decode sdpa, fused QKV/gate-up, fp32 logits" in text
+    assert "rollout KV cache" in text and "512 tokens" in text
+
+
 # -------------------------------------------------------------------------------------- probe and shapes
 def test_probe_this_machine():
     probe = machine.probe_machine()

@@ -61,7 +61,7 @@ def tiny_qwen2_config(attn_implementation: str):
 
 
 def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    value, reference = value.detach().double().cpu(), reference.detach().double().cpu()
+    value, reference = value.detach().to(REFERENCE_DTYPE).cpu(), reference.detach().to(REFERENCE_DTYPE).cpu()
     return float((value - reference).norm() / reference.norm().clamp_min(1e-30))
 
 
@@ -214,7 +214,7 @@ def check_tiny_model(plan: Plan, device: torch.device) -> tuple[str, str]:
     missing = [n for n in names if grads[n].grad is None]
     if missing:
         return "fail", f"no gradient for {missing[:3]}"
-    flat = torch.cat([grads[n].grad.detach().double().cpu().flatten() for n in names])
+    flat = torch.cat([grads[n].grad.detach().to(REFERENCE_DTYPE).cpu().flatten() for n in names])
     ref_flat = torch.cat([p.grad.flatten() for n, p in reference.named_parameters() if n in names])
     real = attention_mask.bool().cpu()
     logit_err = relative_error(out.logits.detach().cpu()[real], ref_out.logits.detach()[real])

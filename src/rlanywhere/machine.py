@@ -148,7 +148,7 @@ def _fp16_matmul_problem(device: str) -> Optional[str]:
     if out.dtype != FP16:
         return f"autocast produced {dtype_name(out.dtype)}, not float16"
     reference = a @ b
-    error = float((out.double().cpu() - reference).norm() / reference.norm())
+    error = float((out.to(REFERENCE_DTYPE).cpu() - reference).norm() / reference.norm())
     if not math.isfinite(error) or error > FP16_MATMUL_TOLERANCE:
         return f"relative error {error:.2e} against fp64 (limit {FP16_MATMUL_TOLERANCE:.0e})"
     return None

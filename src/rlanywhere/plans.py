@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from .estimator import format_bytes
-from .vocabulary import ATTN_SDPA, FP32, dtype_name, to_jsonable
+from .vocabulary import ATTN_SDPA, DECODE_SDPA, FP32, dtype_name, to_jsonable
 
 
 @dataclass
@@ -30,7 +30,7 @@ class RolloutPlan:
     engine: str = "hf"  # "fast" (the built-in engine) | "hf" (transformers generate)
     fallback_allowed: bool = True  # may "fast" fall back to "hf" when FastEngine cannot run the model?
     dtype: Optional[torch.dtype] = None  # engine compute dtype; None: the model's weight dtype
-    decode_attention: str = "sdpa"  # "sdpa" | "matmul" (batched GEMMs, softmax in fp32)
+    decode_attention: str = DECODE_SDPA  # DecodeAttention: sdpa | matmul (batched GEMMs, softmax in fp32)
     fuse_weights: bool = False  # keep fused QKV and gate/up weight copies (fewer, larger GEMMs)
     transpose_gate_up: bool = True  # fused gate/up stored [hidden, 2 x intermediate]
     fp32_logits: bool = True  # LM head with fp32 output in half precision, as the trainer computes it
