@@ -412,10 +412,10 @@ def test_sdpa_backend_probe_runs_math_everywhere():
 
 
 def test_named_shape_from_hub_style_name():
-    shape = model_shape.model_config_from_path("Qwen/Qwen2.5-0.5B-Instruct")
+    shape = model_shape.read_model_shape("Qwen/Qwen2.5-0.5B-Instruct")
     assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (896, 24, 14, 2)
     assert shape.num_params() == 494_032_768
-    assert model_shape.model_config_from_path("smollm2-135m-instruct").hidden_size == 576
+    assert model_shape.read_model_shape("smollm2-135m-instruct").hidden_size == 576
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -428,7 +428,7 @@ def test_shape_from_config_json_and_pretrained_config(tmp_path, tied):
     model = Qwen2ForCausalLM(config)
     real = sum({id(p): p.numel() for p in model.parameters()}.values())
     for source in (tmp_path, str(tmp_path / "config.json"), config):
-        shape = model_shape.model_config_from_path(source)
+        shape = model_shape.read_model_shape(source)
         assert shape.num_params() == real and shape.tie_word_embeddings == tied and shape.head_dim == 16
 
 
@@ -451,16 +451,16 @@ def test_shape_from_gguf(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    shape = model_shape.model_config_from_path(path)
+    shape = model_shape.read_model_shape(path)
     assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (64, 3, 4, 2)
     assert (shape.intermediate_size, shape.vocab_size, shape.head_dim) == (160, 100, 16)
     assert not shape.tie_word_embeddings  # it has an output.weight
-    assert model_shape.model_config_from_path(tmp_path).hidden_size == 64  # a directory holding the .gguf
+    assert model_shape.read_model_shape(tmp_path).hidden_size == 64  # a directory holding the .gguf
 
 
 def test_unknown_model_error_lists_named_shapes():
     with pytest.raises(PlanError) as err:
-        model_shape.model_config_from_path("./no/such/model")
+        model_shape.read_model_shape("./no/such/model")
     assert "qwen2.5-0.5b" in str(err.value)
 
 

@@ -106,7 +106,7 @@ def _shape_from_gguf(path: Path) -> ModelShape:
         max_position_embeddings=get(f"{arch}.context_length"))
 
 
-def model_config_from_path(path_or_config: Any, gguf_file: Optional[str] = None) -> ModelShape:
+def read_model_shape(path_or_config: Any, gguf_file: Optional[str] = None) -> ModelShape:
     """A model's shape without loading weights.
 
     Accepts a ModelShape, a transformers PretrainedConfig, a config dict, a directory with config.json (or .gguf
@@ -146,7 +146,7 @@ def _shape_from_hub(repo_id: str) -> ModelShape:
     errors = []
     for local_only in (True, False):
         try:
-            return model_config_from_path(AutoConfig.from_pretrained(repo_id, local_files_only=local_only))
+            return read_model_shape(AutoConfig.from_pretrained(repo_id, local_files_only=local_only))
         except Exception as exc:  # noqa: BLE001 - hub / network / parse errors all mean "cannot read it"
             errors.append(str(exc).splitlines()[0])
     raise PlanError(f"cannot read the model config of {repo_id!r} ({errors[-1]}). Give a local model directory, a "

@@ -34,7 +34,7 @@ import torch
 from . import estimator as est
 from .machine import CardSpec, DeviceInfo, HardwareProbe, card_spec, fp16_problems, predicted_sdpa_backends, \
     probe_machine, sdpa_backends_that_run
-from .model_shape import ModelShape, model_config_from_path
+from .model_shape import ModelShape, read_model_shape
 from .plans import Plan, RolloutPlan
 from .vocabulary import (
     ALLOC_CONF, ATTN_EAGER, ATTN_FLASH, ATTN_IMPLEMENTATIONS, ATTN_SDPA, BF16, FP16, FP32, LOSS_SCALE_GROWTH_INTERVAL,
@@ -147,8 +147,8 @@ def _make_target(card: Optional[CardSpec], real: Optional[DeviceInfo], device: s
     if real is not None:
         return _Target(real.name, tuple(real.compute_capability), real.total_memory_bytes, True,
                        live_device=device if machine.live else None)
-    return _Target(f"CPU ({machine.cpu_cores} cores)", None, machine.ram_available_bytes or machine.ram_total_bytes, False,
-                   live_device="cpu" if machine.live else None)
+    return _Target(f"CPU ({machine.cpu_cores} cores)", None, machine.ram_available_bytes or machine.ram_total_bytes,
+                   False, live_device="cpu" if machine.live else None)
 
 
 @dataclass
@@ -332,17 +332,17 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     else:
         reasons["card"] = f"RAM {est.format_bytes(target.memory_bytes)} available"
 
-    shape = model_shape or model_config_from_path(arr.model.path, arr.model.get("gguf_file"))
+    shape = model_shape or read_model_shape(arr.model.path, arr.model.get("gguf_file"))
     if critic_shape is None and cfg.critic.model.path and cfg.critic.model.path != arr.model.path:
-        critic_shape = model_config_from_path(cfg.critic.model.path)
+        critic_shape = read_model_shape(cfg.critic.model.path)
 
     precision = _decide_precision(str(hcfg.precision), target, _fp16_checks(target, real, device, machine), reasons)
     rollout_dtype = _decide_rollout_dtype(str(arr.rollout.get("dtype", "auto")), precision, target, reasons)
     allow_tf32 = target.is_cuda and target.tf32
     reasons["allow_tf32"] = (f"compute capability {cc_str(target.cc)} has TF32 for fp32 matmuls" if allow_tf32 else
                              "CPU" if not target.is_cuda else f"compute capability {cc_str(target.cc)} has no TF32")
-    attn, backends = _decide_attention(str(hcfg.attn_implementation), machine, target, precision.compute, shape.head_dim,
-                                       reasons)
+    attn, backends = _decide_attention(str(hcfg.attn_implementation), machine, target, precision.compute,
+                                       shape.head_dim, reasons)
     engine = str(arr.rollout.name)
     fallback_allowed = engine == RolloutEngineName.AUTO
     if fallback_allowed:
@@ -469,7 +469,7 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
     phases = estimate["phases"]
     seq = workload.seq_len
 
-    def peak(*names: str) -> str:
+    def peak_text(*names: str) -> str:
         present = [p for p in names if p in phases]
         name = max(present, key=phases.get)
         return f"{name} peak {est.format_bytes(phases[name])} of {est.format_bytes(budget)}"
@@ -478,10 +478,10 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
 
     def batch_reason(key: str, value: int, explicit_from: str, *phase_names: str) -> str:
         if fixed.get(key) is not None:
-            return f"{explicit_from}={value} ({peak(*phase_names)})"
+            return f"{explicit_from}={value} ({peak_text(*phase_names)})"
         cap, cap_why = caps[key]
         how = cap_why if value == cap else "the largest power of two that fits"
-        return f"{value} sequences x {seq} tokens: {how} ({peak(*phase_names)})"
+        return f"{value} sequences x {seq} tokens: {how} ({peak_text(*phase_names)})"
 
     for key in ("gradient_checkpointing", "optimizer_offload", "param_offload"):
         if key not in reasons:
@@ -494,7 +494,7 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
         reasons["max_token_len_per_micro_batch"] = (
             f"use_dynamic_bsz: ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}"
             + (f" lowered to {placement.max_token_len} to fit" if placement.max_token_len
-               < int(actor.ppo_max_token_len_per_gpu) else "") + f" ({peak('actor_update', 'critic_update')})")
+               < int(actor.ppo_max_token_len_per_gpu) else "") + f" ({peak_text('actor_update', 'critic_update')})")
         reasons["actor_micro_batch_size"] = "use_dynamic_bsz: micro-batches are cut by the token budget"
         reasons["critic_micro_batch_size"] = reasons["actor_micro_batch_size"]
     else:
@@ -509,7 +509,7 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
         "old_log_prob", "ref_log_prob", "values") + "; old/ref log-probs and values"
     reasons["rollout_batch_size"] = (
         f"{'all ' if placement.rollout_batch == workload.rollout_sequences else ''}{placement.rollout_batch} of "
-        f"{workload.rollout_sequences} sequences at once ({peak('rollout')})")
+        f"{workload.rollout_sequences} sequences at once ({peak_text('rollout')})")
     reasons["logprob_chunk_size"] = ("hardware.logprob_chunk_size" if chunk else
                                      f"logits of {placement.logprob_chunk_size} tokens x {shape.vocab_size} vocab per "
                                      f"chunk stay under {est.LOGIT_CHUNK_TARGET_FRACTION:.0%} of the budget")
@@ -615,13 +615,13 @@ def plan_rollout_for(model_or_shape: Any, device: Any = "cpu", dtype: Optional[t
                      rows_per_wave: Optional[int] = None, max_seq_len: Optional[int] = None) -> RolloutPlan:
     """The RolloutPlan a run would use for this model on `device`, without a config (benches build engines
     directly). model_or_shape: a loaded HF model (its weight dtype counts: a different `dtype` means a cast copy),
-    or anything model_config_from_path reads. dtype: the rollout dtype (default: the model's; fp32 for a shape).
+    or anything read_model_shape reads. dtype: the rollout dtype (default: the model's; fp32 for a shape).
     budget_bytes: default the device's memory on CUDA. rows_per_wave: None decodes the whole request at once."""
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     weight = next(model_or_shape.parameters(), None) if hasattr(model_or_shape, "parameters") else None
     config = getattr(model_or_shape, "config", None) if weight is not None else model_or_shape
-    shape = model_config_from_path(config) if config is not None else None
+    shape = read_model_shape(config) if config is not None else None
     weight_dtype = weight.dtype if weight is not None else None
     dtype = dtype if dtype is not None else (weight_dtype or FP32)
     if budget_bytes is None and on_cuda:
@@ -654,7 +654,8 @@ def _plan_data_parallel(cfg: Any, plan: Plan, machine: HardwareProbe, for_execut
     on_gpu = plan.device.startswith("cuda")
     if for_execution and on_gpu and per_node > len(machine.devices):
         raise PlanError(f"trainer.n_gpus_per_node={per_node} but this node has {len(machine.devices)} CUDA device(s): "
-                        f"use trainer.n_gpus_per_node<={len(machine.devices)} (or hardware.device=cpu for CPU processes)")
+                        f"use trainer.n_gpus_per_node<={len(machine.devices)} (or hardware.device=cpu for CPU "
+                        "processes)")
     plan.data_parallel = "replicate"
     plan.dist_backend = "nccl" if on_gpu else "gloo"
     peak = (plan.estimate or {}).get("peak_bytes")
