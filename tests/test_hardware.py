@@ -298,6 +298,8 @@ def test_plan_to_dict_and_summary():
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["param_dtype"] == "float32" and data["compute_capability"] == [6, 1]
     assert data["estimate"]["peak_bytes"] == plan.estimate["peak_bytes"]
+    assert data["rollout"]["dtype"] == "float32" and data["rollout"]["decode_attention"] == "matmul"
+    assert data["rollout"]["reasons"]["fuse_weights"] == plan.rollout.reasons["fuse_weights"]
     text = plan.summary()
     assert text.splitlines()[0].split("|")[0].strip() == "decision"
     assert "grad checkpointing" in text and "no bf16" in text
@@ -364,6 +366,7 @@ def test_kv_cache_released_when_the_planned_peak_is_tight_or_emulating():
 def test_hf_engine_keeps_no_weight_copies():
     plan = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.rollout.name=hf"), fake("a100-80g"))
     assert plan.rollout.engine == "hf" and not plan.rollout.fallback_allowed and not plan.rollout.fuse_weights
+    assert not plan.rollout.cuda_graphs and "transformers generate" in plan.summary()
 
 
 def test_plan_rollout_for_a_bench():

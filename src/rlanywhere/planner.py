@@ -555,8 +555,9 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
         if fp32_output_gemm else "fp32 LM-head output (CPU: the inputs are upcast)" if not on_cuda else
         f"off: torch {torch_version} has no torch.mm(..., out_dtype=) (>= 2.8), and an fp32 copy of the LM head every "
         "step would cost more than it gains")
-    rollout.cuda_graphs = on_cuda
-    reasons["cuda_graphs"] = "CUDA: one graph per decode step shape" if on_cuda else "CPU: no CUDA graphs"
+    rollout.cuda_graphs = on_cuda and rollout.engine == RolloutEngineName.FAST
+    reasons["cuda_graphs"] = ("CUDA: one graph per decode step shape" if rollout.cuda_graphs else
+                              "CPU: no CUDA graphs" if not on_cuda else f"the {rollout.engine} engine captures none")
     if rollout.engine != RolloutEngineName.FAST:
         rollout.fuse_weights = False
         reasons["fuse_weights"] = f"the {rollout.engine} engine keeps no weight copies"

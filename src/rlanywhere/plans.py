@@ -20,14 +20,14 @@ from typing import Any, Optional
 import torch
 
 from .estimator import format_bytes
-from .vocabulary import ATTN_SDPA, DECODE_SDPA, FP32, dtype_name, to_jsonable
+from .vocabulary import ATTN_SDPA, DECODE_SDPA, FP32, RolloutEngineName, dtype_name, to_jsonable
 
 
 @dataclass
 class RolloutPlan:
     """How responses are generated: engine, dtype, kernels, memory. Every field has its reason in `reasons`."""
 
-    engine: str = "hf"  # "fast" (the built-in engine) | "hf" (transformers generate)
+    engine: str = RolloutEngineName.HF.value  # "fast" (the built-in engine) | "hf" (transformers generate)
     fallback_allowed: bool = True  # may "fast" fall back to "hf" when FastEngine cannot run the model?
     dtype: Optional[torch.dtype] = None  # engine compute dtype; None: the model's weight dtype
     decode_attention: str = DECODE_SDPA  # DecodeAttention: sdpa | matmul (batched GEMMs, softmax in fp32)
@@ -45,6 +45,8 @@ class RolloutPlan:
 
     def kernels_text(self) -> str:
         """One line for a summary table: decode attention, weight fusion, logits, rounding, graphs."""
+        if self.engine != RolloutEngineName.FAST:
+            return f"{self.engine} engine: transformers generate (none of FastEngine's kernels)"
         logits = "fp32" if self.fp32_logits else dtype_name(self.dtype) if self.dtype is not None else "model-dtype"
         return (f"decode {self.decode_attention}, {'fused' if self.fuse_weights else 'separate'} QKV/gate-up, "
                 f"{logits} logits{', HF rounding' if self.match_hf_numerics else ''}"
