@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .errors import UserError
+from .vocabulary import Truncation
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ ARITHMETIC_INSTRUCTION = 'Output the final answer after "####".'
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 ARITHMETIC_DATA_SOURCE = "arithmetic"
 SPLITS = ("train", "test")
-TRUNCATION_MODES = ("error", "left", "right")
+TRUNCATION_MODES = Truncation.values()
 ARITHMETIC_OPERATORS = "+-*"
 
 
