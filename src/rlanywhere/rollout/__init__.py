@@ -1,18 +1,22 @@
 """Rollout engines and `make_engine`, which picks one for a model and a Plan.
 
+Layout: base.py (the engine interface, RolloutBatch, sampling), hf.py (HFEngine: transformers generate, any
+model), and FastEngine split by job: llama.py (model forward and weights), runner.py (KV cache, buffers, CUDA
+graphs), scheduler.py (waves, compaction, stop strings), fast.py (the engine composing them from a RolloutPlan).
+
 `engine="auto"` uses FastEngine (static KV cache, CUDA graphs) where `FastEngine.supports(model)` and the plan
 allows it, and falls back to HFEngine (transformers generate, any model) with a logged reason otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
-import torch
-
+from ..plan import RolloutPlan
 from .base import RolloutBatch, RolloutEngine, SamplingParams
-from .fast import FastEngine
+from .fast import FastEngine, transitional_rollout_plan
 from .hf import HFEngine
 
 logger = logging.getLogger(__name__)
@@ -25,16 +29,17 @@ def make_engine(
     tokenizer: Any,
     plan: Any = None,
     engine: str = "auto",
-    dtype: torch.dtype | None = None,
+    *,
     max_batch_size: int | None = None,
     max_seq_len: int | None = None,
 ) -> RolloutEngine:
-    """Build the rollout engine for `model`.
+    """Build the rollout engine for `model` from `plan.rollout` (no plan: `RolloutPlan(engine=...)` defaults).
 
     engine: "fast", "hf" or "auto". With "auto", `plan.rollout.engine` (when a plan is given) is the request, and
     "fast" falls back to "hf" (logged) when `FastEngine.supports(model)` says no; an explicit "fast" raises
     instead, unless the plan allows the fall-back (`plan.rollout.fallback_allowed`: its own automatic choice).
-    dtype: explicit engine dtype, else `plan.rollout.dtype`, else the model's own dtype.
+    max_batch_size / max_seq_len (transitional, until the planner fills the RolloutPlan): rows per wave and KV
+    cache length for a plan that left them unset.
     """
     if engine not in ENGINE_CHOICES:
         raise ValueError(f"engine must be one of {ENGINE_CHOICES}, got {engine!r}")
@@ -44,8 +49,6 @@ def make_engine(
     # "fast" may fall back to hf when it was an automatic choice: engine="auto", or the plan's own "fast" from
     # rollout.name=auto passed through as engine=plan.rollout.engine.
     may_fall_back = engine == "auto" or (engine == planned and bool(rollout_plan.fallback_allowed))
-    if dtype is None and rollout_plan is not None:
-        dtype = rollout_plan.dtype
 
     if requested == "hf":
         if engine == "auto":
@@ -61,9 +64,16 @@ def make_engine(
         fallback.fallback_reason = f"FastEngine does not support this model: {reason}"  # for the run's record
         return fallback
     logger.info("rollout engine: fast")
-    budget = getattr(plan, "memory_budget_bytes", None) if plan is not None else None
-    return FastEngine(model, tokenizer, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                      memory_budget_bytes=budget)
+    if rollout_plan is None:
+        rollout = RolloutPlan(engine="fast")
+    else:
+        rollout = dataclasses.replace(
+            rollout_plan, engine="fast",
+            rows_per_wave=rollout_plan.rows_per_wave if rollout_plan.rows_per_wave is not None else max_batch_size,
+            max_seq_len=rollout_plan.max_seq_len if rollout_plan.max_seq_len is not None else max_seq_len)
+        if "decode_attention" not in rollout.reasons:  # the planner has not filled the engine fields yet
+            rollout = transitional_rollout_plan(model, rollout, getattr(plan, "memory_budget_bytes", None))
+    return FastEngine(model, tokenizer, rollout)
 
 
-__all__ = ["make_engine", "RolloutBatch", "RolloutEngine", "SamplingParams", "FastEngine", "HFEngine"]
+__all__ = ["make_engine", "RolloutBatch", "RolloutEngine", "RolloutPlan", "SamplingParams", "FastEngine", "HFEngine"]
