@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from rlanywhere.logprobs import response_logprobs
+from rlanywhere.plan import RolloutPlan
 from rlanywhere.rollout import FastEngine, HFEngine, SamplingParams, make_engine
 from rlanywhere.rollout.base import RolloutBatch
 
@@ -148,16 +149,16 @@ def test_fast_greedy_matches_transformers(kind, attention, fuse, match_hf):
     model = tiny_model(kind)
     params = SamplingParams(max_new_tokens=12, temperature=0)
     expected = reference_greedy(model, PROMPTS, 12)
-    engine = FastEngine(model, None, pad_token_id=PAD, decode_attention=attention, check_every=2, fuse_weights=fuse,
-                        match_hf_numerics=match_hf)
+    engine = FastEngine(model, None, RolloutPlan(decode_attention=attention, check_every=2, fuse_weights=fuse,
+                                                 match_hf_numerics=match_hf), pad_token_id=PAD)
     assert responses(engine.generate(PROMPTS, params)) == expected
     # EOS in play: a token the model emits mid-response for one prompt becomes EOS; rows stop at different steps
     eos = expected[0][4]
     expected_eos = reference_greedy(model, PROMPTS, 12, eos_id=eos)
     assert len(expected_eos[0]) == 5 and any(len(r) == 12 for r in expected_eos)
     model.generation_config.eos_token_id = eos
-    batch = FastEngine(model, None, pad_token_id=PAD, decode_attention=attention, check_every=2,
-                       fuse_weights=fuse).generate(PROMPTS, params)
+    batch = FastEngine(model, None, RolloutPlan(decode_attention=attention, check_every=2, fuse_weights=fuse),
+                       pad_token_id=PAD).generate(PROMPTS, params)
     assert responses(batch) == expected_eos
     assert batch.response_ids.shape[1] == max(len(r) for r in expected_eos)
     assert responses(HFEngine(model, None, pad_token_id=PAD).generate(PROMPTS, params)) == expected_eos
@@ -170,13 +171,13 @@ def test_batch_layout_and_shared_prefill(monkeypatch):
     model = tiny_model("qwen2")
     engine = FastEngine(model, None, pad_token_id=PAD)
     prefill_rows = []
-    original = engine._prefill
+    original = engine.runner.prefill
 
-    def counting_prefill(ids, lengths, row_start, copies):
+    def counting_prefill(ids, lengths, copies, row_start):
         prefill_rows.append(ids.shape[0])
-        return original(ids, lengths, row_start, copies)
+        return original(ids, lengths, copies, row_start)
 
-    monkeypatch.setattr(engine, "_prefill", counting_prefill)
+    monkeypatch.setattr(engine.runner, "prefill", counting_prefill)
     batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0, n=3))
     assert sum(prefill_rows) == len(PROMPTS)  # each prompt prefilled once for its 3 samples
     assert batch.num_prompts == 4 and batch.n == 3 and batch.prompt_ids.shape == (12, 8)
@@ -198,13 +199,14 @@ def test_waves_and_buckets_match_single_batch():
     model.generation_config.eos_token_id = 50
     params = SamplingParams(max_new_tokens=10, temperature=0, n=3)
     full = FastEngine(model, None, pad_token_id=PAD).generate(PROMPTS, params)
-    waves = FastEngine(model, None, pad_token_id=PAD, max_batch_size=2, max_seq_len=16).generate(PROMPTS, params)
+    waves_plan = RolloutPlan(rows_per_wave=2, max_seq_len=16)
+    waves = FastEngine(model, None, waves_plan, pad_token_id=PAD).generate(PROMPTS, params)
     assert responses(full) == responses(waves)
     assert torch.allclose(full.response_logprobs, waves.response_logprobs, atol=1e-5)
-    waves_engine = FastEngine(model, None, pad_token_id=PAD, max_batch_size=2, max_seq_len=16)
-    assert waves_engine.k_cache.shape[1] == 2  # pre-allocated rows
+    waves_engine = FastEngine(model, None, waves_plan, pad_token_id=PAD)
+    assert waves_engine.runner.cache.k.shape[1] == 2  # pre-allocated rows
     waves_engine.release_memory()
-    assert waves_engine.k_cache is None
+    assert waves_engine.runner.cache.k is None
     assert responses(waves_engine.generate(PROMPTS, params)) == responses(full)
 
 
@@ -276,7 +278,7 @@ def test_stop_strings(engine_cls):
     # a stop string made of two characters the model emits for prompt 0 at steps 3-4
     stop = tokenizer.decode(full[0][3:5])
     engine = engine_cls(model, tokenizer, pad_token_id=PAD) if engine_cls is HFEngine else engine_cls(
-        model, tokenizer, pad_token_id=PAD, check_every=3)
+        model, tokenizer, RolloutPlan(check_every=3), pad_token_id=PAD)
     batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=14, temperature=0, stop_strings=(stop,), ignore_eos=True))
     got = responses(batch)
     for ref, resp in zip(full, got):
@@ -290,8 +292,8 @@ def test_stop_strings(engine_cls):
     assert len(got[0]) == 5
     if engine_cls is FastEngine:  # a row that hit its stop string stops costing decode steps
         calls = []
-        original = engine._decode_step
-        engine._decode_step = lambda batch, span: calls.append(batch) or original(batch, span)
+        original = engine.runner.decode_step
+        engine.runner.decode_step = lambda batch, slot: calls.append(batch) or original(batch, slot)
         engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=14, temperature=0, stop_strings=(stop,)))
         assert len(calls) < 5 + 3
 
@@ -326,7 +328,7 @@ def test_peft_lora_model_uses_adapted_policy():
 
 def test_sync_weights_after_in_place_update():
     model = tiny_model("qwen2")
-    engine = FastEngine(model, None, pad_token_id=PAD, fuse_weights=True)  # engine-owned fused copies
+    engine = FastEngine(model, None, RolloutPlan(fuse_weights=True), pad_token_id=PAD)  # engine-owned fused copies
     params = SamplingParams(max_new_tokens=8, temperature=0)
     before = responses(engine.generate(PROMPTS, params))
     assert before == reference_greedy(model, PROMPTS, 8)
@@ -335,7 +337,7 @@ def test_sync_weights_after_in_place_update():
             layer.mlp.up_proj.weight.mul_(-1.5)
             layer.self_attn.q_proj.bias.add_(0.5)
     engine.sync_weights()
-    qkv = engine._layers[0]["qkv"]
+    qkv = engine.forward.weights.layers[0]["qkv"]
     assert torch.equal(qkv[:64], model.model.layers[0].self_attn.q_proj.weight)
     after = responses(engine.generate(PROMPTS, params))
     assert after != before
@@ -344,28 +346,29 @@ def test_sync_weights_after_in_place_update():
 
 def test_cast_copy_engine_dtype():
     model = tiny_model("llama")
-    engine = FastEngine(model, None, pad_token_id=PAD, dtype=torch.float64)
-    assert engine._layers[0]["qkv"].dtype == torch.float64  # one cast copy, fused
-    assert engine._layers[0]["o"].data_ptr() != model.model.layers[0].self_attn.o_proj.weight.data_ptr()
+    engine = FastEngine(model, None, RolloutPlan(dtype=torch.float64, fuse_weights=True), pad_token_id=PAD)
+    layers = engine.forward.weights.layers
+    assert layers[0]["qkv"].dtype == torch.float64  # one cast copy, fused
+    assert layers[0]["o"].data_ptr() != model.model.layers[0].self_attn.o_proj.weight.data_ptr()
+    assert engine.owned_weight_bytes() > 0
     plain = FastEngine(model, None, pad_token_id=PAD)
-    assert plain._layers[0]["o"].data_ptr() == model.model.layers[0].self_attn.o_proj.weight.data_ptr()  # no copy
+    plain_o = plain.forward.weights.layers[0]["o"]
+    assert plain_o.data_ptr() == model.model.layers[0].self_attn.o_proj.weight.data_ptr()  # no copy
+    assert plain.owned_weight_bytes() == 0
     batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
     assert responses(batch) == reference_greedy(model, PROMPTS, 8)
 
 
-def test_decode_attention_auto_and_gate_up_layout():
+def test_gate_up_layout():
     model = tiny_model("qwen2")
     expected = reference_greedy(model, PROMPTS, 10)
     params = SamplingParams(max_new_tokens=10, temperature=0)
-    assert FastEngine(model, None, pad_token_id=PAD).decode_attention == "matmul"  # fp32: batched GEMMs
-    assert FastEngine(model, None, pad_token_id=PAD, dtype=torch.bfloat16).decode_attention == "sdpa"
     for transpose in (True, False):
-        engine = FastEngine(model, None, pad_token_id=PAD, fuse_weights=True, transpose_gate_up=transpose)
+        engine = FastEngine(model, None, RolloutPlan(fuse_weights=True, transpose_gate_up=transpose), pad_token_id=PAD)
         hidden, inter = model.config.hidden_size, model.config.intermediate_size
-        assert engine._layers[0]["gate_up"].shape == ((hidden, 2 * inter) if transpose else (2 * inter, hidden))
+        gate_up = engine.forward.weights.layers[0]["gate_up"]
+        assert gate_up.shape == ((hidden, 2 * inter) if transpose else (2 * inter, hidden))
         assert responses(engine.generate(PROMPTS, params)) == expected
-    with pytest.raises(ValueError, match="decode_attention"):
-        FastEngine(model, None, decode_attention="flash")
 
 
 # ATen's CPU kernels whose bf16 results we have seen not depend on the shape they run at. With AVX-512 (seen on a
@@ -402,7 +405,7 @@ def test_bf16_logprobs_match_the_trainer():
                                      ("bf16 logits", {"fp32_logits": False}, hf_forward_logprobs),
                                      ("default vs bf16 forward", {}, hf_forward_logprobs),
                                      ("fused", {"match_hf_numerics": False}, trainer_logprobs)):
-        engine = FastEngine(model, None, pad_token_id=PAD, **kwargs)
+        engine = FastEngine(model, None, RolloutPlan(**kwargs), pad_token_id=PAD)
         batch = engine.generate(PROMPTS * 4, params, generator=torch.Generator().manual_seed(0))
         gaps[label] = (reference(batch) - batch.response_logprobs)[batch.response_mask.bool()].abs()
         if label == "default":

@@ -109,7 +109,7 @@ class Scheduler:
         """Generate every row of `wave` into `out`."""
         state = self._prefill(wave, prompts, params, gen, out, stop)
         for t in range(1, params.max_new_tokens):
-            if t % self.check_every == 0 and not self._check(state, out, stop, t):
+            if t % self.check_every == 0 and not self.check_rows(state, out, stop, t):
                 break
             logits = self.runner.decode_step(state.batch, state.slot(t))
             tok, logp = sample_from_logits(logits, params, gen)
@@ -160,7 +160,7 @@ class Scheduler:
         return WaveState(width=width, batch=batch, row_map=F.pad(row_ids, (0, fill), value=out.scratch), done=done,
                          history=history)
 
-    def _check(self, state: WaveState, out: RequestOutputs, stop: StopRule, step: int) -> bool:
+    def check_rows(self, state: WaveState, out: RequestOutputs, stop: StopRule, step: int) -> bool:
         """The host check before decode step `step`: stop strings, then compaction into a smaller bucket.
         Returns False when every row has finished."""
         if stop.matcher:
