@@ -478,3 +478,173 @@ def test_bad_prompts_are_rejected():
         engine.generate(torch.tensor([[1, 2]]), params)
     with pytest.raises(ValueError, match="tokenizer"):
         engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, stop_strings=("x",)))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The engine's parts: KV cache, scheduler state, waves, plan validation
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _tiny_cache():
+    from rlanywhere.rollout.llama import ModelDims
+    from rlanywhere.rollout.runner import KVCache
+
+    dims = ModelDims.of(tiny_model("qwen2"))
+    return KVCache(dims, torch.float32, torch.device("cpu")), dims
+
+
+def test_kv_cache_grow_compact_and_prompt_copies_keep_contents():
+    cache, dims = _tiny_cache()
+    assert cache.ensure(3, 10)
+    assert (cache.rows, cache.length) == (3, 16)  # length aligned to 16 slots
+    assert not cache.ensure(2, 16)  # already big enough: no reallocation
+    # a prompt's K/V written once, copied to its samples: prompt 0 -> rows 0-1, prompt 1 -> row 2
+    k = torch.randn(2, dims.kv_heads, 5, dims.head_dim)
+    v = torch.randn(2, dims.kv_heads, 5, dims.head_dim)
+    cache.store_prompt(1, 0, k, v, torch.tensor([2, 1]), rows=3)
+    assert torch.equal(cache.k[1, 0, :, :5], k[0]) and torch.equal(cache.k[1, 1, :, :5], k[0])
+    assert torch.equal(cache.v[1, 2, :, :5], v[1])
+    cache.starts[:3] = torch.tensor([0, 1, 2])
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    # growing with keep_contents keeps every old row and slot
+    assert cache.ensure(5, 40, keep_contents=True)
+    assert (cache.rows, cache.length) == (5, 48)
+    assert torch.equal(cache.k[:, :3, :, :16], before_k) and torch.equal(cache.v[:, :3, :, :16], before_v)
+    assert cache.starts[:3].tolist() == [0, 1, 2]
+    # compacting rows [2, 0] to the front keeps their slots and start offsets
+    cache.compact(torch.tensor([2, 0]), used_slots=16)
+    assert torch.equal(cache.k[:, 0, :, :16], before_k[:, 2]) and torch.equal(cache.v[:, 1, :, :16], before_v[:, 0])
+    assert cache.starts[:2].tolist() == [2, 0]
+    # a decode write lands at the slot for every row and the read covers the span
+    slot = torch.tensor([7])
+    new_k, new_v = torch.randn(2, dims.kv_heads, 1, dims.head_dim), torch.randn(2, dims.kv_heads, 1, dims.head_dim)
+    keys, values = cache.append(0, 2, slot, new_k, new_v, span=8)
+    assert keys.shape[2] == 8 and torch.equal(keys[:, :, 7], new_k[:, :, 0]) and torch.equal(values[:, :, 7], new_v[:, :, 0])
+    # growing without keep_contents starts from zeros (the runner grows only between waves)
+    assert cache.ensure(6, 48)
+    assert cache.k.abs().sum() == 0
+    cache.release()
+    assert cache.k is None and cache.rows == 0
+
+
+def test_plan_waves_units():
+    from rlanywhere.rollout.scheduler import WaveUnit, plan_waves
+
+    # n <= rows: whole prompts, rows_per_wave // n of them per wave
+    waves = plan_waves(range(5), 2, 5)
+    assert [[u.prompt for u in w] for w in waves] == [[0, 1], [2, 3], [4]]
+    # n > rows: one prompt's samples split, never packed with the next prompt's
+    waves = plan_waves(range(2), 3, 2)
+    assert waves == [[WaveUnit(0, 0, 2)], [WaveUnit(0, 2, 1)], [WaveUnit(1, 0, 2)], [WaveUnit(1, 2, 1)]]
+
+
+def test_scheduler_wave_state_compacts_finished_rows():
+    from rlanywhere.rollout.base import StopStringMatcher
+    from rlanywhere.rollout.scheduler import RequestOutputs, StopRule, WaveState
+
+    engine = FastEngine(tiny_model("qwen2"), None, pad_token_id=PAD)
+    runner, scheduler = engine.runner, engine.scheduler
+    runner.reserve(8, 32)
+    # 6 rows in a bucket of 8, then rows 1, 3 and 4 finish: 3 active rows go to a bucket of 4
+    runner.load_rows(torch.arange(8) + 10, torch.arange(8), torch.zeros(8, dtype=torch.long))
+    row_map = torch.tensor([10, 11, 12, 13, 14, 15, 99, 99])
+    done = torch.tensor([False, True, False, True, True, False, True, True])
+    state = WaveState(width=4, batch=8, row_map=row_map, done=done)
+    out = RequestOutputs.empty(8, 99, PAD, torch.device("cpu"))
+    stop = StopRule.of([], StopStringMatcher(None, ()), torch.device("cpu"))
+    assert scheduler.check_rows(state, out, stop, step=3)
+    assert state.batch == 4
+    assert state.row_map.tolist() == [10, 12, 15, out.scratch]
+    assert state.done.tolist() == [False, False, False, True]
+    assert runner._buffers["tokens"][:3].tolist() == [10, 12, 15]  # the rows' decode state moved with them
+    state.done[:] = True
+    assert not scheduler.check_rows(state, out, stop, step=4)  # every row finished: the wave ends
+    assert state.slot(5) == 8
+
+
+@pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
+def test_waves_equal_chunked_calls(engine_cls):
+    """generate(rows_per_wave=r) returns what one call per chunk of r // n prompts returned (the trainer's former
+    chunking), for a generator per chunk (a function of the chunk's first prompt) and for one shared generator."""
+    model = tiny_model("qwen2")
+    engine = engine_cls(model, None, pad_token_id=PAD)
+    prompts = PROMPTS + [[3, 4, 5, 6], [60, 61]]
+    params = SamplingParams(max_new_tokens=7, temperature=1.0, n=2)
+
+    def per_chunk(first):
+        return torch.Generator().manual_seed(1000 + first)
+
+    chunks = [prompts[0:2], prompts[2:4], prompts[4:6]]
+    expected = RolloutBatch.concat([engine.generate(c, params, generator=per_chunk(2 * i))
+                                    for i, c in enumerate(chunks)], PAD)
+    got = engine.generate(prompts, params, generator=per_chunk, rows_per_wave=4)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.equal(got.response_logprobs, expected.response_logprobs)
+    assert torch.equal(got.prompt_ids, expected.prompt_ids) and got.num_prompts == len(prompts)
+    shared = torch.Generator().manual_seed(5)
+    expected = RolloutBatch.concat([engine.generate(c, params, generator=shared) for c in chunks], PAD)
+    got = engine.generate(prompts, params, generator=torch.Generator().manual_seed(5), rows_per_wave=5)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    # one chunk for the whole request draws differently: the test above can fail
+    whole = engine.generate(prompts, params, generator=per_chunk)
+    assert not torch.equal(whole.response_ids, got.response_ids)
+    # greedy: the same tokens whatever the wave size
+    greedy = SamplingParams(max_new_tokens=7, temperature=0, n=2)
+    all_rows = engine.generate(prompts, greedy, rows_per_wave=len(prompts) * 2)
+    half = engine.generate(prompts, greedy, rows_per_wave=len(prompts))
+    assert torch.equal(all_rows.response_ids, half.response_ids)
+    assert torch.allclose(all_rows.response_logprobs, half.response_logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="rows_per_wave"):
+        engine.generate(prompts, greedy, rows_per_wave=0)
+
+
+def test_rollout_batch_concat_matches_the_trainer_helper():
+    from rlanywhere.trainer import concat_rollouts
+
+    engine = FastEngine(tiny_model("llama"), None, pad_token_id=PAD)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
+    parts = [engine.generate(PROMPTS[:2], params, generator=torch.Generator().manual_seed(1)),
+             engine.generate(PROMPTS[2:], params, generator=torch.Generator().manual_seed(2))]
+    joined, reference = RolloutBatch.concat(parts, PAD), concat_rollouts(parts, PAD)
+    for field in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "response_logprobs"):
+        assert torch.equal(getattr(joined, field), getattr(reference, field)), field
+    assert joined.prompt_ids.shape == (8, 8) and joined.num_prompts == 4
+    assert RolloutBatch.concat(parts[:1], PAD) is parts[0]
+    with pytest.raises(ValueError, match="different n"):
+        RolloutBatch.concat([parts[0], engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))], PAD)
+
+
+def test_rollout_plan_validation_errors():
+    from rlanywhere.errors import UserError
+
+    model = tiny_model("qwen2")
+    for plan, match in ((RolloutPlan(cuda_graphs=True), "cuda_graphs=True needs the model on a CUDA device"),
+                        (RolloutPlan(decode_attention="flash"), "decode_attention"),
+                        (RolloutPlan(rows_per_wave=0), "rows_per_wave"),
+                        (RolloutPlan(max_seq_len=1), "max_seq_len"),
+                        (RolloutPlan(check_every=0), "check_every"),
+                        (RolloutPlan(prefill_tokens_per_chunk=0), "prefill_tokens_per_chunk"),
+                        (RolloutPlan(dtype=torch.long), "dtype"),
+                        ({"decode_attention": "sdpa"}, "RolloutPlan")):
+        with pytest.raises(UserError, match=match):
+            FastEngine(model, None, plan)
+
+
+def test_transitional_plan_keeps_the_former_automatic_choices():
+    from rlanywhere.hardware import Plan
+    from rlanywhere.rollout.fast import transitional_rollout_plan
+
+    model = tiny_model("qwen2")
+    fp32 = transitional_rollout_plan(model, RolloutPlan(engine="fast", rows_per_wave=8), None)
+    assert (fp32.decode_attention, fp32.fuse_weights, fp32.cuda_graphs, fp32.rows_per_wave) == ("matmul", False, False, 8)
+    assert fp32.fp32_logits and "decode_attention" in fp32.reasons
+    bf16 = transitional_rollout_plan(model, RolloutPlan(dtype=torch.bfloat16), None)
+    assert bf16.decode_attention == "sdpa" and bf16.fuse_weights  # a cast copy exists anyway: fused
+    # make_engine applies it only to a plan the planner has not filled
+    engine = make_engine(model, None, plan=Plan(rollout=RolloutPlan(engine="fast", dtype=torch.float32)),
+                         max_batch_size=4, max_seq_len=32)
+    assert engine.decode_attention == "matmul" and engine.runner.rows_capacity == 4
+    planned = RolloutPlan(engine="fast", dtype=torch.float32, decode_attention="sdpa",
+                          reasons={"decode_attention": "the planner's"})
+    assert make_engine(model, None, plan=Plan(rollout=planned)).decode_attention == "sdpa"
+    assert make_engine(model, None).decode_attention == "sdpa"  # no plan: RolloutPlan() defaults

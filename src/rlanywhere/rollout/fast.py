@@ -184,8 +184,9 @@ class FastEngine(RolloutEngine):
         self.sync_weights()  # cheap; keeps LoRA-merged and cast copies current even without an explicit sync
         eos_ids = [] if params.ignore_eos else list(self.eos_ids)
         n, total_rows = params.n, len(prompts) * params.n
-        wave_rows = min(total_rows, rows_per_wave or self.rollout.rows_per_wave or total_rows)
-        chunks = prompt_chunks(len(prompts), n, wave_rows)
+        requested = rows_per_wave if rows_per_wave is not None else self.rollout.rows_per_wave
+        chunks = prompt_chunks(len(prompts), n, requested)  # checks rows_per_wave
+        wave_rows = total_rows if requested is None else min(total_rows, requested)
         waves = [(chunk, plan_waves(chunk, n, wave_rows)) for chunk in chunks]
         count = sum(len(w) for _, w in waves)
         if count > 1:
