@@ -87,7 +87,7 @@ def gap_main(args) -> int:
     from rlanywhere.models import ModelSource, fetch_demo_model, load_tokenizer
     from rlanywhere.precision_guard import rollout_logprob_gap
     from rlanywhere.rollout.base import SamplingParams
-    from rlanywhere.rollout.fast import FastEngine
+    from rlanywhere.rollout.fast import FastEngine, transitional_rollout_plan
 
     gguf = args.gguf or str(fetch_demo_model())
     source = ModelSource(os.path.dirname(os.path.abspath(gguf)), os.path.basename(gguf))
@@ -109,7 +109,7 @@ def gap_main(args) -> int:
         plan = hw.Plan(device=args.device, precision=precision, compute_dtype=compute, rollout=RolloutPlan(dtype=compute),
                        use_autocast=compute != hw.FP32)
         start = time.time()
-        engine = FastEngine(model, tokenizer, dtype=plan.rollout.dtype)
+        engine = FastEngine(model, tokenizer, transitional_rollout_plan(model, plan.rollout, None))
         batch = engine.generate(prompts, params, generator=torch.Generator(args.device).manual_seed(0))
         ids, mask, pos = batch.sequences()
         with torch.no_grad(), hw.autocast_context(plan):

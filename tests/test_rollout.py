@@ -519,7 +519,8 @@ def test_kv_cache_grow_compact_and_prompt_copies_keep_contents():
     slot = torch.tensor([7])
     new_k, new_v = torch.randn(2, dims.kv_heads, 1, dims.head_dim), torch.randn(2, dims.kv_heads, 1, dims.head_dim)
     keys, values = cache.append(0, 2, slot, new_k, new_v, span=8)
-    assert keys.shape[2] == 8 and torch.equal(keys[:, :, 7], new_k[:, :, 0]) and torch.equal(values[:, :, 7], new_v[:, :, 0])
+    assert keys.shape[2] == 8 and torch.equal(keys[:, :, 7], new_k[:, :, 0])
+    assert torch.equal(values[:, :, 7], new_v[:, :, 0])
     # growing without keep_contents starts from zeros (the runner grows only between waves)
     assert cache.ensure(6, 48)
     assert cache.k.abs().sum() == 0
@@ -636,7 +637,8 @@ def test_transitional_plan_keeps_the_former_automatic_choices():
 
     model = tiny_model("qwen2")
     fp32 = transitional_rollout_plan(model, RolloutPlan(engine="fast", rows_per_wave=8), None)
-    assert (fp32.decode_attention, fp32.fuse_weights, fp32.cuda_graphs, fp32.rows_per_wave) == ("matmul", False, False, 8)
+    chosen = (fp32.decode_attention, fp32.fuse_weights, fp32.cuda_graphs, fp32.rows_per_wave)
+    assert chosen == ("matmul", False, False, 8)
     assert fp32.fp32_logits and "decode_attention" in fp32.reasons
     bf16 = transitional_rollout_plan(model, RolloutPlan(dtype=torch.bfloat16), None)
     assert bf16.decode_attention == "sdpa" and bf16.fuse_weights  # a cast copy exists anyway: fused

@@ -79,7 +79,8 @@ def _check_plan(rollout: Any, device: torch.device) -> None:
     if rollout.decode_attention not in DECODE_ATTENTIONS:
         raise RolloutPlanError(f"RolloutPlan.decode_attention must be one of {DECODE_ATTENTIONS}, got "
                                f"{rollout.decode_attention!r}")
-    if rollout.dtype is not None and (not isinstance(rollout.dtype, torch.dtype) or not rollout.dtype.is_floating_point):
+    dtype = rollout.dtype
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise RolloutPlanError(f"RolloutPlan.dtype must be a floating torch.dtype or None (the model's), got "
                                f"{rollout.dtype!r}")
     if rollout.cuda_graphs and device.type != "cuda":
@@ -199,8 +200,9 @@ class FastEngine(RolloutEngine):
         # generator one stream from params.seed for the whole request.
         shared = resolve_generator(None, params.seed, self.device) if generator is None else None
         for chunk, chunk_waves in waves:
-            gen = shared if shared is not None else resolve_generator(chunk_generator(generator, chunk.start), params.seed,
-                                                                       self.device)
+            gen = shared
+            if gen is None:
+                gen = resolve_generator(chunk_generator(generator, chunk.start), params.seed, self.device)
             for wave in chunk_waves:
                 self.scheduler.run_wave(wave, prompts, params, gen, out, stop)
 
@@ -220,8 +222,8 @@ def transitional_rollout_plan(model: Any, rollout_plan: RolloutPlan, budget_byte
     2x on an H200; SDPA in half precision, which keeps the scores in fp32 inside the kernel), fp32 logits where
     cheap (CPU, or CUDA with a half-in/fp32-out GEMM), weight fusion (when a cast copy exists anyway, or on CUDA
     when the fused copies take <= FUSED_COPY_BUDGET_FRACTION of `budget_bytes`, default the card's memory), CUDA
-    graphs on CUDA, and on CUDA `rows_per_wave` (the plan's, else unbounded) capped so the KV cache of
-    `max_seq_len` slots and the logits buffers take at most half of the free memory now.
+    graphs on CUDA, and on CUDA the plan's `rows_per_wave` capped so the KV cache of `max_seq_len` slots and the
+    logits buffers take at most half of the free memory now (FastEngine measured this at every call).
     """
     hf_model = unwrap_peft(model)
     weight_dtype = effective_weight(hf_model.model.layers[0].self_attn.q_proj)[0]
@@ -239,10 +241,11 @@ def transitional_rollout_plan(model: Any, rollout_plan: RolloutPlan, budget_byte
         budget = budget_bytes or torch.cuda.get_device_properties(device).total_memory
         fuse = dims.fused_copy_elements() * itemsize <= FUSED_COPY_BUDGET_FRACTION * budget
     rows = rollout_plan.rows_per_wave
-    if on_cuda and rollout_plan.max_seq_len is not None:
+    if on_cuda and rows is not None and rollout_plan.max_seq_len is not None:
         free, _ = torch.cuda.mem_get_info(device)
-        fit = max(1, int(TRANSITIONAL_FREE_MEMORY_FRACTION * free // decode_row_bytes(dims, dtype, rollout_plan.max_seq_len)))
-        if rows is None or fit < rows:
+        row_bytes = decode_row_bytes(dims, dtype, rollout_plan.max_seq_len)
+        fit = max(1, int(TRANSITIONAL_FREE_MEMORY_FRACTION * free // row_bytes))
+        if fit < rows:
             logger.info("FastEngine: free GPU memory fits %d rows of %d slots; decoding in waves", fit,
                         rollout_plan.max_seq_len)
             rows = fit

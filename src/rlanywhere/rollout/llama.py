@@ -370,7 +370,8 @@ class LlamaWeights:
             if self.fuse:
                 prods[(i, "qkv")] = fused([attn.q_proj, attn.k_proj, attn.v_proj], bias=False)
                 prods[(i, "qkv_b")] = fused([attn.q_proj, attn.k_proj, attn.v_proj], bias=True)
-                prods[(i, "gate_up")] = fused([mlp.gate_proj, mlp.up_proj], bias=False, transpose=self.transpose_gate_up)
+                prods[(i, "gate_up")] = fused([mlp.gate_proj, mlp.up_proj], bias=False,
+                                              transpose=self.transpose_gate_up)
                 prods[(i, "gate_up_b")] = fused([mlp.gate_proj, mlp.up_proj], bias=True)
             else:
                 for name, mod in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj)):
