@@ -582,6 +582,10 @@ def test_waves_equal_chunked_calls(engine_cls):
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.equal(got.response_logprobs, expected.response_logprobs)
     assert torch.equal(got.prompt_ids, expected.prompt_ids) and got.num_prompts == len(prompts)
+    # the same from the engine's default (the plan's rows_per_wave)
+    planned = FastEngine(model, None, RolloutPlan(rows_per_wave=4), pad_token_id=PAD) if engine_cls is FastEngine \
+        else HFEngine(model, None, pad_token_id=PAD, rows_per_wave=4)
+    assert torch.equal(planned.generate(prompts, params, generator=per_chunk).response_ids, got.response_ids)
     shared = torch.Generator().manual_seed(5)
     expected = RolloutBatch.concat([engine.generate(c, params, generator=shared) for c in chunks], PAD)
     got = engine.generate(prompts, params, generator=torch.Generator().manual_seed(5), rows_per_wave=5)

@@ -50,17 +50,18 @@ def make_engine(
     # rollout.name=auto passed through as engine=plan.rollout.engine.
     may_fall_back = engine == "auto" or (engine == planned and bool(rollout_plan.fallback_allowed))
 
+    hf_rows = rollout_plan.rows_per_wave if rollout_plan is not None else None
     if requested == "hf":
         if engine == "auto":
             logger.info("rollout engine: hf (chosen by the plan)")
-        return HFEngine(model, tokenizer)
+        return HFEngine(model, tokenizer, rows_per_wave=hf_rows)
 
     ok, reason = FastEngine.supports(model)
     if not ok:
         if not may_fall_back:
             raise ValueError(f"engine='fast' cannot run this model: {reason}. Use engine='hf' or 'auto'.")
         logger.warning("rollout engine: hf (FastEngine does not support this model: %s)", reason)
-        fallback = HFEngine(model, tokenizer)
+        fallback = HFEngine(model, tokenizer, rows_per_wave=hf_rows)
         fallback.fallback_reason = f"FastEngine does not support this model: {reason}"  # for the run's record
         return fallback
     logger.info("rollout engine: fast")

@@ -104,7 +104,10 @@ def _generation_context(hf_model: Any, module: torch.nn.Module, seed: int | None
 class HFEngine(RolloutEngine):
     """Rollouts with `model.generate`. Works for any transformers causal LM and for peft-wrapped models."""
 
-    def __init__(self, model: Any, tokenizer: Any, pad_token_id: int | None = None):
+    def __init__(self, model: Any, tokenizer: Any, pad_token_id: int | None = None, rows_per_wave: int | None = None):
+        """rows_per_wave: the default of `generate`'s (the plan's `rollout.rows_per_wave`; None: all at once)."""
+        prompt_chunks(1, 1, rows_per_wave)  # checks it
+        self.rows_per_wave = rows_per_wave
         self.model = model
         self.tokenizer = tokenizer
         self.hf_model = unwrap_peft(model)
@@ -126,6 +129,7 @@ class HFEngine(RolloutEngine):
         prompts = validate_prompts(prompts, vocab)
         matcher = StopStringMatcher(self.tokenizer, params.stop_strings)
         parts = []
+        rows_per_wave = rows_per_wave if rows_per_wave is not None else self.rows_per_wave
         chunks = prompt_chunks(len(prompts), params.n, rows_per_wave)
         if generator is None and params.seed is not None and len(chunks) > 1:
             generator = torch.Generator().manual_seed(params.seed)  # one stream: waves draw different seeds
