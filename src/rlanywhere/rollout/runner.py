@@ -61,7 +61,7 @@ class KVCache:
         tensors (old and new live together for a moment); without it the old cache is freed first, so the peak is
         the new cache alone: the runner grows only between waves, when nothing in the cache is needed any more.
         """
-        if self.k is not None and rows <= self.rows and length <= self.length:
+        if self.fits(rows, length):
             return False
         rows = max(rows, self.rows)
         length = int(math.ceil(max(length, self.length) / CACHE_SLOT_ALIGNMENT) * CACHE_SLOT_ALIGNMENT)
@@ -81,6 +81,9 @@ class KVCache:
         logger.info("FastEngine KV cache: %d rows x %d slots (%.2f GiB, %s)", rows, length,
                     self.nbytes() / 2**30, self.dtype)
         return True
+
+    def fits(self, rows: int, length: int) -> bool:
+        return self.k is not None and rows <= self.rows and length <= self.length
 
     def nbytes(self) -> int:
         return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
@@ -143,9 +146,11 @@ class DecodeRunner:
     def reserve(self, rows: int, length: int) -> None:
         """Room for `rows` sequences of `length` slots: cache, decode buffers and RoPE tables (graphs dropped when
         anything moves)."""
-        if not self.cache.ensure(rows, length):
+        if self.cache.fits(rows, length):
             return
-        self.drop_graphs()
+        self.drop_graphs()  # graphs and buffers first: the new cache is allocated with their memory back
+        self._buffers = {}
+        self.cache.ensure(rows, length)
         rows, length = self.cache.rows, self.cache.length
         long = dict(dtype=torch.long, device=self.device)
         cos, sin = self.forward.rope_tables(length)
