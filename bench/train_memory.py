@@ -120,7 +120,8 @@ def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str) ->
     from rlanywhere import trainer as trainer_module
     from rlanywhere import update as update_module  # where the trainer's log-prob passes call response_logprobs
     from rlanywhere.config import load_config
-    from rlanywhere.hardware import PlanError, apply_runtime, make_plan
+    from rlanywhere.planner import apply_runtime, make_plan
+    from rlanywhere.vocabulary import PlanError
     from rlanywhere.tracking import read_metrics
 
     shape, prompts, n, plen, rlen, extra = CONFIGS[name]

@@ -264,7 +264,7 @@ def test_non_parquet_data_is_one_line_naming_the_file_and_prepare_generic(tmp_pa
 # ------------------------------------------------------------------------------------------------ CPU memory
 def test_cpu_allocation_failure_shrinks_the_plan_like_cuda_oom():
     from rlanywhere.oom import OOMGuard, is_oom_error
-    from rlanywhere.plan import RuntimeSizes, SizeKind
+    from rlanywhere.plans import RuntimeSizes, SizeKind
 
     cpu_message = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
                    "to allocate 34359738368 bytes. Error code 12 (Cannot allocate memory)")
@@ -293,7 +293,7 @@ def _overrides(model_dir, data_dir, run_dir, **extra):
 
 def _trainer(overrides):
     from rlanywhere.config import load_config
-    from rlanywhere.hardware import make_plan
+    from rlanywhere.planner import make_plan
     from rlanywhere.trainer import RLTrainer
 
     cfg = load_config(None, overrides)

@@ -11,8 +11,8 @@ import torch
 
 from rlanywhere import algorithms as algo
 from rlanywhere.config import load_config
-from rlanywhere.hardware import make_plan
-from rlanywhere.plan import SizeKind
+from rlanywhere.planner import make_plan
+from rlanywhere.plans import SizeKind
 from rlanywhere.stepbatch import StepBatch
 from rlanywhere.trainer import RLTrainer
 from rlanywhere.update import actor_loss, critic_loss

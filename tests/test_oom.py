@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from rlanywhere.oom import OOMGuard, OutOfMemoryAtMinimumError, is_oom_error
-from rlanywhere.plan import RuntimeSizes, SizeKind
+from rlanywhere.plans import RuntimeSizes, SizeKind
 
 
 def fake_oom(size):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlanywhere.config import load_config
-from rlanywhere.hardware import make_plan
+from rlanywhere.planner import make_plan
 from rlanywhere.stepmetrics import PhaseTimer
 from rlanywhere.trainer import RLTrainer
 

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .config import as_list
 from .data import PromptLoader, RLDataset
-from .hardware import Plan
+from .plans import Plan
 from .lora import apply_lora
 from .models import (ModelSource, ValueModel, enable_gradient_checkpointing, load_causal_lm, load_tokenizer,
                      resolve_model_source)
@@ -156,25 +156,13 @@ def apply_optim_config(cfg: DictConfig, optimizers: dict, schedulers: dict) -> N
 
 
 # ---------------------------------------------------------------------------------------------- rollout engine
-def build_engine(cfg: DictConfig, plan: Plan, actor, tokenizer, max_seq_len: int):
-    """The rollout engine, sharing the actor's weights. A fast engine that fell back to HF is recorded in the plan
-    (engine and reason), so plan.json shows what runs."""
-    engine = make_engine(actor, tokenizer, plan, engine=cfg.actor_rollout_ref.rollout.name,
-                         max_batch_size=plan.sizes.rollout_batch_size
-                         or cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n,
-                         max_seq_len=max_seq_len)
+def build_engine(cfg: DictConfig, plan: Plan, actor, tokenizer):
+    """The rollout engine, sharing the actor's weights, sized by plan.rollout. A fast engine that fell back to HF is
+    recorded in the plan (engine and reason), so plan.json shows what runs."""
+    engine = make_engine(actor, tokenizer, plan, engine=cfg.actor_rollout_ref.rollout.name)
     fallback = getattr(engine, "fallback_reason", None)
     if fallback and plan.rollout.engine != "hf":
         plan.rollout.engine = "hf"
         plan.reasons["rollout_engine"] = f"{plan.reasons.get('rollout_engine', '')}; fell back to hf: {fallback}"
     return engine
 
-
-def release_kv_between_phases(plan: Plan) -> bool:
-    """Free the rollout's KV cache before the training phases? Moves to the planner
-    (plan.rollout.release_kv_between_phases); until then today's rule, unchanged: on a tight card the KV cache must
-    not sit beside the update's activations (the memory estimator assumes so)."""
-    estimate = plan.estimate or {}
-    return plan.device != "cpu" and (
-        plan.memory_fraction is not None
-        or estimate.get("peak_bytes", 0) > 0.6 * (estimate.get("budget_bytes") or float("inf")))

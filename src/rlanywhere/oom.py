@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
 
-from .plan import RuntimeSizes, SizeKind
+from .plans import RuntimeSizes, SizeKind
 
 T = TypeVar("T")
 

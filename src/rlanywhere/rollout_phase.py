@@ -17,10 +17,10 @@ from . import algorithms as algo
 from .config import as_list
 from .errors import UserError
 from .oom import OOMGuard
-from .hardware import Plan
-from .plan import SizeKind
+from .plans import Plan, SizeKind
 from .rollout.base import RolloutBatch, SamplingParams, StopStringMatcher, collect_eos_ids
 from .stepbatch import ScoredRollout, concat_rollouts
+from .vocabulary import STATISTICS_DTYPE
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class RolloutPhase:
         if not isinstance(part.info.get(name), list):
             known = ["score", "seq_reward"] + sorted(k for k, v in part.info.items() if isinstance(v, list))
             raise UserError(f"algorithm.filter_groups.metric={name!r} is not a reward value; use one of {known}")
-        return torch.tensor(part.info[name], dtype=torch.float64)
+        return torch.tensor(part.info[name], dtype=STATISTICS_DTYPE)
 
     def rollout_and_score(self, items: list[dict], timer, step: int = 0,
                           first_prompt: int = 0) -> tuple[ScoredRollout, dict]:

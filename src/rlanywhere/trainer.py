@@ -7,8 +7,8 @@ Read `RLTrainer.train_step` top to bottom; it is the whole algorithm:
 
 The parts live in their own modules: builders.py (models, optimizers, data, engine), rollout_phase.py (steps 1-2),
 update.py (micro-batches, accumulation, optimizer steps), stepmetrics.py (step 7), validation.py, runguard.py
-(signals, divergence stops), checkpoint.py. Every hardware choice comes from the Plan (hardware.py); this file
-only follows it.
+(signals, divergence stops), checkpoint.py. Every hardware choice comes from the Plan made by the planner
+(planner.py) before anything was loaded; this file only follows it.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from .checkpoint import (capture_rng, export_final_model, load_checkpoint, resto
                          retire_later_checkpoints, save_checkpoint)
 from .config import as_list, to_yaml
 from .distributed import DataParallel, NullTracker, check_world_config
-from .hardware import Plan, make_grad_scaler, precision_name
+from .planner import make_grad_scaler
+from .plans import Plan, RuntimeSizes, SizeKind
 from .lora import adapter_disabled, merged_state_for_export
 from .offload import on_device
 from .oom import OOMGuard
-from .plan import RuntimeSizes, SizeKind
 from .precision_guard import PrecisionGuard
 from .rollout_phase import RolloutPhase, response_length
 from .runguard import RunInterrupted, RunStops, StopSignals, prepare_run_dir
@@ -43,6 +43,7 @@ from .stepmetrics import PhaseTimer, step_metrics
 from .tracking import Tracker
 from .update import Updater, actor_loss, critic_loss
 from .validation import validate
+from .vocabulary import precision_name
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +94,10 @@ class RLTrainer:
                                self.tokenizer.pad_token_id, self.response_length,
                                before_weights_change=self.stops.weights_changing,
                                after_optimizer_step=self.stops.record_update)
-        self.engine = builders.build_engine(cfg, plan, self.actor, self.tokenizer, max_seq_len)
+        self.engine = builders.build_engine(cfg, plan, self.actor, self.tokenizer)
         self.write_plan_record()  # after the engine is known: the record shows what runs
         self.rollouts = RolloutPhase(cfg, plan, self.engine, self.actor, self.tokenizer, self.reward_manager,
-                                     self.oom_guard, self.loader.next_batch, builders.release_kv_between_phases(plan))
+                                     self.oom_guard, self.loader.next_batch, plan.rollout.release_kv_between_phases)
         self.global_step = 0
         self.tracker: Optional[Tracker] = None
 

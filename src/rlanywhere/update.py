@@ -17,15 +17,16 @@ import torch
 
 from . import algorithms as algo
 from .distributed import DataParallel
-from .hardware import Plan, autocast_context
+from .planner import autocast_context
 from .logprobs import response_logprobs
 from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
 from .models import response_values
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .oom import OOMGuard
-from .plan import SizeKind
+from .plans import Plan, SizeKind
 from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
 from .stepbatch import StepBatch
+from .vocabulary import ACCUMULATE_DTYPE
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Updater:
         into a [rows, R] CPU tensor (0 at padding); micro-batched by the plan, OOM-guarded."""
 
         def run(size: int) -> torch.Tensor:
-            out = torch.zeros(batch.mask.shape, dtype=torch.float32)
+            out = torch.zeros(batch.mask.shape, dtype=ACCUMULATE_DTYPE)
             for rows in self.micro_batches(batch, list(range(batch.rows)), size):
                 ids, mask, pos, resp_len = self.forward_rows(batch, rows)
                 with autocast_context(self.plan):
