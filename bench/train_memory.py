@@ -150,7 +150,7 @@ def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str) ->
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     row = {"config": name, "logprobs": logprobs, "emulate": emulate, "plan": {
-        k: getattr(plan, k) for k in ("precision", "attn_implementation", "gradient_checkpointing",
+        k: getattr(plan.sizes if hasattr(plan.sizes, k) else plan, k) for k in ("precision", "attn_implementation", "gradient_checkpointing",
                                       "actor_micro_batch_size", "critic_micro_batch_size", "logprob_micro_batch_size",
                                       "rollout_batch_size", "optimizer_offload", "param_offload", "ref_device",
                                       "memory_fraction")}}
