@@ -602,16 +602,23 @@ def test_waves_equal_chunked_calls(engine_cls):
         engine.generate(prompts, greedy, rows_per_wave=0)
 
 
-def test_rollout_batch_concat_matches_the_trainer_helper():
-    from rlanywhere.stepbatch import concat_rollouts
-
+def test_rollout_batch_concat_keeps_each_part_with_its_padding():
     engine = FastEngine(tiny_model("llama"), None, pad_token_id=PAD)
     params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
     parts = [engine.generate(PROMPTS[:2], params, generator=torch.Generator().manual_seed(1)),
              engine.generate(PROMPTS[2:], params, generator=torch.Generator().manual_seed(2))]
-    joined, reference = RolloutBatch.concat(parts, PAD), concat_rollouts(parts, PAD)
-    for field in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "response_logprobs"):
-        assert torch.equal(getattr(joined, field), getattr(reference, field)), field
+    joined = RolloutBatch.concat(parts, PAD)
+    start = 0
+    for part in parts:  # prompts stay left-padded (real tokens at the right), responses right-padded
+        rows = slice(start, start + part.prompt_ids.shape[0])
+        width_p, width_r = part.prompt_ids.shape[1], part.response_ids.shape[1]
+        assert torch.equal(joined.prompt_ids[rows, -width_p:], part.prompt_ids)
+        assert torch.equal(joined.prompt_mask[rows, -width_p:], part.prompt_mask)
+        assert not joined.prompt_mask[rows, :-width_p].any()
+        for field in ("response_ids", "response_mask", "response_logprobs"):
+            assert torch.equal(getattr(joined, field)[rows, :width_r], getattr(part, field)), field
+        assert not joined.response_mask[rows, width_r:].any()
+        start = rows.stop
     assert joined.prompt_ids.shape == (8, 8) and joined.num_prompts == 4
     assert RolloutBatch.concat(parts[:1], PAD) is parts[0]
     with pytest.raises(ValueError, match="different n"):

@@ -19,7 +19,7 @@ from .errors import UserError
 from .oom import OOMGuard
 from .plans import Plan, SizeKind
 from .rollout.base import RolloutBatch, SamplingParams, StopStringMatcher, collect_eos_ids
-from .stepbatch import ScoredRollout, concat_rollouts
+from .stepbatch import ScoredRollout
 from .vocabulary import STATISTICS_DTYPE
 
 log = logging.getLogger(__name__)
@@ -28,19 +28,6 @@ log = logging.getLogger(__name__)
 def response_length(cfg: DictConfig) -> int:
     """New tokens per response: rollout.response_length, else data.max_response_length."""
     return cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
-
-
-def generate_in_waves(engine, prompts: list, params: SamplingParams, generator, first_prompt: int, rows: int,
-                      pad_token_id: int) -> RolloutBatch:
-    """Generate at most `rows` sequences per engine call (prompts x n), stacked on the CPU. Replaced by the
-    engines' own `generate(..., rows_per_wave=)` when that lands."""
-    per_call = max(1, rows // params.n)
-    with torch.no_grad():
-        parts = [engine.generate(prompts[i:i + per_call], params, generator=generator(first_prompt + i)
-                                 if callable(generator) else generator)
-                 for i in range(0, len(prompts), per_call)]
-    # Step-level tensors live on the CPU; micro-batches visit the device (Updater.forward_rows).
-    return concat_rollouts([part.to("cpu") for part in parts], pad_token_id)
 
 
 class RolloutPhase:
@@ -84,9 +71,14 @@ class RolloutPhase:
         prompts = [item["input_ids"] for item in items]
         if self.plan.sizes.rollout_batch_size is None:
             self.plan.sizes.rollout_batch_size = len(prompts) * params.n
-        return self.oom.run("rollout", lambda rows: generate_in_waves(
-            self.engine, prompts, params, generator, first_prompt, rows, self.tokenizer.pad_token_id),
-            SizeKind.ROLLOUT_BATCH)
+        # the engine splits the request into waves itself; a callable generator gets global prompt indices
+        source = (lambda offset: generator(first_prompt + offset)) if callable(generator) else generator
+
+        def run(rows: int) -> RolloutBatch:
+            with torch.no_grad():  # step-level tensors live on the CPU; micro-batches visit the device
+                return self.engine.generate(prompts, params, generator=source, rows_per_wave=rows).to("cpu")
+
+        return self.oom.run("rollout", run, SizeKind.ROLLOUT_BATCH)
 
     def score(self, items: list[dict], rollout: RolloutBatch, n: int):
         texts = rollout.decode(self.tokenizer)

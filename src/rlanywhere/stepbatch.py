@@ -38,23 +38,6 @@ class StepBatch:
         return self.rollout.response_ids.shape[0]
 
 
-def concat_rollouts(parts: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
-    """Stack rollouts generated in several engine calls: prompts stay left-padded, responses right-padded."""
-    if len(parts) == 1:
-        return parts[0]
-    width_p = max(p.prompt_ids.shape[1] for p in parts)
-    width_r = max(p.response_ids.shape[1] for p in parts)
-    left = lambda t, v: torch.nn.functional.pad(t, (width_p - t.shape[1], 0), value=v)  # noqa: E731
-    right = lambda t, v: torch.nn.functional.pad(t, (0, width_r - t.shape[1]), value=v)  # noqa: E731
-    return RolloutBatch(
-        prompt_ids=torch.cat([left(p.prompt_ids, pad_token_id) for p in parts]),
-        prompt_mask=torch.cat([left(p.prompt_mask, 0) for p in parts]),
-        response_ids=torch.cat([right(p.response_ids, pad_token_id) for p in parts]),
-        response_mask=torch.cat([right(p.response_mask, 0) for p in parts]),
-        response_logprobs=torch.cat([right(p.response_logprobs, 0.0) for p in parts]),
-        num_prompts=sum(p.num_prompts for p in parts), n=parts[0].n)
-
-
 @dataclass
 class ScoredRollout:
     """Steps 1-2 of a step: prompts, their rollout, per-row scores and the reward details (lists per row)."""
@@ -81,5 +64,5 @@ class ScoredRollout:
         info = {key: (sum((part.info[key] for part in parts), []) if isinstance(value, list)
                       else sum(part.info[key] for part in parts)) for key, value in parts[0].info.items()}
         return ScoredRollout(sum((part.items for part in parts), []),
-                             concat_rollouts([part.rollout for part in parts], pad_token_id),
+                             RolloutBatch.concat([part.rollout for part in parts], pad_token_id),
                              torch.cat([part.scores for part in parts]), info)
