@@ -47,6 +47,9 @@ from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .rewards import RewardManager, load_custom_reward
 from .plan import RuntimeSizes
 from .rollout import make_engine
+from .dist_checkpoint import load_checkpoint_any, save_full_model, save_sharded
+from .sharding import (call_in_root_forward, gathered, is_sharded, matched_micro_batches, needs_gradient_sum,
+                       shard_for_plan, sync_engine, weights_for_rollout)
 from .runguard import RunInterrupted, StepDropped, StopSignals, prepare_run_dir
 from .rollout.base import RolloutBatch, SamplingParams, StopStringMatcher, collect_eos_ids
 from .tracking import Tracker
@@ -261,6 +264,7 @@ class RLTrainer:
             enable_gradient_checkpointing(self.actor)
             if self.critic is not None:
                 enable_gradient_checkpointing(self.critic)
+        shard_for_plan(plan, self.actor, self.critic, self.ref)  # [distributed] FSDP2 when plan.data_parallel=shard
 
         # ---- optimizers and schedules
         def adamw(model, ocfg):
@@ -284,9 +288,10 @@ class RLTrainer:
 
         # ---- rollout engine (shares the actor's weights)
         max_len = cfg.data.max_prompt_length + self.response_length
-        self.engine = make_engine(self.actor, self.tokenizer, plan, engine=acfg.rollout.name,
-                                  max_batch_size=plan.sizes.rollout_batch_size or cfg.data.train_batch_size * self.n,
-                                  max_seq_len=max_len)
+        with gathered(self.actor):  # [distributed] a sharded actor: the engine is built on its full weights
+            self.engine = make_engine(self.actor, self.tokenizer, plan, engine=acfg.rollout.name,
+                                      max_batch_size=plan.sizes.rollout_batch_size or cfg.data.train_batch_size * self.n,
+                                      max_seq_len=max_len)
         fallback = getattr(self.engine, "fallback_reason", None)
         if fallback and plan.rollout.engine != "hf":
             plan.rollout.engine = "hf"
@@ -387,13 +392,16 @@ class RLTrainer:
     def batched_logprobs(self, model, batch: StepBatch) -> torch.Tensor:
         """Log-probs of every response token under `model`."""
         temperature = self.cfg.actor_rollout_ref.rollout.temperature or 1.0
-        return self.forward_all("log_probs", batch, lambda ids, mask, pos, resp_len: response_logprobs(
-            model, ids, mask, resp_len, temperature=temperature, chunk_size=self.plan.logprob_chunk_size,
-            position_ids=pos)[0])
+        logprobs = call_in_root_forward(model, response_logprobs)  # [distributed] sharded: in the root's forward
+        with gathered(model):  # [distributed] sharded: full weights for the pass, so ranks need not match calls
+            return self.forward_all("log_probs", batch, lambda ids, mask, pos, resp_len: logprobs(
+                model, ids, mask, resp_len, temperature=temperature, chunk_size=self.plan.logprob_chunk_size,
+                position_ids=pos)[0])
 
     def batched_values(self, batch: StepBatch) -> torch.Tensor:
-        return self.forward_all("values", batch, lambda ids, mask, pos, resp_len: response_values(
-            self.critic, ids, mask, resp_len, pos))
+        with gathered(self.critic):  # [distributed] sharded: full weights for the pass
+            return self.forward_all("values", batch, lambda ids, mask, pos, resp_len: response_values(
+                self.critic, ids, mask, resp_len, pos))
 
     def ref_context(self):
         """The reference policy: a frozen copy, or with LoRA the adapter-disabled base (no extra weights).
@@ -408,7 +416,7 @@ class RLTrainer:
         """With param offload, the model not being trained leaves the GPU during the other's update."""
         enabled = self.plan.param_offload and self.device != "cpu"
         other = self.actor if phase == "critic" else self.critic
-        if other is None or not enabled:
+        if other is None or not enabled or is_sharded(other):  # [distributed] FSDP2's CPUOffloadPolicy does it
             return contextlib.nullcontext()
         return on_device(other, "cpu")
 
@@ -425,11 +433,16 @@ class RLTrainer:
         if scale is None:
             scale = algo.LossScale.of(batch.mask[rows], norm_length=self.response_length)
         totals: dict[str, float] = {}
-        for micro in self.micro_batches(batch, rows, size):
+        # [distributed] a sharded model: as many backward passes on every rank (padding ones weigh 0)
+        for micro, padding in matched_micro_batches(self.micro_batches(batch, rows, size), self.dp,
+                                                    is_sharded(model)):
             ids, mask, pos, resp_len = self.forward_rows(batch, micro)
             resp_mask = batch.mask[micro, :resp_len].to(self.device)
             with autocast_context(self.plan):
                 loss, shares, means = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask, scale)
+            if padding:
+                (loss * 0.0).backward()
+                continue
             if not torch.isfinite(loss.detach()):  # say which rows, so a rare NaN can be traced to its data
                 log.warning("non-finite loss %s in a micro-batch of rows %s (response lengths %s, prompt lengths %s)",
                             float(loss.detach()), micro[:16], batch.mask[micro].sum(-1).int().tolist()[:16],
@@ -488,7 +501,8 @@ class RLTrainer:
                     f"{name}_update",
                     lambda size, rows=rows: self._accumulate(model, optimizer, batch, rows, size, loss_fn, scale),
                     self.size_attr(size_attr))
-                self.dp.sum_gradients(model)
+                if needs_gradient_sum(model):  # [distributed] FSDP2 reduce-scatters a sharded model's itself
+                    self.dp.sum_gradients(model)
                 metrics = self.dp.sum_dict(metrics)
                 metrics["grad_norm"] = self._optimizer_step(model, optimizer, grad_clip)
                 for key, value in metrics.items():
@@ -524,7 +538,9 @@ class RLTrainer:
         compare_rollout = logprobs_comparable(rcfg.top_k, rcfg.top_p)
 
         def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask, scale):
-            logprob, entropy = response_logprobs(model, ids, mask, resp_len, temperature=temperature,
+            # [distributed] call_in_root_forward: a sharded model's root weights gathered around the head
+            logprob, entropy = call_in_root_forward(model, response_logprobs)(
+                model, ids, mask, resp_len, temperature=temperature,
                                                  chunk_size=self.plan.logprob_chunk_size, with_entropy=True,
                                                  position_ids=pos)
             pick = lambda t: t[rows, :resp_len].to(self.device)  # noqa: E731
@@ -580,7 +596,8 @@ class RLTrainer:
             # Step-level tensors live on the CPU; micro-batches visit the device (forward_rows).
             return concat_rollouts([part.to("cpu") for part in parts], self.tokenizer.pad_token_id)
 
-        return self.guarded("rollout", run, "rollout_batch_size")
+        with weights_for_rollout(self.engine, self.actor):  # [distributed] sharded: gathered, synced, then freed
+            return self.guarded("rollout", run, "rollout_batch_size")
 
     def score(self, items: list[dict], rollout: RolloutBatch, n: int):
         texts = rollout.decode(self.tokenizer)
@@ -753,7 +770,7 @@ class RLTrainer:
                 metrics.update(self.update_actor(batch))
             for scheduler in self.schedulers.values():
                 scheduler.step()
-            self.engine.sync_weights()
+            sync_engine(self.engine, self.actor)  # [distributed] sharded: synced at the next generation instead
 
         # 7. diagnostics (over all ranks' rows; timings are this rank's)
         resp_len = mask.sum(-1)
@@ -854,7 +871,13 @@ class RLTrainer:
             export = merged_state_for_export(self.actor)
         # [distributed] replicas are identical: rank 0 writes, the others wait until it is complete
         path = os.path.join(self.run_dir, "checkpoints", f"global_step_{self.global_step}")
-        if self.dp.is_main:
+        if is_sharded(self.actor):  # [distributed] sharded: every rank writes its shards (DCP), rank 0 the rest
+            path = save_sharded(self.dp, self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
+                                critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
+                                trainer_state=self.trainer_state(), keep=self.cfg.trainer.max_actor_ckpt_to_keep,
+                                config_yaml=to_yaml(self.cfg))
+            log.info("checkpoint saved: %s", path)
+        elif self.dp.is_main:
             path = save_checkpoint(self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
                                    critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
                                    trainer_state=self.trainer_state(), export_actor=export,
@@ -872,6 +895,9 @@ class RLTrainer:
         if latest and os.path.basename(latest) == f"global_step_{self.global_step}":
             return os.path.join(latest, "actor")
         final = os.path.join(self.run_dir, "final_model")
+        if is_sharded(self.actor):  # [distributed] gathered full weights, written by rank 0
+            save_full_model(self.dp, final, self.actor, self.tokenizer)
+            return final
         model = merged_state_for_export(self.actor) if self.use_lora else self.actor
         if self.dp.is_main:  # [distributed] replicas are identical: rank 0 writes, the others wait for it
             tmp = final + ".tmp"
@@ -891,8 +917,9 @@ class RLTrainer:
             return
 
         def load(path: str) -> dict:
-            return load_checkpoint(path, actor=self.actor, critic=self.critic, optimizers=self.optimizers,
-                                   schedulers=self.schedulers)
+            # [distributed] a sharded (DCP) checkpoint loads on any world size; a replicated one as before
+            return load_checkpoint_any(load_checkpoint, path, actor=self.actor, critic=self.critic,
+                                       optimizers=self.optimizers, schedulers=self.schedulers)
 
         if tcfg.resume_mode == "resume_path":
             path, state = tcfg.resume_from_path, load(tcfg.resume_from_path)  # asked for by name: no fallback
@@ -911,7 +938,7 @@ class RLTrainer:
             self.oom_guard.plan = self.plan.sizes
         self.write_plan_record()
         self._apply_optim_config()
-        self.engine.sync_weights()
+        sync_engine(self.engine, self.actor)  # [distributed]
         retire_later_checkpoints(self.run_dir, self.global_step)  # never a mix of two timelines
         self.last_good_checkpoint = path
         log.info("resumed from %s at step %d", path, self.global_step)
