@@ -128,11 +128,20 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
     if mode == "shard":
         plan_memory(world)
         plan.data_parallel = "shard"
+        _offload_reasons(cfg, plan)
         reasons["data_parallel"] = (f"hardware.data_parallel=shard: FSDP2 over {world} ranks ({peak()}); "
                                     + _shard_note(plan))
         return
     try:
         plan_memory(1)
+        offloads = plan.optimizer_offload or plan.param_offload
+        if mode == "auto" and offloads and _fits_sharded_without_offload(plan, plan_memory, world):
+            # offload moves the optimizer state / weights over PCIe every step; sharding moves them between GPUs
+            plan.data_parallel = "shard"
+            _offload_reasons(cfg, plan)
+            reasons["data_parallel"] = (f"shard (FSDP2) over {world} ranks: a full replica fits one rank only with "
+                                        f"offload to the CPU, sharded it fits without ({peak()}); " + _shard_note(plan))
+            return
     except NoFitError as replica_error:
         if mode == "replicate":
             raise
@@ -142,6 +151,7 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
             raise NoFitError(f"{sharded_error}\n\nReplicated (each rank holding the full models) it does not fit "
                              f"either: {replica_error}") from None
         plan.data_parallel = "shard"
+        _offload_reasons(cfg, plan)
         first_line = str(replica_error).splitlines()[0]
         reasons["data_parallel"] = (f"shard (FSDP2) over {world} ranks: a full replica does not fit one rank "
                                     f"({first_line[:300]}); sharded, {peak()}; " + _shard_note(plan))
@@ -155,8 +165,30 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
         f"({peak()}); gradients summed over ranks once per optimizer step")
 
 
+def _fits_sharded_without_offload(plan, plan_memory, world: int) -> bool:
+    """Plan sharded; keep it (True) when it needs no offload, else plan replicated again (False)."""
+    from .vocabulary import NoFitError
+
+    try:
+        plan_memory(world)
+        if not (plan.optimizer_offload or plan.param_offload):
+            return True
+    except NoFitError:
+        pass
+    plan_memory(1)
+    return False
+
+
 def _gib(value) -> str:
     return f"{value / 2**30:.2f} GiB" if value else "?"
+
+
+def _offload_reasons(cfg, plan) -> None:
+    """A sharded plan does not search offload: FSDP2 offloads (CPUOffloadPolicy) when asked to, not our mover."""
+    for key in ("param_offload", "optimizer_offload"):
+        if str(cfg.hardware.get(key, "auto")).lower() == "auto":
+            plan.reasons[key] = ("off: sharded (FSDP2); hardware.param_offload=true offloads the shards with "
+                                 "CPUOffloadPolicy")
 
 
 def _shard_note(plan) -> str:

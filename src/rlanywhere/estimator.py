@@ -595,14 +595,15 @@ def _choose_batches(shape: ModelShape, workload: Workload, budget: int, base: Pl
     def try_value(key: str, phases: tuple[str, ...]):
         def check(value: int):
             trial = replace(placement, **{key: value})
-            est = estimate_memory(shape, workload, trial, critic_shape)
+            # with the budget: FastEngine's fused copies exist only when small next to it (as the engine decides)
+            est = estimate_memory(shape, workload, trial, critic_shape, budget)
             return est["phases"] if _phase_fits(est, phases, budget) else None
         return check
 
     def pick(key: str, cap: int, phases: tuple[str, ...], floor: int = 1) -> bool:
         if key in fixed and fixed[key] is not None:
             setattr(placement, key, int(fixed[key]))
-            return _phase_fits(estimate_memory(shape, workload, placement, critic_shape), phases, budget)
+            return _phase_fits(estimate_memory(shape, workload, placement, critic_shape, budget), phases, budget)
         found = _largest_fitting(_candidates(max(cap, floor), floor), try_value(key, phases))
         if found is None:
             setattr(placement, key, floor)

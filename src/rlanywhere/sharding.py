@@ -159,7 +159,14 @@ def weights_for_rollout(engine, model: nn.Module) -> Iterator[None]:
         return
     with gathered(model):
         engine.sync_weights()
-        yield
+        try:
+            yield
+        finally:
+            # the gathered storage is freed now and comes back at another address next time: the engine's CUDA
+            # graphs (captured on these addresses) and KV cache go too, to be rebuilt at the next generation
+            release = getattr(engine, "release_memory", None)
+            if release is not None:
+                release()
 
 
 def matched_micro_batches(micro_batches: list, dp, sharded: bool) -> list[tuple[list, bool]]:
