@@ -7,6 +7,7 @@ through a sharded root equal one process's, the planner's replicate/shard/refuse
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -87,3 +88,121 @@ def test_ppo_sharded_with_critic_and_reference_matches_one_process(tiny_model_di
     want = read_metrics(single_dir)
     assert {"critic/vf_loss", "actor/kl_coef", "actor/kl", "actor/grad_norm", "critic/grad_norm"} <= set(want[-1])
     assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2))
+
+
+def test_lora_sharded_matches_one_process_and_exports_merged_weights(tiny_model_dir, arith_data, tmp_path,
+                                                                     reward_file):
+    """LoRA sharded (the adapters are the trainable parameters; the reference is the adapter-disabled base, KL
+    loss on): metrics of 2 GRPO steps equal one process, and the checkpoint's HF actor (gathered, LoRA merged by
+    dist_checkpoint) equals the one process's merged weights."""
+    from rlanywhere.lora import merged_state_for_export
+
+    extra = {"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 16,
+             "actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.kl_loss_coef": 0.1,
+             "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 2}
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **SHARD))
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
+    finish(proc)
+    assert plan_record(dist_dir)["data_parallel"] == "shard"
+    want = read_metrics(single_dir)
+    assert {"actor/kl_loss", "actor/grad_norm"} <= set(want[-1])
+    assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2))
+    got = actor_weights(dist_dir / "checkpoints" / "global_step_2")
+    assert not any("lora" in key for key in got)
+    assert_same_weights(got, merged_state_for_export(reference.actor))
+
+
+def _sharded_head_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    """Chunked log-probs + entropy of a sharded model (decoder call, LM head weight read directly) on 2 gloo
+    ranks, each its half of the rows in 2 micro-batches: gradients and the clipped norm, gathered to full."""
+    from transformers import AutoModelForCausalLM
+
+    from rlanywhere.distributed import DataParallel
+    from rlanywhere.logprobs import response_logprobs
+    from rlanywhere.sharding import call_in_root_forward, gathered, is_sharded, shard_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    dp = DataParallel.from_env("cpu", "gloo")
+    torch.manual_seed(0)
+    ids = torch.randint(4, 200, (4, 12))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    shard_model(model)
+    assert is_sharded(model)
+    logprobs = call_in_root_forward(model, response_logprobs)
+    for row in (2 * rank, 2 * rank + 1):
+        lp, ent = logprobs(model, ids[row:row + 1], torch.ones(1, 12, dtype=torch.long), 6, with_entropy=True)
+        (lp.sum() / 24 + 0.1 * ent.sum() / 24).backward()  # shares of the global mean over 4 rows x 6 tokens
+    norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1e9)
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    with gathered(model):  # plain full weights, no collective inside (ranks may call it unequally)
+        full = model.model.layers[0].mlp.up_proj.weight
+        plain = type(full) is torch.nn.Parameter and full.shape == (128, 64)
+        if rank == 0:
+            model(ids[:1])
+    if rank == 0:
+        torch.save({"grads": grads, "norm": float(norm), "plain": plain}, os.path.join(out_dir, "sharded.pt"))
+    dp.close()
+
+
+def test_sharded_chunked_logprob_gradients_equal_one_process(tiny_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    from rlanywhere.logprobs import response_logprobs
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_sharded_head_worker, args=(port, str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    got = torch.load(tmp_path / "sharded.pt", weights_only=True)
+    torch.manual_seed(0)
+    ids = torch.randint(4, 200, (4, 12))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lp, ent = response_logprobs(model, ids, torch.ones(4, 12, dtype=torch.long), 6, with_entropy=True)
+    (lp.sum() / 24 + 0.1 * ent.sum() / 24).backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1e9)
+    assert got["plain"]
+    assert math.isclose(got["norm"], float(norm), rel_tol=1e-5)
+    for name, param in model.named_parameters():
+        # the summed (not averaged) gradient: FSDP's divide factor is 1, each rank's loss is its share
+        torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-5, atol=1e-7)
+    assert float(model.model.embed_tokens.weight.grad.abs().sum()) > 0  # the tied head's gradient arrived
+
+
+def test_planner_shards_what_does_not_fit_replicated():
+    """Qwen2.5-1.5B-shape full fine-tuning GRPO on emulated P40s (optimizer offload off): refused on one card with
+    the numbers, planned "shard" on two (weights, grads and Adam halved; the gathered weights counted for the
+    rollout); a small model stays replicated; hardware.data_parallel forces either; a bad value is an error."""
+    from rlanywhere.errors import UserError
+    from rlanywhere.hardware import make_plan
+    from rlanywhere.vocabulary import NoFitError
+
+    big = ["actor_rollout_ref.model.path=qwen2.5-1.5b", "algorithm.adv_estimator=grpo", "data.train_batch_size=16",
+           "actor_rollout_ref.rollout.n=8", "data.max_prompt_length=256", "data.max_response_length=512",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "hardware.optimizer_offload=false"]
+
+    def plan(items):
+        return make_plan(load_config(None, items), for_execution=False, emulate="p40")
+
+    with pytest.raises(NoFitError, match="actor_adam 11.50 GiB"):
+        plan(big)
+    two = plan(big + ["trainer.n_gpus_per_node=2"])
+    assert (two.world_size, two.data_parallel) == (2, "shard")
+    parts = two.estimate["breakdown"]
+    assert parts["actor_update"]["actor_adam"] == pytest.approx(11.50 * 2**30 / 2, rel=0.01)
+    assert parts["rollout"]["gathered_weights"] == pytest.approx(5.75 * 2**30, rel=0.01)
+    assert two.estimate["peak_bytes"] <= two.memory_budget_bytes
+    assert "a full replica does not fit one rank" in two.reasons["data_parallel"]
+    assert "gathered" in two.reasons["data_parallel"]
+    seven = [item.replace("qwen2.5-1.5b", "qwen2.5-7b") for item in big]
+    with pytest.raises(NoFitError, match="(?s)sharded over the 2 ranks.*does not fit either"):  # 7B: not even sharded
+        plan(seven + ["trainer.n_gpus_per_node=2"])
+    small = ["actor_rollout_ref.model.path=qwen2.5-0.5b", "algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=2"]
+    assert plan(small).data_parallel == "replicate"
+    assert plan(small + ["hardware.data_parallel=shard"]).data_parallel == "shard"
+    with pytest.raises(NoFitError):
+        plan(big + ["trainer.n_gpus_per_node=2", "hardware.data_parallel=replicate"])
+    with pytest.raises(UserError, match="hardware.data_parallel='both'"):
+        plan(small + ["hardware.data_parallel=both"])

@@ -158,10 +158,11 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
         return
     plan.data_parallel = "replicate"
     reasons["data_parallel"] = (
-        (f"hardware.data_parallel=replicate" if mode == "replicate" else
-         "replicate: a full replica fits each rank, and replicas communicate once per optimizer step (sharding "
-         "all-gathers every layer in every pass: a small model ran 1.48x slower sharded on 2 GPUs)")
-        + f"; each of the {world} ranks holds the full actor/critic/reference and its share of the batch "
+        f"replicate over {world} ranks: "
+        + ("hardware.data_parallel=replicate" if mode == "replicate" else
+           "a full replica fits each rank, and replicas communicate once per optimizer step (sharding all-gathers "
+           "every layer in every pass: a small model ran 1.48x slower sharded on 2 GPUs)")
+        + "; each rank holds the full actor/critic/reference and its share of the batch "
         f"({peak()}); gradients summed over ranks once per optimizer step")
 
 

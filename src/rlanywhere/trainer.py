@@ -867,7 +867,7 @@ class RLTrainer:
 
     def save(self) -> str:
         export = None
-        if self.use_lora:
+        if self.use_lora and not is_sharded(self.actor):  # [distributed] sharded: dist_checkpoint merges LoRA
             export = merged_state_for_export(self.actor)
         # [distributed] replicas are identical: rank 0 writes, the others wait until it is complete
         path = os.path.join(self.run_dir, "checkpoints", f"global_step_{self.global_step}")
