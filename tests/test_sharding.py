@@ -71,14 +71,15 @@ def test_grpo_sharded_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_
 
 
 def test_ppo_sharded_with_critic_and_reference_matches_one_process(tiny_model_dir, arith_data, tmp_path, reward_file):
-    """PPO: sharded actor, critic and reference, KL in the reward (adaptive), 2 epochs, 2 mini-batches, token-budget
-    micro-batches (ranks run different numbers of them: padded to match)."""
+    """PPO: sharded actor, critic and reference, KL in the reward (adaptive), 2 epochs, gradient checkpointing,
+    token-budget micro-batches (ranks may run different numbers of them: padded to match)."""
     extra = {"algorithm.adv_estimator": "gae", "algorithm.use_kl_in_reward": True,
              "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.05,
              "algorithm.kl_ctrl.target_kl": 0.01, "algorithm.kl_ctrl.horizon": 10,
              "actor_rollout_ref.actor.ppo_epochs": 2, "critic.optim.lr": 1e-3,
              "actor_rollout_ref.actor.use_dynamic_bsz": True,
              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 90,
+             "actor_rollout_ref.model.enable_gradient_checkpointing": True,
              "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 0}
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **SHARD))
@@ -206,3 +207,19 @@ def test_planner_shards_what_does_not_fit_replicated():
         plan(big + ["trainer.n_gpus_per_node=2", "hardware.data_parallel=replicate"])
     with pytest.raises(UserError, match="hardware.data_parallel='both'"):
         plan(small + ["hardware.data_parallel=both"])
+
+
+def test_matched_micro_batches_pad_the_shorter_rank():
+    """A rank with fewer micro-batches than the most any rank has repeats its first one, flagged as padding (its
+    loss weighs 0); replicas and one process are left alone."""
+    from rlanywhere.sharding import matched_micro_batches
+
+    class TwoRanks:
+        enabled = True
+
+        def max_value(self, value: float) -> float:
+            return max(value, 3.0)  # the other rank has 3 micro-batches
+
+    assert matched_micro_batches([[0, 1], [2]], TwoRanks(), sharded=True) == [
+        ([0, 1], False), ([2], False), ([0, 1], True)]
+    assert matched_micro_batches([[0, 1], [2]], TwoRanks(), sharded=False) == [([0, 1], False), ([2], False)]

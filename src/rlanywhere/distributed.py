@@ -111,7 +111,7 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
     from .vocabulary import NoFitError
 
     world = max(1, int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node))
-    mode = str(cfg.hardware.get("data_parallel", "auto")).lower()
+    mode = str(cfg.hardware.data_parallel if "data_parallel" in cfg.hardware else "auto").lower()
     if mode not in DATA_PARALLEL_MODES:
         raise UserError(f"hardware.data_parallel={mode!r}: use one of {', '.join(DATA_PARALLEL_MODES)}")
     reasons = plan.reasons

@@ -324,7 +324,9 @@ class RLTrainer:
 
     def guarded(self, phase: str, fn: Callable[[int], object], size_attr: str):
         """fn(size) under OOM recovery (hardware.oom_recovery): on CUDA OOM, halve plan.<size_attr> and redo."""
-        if not self.cfg.hardware.oom_recovery:
+        # [distributed] a sharded update communicates per layer: one rank redoing a micro-batch alone would hang the
+        # others, so an OOM there ends the job (rollout and no-grad passes run gathered: they may recover)
+        if not self.cfg.hardware.oom_recovery or (phase.endswith("_update") and is_sharded(self.actor)):
             return fn(getattr(self.plan.sizes, size_attr))
         events = len(self.oom_guard.events)
         try:
