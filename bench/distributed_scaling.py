@@ -120,12 +120,16 @@ def rows_per_step(args_list: list[str]) -> int:
 
 
 def part_scaling(args, root: str, extra: list[str]) -> dict:
-    results = {}
+    results, one_rank = {}, {}
     for name in args.configs.split(","):
+        start = time.time()
         base, many_only = config_overrides(name, root, args.steps)
         base = base + extra
         rows = rows_per_step(base)
-        one = summarize(run(base, 1, os.path.join(root, f"{name}_1")), rows, args.warmup)
+        key = " ".join(base)  # NAME-shard reuses NAME's 1-rank run: the same command
+        if key not in one_rank:
+            one_rank[key] = summarize(run(base, 1, os.path.join(root, f"{name}_1")), rows, args.warmup)
+        one = one_rank[key]
         many = summarize(run(base + many_only, args.nproc, os.path.join(root, f"{name}_{args.nproc}")), rows,
                          args.warmup)
         mode = json.load(open(os.path.join(root, f"{name}_{args.nproc}", "plan.json")))["data_parallel"]
@@ -141,6 +145,7 @@ def part_scaling(args, root: str, extra: list[str]) -> dict:
         for step in sorted(set(one["val_acc"]) | set(many["val_acc"])):
             print(f"  val/acc step {step}: 1 rank {one['val_acc'].get(step)}  {args.nproc} ranks "
                   f"{many['val_acc'].get(step)}")
+        print(f"[scaling {name}: {time.time() - start:.0f} s]", flush=True)
     return results
 
 
@@ -225,7 +230,7 @@ def main() -> int:
     parser.add_argument("--parts", default="scaling,shard,nodes")
     parser.add_argument("--configs", default="demo,grpo-0.5b,grpo-0.5b-shard")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12, help="steps of each scaling run")
+    parser.add_argument("--steps", type=int, default=8, help="steps of each scaling run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
     parser.add_argument("--shard-steps", type=int, default=3)
     parser.add_argument("--nodes-steps", type=int, default=2)
