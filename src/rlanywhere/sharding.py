@@ -179,19 +179,6 @@ def matched_micro_batches(micro_batches: list, dp, sharded: bool) -> list[tuple[
     return pairs + [(micro_batches[0], True)] * (most - len(pairs))
 
 
-def full_state_dict(model: nn.Module, cpu_offload: bool = True) -> dict:
-    """The model's full (unsharded) state dict on every rank (collective: all ranks call it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
-
-
-def grad_norm_total(norm: torch.Tensor) -> torch.Tensor:
-    """clip_grad_norm_'s total norm as a plain tensor: over DTensor gradients it is a DTensor (reduced over
-    ranks when materialised)."""
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
 def shard_for_plan(plan, *models: Optional[nn.Module]) -> None:
     """Shard each given model (None skipped) as the plan says: nothing unless plan.data_parallel == "shard".
     Call after the weights are loaded identically on every rank and before the optimizers are built."""
