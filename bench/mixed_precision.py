@@ -81,8 +81,8 @@ def activation_headroom(model, prompts: list[list[int]], device: str) -> dict[st
 def gap_main(args) -> int:
     from transformers import AutoModelForCausalLM
 
-    from rlanywhere import hardware as hw
-    from rlanywhere.plan import RolloutPlan
+    from rlanywhere import planner, plans, vocabulary
+    from rlanywhere.plans import RolloutPlan
     from rlanywhere.logprobs import response_logprobs
     from rlanywhere.models import ModelSource, fetch_demo_model, load_tokenizer
     from rlanywhere.precision_guard import rollout_logprob_gap
@@ -92,7 +92,7 @@ def gap_main(args) -> int:
     gguf = args.gguf or str(fetch_demo_model())
     source = ModelSource(os.path.dirname(os.path.abspath(gguf)), os.path.basename(gguf))
     tokenizer = load_tokenizer(source)
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=hw.FP32, **source.load_kwargs())
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=vocabulary.FP32, **source.load_kwargs())
     model = model.to(args.device).eval()
     prompts = gsm8k_prompts(tokenizer, args.prompts, args.count)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -105,14 +105,14 @@ def gap_main(args) -> int:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.n)
     print(f"\n{'precision':<10}{'tokens':>8}{'mean':>11}{'p99.9':>11}{'max':>11}{'non-finite':>12}{'seconds':>9}")
     for precision in args.precisions.split(","):
-        compute = hw.PRECISION_DTYPES[precision]
-        plan = hw.Plan(device=args.device, precision=precision, compute_dtype=compute, rollout=RolloutPlan(dtype=compute),
-                       use_autocast=compute != hw.FP32)
+        compute = vocabulary.PRECISION_DTYPES[precision]
+        plan = plans.Plan(device=args.device, precision=precision, compute_dtype=compute, rollout=RolloutPlan(dtype=compute),
+                       use_autocast=compute != vocabulary.FP32)
         start = time.time()
         engine = FastEngine(model, tokenizer, dtype=plan.rollout.dtype)
         batch = engine.generate(prompts, params, generator=torch.Generator(args.device).manual_seed(0))
         ids, mask, pos = batch.sequences()
-        with torch.no_grad(), hw.autocast_context(plan):
+        with torch.no_grad(), planner.autocast_context(plan):
             trainer = response_logprobs(model, ids, mask, batch.response_ids.shape[1], temperature=args.temperature,
                                         position_ids=pos)[0]
         seconds = time.time() - start

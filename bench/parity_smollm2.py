@@ -115,7 +115,7 @@ def bf16_gaps(model, tokenizer, prompts, new_tokens: int, device: str) -> None:
 
 def main() -> int:
     from rlanywhere.data import RLDataset
-    from rlanywhere.hardware import FP32
+    from rlanywhere.vocabulary import FP32
     from rlanywhere.models import ModelSource, fetch_demo_model, load_tokenizer
     from rlanywhere.rollout.base import SamplingParams, collect_eos_ids
     from rlanywhere.rollout.fast import FastEngine

@@ -119,7 +119,8 @@ def naive_response_logprobs(model, input_ids, attention_mask, response_len, temp
 def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str) -> dict:
     from rlanywhere import trainer as trainer_module
     from rlanywhere.config import load_config
-    from rlanywhere.hardware import PlanError, apply_runtime, make_plan
+    from rlanywhere.planner import apply_runtime, make_plan
+    from rlanywhere.vocabulary import PlanError
     from rlanywhere.tracking import read_metrics
 
     shape, prompts, n, plen, rlen, extra = CONFIGS[name]

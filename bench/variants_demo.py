@@ -57,7 +57,7 @@ def run_variant(name: str, out: str, on_gpu: bool, steps: int | None, extra: lis
     from rlanywhere.cli import DEMO_DATA_DIR, demo_profile
     from rlanywhere.config import load_config
     from rlanywhere.data import prepare_arithmetic
-    from rlanywhere.hardware import apply_runtime, make_plan
+    from rlanywhere.planner import apply_runtime, make_plan
     from rlanywhere.tracking import read_metrics
     from rlanywhere.trainer import RLTrainer
 

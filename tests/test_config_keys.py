@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from rlanywhere import config as config_module
 from rlanywhere.config import ACCEPTED_WITHOUT_EFFECT, load_config, schema_keys
-from rlanywhere.hardware import make_plan
+from rlanywhere.planner import make_plan
 from rlanywhere.trainer import RLTrainer
 
 from .test_e2e import base_overrides

@@ -23,7 +23,7 @@ import torch
 
 from rlanywhere.config import load_config
 from rlanywhere.distributed import DataParallel, RowLayout
-from rlanywhere.hardware import make_plan
+from rlanywhere.planner import make_plan
 from rlanywhere.tracking import read_metrics
 from rlanywhere.trainer import RLTrainer
 
@@ -312,7 +312,8 @@ def test_batch_sizes_must_split_over_the_ranks():
 
 
 def test_planner_plans_one_rank_of_several_gpus(monkeypatch):
-    from rlanywhere.hardware import DeviceInfo, HardwareProbe, PlanError
+    from rlanywhere.machine import DeviceInfo, HardwareProbe
+    from rlanywhere.vocabulary import PlanError
 
     ppo = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=gae",
            "data.train_batch_size=64", "data.max_prompt_length=256", "data.max_response_length=256",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from rlanywhere import doctor
-from rlanywhere import hardware as hw
+from rlanywhere import machine, plans
 from rlanywhere.config import load_config
-from rlanywhere.plan import RolloutPlan
+from rlanywhere.plans import RolloutPlan
 
 CHECK_NAMES = {"probe", "torch kernels for the GPU", "plan", "matmul fp32", "matmul compute dtype", "attention",
                "tiny model fwd+bwd", "generation", "fp16", "memory cap"}
@@ -43,7 +43,7 @@ def test_doctor_catches_wrong_attention_masking(monkeypatch):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     monkeypatch.setattr(doctor, "_planned_attention", unmasked)
-    status, detail = doctor.check_attention(hw.Plan(), torch.device("cpu"))
+    status, detail = doctor.check_attention(plans.Plan(), torch.device("cpu"))
     assert status == "fail", detail
 
 
@@ -59,13 +59,13 @@ def test_a_crashing_check_is_reported_not_raised(monkeypatch):
 
 def test_impossible_plan_fails_the_doctor():
     ok, report = doctor.run_doctor(load_config(None, ["hardware.precision=fp16"]),
-                                   probe=hw.HardwareProbe.fake(None), print_fn=_quiet)
+                                   machine=machine.HardwareProbe.fake(None), print_fn=_quiet)
     assert not ok
     assert [e["status"] for e in report if e["name"] == "plan"] == ["fail"]
 
 
 def test_bf16_eager_path_checks_pass_on_cpu():
-    plan = hw.Plan(precision="bf16", compute_dtype=torch.bfloat16, rollout=RolloutPlan(dtype=torch.bfloat16), use_autocast=True,
+    plan = plans.Plan(precision="bf16", compute_dtype=torch.bfloat16, rollout=RolloutPlan(dtype=torch.bfloat16), use_autocast=True,
                    attn_implementation="eager", gradient_checkpointing=True)
     cpu = torch.device("cpu")
     for check in (doctor.check_matmul_compute, doctor.check_attention, doctor.check_tiny_model):
@@ -81,13 +81,13 @@ def test_doctor_main_exit_codes():
 
 def test_fp16_mixed_precision_path_checks_pass_on_cpu():
     """The fp16 plan of a T4/V100 (fp16 autocast, fp32 master weights, GradScaler), run on CPU autocast."""
-    plan = hw.Plan(precision="fp16", compute_dtype=torch.float16, rollout=RolloutPlan(dtype=torch.float16), use_autocast=True,
+    plan = plans.Plan(precision="fp16", compute_dtype=torch.float16, rollout=RolloutPlan(dtype=torch.float16), use_autocast=True,
                    use_grad_scaler=True)
     cpu = torch.device("cpu")
     for check in (doctor.check_matmul_compute, doctor.check_attention, doctor.check_tiny_model, doctor.check_fp16):
         status, detail = check(plan, cpu)
         assert status == "pass", (check.__name__, detail)
-    assert doctor.check_fp16(hw.Plan(), cpu)[0] == "skip"
+    assert doctor.check_fp16(plans.Plan(), cpu)[0] == "skip"
 def test_torch_kernels_check_names_the_cu126_build_for_a_p40(monkeypatch):
     """A default (cc >= 7.5) torch build on a P40: the check fails before planning and names the fix."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -11,7 +11,7 @@ import torch
 
 from rlanywhere.cli import main as cli_main
 from rlanywhere.config import load_config
-from rlanywhere.hardware import make_plan
+from rlanywhere.planner import make_plan
 from rlanywhere.rollout.base import SamplingParams
 from rlanywhere.tracking import read_metrics
 from rlanywhere.trainer import RLTrainer

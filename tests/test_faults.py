@@ -294,7 +294,7 @@ def _overrides(model_dir, data_dir, run_dir, **extra):
 
 def _trainer(overrides):
     from rlanywhere.config import load_config
-    from rlanywhere.hardware import make_plan
+    from rlanywhere.planner import make_plan
     from rlanywhere.trainer import RLTrainer
 
     cfg = load_config(None, overrides)

@@ -6,15 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from rlanywhere import estimator as est
-from rlanywhere import hardware as hw
+from rlanywhere import cli, machine, model_shape, planner, plans, vocabulary
 from rlanywhere.config import load_config
-from rlanywhere.hardware import HardwareProbe, NoFitError, PlanError, make_plan
+from rlanywhere.machine import HardwareProbe
+from rlanywhere.planner import make_plan
+from rlanywhere.vocabulary import NoFitError, PlanError
 
 from .conftest import VERL_P40_ARGS
 
@@ -40,25 +41,25 @@ def fake(card=None, flash=False) -> HardwareProbe:
 def test_dtype_names_round_trip():
     for name, dtype in (("fp32", torch.float32), ("float32", torch.float32), ("bf16", torch.bfloat16),
                         ("bfloat16", torch.bfloat16), ("fp16", torch.float16), ("half", torch.float16)):
-        assert hw.dtype_from_name(name) is dtype
-        assert hw.dtype_from_name(hw.dtype_name(dtype)) is dtype
-    assert hw.dtype_name(torch.bfloat16) == "bfloat16"
+        assert vocabulary.dtype_from_name(name) is dtype
+        assert vocabulary.dtype_from_name(vocabulary.dtype_name(dtype)) is dtype
+    assert vocabulary.dtype_name(torch.bfloat16) == "bfloat16"
     with pytest.raises(ValueError, match="fp32, bf16, fp16"):
-        hw.dtype_from_name("int8")
+        vocabulary.dtype_from_name("int8")
 
 
 def test_card_table():
-    p40 = hw.card_spec("P40")
+    p40 = machine.card_spec("P40")
     assert p40.compute_capability == (6, 1) and p40.smem_per_block_kib == 48
     assert not (p40.bf16 or p40.tf32 or p40.flash_attn_capable or p40.fp16_tensor_cores)
-    t4 = hw.card_spec("tesla-t4")
+    t4 = machine.card_spec("tesla-t4")
     assert t4.fp16_tensor_cores and not t4.bf16 and 14 < t4.memory_gib <= 16
     for key in ("a10", "rtx3090", "a100-40g", "a100-80g", "h100"):
-        card = hw.CARDS[key]
+        card = machine.CARDS[key]
         assert card.bf16 and card.tf32 and card.flash_attn_capable and card.compute_capability >= (8, 0)
-    assert hw.CARDS["h100"].compute_capability == (9, 0) and hw.CARDS["v100-32g"].memory_gib > 31
+    assert machine.CARDS["h100"].compute_capability == (9, 0) and machine.CARDS["v100-32g"].memory_gib > 31
     with pytest.raises(PlanError) as err:
-        hw.card_spec("p4")
+        machine.card_spec("p4")
     assert "p40" in str(err.value) and "h100" in str(err.value)
 
 
@@ -69,7 +70,7 @@ def test_pascal_plans_fp32_without_flash(card):
     assert plan.precision == "fp32" and plan.param_dtype == plan.compute_dtype == plan.rollout.dtype == torch.float32
     assert not plan.use_autocast and not plan.use_grad_scaler and not plan.allow_tf32
     assert plan.attn_implementation in ("sdpa", "eager")
-    assert "no bf16 and no fp16 tensor cores" in plan.reasons["precision"] and hw.card_spec(card).name in plan.card
+    assert "no bf16 and no fp16 tensor cores" in plan.reasons["precision"] and machine.card_spec(card).name in plan.card
     assert plan.device == "cuda:0" and plan.alloc_conf == "expandable_segments:True"
 
 
@@ -123,7 +124,7 @@ def test_emulated_t4_runs_the_fp16_checks_of_the_real_gpu():
 
 
 def test_fp16_checks_run_for_real_and_catch_a_scaler_that_does_not_skip(monkeypatch):
-    assert hw.fp16_problems("cpu") == []  # CPU autocast has fp16 matmuls: the same checks run here
+    assert machine.fp16_problems("cpu") == []  # CPU autocast has fp16 matmuls: the same checks run here
 
     class NeverSkips(torch.amp.GradScaler):  # finds the overflow, steps anyway
         def step(self, optimizer, *args, **kwargs):
@@ -131,15 +132,15 @@ def test_fp16_checks_run_for_real_and_catch_a_scaler_that_does_not_skip(monkeypa
             return optimizer.step()
 
     monkeypatch.setattr(torch.amp, "GradScaler", NeverSkips)
-    assert "was not skipped" in hw._loss_scaling_problem("cpu")
+    assert "was not skipped" in machine._loss_scaling_problem("cpu")
 
 
 def test_grad_scaler_of_an_fp16_plan():
     plan = make_plan(cfg_of(*SMALL), fake("t4"))
     assert plan.use_grad_scaler
-    scaler = hw.make_grad_scaler(dataclasses.replace(plan, device="cpu"))  # no CUDA here: a CPU scaler
-    assert scaler.get_scale() == hw.LOSS_SCALE_INIT and scaler.get_growth_interval() == hw.LOSS_SCALE_GROWTH_INTERVAL
-    assert hw.make_grad_scaler(make_plan(cfg_of(*SMALL), fake("a100-40g"))) is None
+    scaler = planner.make_grad_scaler(dataclasses.replace(plan, device="cpu"))  # no CUDA here: a CPU scaler
+    assert scaler.get_scale() == vocabulary.LOSS_SCALE_INIT and scaler.get_growth_interval() == vocabulary.LOSS_SCALE_GROWTH_INTERVAL
+    assert planner.make_grad_scaler(make_plan(cfg_of(*SMALL), fake("a100-40g"))) is None
 
 
 @pytest.mark.parametrize("card", ["a100-80g", "h100"])
@@ -297,31 +298,127 @@ def test_plan_to_dict_and_summary():
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["param_dtype"] == "float32" and data["compute_capability"] == [6, 1]
     assert data["estimate"]["peak_bytes"] == plan.estimate["peak_bytes"]
+    assert data["rollout"]["dtype"] == "float32" and data["rollout"]["decode_attention"] == "matmul"
+    assert data["rollout"]["reasons"]["fuse_weights"] == plan.rollout.reasons["fuse_weights"]
     text = plan.summary()
     assert text.splitlines()[0].split("|")[0].strip() == "decision"
     assert "grad checkpointing" in text and "no bf16" in text
 
 
+# ------------------------------------------------------------------------------------------ rollout plan
+ROLLOUT_FIELDS = ("engine", "fallback_allowed", "dtype", "decode_attention", "fuse_weights", "transpose_gate_up",
+                  "fp32_logits", "match_hf_numerics", "cuda_graphs", "rows_per_wave", "max_seq_len",
+                  "prefill_tokens_per_chunk", "check_every", "release_kv_between_phases")
+
+
+def test_every_rollout_decision_has_its_reason():
+    for card in (None, "p40", "t4", "a100-80g"):
+        plan = make_plan(cfg_of(*PPO_05B), fake(card))
+        missing = [name for name in ROLLOUT_FIELDS if not plan.rollout.reasons.get(name)]
+        assert not missing, (card, missing)
+    assert set(ROLLOUT_FIELDS) | {"reasons"} == {f.name for f in dataclasses.fields(plans.RolloutPlan)}
+
+
+def test_bf16_rollout_plan_on_ampere():
+    plan = make_plan(cfg_of(*PPO_05B), fake("a100-80g"))
+    rollout = plan.rollout
+    assert rollout.dtype == torch.bfloat16 and rollout.decode_attention == "sdpa"
+    assert rollout.fuse_weights and "cast copy" in rollout.reasons["fuse_weights"]  # fp32 master weights
+    assert rollout.fp32_logits and rollout.match_hf_numerics and rollout.cuda_graphs
+    assert rollout.rows_per_wave == plan.sizes.rollout_batch_size and rollout.max_seq_len == 256 + 256
+    assert not rollout.fallback_allowed or rollout.engine == "fast"
+
+
+def test_fp32_rollout_plan_on_cpu_and_pascal():
+    cpu = make_plan(cfg_of(*SMALL), fake(None)).rollout
+    assert cpu.decode_attention == "matmul" and not cpu.fuse_weights and not cpu.cuda_graphs
+    assert cpu.fp32_logits and not cpu.release_kv_between_phases and cpu.max_seq_len == 128
+    p40 = make_plan(cfg_of(*PPO_05B), fake("p40"))
+    copy = est.fused_copy_bytes(model_shape.NAMED_SHAPES["qwen2.5-0.5b"], torch.float32)
+    assert p40.rollout.decode_attention == "matmul" and p40.rollout.cuda_graphs
+    assert p40.rollout.fuse_weights == (copy <= est.FUSED_COPY_BUDGET_FRACTION * p40.memory_budget_bytes)
+
+
+def test_fp32_logits_need_torch_2_8_on_cuda_in_half_precision():
+    old = fake("t4")
+    old.torch_version = "2.7.1"
+    plan = make_plan(cfg_of(*SMALL), old)
+    assert plan.rollout.dtype == torch.float16 and not plan.rollout.fp32_logits
+    assert "2.8" in plan.rollout.reasons["fp32_logits"]
+    new = fake("t4")
+    new.torch_version = "2.8.0"
+    assert make_plan(cfg_of(*SMALL), new).rollout.fp32_logits
+
+
+def test_kv_cache_released_when_the_planned_peak_is_tight_or_emulating():
+    for overrides in (SMALL, PPO_05B, PPO_05B + ["data.train_batch_size=512", "actor_rollout_ref.rollout.n=8"]):
+        plan = make_plan(cfg_of(*overrides), fake("a100-80g"))
+        tight = plan.estimate["peak_bytes"] > planner.KV_RELEASE_PEAK_FRACTION * plan.estimate["budget_bytes"]
+        assert plan.rollout.release_kv_between_phases == tight, overrides
+    assert not make_plan(cfg_of(*SMALL), fake("a100-80g")).rollout.release_kv_between_phases
+    assert make_plan(cfg_of(*PPO_05B, "data.train_batch_size=512", "actor_rollout_ref.rollout.n=8"),
+                     fake("a100-80g")).rollout.release_kv_between_phases
+    emulated = make_plan(cfg_of(*SMALL, "hardware.emulate=p40"), fake("h100"))
+    assert emulated.memory_fraction is not None and emulated.rollout.release_kv_between_phases
+    assert "emulating" in emulated.rollout.reasons["release_kv_between_phases"]
+
+
+def test_hf_engine_keeps_no_weight_copies():
+    plan = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.rollout.name=hf"), fake("a100-80g"))
+    assert plan.rollout.engine == "hf" and not plan.rollout.fallback_allowed and not plan.rollout.fuse_weights
+    assert not plan.rollout.cuda_graphs and "transformers generate" in plan.summary()
+
+
+def test_plan_rollout_for_a_bench():
+    shape = model_shape.NAMED_SHAPES["qwen2.5-0.5b"]
+    copy = est.fused_copy_bytes(shape, torch.bfloat16)
+    roomy = planner.plan_rollout_for(shape, "cuda:0", torch.bfloat16, budget_bytes=int(copy * 100))
+    assert roomy.fuse_weights and roomy.cuda_graphs and roomy.decode_attention == "sdpa" and roomy.fp32_logits
+    assert roomy.engine == "fast" and not roomy.fallback_allowed and roomy.rows_per_wave is None
+    tight = planner.plan_rollout_for(shape, "cuda:0", torch.bfloat16, budget_bytes=int(copy * 10))
+    assert not tight.fuse_weights and "over 5%" in tight.reasons["fuse_weights"]
+    cpu = planner.plan_rollout_for("smollm2-135m", "cpu", rows_per_wave=8, max_seq_len=96)
+    assert cpu.dtype == torch.float32 and cpu.decode_attention == "matmul" and not cpu.cuda_graphs
+    assert (cpu.rows_per_wave, cpu.max_seq_len) == (8, 96) and not cpu.fuse_weights
+
+
+def test_plan_rollout_for_a_loaded_model_counts_its_cast_copy():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    same = planner.plan_rollout_for(model, "cpu")
+    assert same.dtype == torch.float32 and not same.fuse_weights
+    cast = planner.plan_rollout_for(model, "cpu", torch.bfloat16)
+    assert cast.fuse_weights and cast.decode_attention == "sdpa" and cast.fp32_logits
+
+
+def test_summary_shows_the_rollout_rows():
+    text = make_plan(cfg_of(*PPO_05B), fake("a100-80g")).summary()
+    assert "rollout kernels" in text and "decode sdpa, fused QKV/gate-up, fp32 logits" in text
+    assert "rollout KV cache" in text and "512 tokens" in text
+
+
 # -------------------------------------------------------------------------------------- probe and shapes
 def test_probe_this_machine():
-    probe = hw.probe_machine()
+    probe = machine.probe_machine()
     assert probe.cpu_cores >= 1 and probe.ram_total_bytes > 0
     assert len(probe.devices) == torch.cuda.device_count()
-    assert "math" in probe.cpu_sdpa_backends[f"float32/{hw.PROBE_HEAD_DIM}"]
+    assert "math" in probe.cpu_sdpa_backends[f"float32/{machine.PROBE_HEAD_DIM}"]
     json.dumps(probe.to_dict())
     assert "CPU:" in probe.summary()
 
 
 def test_sdpa_backend_probe_runs_math_everywhere():
-    backends = hw.sdpa_backends_that_run(torch.float32, 64, "cpu")
-    assert "math" in backends and set(backends) <= set(hw.SDPA_BACKEND_NAMES)
+    backends = machine.sdpa_backends_that_run(torch.float32, 64, "cpu")
+    assert "math" in backends and set(backends) <= set(machine.SDPA_BACKEND_NAMES)
 
 
 def test_named_shape_from_hub_style_name():
-    shape = hw.model_config_from_path("Qwen/Qwen2.5-0.5B-Instruct")
+    shape = model_shape.read_model_shape("Qwen/Qwen2.5-0.5B-Instruct")
     assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (896, 24, 14, 2)
     assert shape.num_params() == 494_032_768
-    assert hw.model_config_from_path("smollm2-135m-instruct").hidden_size == 576
+    assert model_shape.read_model_shape("smollm2-135m-instruct").hidden_size == 576
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -334,7 +431,7 @@ def test_shape_from_config_json_and_pretrained_config(tmp_path, tied):
     model = Qwen2ForCausalLM(config)
     real = sum({id(p): p.numel() for p in model.parameters()}.values())
     for source in (tmp_path, str(tmp_path / "config.json"), config):
-        shape = hw.model_config_from_path(source)
+        shape = model_shape.read_model_shape(source)
         assert shape.num_params() == real and shape.tie_word_embeddings == tied and shape.head_dim == 16
 
 
@@ -357,57 +454,57 @@ def test_shape_from_gguf(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    shape = hw.model_config_from_path(path)
+    shape = model_shape.read_model_shape(path)
     assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (64, 3, 4, 2)
     assert (shape.intermediate_size, shape.vocab_size, shape.head_dim) == (160, 100, 16)
     assert not shape.tie_word_embeddings  # it has an output.weight
-    assert hw.model_config_from_path(tmp_path).hidden_size == 64  # a directory holding the .gguf
+    assert model_shape.read_model_shape(tmp_path).hidden_size == 64  # a directory holding the .gguf
 
 
 def test_unknown_model_error_lists_named_shapes():
     with pytest.raises(PlanError) as err:
-        hw.model_config_from_path("./no/such/model")
+        model_shape.read_model_shape("./no/such/model")
     assert "qwen2.5-0.5b" in str(err.value)
 
 
 # ------------------------------------------------------------------------------------------------ runtime
 def test_autocast_context():
     a = torch.randn(4, 4)
-    with hw.autocast_context(hw.Plan()):
+    with planner.autocast_context(plans.Plan()):
         assert (a @ a).dtype == torch.float32
-    bf16 = hw.Plan(precision="bf16", compute_dtype=torch.bfloat16, use_autocast=True)
-    with hw.autocast_context(bf16):
+    bf16 = plans.Plan(precision="bf16", compute_dtype=torch.bfloat16, use_autocast=True)
+    with planner.autocast_context(bf16):
         assert (a @ a).dtype == torch.bfloat16
-    with hw.autocast_context(bf16, enabled=False):
+    with planner.autocast_context(bf16, enabled=False):
         assert (a @ a).dtype == torch.float32
-    assert hw.make_grad_scaler(hw.Plan()) is None
+    assert planner.make_grad_scaler(plans.Plan()) is None
 
 
 def test_apply_runtime_on_cpu():
     torch.set_float32_matmul_precision("high")
-    hw.apply_runtime(hw.Plan())
+    planner.apply_runtime(plans.Plan())
     assert torch.get_float32_matmul_precision() == "highest"
 
 
 def test_prepare_environment(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    hw.prepare_environment(cfg_of("hardware.device=cpu"))
+    planner.prepare_environment(cfg_of("hardware.device=cpu"))
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
-    hw.prepare_environment(cfg_of())
+    planner.prepare_environment(cfg_of())
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")  # the user's own setting wins
-    hw.prepare_environment(cfg_of())
+    planner.prepare_environment(cfg_of())
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
 
 
 def test_plan_main(capsys):
-    assert hw.plan_main(None, PPO_05B, emulate="p40", probe=fake(None)) == 0
+    assert cli.plan_main(None, PPO_05B, emulate="p40", machine=fake(None)) == 0
     out = capsys.readouterr().out
     assert "Tesla P40" in out and "predicted peak" in out and "actor_update" in out and "micro-batches:" in out
-    assert hw.plan_main(None, PPO_05B + ["actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct"], emulate="p40",
-                        probe=fake(None)) == 2
+    assert cli.plan_main(None, PPO_05B + ["actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct"], emulate="p40",
+                        machine=fake(None)) == 2
     assert "nothing fits" in capsys.readouterr().out
-    assert hw.plan_main(cfg_of(*SMALL), json_out="-", probe=fake("t4")) == 0
+    assert cli.plan_main(cfg_of(*SMALL), json_out="-", machine=fake("t4")) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["card"] == "Tesla T4" and data["plan"]["precision"] == "fp16"

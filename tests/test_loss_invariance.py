@@ -11,7 +11,7 @@ import torch
 
 from rlanywhere import algorithms as algo
 from rlanywhere.config import load_config
-from rlanywhere.hardware import make_plan
+from rlanywhere.planner import make_plan
 from rlanywhere.trainer import RLTrainer, StepBatch
 
 from .test_e2e import base_overrides

@@ -10,20 +10,20 @@ import pytest
 import torch
 
 from rlanywhere import algorithms as algo
-from rlanywhere import hardware as hw
+from rlanywhere import planner, plans, vocabulary
 from rlanywhere.errors import UserError
 from rlanywhere.logprobs import chunked_logprobs_and_entropy, naive_logprobs_and_entropy
 from rlanywhere.precision_guard import (PrecisionGuard, PrecisionGuardError, logprobs_comparable, optimizer_step,
                                         rollout_logprob_gap)
 
-FP16_AUTOCAST = hw.Plan(precision="fp16", compute_dtype=torch.float16, use_autocast=True, use_grad_scaler=True)
+FP16_AUTOCAST = plans.Plan(precision="fp16", compute_dtype=torch.float16, use_autocast=True, use_grad_scaler=True)
 
 
 def _fp16_linear_step(model, scaler, upstream: float) -> None:
     """Backward of a fp16-autocast linear layer whose output gradient is `upstream` (times the loss scale).
 
     At scale 2^16 an upstream gradient >= 1 overflows fp16 (65536 > 65504) inside the backward pass."""
-    with hw.autocast_context(FP16_AUTOCAST):
+    with planner.autocast_context(FP16_AUTOCAST):
         out = model(torch.ones(2, 4))
     assert out.dtype == torch.float16
     scaler.scale(out.float().sum() * upstream).backward()
@@ -33,7 +33,7 @@ def test_injected_overflow_is_skipped_and_counted_and_the_scale_recovers():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=hw.LOSS_SCALE_INIT, growth_interval=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=vocabulary.LOSS_SCALE_INIT, growth_interval=2)
     guard = PrecisionGuard(min_loss_scale=1.0)
     history = []
     for step, upstream in enumerate([2.0 ** -4, 1e4, 2.0 ** -4, 2.0 ** -4]):  # step 1: the injected overflow
@@ -49,10 +49,10 @@ def test_injected_overflow_is_skipped_and_counted_and_the_scale_recovers():
     assert overflow.scaler_overflow and not overflow.applied and not moved1  # skipped: the weights did not move
     assert not overflow.nonfinite_failure  # a scaler skip is normal, not a fault
     assert m1["actor/skipped_steps"] == 1 and m1["actor/skipped_steps_total"] == 1
-    assert m1["actor/loss_scale"] == hw.LOSS_SCALE_INIT / 2
+    assert m1["actor/loss_scale"] == vocabulary.LOSS_SCALE_INIT / 2
     assert moved2 and moved3 and m2["actor/skipped_steps"] == 0 and m3["actor/skipped_steps_total"] == 1
-    assert m2["actor/loss_scale"] == hw.LOSS_SCALE_INIT / 2
-    assert m3["actor/loss_scale"] == hw.LOSS_SCALE_INIT  # grew back after growth_interval clean steps
+    assert m2["actor/loss_scale"] == vocabulary.LOSS_SCALE_INIT / 2
+    assert m3["actor/loss_scale"] == vocabulary.LOSS_SCALE_INIT  # grew back after growth_interval clean steps
 
 
 def test_nonfinite_gradient_without_a_scaler_is_a_failure_not_a_scaler_skip():
@@ -71,7 +71,7 @@ def test_nonfinite_gradient_without_a_scaler_is_a_failure_not_a_scaler_skip():
 def test_a_collapsing_loss_scale_stops_the_run_with_the_fix():
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=hw.LOSS_SCALE_INIT, growth_interval=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=vocabulary.LOSS_SCALE_INIT, growth_interval=2)
     guard = PrecisionGuard(min_loss_scale=1.0)
     steps = 0
     with pytest.raises(PrecisionGuardError) as err:
@@ -131,7 +131,7 @@ def test_lm_head_log_softmax_and_entropy_stay_fp32_under_fp16_autocast():
     labels = torch.randint(0, 100, (3, 5))
     ref_lp, ref_ent = naive_logprobs_and_entropy(hidden.double(), weight.detach().double(), labels,
                                                  with_entropy=True)
-    with hw.autocast_context(FP16_AUTOCAST):
+    with planner.autocast_context(FP16_AUTOCAST):
         logprobs, entropy = chunked_logprobs_and_entropy(hidden, weight, labels, chunk_size=4, with_entropy=True)
         fp16_head = torch.log_softmax((hidden.float() @ weight.t()).float(), -1)  # autocast: a fp16 matmul
     assert logprobs.dtype == entropy.dtype == torch.float32
@@ -147,7 +147,7 @@ def test_losses_and_advantages_are_fp32_under_fp16_autocast():
     mask = torch.ones(4, 6)
     scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
     old = torch.randn(4, 6) - 2
-    with hw.autocast_context(FP16_AUTOCAST):
+    with planner.autocast_context(FP16_AUTOCAST):
         new = (old + 0.01 * torch.randn(4, 6)).requires_grad_(True)
         adv, returns = algo.compute_advantages("grpo", scores=scores, token_rewards=algo.scores_to_token_rewards(
             scores, mask), values=None, mask=mask, group_index=torch.tensor([0, 0, 1, 1]), gamma=1.0, lam=1.0,
@@ -169,7 +169,7 @@ def test_value_head_is_fp32_under_fp16_autocast(tiny_model_dir):
     torch.nn.init.normal_(critic.value_head.weight)
     ids = torch.randint(0, 50, (2, 7))
     mask = torch.ones_like(ids)
-    with hw.autocast_context(FP16_AUTOCAST):
+    with planner.autocast_context(FP16_AUTOCAST):
         values = critic(ids, mask)
         hidden = critic.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
     assert values.dtype == torch.float32
@@ -185,7 +185,7 @@ def _trainer(model_dir, data_dir, run_dir, fp16: bool = True, **extra):
     from dataclasses import replace
 
     from rlanywhere.config import load_config
-    from rlanywhere.hardware import make_plan
+    from rlanywhere.planner import make_plan
     from rlanywhere.trainer import RLTrainer
 
     from .test_e2e import base_overrides
@@ -204,7 +204,7 @@ def _trainer(model_dir, data_dir, run_dir, fp16: bool = True, **extra):
 @pytest.mark.slow
 def test_fp16_training_counts_an_injected_overflow_and_keeps_going(tiny_model_dir, arith_data, tmp_path):
     trainer = _trainer(tiny_model_dir, arith_data, tmp_path / "run")
-    assert trainer.engine.dtype == torch.float16 and trainer.grad_scaler.get_scale() == hw.LOSS_SCALE_INIT
+    assert trainer.engine.dtype == torch.float16 and trainer.grad_scaler.get_scale() == vocabulary.LOSS_SCALE_INIT
     scale = trainer.grad_scaler.scale
     calls = {"n": 0}
 
@@ -218,7 +218,7 @@ def test_fp16_training_counts_an_injected_overflow_and_keeps_going(tiny_model_di
     step1 = trainer.train_step(trainer.loader.next_batch())
     trainer.global_step += 1
     assert step1["critic/skipped_steps"] == 0 and step1["actor/skipped_steps"] == 1
-    assert step1["actor/loss_scale"] == hw.LOSS_SCALE_INIT / 2  # shared by actor and critic: halved once
+    assert step1["actor/loss_scale"] == vocabulary.LOSS_SCALE_INIT / 2  # shared by actor and critic: halved once
     # two actor mini-batches (4 prompts, ppo_mini_batch_size 2): the first skipped, the second applied
     assert any(not torch.equal(v, actor_before[k]) for k, v in trainer.actor.named_parameters())
     step2 = trainer.train_step(trainer.loader.next_batch())
@@ -263,7 +263,7 @@ def test_the_loss_scale_is_checkpointed_and_resumed(tiny_model_dir, arith_data, 
     trainer.grad_scaler.update(new_scale=1024.0)  # as after six overflows
     trainer.save()
     resumed = _trainer(tiny_model_dir, arith_data, tmp_path / "run", **{"algorithm.adv_estimator": "grpo"})
-    assert resumed.grad_scaler.get_scale() == hw.LOSS_SCALE_INIT
+    assert resumed.grad_scaler.get_scale() == vocabulary.LOSS_SCALE_INIT
     resumed.maybe_resume()
     assert resumed.grad_scaler.get_scale() == 1024.0
-    assert resumed.grad_scaler.get_growth_interval() == hw.LOSS_SCALE_GROWTH_INTERVAL
+    assert resumed.grad_scaler.get_growth_interval() == vocabulary.LOSS_SCALE_GROWTH_INTERVAL

@@ -64,17 +64,22 @@ def test_flexible_extraction_number_formats():
 # ---------------------------------------------------------------- gsm8k score
 
 
+def _core(result: dict) -> dict:
+    """The reward and its two classic flags (the strict/flexible accuracy keys are tested on their own)."""
+    return {key: result[key] for key in ("score", "acc", "format")}
+
+
 def test_gsm8k_reference_solutions_score_one_and_corrupted_zero():
     for row in _gsm8k_rows(12):
         solution = row["answer"]
         truth = solution.split("####")[-1].strip().replace(",", "")
-        assert R.gsm8k_score(solution, truth) == {"score": 1.0, "acc": 1.0, "format": 1.0}
+        assert _core(R.gsm8k_score(solution, truth)) == {"score": 1.0, "acc": 1.0, "format": 1.0}
         assert R.gsm8k_score(solution, truth, method="flexible")["score"] == 1.0
         body, final = solution.rsplit("####", 1)
         corrupted = f"{body}#### {int(final.strip().replace(',', '')) + 1}"
-        assert R.gsm8k_score(corrupted, truth) == {"score": 0.0, "acc": 0.0, "format": 1.0}
+        assert _core(R.gsm8k_score(corrupted, truth)) == {"score": 0.0, "acc": 0.0, "format": 1.0}
         # without the marker strict finds nothing: no score and no format
-        assert R.gsm8k_score(body, truth) == {"score": 0.0, "acc": 0.0, "format": 0.0}
+        assert _core(R.gsm8k_score(body, truth)) == {"score": 0.0, "acc": 0.0, "format": 0.0}
 
 
 def test_gsm8k_numeric_comparison_and_format_score():
@@ -83,10 +88,60 @@ def test_gsm8k_numeric_comparison_and_format_score():
     assert R.gsm8k_score("#### 1,000", "1000")["acc"] == 1.0
     assert R.gsm8k_score("#### -4", "4")["acc"] == 0.0
     wrong = R.gsm8k_score("#### 17", "18", format_score=0.1, score=2.0)
-    assert wrong == {"score": 0.1, "acc": 0.0, "format": 1.0}
+    assert _core(wrong) == {"score": 0.1, "acc": 0.0, "format": 1.0}
     assert R.gsm8k_score("#### 18", "18", format_score=0.1, score=2.0)["score"] == 2.0
     # flexible: answer extracted without the marker -> correct but format 0
-    assert R.gsm8k_score("it is 18", "18", method="flexible") == {"score": 1.0, "acc": 1.0, "format": 0.0}
+    assert _core(R.gsm8k_score("it is 18", "18", method="flexible")) == {"score": 1.0, "acc": 1.0, "format": 0.0}
+
+
+@pytest.mark.parametrize("text, truth, expected", [
+    # (format, strict_acc, flexible_acc)
+    ("48 / 2 = 24 in May, 48 + 24 = 72 in all.\n#### 72", "72", (1.0, 1.0, 1.0)),
+    ("48 + 24 = 72 clips in all.", "72", (0.0, 0.0, 1.0)),  # right number, no marker: flexible only
+    ("#### 70 is wrong, it is 72", "72", (1.0, 0.0, 1.0)),  # marker wrong, a later number right
+    ("It is 72.\n#### 70", "72", (1.0, 0.0, 0.0)),  # the last number is the marker's: both wrong
+    ("#### 72 clips, bought for 3 dollars each", "72", (1.0, 1.0, 0.0)),  # strict right, last number not
+    ("I do not know.", "72", (0.0, 0.0, 0.0)),
+    ("#### $1,234.00", "1234", (1.0, 1.0, 1.0)),
+    ("####", "72", (0.0, 0.0, 0.0)),  # a bare marker is no answer
+])
+def test_gsm8k_strict_flexible_and_format_flags(text, truth, expected):
+    result = R.gsm8k_score(text, truth)
+    assert (result["format"], result["strict_acc"], result["flexible_acc"]) == expected
+    assert result["acc"] == result["strict_acc"]  # the default method is strict
+    assert R.gsm8k_score(text, truth, method="flexible")["acc"] == result["flexible_acc"]
+
+
+def test_gsm8k_format_reward_pays_a_well_formed_wrong_answer_a_little():
+    reward = R.gsm8k_format_reward
+    assert reward("openai/gsm8k", "so 72.\n#### 72", "72")["score"] == 1.0
+    assert reward("openai/gsm8k", "so 70.\n#### 70", "72")["score"] == pytest.approx(R.GSM8K_FORMAT_SCORE)
+    assert 0.0 < R.GSM8K_FORMAT_SCORE < 1.0
+    # the right number without the marker earns nothing: the recipe is teaching the marker
+    assert reward("openai/gsm8k", "so the answer is 72", "72")["score"] == 0.0
+    assert reward("openai/gsm8k", "no idea", "72", {"split": "train"})["score"] == 0.0
+    assert reward("gsm8k", "#### 5", "7", format_score=0.25)["score"] == 0.25
+
+
+def test_gsm8k_format_reward_through_the_reward_manager_keeps_the_metric_keys():
+    manager = R.RewardManager(R.gsm8k_format_reward)
+    scores, info = manager(["#### 72", "#### 70", "it is 72", "nothing"], ["72"] * 4, ["openai/gsm8k"] * 4)
+    assert scores.tolist() == pytest.approx([1.0, 0.1, 0.0, 0.0])
+    assert info["format"] == [1.0, 1.0, 0.0, 0.0]
+    assert info["strict_acc"] == [1.0, 0.0, 0.0, 0.0]
+    assert info["flexible_acc"] == [1.0, 0.0, 1.0, 0.0]
+    assert info["num_errors"] == 0
+
+
+def test_gsm8k_metrics_shares_over_hand_made_responses():
+    responses = ["#### 72", "#### 70", "it is 72", "nothing", "#### 5 then 9"]
+    metrics = R.gsm8k_metrics(responses, ["72", "72", "72", "72", "5"])
+    assert metrics == {"format_rate": pytest.approx(3 / 5), "strict_acc": pytest.approx(2 / 5),
+                       "flexible_acc": pytest.approx(2 / 5), "num_samples": 5}
+    with pytest.raises(ValueError, match="one ground truth per response"):
+        R.gsm8k_metrics(["#### 1"], [])
+    with pytest.raises(ValueError, match="no responses"):
+        R.gsm8k_metrics([], [])
 
 
 # ---------------------------------------------------------------- arithmetic

@@ -422,8 +422,7 @@ def test_make_engine_and_supports(caplog):
     assert isinstance(make_engine(qwen, None), FastEngine)
     assert isinstance(make_engine(qwen, None, engine="hf"), HFEngine)
 
-    from rlanywhere.hardware import Plan
-    from rlanywhere.plan import RolloutPlan
+    from rlanywhere.plans import Plan, RolloutPlan
 
     assert isinstance(make_engine(qwen, None, plan=Plan(rollout=RolloutPlan(engine="hf"))), HFEngine)
     engine = make_engine(qwen, None, plan=Plan(rollout=RolloutPlan(engine="fast", dtype=torch.float64)))

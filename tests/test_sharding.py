@@ -177,7 +177,7 @@ def test_planner_shards_what_does_not_fit_replicated():
     the numbers, planned "shard" on two (weights, grads and Adam halved; the gathered weights counted for the
     rollout); a small model stays replicated; hardware.data_parallel forces either; a bad value is an error."""
     from rlanywhere.errors import UserError
-    from rlanywhere.hardware import make_plan
+    from rlanywhere.planner import make_plan
     from rlanywhere.vocabulary import NoFitError
 
     big = ["actor_rollout_ref.model.path=qwen2.5-1.5b", "algorithm.adv_estimator=grpo", "data.train_batch_size=16",

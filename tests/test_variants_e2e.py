@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlanywhere.config import load_config
-from rlanywhere.hardware import make_plan
+from rlanywhere.planner import make_plan
 from rlanywhere.trainer import PhaseTimer, RLTrainer
 
 from .test_e2e import base_overrides, killed_then_resumed, run_training, train_rows

@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 _API = ("make_config", "demo_config", "demo_profile", "plan", "train", "TrainResult", "evaluate", "generate",
         "load_model", "LoadedModel")
-_OTHER = {"RLTrainer": "trainer", "Plan": "hardware", "make_plan": "hardware", "UserError": "errors",
-          "ConfigError": "config", "PlanError": "hardware"}
+_OTHER = {"RLTrainer": "trainer", "Plan": "plans", "make_plan": "planner", "UserError": "errors",
+          "ConfigError": "config", "PlanError": "vocabulary"}
 
 __all__ = ["__version__", *_API, *_OTHER]
 

@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .vocabulary import LossAggMode
+
 # ----------------------------------------------------------------------------------------------------------------
 # Masked statistics
 # ----------------------------------------------------------------------------------------------------------------
@@ -544,7 +546,7 @@ def apply_kl_in_reward(
 # Loss aggregation and losses
 # ----------------------------------------------------------------------------------------------------------------
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = LossAggMode.values()
 
 
 @dataclass(frozen=True)

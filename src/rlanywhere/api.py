@@ -102,10 +102,10 @@ def demo_config(overrides: Sequence[str] = (), on_gpu: Optional[bool] = None, ne
 
 
 def plan(cfg: DictConfig, emulate: Optional[str] = None):
-    """The hardware plan `cfg` runs with (hardware.Plan), applied to this process (TF32 flags, memory cap).
+    """The hardware plan `cfg` runs with (plans.Plan), applied to this process (TF32 flags, memory cap).
 
-    Call before anything touches torch.cuda. Raises hardware.PlanError for a request that cannot run here."""
-    from .hardware import apply_runtime, make_plan, prepare_environment
+    Call before anything touches torch.cuda. Raises PlanError for a request that cannot run here."""
+    from .planner import apply_runtime, make_plan, prepare_environment
 
     prepare_environment(cfg)
     chosen = make_plan(cfg, for_execution=True, emulate=emulate)

@@ -216,15 +216,74 @@ def cmd_chat(args) -> int:
     return 0
 
 
-def cmd_plan(args) -> int:
-    from .hardware import plan_main
+def _estimate_table(plan) -> str:
+    from .estimator import format_bytes
+    from .plans import format_table
 
+    estimate = plan.estimate or {}
+    budget = plan.memory_budget_bytes or 0
+    rows = []
+    for phase, need in estimate.get("phases", {}).items():
+        parts = sorted(estimate["breakdown"][phase].items(), key=lambda kv: -kv[1])[:4]
+        rows.append((phase, format_bytes(need), f"{100 * need / budget:.0f}%" if budget else "-",
+                     ", ".join(f"{k} {format_bytes(v)}" for k, v in parts)))
+    return format_table(("phase", "predicted peak", "of budget", "largest parts"), rows, max_width=100)
+
+
+def plan_main(config=None, overrides: Optional[list[str]] = None, emulate: Optional[str] = None,
+              json_out=None, machine=None) -> int:
+    """`rlanywhere plan`: print the probe, the plan table and the predicted per-phase peaks. 0 ok, 2 no plan.
+
+    config: a loaded DictConfig, or a YAML path (None: defaults) loaded with `overrides`. emulate: a CARDS key
+    (default: cfg.hardware.emulate). json_out: a path to also write {"probe", "plan"} as JSON; "-" or True prints
+    only the JSON. machine: a HardwareProbe (default: probe this machine)."""
+    from pathlib import Path
+
+    from .config import config_from
+    from .estimator import format_bytes
+    from .machine import probe_machine
+    from .planner import make_plan
+    from .vocabulary import PlanError
+
+    cfg = config_from(config, overrides)
+    if json_out is True:
+        json_out = "-"
+    machine = machine if machine is not None else probe_machine()
+    try:
+        plan = make_plan(cfg, machine, for_execution=False, emulate=emulate)
+    except PlanError as exc:
+        if json_out == "-":
+            print(json.dumps({"probe": machine.to_dict(), "error": str(exc)}, indent=2))
+        else:
+            print("machine:\n" + machine.summary())
+            print(f"\nno plan: {exc}")
+        return 2
+    payload = {"probe": machine.to_dict(), "plan": plan.to_dict()}
+    if json_out == "-":
+        print(json.dumps(payload, indent=2))
+        return 0
+    sizes = plan.sizes
+    print("machine:\n" + machine.summary())
+    print(f"\nplan{' (emulating ' + plan.emulated + ')' if plan.emulated else ''}:\n{plan.summary()}")
+    print(f"\npredicted peak memory per phase (budget {format_bytes(plan.memory_budget_bytes or 0)}):")
+    print(_estimate_table(plan))
+    print(f"\nmicro-batches: actor {sizes.actor_micro_batch_size}, critic "
+          f"{sizes.critic_micro_batch_size if plan.use_critic else '-'}, log-prob {sizes.logprob_micro_batch_size}"
+          + (f", tokens {sizes.max_token_len_per_micro_batch}" if sizes.max_token_len_per_micro_batch else "")
+          + f"; rollout {sizes.rollout_batch_size} sequences at once")
+    if json_out:
+        Path(json_out).write_text(json.dumps(payload, indent=2))
+        print(f"wrote {json_out}")
+    return 0
+
+
+def cmd_plan(args) -> int:
     cfg, _ = _load(args.items, args.emulate)
     return plan_main(cfg, json_out=args.json)
 
 
 def cmd_doctor(args) -> int:
-    from .hardware import prepare_environment
+    from .planner import prepare_environment
     from .doctor import doctor_main
 
     cfg, _ = _load(args.items, args.emulate)

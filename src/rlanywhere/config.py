@@ -6,7 +6,7 @@ Keys follow verl's `ppo_trainer.yaml` wherever the concept exists, so a verl com
 (`rlanywhere train <the same overrides>`). Keys that only make sense inside verl (vLLM memory fractions, FSDP wrap
 policies, Ray settings) are accepted with a one-line notice of what rlanywhere does instead. Anything else unknown
 is an error naming the closest valid key. Our own knobs live under `hardware.*`; "auto" there means the planner
-(hardware.py) decides.
+(planner.py) decides.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import UserError
+from .vocabulary import (
+    AdvantageEstimator, AttnImplementation, LossAggMode, PolicyLossMode, Precision, RolloutEngineName, Truncation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +265,7 @@ class HardwareConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     attn_implementation: str = "auto"  # auto | flash_attention_2 | sdpa | eager
-    emulate: Optional[str] = None  # p40 | t4 | v100-16g | ... (see hardware.CARDS)
+    emulate: Optional[str] = None  # p40 | t4 | v100-16g | ... (see machine.CARDS)
     param_offload: Any = "auto"
     optimizer_offload: Any = "auto"
     ref_device: str = "auto"  # auto | cpu | cuda
@@ -488,6 +491,15 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     return cfg
 
 
+def config_from(config: Any, overrides: Optional[list[str]] = None) -> DictConfig:
+    """A loaded config passes through; a path (or None: the defaults) is loaded with the overrides."""
+    if isinstance(config, DictConfig):
+        if overrides:
+            raise ValueError("overrides are applied when loading: pass a config path, or fold them into the config")
+        return config
+    return load_config(config, list(overrides or []))
+
+
 def _load_yaml(path: str) -> DictConfig:
     """A YAML config file as a DictConfig; a missing file or a syntax error is one ConfigError naming file:line."""
     import yaml
@@ -519,7 +531,7 @@ def check_batch_sizes(cfg: DictConfig) -> None:
     minis = [("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size,
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu,
               actor.use_dynamic_bsz)]
-    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.ppo_mini_batch_size:
+    if cfg.algorithm.adv_estimator == AdvantageEstimator.GAE and cfg.critic.ppo_mini_batch_size:
         minis.append(("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size,
                       "critic.ppo_micro_batch_size_per_gpu", cfg.critic.ppo_micro_batch_size_per_gpu,
                       cfg.critic.use_dynamic_bsz))
@@ -543,17 +555,16 @@ def _largest_divisor_at_most(number: int, limit: int) -> int:
 
 def _check_values(cfg: DictConfig) -> None:
     choices = {
-        "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+        "algorithm.adv_estimator": AdvantageEstimator.values(),
         "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-        "actor_rollout_ref.actor.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                                  "seq-mean-token-sum-norm"),
-        "critic.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+        "actor_rollout_ref.actor.loss_agg_mode": LossAggMode.values(),
+        "critic.loss_agg_mode": LossAggMode.values(),
         "trainer.resume_mode": ("auto", "disable", "resume_path"),
-        "hardware.precision": ("auto", "fp32", "bf16", "fp16"),
-        "hardware.attn_implementation": ("auto", "flash_attention_2", "sdpa", "eager"),
-        "actor_rollout_ref.rollout.name": ("auto", "fast", "hf"),
-        "data.truncation": ("error", "left", "right"),
-        "actor_rollout_ref.actor.policy_loss.loss_mode": ("vanilla", "gspo"),
+        "hardware.precision": Precision.values(),
+        "hardware.attn_implementation": AttnImplementation.values(),
+        "actor_rollout_ref.rollout.name": RolloutEngineName.values(),
+        "data.truncation": Truncation.values(),
+        "actor_rollout_ref.actor.policy_loss.loss_mode": PolicyLossMode.values(),
     }
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
@@ -612,7 +623,7 @@ def _check_variant_values(cfg: DictConfig) -> None:
 def _differences_from_verl(cfg: DictConfig) -> list[str]:
     """Settings whose meaning here differs from verl's on purpose (docs/algorithms.md says why)."""
     out = []
-    if cfg.algorithm.adv_estimator == "reinforce_plus_plus_baseline" and cfg.algorithm.gamma != 1.0:
+    if cfg.algorithm.adv_estimator == AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE and cfg.algorithm.gamma != 1.0:
         out.append(f"algorithm.gamma={cfg.algorithm.gamma}: reinforce_plus_plus_baseline discounts the centred "
                    "score back from the last token here; verl ignores gamma for this estimator (same score on "
                    "every token)")

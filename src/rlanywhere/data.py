@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .errors import UserError
+from .vocabulary import Truncation
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ ARITHMETIC_INSTRUCTION = 'Output the final answer after "####".'
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 ARITHMETIC_DATA_SOURCE = "arithmetic"
 SPLITS = ("train", "test")
-TRUNCATION_MODES = ("error", "left", "right")
+TRUNCATION_MODES = Truncation.values()
 ARITHMETIC_OPERATORS = "+-*"
 
 
@@ -207,14 +208,34 @@ def extract_gsm8k_answer(answer: str) -> str:
     return number
 
 
-def gsm8k_rows(records: Sequence[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+# The first GSM8K training problem, its calculator annotations (<<48/2=24>>) removed: a short worked solution that
+# ends in the "#### n" line. A 135M model mostly ignores the instruction alone; shown one finished exchange in the
+# chat, it imitates the format (see gsm8k_rows(one_shot=True) and examples/gsm8k_format.yaml).
+GSM8K_ONE_SHOT_QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+                           "May. How many clips did Natalia sell altogether in April and May?")
+GSM8K_ONE_SHOT_ANSWER = ("Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and "
+                         "May.\n#### 72")
+
+
+def gsm8k_messages(question: str, one_shot: bool = False) -> list[dict[str, str]]:
+    """The chat prompt for one GSM8K question: verl's instruction, after one worked example when ``one_shot``."""
+    example = [{"role": "user", "content": GSM8K_ONE_SHOT_QUESTION + " " + GSM8K_INSTRUCTION},
+               {"role": "assistant", "content": GSM8K_ONE_SHOT_ANSWER}] if one_shot else []
+    return example + [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}]
+
+
+def gsm8k_rows(records: Sequence[dict[str, Any]], split: str, one_shot: bool = False) -> list[dict[str, Any]]:
+    """verl-schema rows; with ``one_shot`` every prompt starts with the worked example, and the example's own
+    question is left out (it would be a free reward)."""
     rows = []
     for index, record in enumerate(records):
         question, answer = record["question"], record["answer"]
+        if one_shot and question.strip() == GSM8K_ONE_SHOT_QUESTION:
+            continue
         rows.append(
             make_row(
                 data_source=GSM8K_DATA_SOURCE,
-                messages=[{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
+                messages=gsm8k_messages(question, one_shot),
                 ground_truth=extract_gsm8k_answer(answer),
                 split=split,
                 index=index,
@@ -238,11 +259,12 @@ def _load_gsm8k_hub(name: str) -> dict[str, list[dict[str, Any]]]:
     return {split: list(loaded[split]) for split in SPLITS}
 
 
-def prepare_gsm8k(src: str | Path, out_dir: str | Path) -> dict[str, str]:
+def prepare_gsm8k(src: str | Path, out_dir: str | Path, one_shot: bool = False) -> dict[str, str]:
     """Write GSM8K as ``out_dir/{train,test}.parquet``; returns ``{split: path}``.
 
     ``src`` is a directory with ``train.jsonl`` and ``test.jsonl`` (fields ``question``, ``answer``) or a Hugging
-    Face dataset name such as ``openai/gsm8k``.
+    Face dataset name such as ``openai/gsm8k``. ``one_shot``: each prompt opens with one worked example that ends
+    in ``#### n`` (:func:`gsm8k_messages`), for small models that ignore the instruction alone.
     """
     src_path = Path(src).expanduser()
     if src_path.is_dir():
@@ -259,7 +281,7 @@ def prepare_gsm8k(src: str | Path, out_dir: str | Path) -> dict[str, str]:
         )
     else:
         records = _load_gsm8k_hub(str(src))
-    return _write_splits({split: gsm8k_rows(records[split], split) for split in SPLITS}, out_dir)
+    return _write_splits({split: gsm8k_rows(records[split], split, one_shot) for split in SPLITS}, out_dir)
 
 
 # --------------------------------------------------------------------------------------------------------------------

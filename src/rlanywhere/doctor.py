@@ -10,7 +10,7 @@ planned device and compares against a float64 reference computed on CPU:
     tiny model           a random 2-layer Qwen2 built in code: loss and gradients on the planned path vs the same
                          weights in fp64 eager attention
     generation           model.generate of 4 tokens in the rollout dtype
-    fp16                 for fp16 plans: the planner's fp16 checks (hardware.fp16_problems: fp16 autocast matmul,
+    fp16                 for fp16 plans: the planner's fp16 checks (machine.fp16_problems: fp16 autocast matmul,
                          fp16 SDPA forward and backward, a GradScaler skipping an overflowed step)
     memory cap           when emulating on CUDA: allocating beyond the emulated card's memory must fail
 
@@ -30,11 +30,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rlanywhere import hardware as hw
-from rlanywhere.estimator import MIB, format_bytes
+from .config import config_from
+from .estimator import MIB, format_bytes
+from .machine import HardwareProbe, fp16_problems, probe_machine
+from .plans import Plan, format_table
+from .planner import apply_runtime, autocast_context, make_grad_scaler, make_plan, prepare_environment
+from .vocabulary import (
+    ACCUMULATE_DTYPE, ATTN_FLASH, ATTN_SDPA, FP16_MATMUL_TOLERANCE, FP32, REFERENCE_DTYPE, dtype_name, precision_name,
+)
 
 # Relative error (Frobenius) allowed against the fp64 reference, per arithmetic.
-TOLERANCE = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 3e-2, "fp16": hw.FP16_MATMUL_TOLERANCE}
+TOLERANCE = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 3e-2, "fp16": FP16_MATMUL_TOLERANCE}
 # A 2-layer model compounds rounding: looser bounds for logits / loss / gradients.
 MODEL_TOLERANCE = {"fp32": 1e-4, "tf32": 2e-2, "bf16": 1e-1, "fp16": 3e-2}
 MATMUL_SIZE = 256
@@ -55,44 +61,44 @@ def tiny_qwen2_config(attn_implementation: str):
 
 
 def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    value, reference = value.detach().double().cpu(), reference.detach().double().cpu()
+    value, reference = value.detach().to(REFERENCE_DTYPE).cpu(), reference.detach().to(REFERENCE_DTYPE).cpu()
     return float((value - reference).norm() / reference.norm().clamp_min(1e-30))
 
 
-def _arith(plan: hw.Plan, dtype: torch.dtype) -> str:
-    if dtype == hw.FP32:
+def _arith(plan: Plan, dtype: torch.dtype) -> str:
+    if dtype == FP32:
         return "tf32" if plan.allow_tf32 else "fp32"
-    return hw.precision_name(dtype)
+    return precision_name(dtype)
 
 
-def _planned_matmul(a: torch.Tensor, b: torch.Tensor, plan: hw.Plan, use_autocast: bool) -> torch.Tensor:
-    with hw.autocast_context(plan, enabled=use_autocast):
+def _planned_matmul(a: torch.Tensor, b: torch.Tensor, plan: Plan, use_autocast: bool) -> torch.Tensor:
+    with autocast_context(plan, enabled=use_autocast):
         return a @ b
 
 
 def _random_pair(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, generator=gen, dtype=hw.REFERENCE_DTYPE)
-    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, generator=gen, dtype=hw.REFERENCE_DTYPE)
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, generator=gen, dtype=REFERENCE_DTYPE)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, generator=gen, dtype=REFERENCE_DTYPE)
     return a, b
 
 
-def check_matmul_fp32(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
+def check_matmul_fp32(plan: Plan, device: torch.device) -> tuple[str, str]:
     a, b = _random_pair(device)
     out = _planned_matmul(a.float().to(device), b.float().to(device), plan, use_autocast=False)
     err = relative_error(out, a @ b)
-    arith = _arith(plan, hw.FP32)
+    arith = _arith(plan, FP32)
     ok = bool(torch.isfinite(out).all()) and err <= TOLERANCE[arith]
     return ("pass" if ok else "fail"), f"{arith}: relative error {err:.2e} (limit {TOLERANCE[arith]:.0e})"
 
 
-def check_matmul_compute(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
+def check_matmul_compute(plan: Plan, device: torch.device) -> tuple[str, str]:
     if not plan.use_autocast:
-        return "skip", f"the plan computes in {hw.dtype_name(plan.compute_dtype)} without autocast (checked above)"
+        return "skip", f"the plan computes in {dtype_name(plan.compute_dtype)} without autocast (checked above)"
     a, b = _random_pair(device)
     out = _planned_matmul(a.float().to(device), b.float().to(device), plan, use_autocast=True)
     if out.dtype != plan.compute_dtype:
-        return "fail", f"autocast produced {hw.dtype_name(out.dtype)}, expected {hw.dtype_name(plan.compute_dtype)}"
+        return "fail", f"autocast produced {dtype_name(out.dtype)}, expected {dtype_name(plan.compute_dtype)}"
     err = relative_error(out, a @ b)
     arith = _arith(plan, plan.compute_dtype)
     ok = bool(torch.isfinite(out).all()) and err <= TOLERANCE[arith]
@@ -102,7 +108,7 @@ def check_matmul_compute(plan: hw.Plan, device: torch.device) -> tuple[str, str]
 def _attention_inputs(with_padding: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, heads, seq, dim = ATTENTION_SHAPE
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(batch, heads, seq, dim, generator=gen, dtype=hw.REFERENCE_DTYPE) for _ in range(3))
+    q, k, v = (torch.randn(batch, heads, seq, dim, generator=gen, dtype=REFERENCE_DTYPE) for _ in range(3))
     real = torch.ones(batch, seq, dtype=torch.bool)
     if with_padding:
         real[1, :PADDING] = False  # left padding, as in rollout prompts
@@ -118,32 +124,32 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return torch.softmax(scores, dim=-1) @ v
 
 
-def _planned_attention(q, k, v, mask, plan: hw.Plan) -> torch.Tensor:
-    if plan.attn_implementation == hw.ATTN_FLASH:
+def _planned_attention(q, k, v, mask, plan: Plan) -> torch.Tensor:
+    if plan.attn_implementation == ATTN_FLASH:
         from flash_attn import flash_attn_func  # padding goes through the varlen path in HF; causal only here
 
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         return out.transpose(1, 2)
-    if plan.attn_implementation == hw.ATTN_SDPA:
+    if plan.attn_implementation == ATTN_SDPA:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # eager, as transformers does it: scores in the compute dtype, softmax in fp32
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=hw.ACCUMULATE_DTYPE).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=ACCUMULATE_DTYPE).to(q.dtype)
     return probs @ v
 
 
-def check_attention(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
-    with_padding = plan.attn_implementation != hw.ATTN_FLASH
+def check_attention(plan: Plan, device: torch.device) -> tuple[str, str]:
+    with_padding = plan.attn_implementation != ATTN_FLASH
     q, k, v, mask = _attention_inputs(with_padding)
     dtype = plan.compute_dtype
     inputs = [t.to(device=device, dtype=dtype).requires_grad_(True) for t in (q, k, v)]
     out = _planned_attention(*inputs, mask.to(device), plan)
     valid = mask.any(-1).squeeze(1)  # query rows with at least one key (padded rows are undefined)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=hw.REFERENCE_DTYPE)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=REFERENCE_DTYPE)
     # Padded query rows are undefined in every kernel: they must send no gradient into k and v.
     grad_out = grad_out * valid[:, None, :, None]
-    (out.float() * grad_out.to(device=device, dtype=hw.FP32)).sum().backward()
+    (out.float() * grad_out.to(device=device, dtype=FP32)).sum().backward()
 
     ref_inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = reference_attention(*ref_inputs, mask)
@@ -155,7 +161,7 @@ def check_attention(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
     finite = all(bool(torch.isfinite(t.grad).all()) for t in inputs)
     ok = finite and err <= limit and grad_err <= limit * 2
     return (("pass" if ok else "fail"),
-            f"{plan.attn_implementation} {hw.dtype_name(dtype)}{' + padding' if with_padding else ''}: forward error "
+            f"{plan.attn_implementation} {dtype_name(dtype)}{' + padding' if with_padding else ''}: forward error "
             f"{err:.2e}, grad error {grad_err:.2e} (limits {limit:.0e}, {2 * limit:.0e})")
 
 
@@ -170,21 +176,21 @@ def _tiny_batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch
     return input_ids.to(device), attention_mask.to(device), labels.to(device)
 
 
-def _build_models(plan: hw.Plan, device: torch.device):
+def _build_models(plan: Plan, device: torch.device):
     """The planned model (param dtype, planned attention) and a fp64 twin on CPU with the same weights.
 
     The twin uses SDPA (the math kernel in fp64): transformers' eager path yields NaN rows for left padding in fp64."""
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    reference = Qwen2ForCausalLM(tiny_qwen2_config(hw.ATTN_SDPA)).to(hw.REFERENCE_DTYPE)
+    reference = Qwen2ForCausalLM(tiny_qwen2_config(ATTN_SDPA)).to(REFERENCE_DTYPE)
     planned = Qwen2ForCausalLM(tiny_qwen2_config(plan.attn_implementation))
     planned.load_state_dict({k: v.to(plan.param_dtype) for k, v in reference.state_dict().items()})
     planned.to(device=device, dtype=plan.param_dtype)
     return planned, reference
 
 
-def check_tiny_model(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
+def check_tiny_model(plan: Plan, device: torch.device) -> tuple[str, str]:
     planned, reference = _build_models(plan, device)
     planned.train()
     if plan.gradient_checkpointing:
@@ -192,8 +198,8 @@ def check_tiny_model(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
             warnings.simplefilter("ignore", FutureWarning)
             planned.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     input_ids, attention_mask, labels = _tiny_batch(device)
-    scaler = hw.make_grad_scaler(plan)
-    with hw.autocast_context(plan):
+    scaler = make_grad_scaler(plan)
+    with autocast_context(plan):
         out = planned(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
     loss = out.loss
     (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -208,7 +214,7 @@ def check_tiny_model(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
     missing = [n for n in names if grads[n].grad is None]
     if missing:
         return "fail", f"no gradient for {missing[:3]}"
-    flat = torch.cat([grads[n].grad.detach().double().cpu().flatten() for n in names])
+    flat = torch.cat([grads[n].grad.detach().to(REFERENCE_DTYPE).cpu().flatten() for n in names])
     ref_flat = torch.cat([p.grad.flatten() for n, p in reference.named_parameters() if n in names])
     real = attention_mask.bool().cpu()
     logit_err = relative_error(out.logits.detach().cpu()[real], ref_out.logits.detach()[real])
@@ -224,13 +230,13 @@ def check_tiny_model(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
             f"{loss_err:.2e}, grad error {grad_err:.2e} (limit {limit:.0e})")
 
 
-def check_generation(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
+def check_generation(plan: Plan, device: torch.device) -> tuple[str, str]:
     planned, _ = _build_models(plan, device)
     planned.eval()
     rollout_plan = replace(plan, compute_dtype=plan.rollout.dtype,
                            use_autocast=plan.rollout.dtype != plan.param_dtype)
     input_ids, attention_mask, _ = _tiny_batch(device)
-    with torch.no_grad(), hw.autocast_context(rollout_plan):
+    with torch.no_grad(), autocast_context(rollout_plan):
         out = planned.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=GENERATE_TOKENS,
                                min_new_tokens=GENERATE_TOKENS, do_sample=False, pad_token_id=0,
                                output_scores=True, return_dict_in_generate=True)
@@ -243,19 +249,19 @@ def check_generation(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
     new = sequences[:, input_ids.shape[1]:]
     if bool(((new < 0) | (new >= planned.config.vocab_size)).any()):
         return "fail", "generated token ids outside the vocabulary"
-    return "pass", f"{GENERATE_TOKENS} tokens x {expected[0]} sequences in {hw.dtype_name(plan.rollout.dtype)}"
+    return "pass", f"{GENERATE_TOKENS} tokens x {expected[0]} sequences in {dtype_name(plan.rollout.dtype)}"
 
 
-def check_fp16(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
+def check_fp16(plan: Plan, device: torch.device) -> tuple[str, str]:
     if plan.precision != "fp16":
         return "skip", f"the plan computes in {plan.precision} ({plan.reasons.get('precision', '')})"
-    problems = hw.fp16_problems(device)
+    problems = fp16_problems(device)
     if problems:
         return "fail", "; ".join(problems) + ". Set hardware.precision=fp32"
     return "pass", "fp16 autocast matmul, fp16 SDPA fwd+bwd, an overflowed GradScaler step skipped and the next applied"
 
 
-def check_memory_cap(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
+def check_memory_cap(plan: Plan, device: torch.device) -> tuple[str, str]:
     if plan.memory_fraction is None:
         why = "not emulating" if not plan.emulated else "no CUDA device: nothing to cap"
         return "skip", why
@@ -276,7 +282,7 @@ def check_memory_cap(plan: hw.Plan, device: torch.device) -> tuple[str, str]:
     del beyond
     torch.cuda.empty_cache()
     return "fail", f"allocating {format_bytes(cap + CAP_OVERSHOOT_BYTES)} succeeded: the {format_bytes(cap)} cap is " \
-                   "not in effect (call hardware.apply_runtime(plan) before allocating)"
+                   "not in effect (call planner.apply_runtime(plan) before allocating)"
 
 
 def check_torch_kernels() -> tuple[str, str]:
@@ -318,23 +324,21 @@ def _run_check(name: str, function: Callable[[], tuple[str, str]]) -> dict:
     return {"name": name, "status": status, "detail": detail, "seconds": round(time.perf_counter() - start, 3)}
 
 
-def run_doctor(cfg: Any = None, emulate: Optional[str] = None, probe: Optional[hw.HardwareProbe] = None,
+def run_doctor(cfg: Any = None, emulate: Optional[str] = None, machine: Optional[HardwareProbe] = None,
                print_fn: Callable[[str], None] = print) -> tuple[bool, list[dict]]:
     """Probe, plan, run every check on the planned path; print everything. ok is False on any failure."""
-    from rlanywhere.config import load_config
-
     report: list[dict] = []
     start = time.perf_counter()
-    machine = probe if probe is not None else hw.probe_machine()
+    machine = machine if machine is not None else probe_machine()
     report.append({"name": "probe", "status": "pass", "detail": machine.summary().splitlines()[0],
                    "seconds": round(time.perf_counter() - start, 3)})
     print_fn("machine:\n" + machine.summary())
-    cfg = cfg if cfg is not None else load_config(None, [])
-    plan_holder: dict[str, hw.Plan] = {}
+    cfg = config_from(cfg)
+    plan_holder: dict[str, Plan] = {}
 
     def make() -> tuple[str, str]:
-        plan = hw.make_plan(cfg, machine, for_execution=machine.cuda_available, emulate=emulate)
-        hw.apply_runtime(plan)
+        plan = make_plan(cfg, machine, for_execution=machine.cuda_available, emulate=emulate)
+        apply_runtime(plan)
         plan_holder["plan"] = plan
         return "pass", f"{plan.precision}, {plan.attn_implementation} on {plan.device}" + \
             (f" (emulating {plan.emulated})" if plan.emulated else "")
@@ -350,7 +354,7 @@ def run_doctor(cfg: Any = None, emulate: Optional[str] = None, probe: Optional[h
             report.append(_run_check(name, lambda f=function: f(plan, device)))
     ok = all(entry["status"] != "fail" for entry in report)
     rows = [(e["name"], e["status"], f"{e['seconds']:.2f}s", e["detail"]) for e in report]
-    print_fn("\n" + hw.format_table(("check", "status", "time", "detail"), rows, max_width=100))
+    print_fn("\n" + format_table(("check", "status", "time", "detail"), rows, max_width=100))
     print_fn(f"\ndoctor: {'all checks passed' if ok else 'FAILED'}")
     return ok, report
 
@@ -359,7 +363,7 @@ def doctor_main(config: Any = None, overrides: Optional[list[str]] = None, emula
     """`rlanywhere doctor`: 0 when every check passes, 1 otherwise.
 
     config: a loaded DictConfig, or a YAML path (None: defaults) loaded with `overrides`."""
-    cfg = hw._config(config, overrides)
-    hw.prepare_environment(cfg)
+    cfg = config_from(config, overrides)
+    prepare_environment(cfg)
     ok, _ = run_doctor(cfg, emulate=emulate)
     return 0 if ok else 1

@@ -84,7 +84,7 @@ LOGIT_CHUNK_MAX_TOKENS = 8192
 # Rollout.
 KV_TENSORS = 2  # keys and values
 # FastEngine keeps fused QKV and gate/up copies (same dtype, no LoRA) only when they take <= this share of the
-# memory budget; rollout/fast.py reads it from here so the engine and the estimate agree.
+# memory budget; the planner decides it from this constant so the engine and the estimate agree.
 FUSED_COPY_BUDGET_FRACTION = 0.05
 SAMPLING_BYTES_PER_LOGIT = 24  # last-position logits: fp32 logits, probs, sorted values (4) + indices (8), cumsum
 
@@ -289,6 +289,14 @@ def kv_cache_bytes(shape: ModelShape, sequences: int, seq_len: int, rollout_byte
     return KV_TENSORS * shape.num_layers * shape.kv_dim * sequences * seq_len * rollout_bytes
 
 
+def fused_copy_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
+    """Bytes of FastEngine's fused QKV and gate/up weight copies in `dtype` (the planner compares them with
+    FUSED_COPY_BUDGET_FRACTION of the budget; the estimate counts them when kept)."""
+    linear = {name: n_in * n_out for name, n_in, n_out in shape.linear_shapes()}
+    return shape.num_layers * _nbytes(dtype) * sum(linear[k] for k in ("q_proj", "k_proj", "v_proj", "gate_proj",
+                                                                        "up_proj"))
+
+
 def rollout_engine_weight_bytes(shape: ModelShape, workload: Workload, budget_bytes: Optional[int]) -> int:
     """Weights FastEngine owns for the whole run, next to the actor's: a cast copy of the model when rollouts run
     in another dtype; else LoRA-merged copies of the linear layers (counted for all seven); else fused QKV and
@@ -301,8 +309,7 @@ def rollout_engine_weight_bytes(shape: ModelShape, workload: Workload, budget_by
     linear = {name: n_in * n_out for name, n_in, n_out in shape.linear_shapes()}
     if workload.actor_lora_rank > 0:
         return shape.num_layers * sum(linear.values()) * rollout_bytes
-    fused = shape.num_layers * rollout_bytes * sum(linear[k] for k in ("q_proj", "k_proj", "v_proj", "gate_proj",
-                                                                         "up_proj"))
+    fused = fused_copy_bytes(shape, workload.rollout_dtype)
     if workload.on_cuda and (budget_bytes is None or fused <= FUSED_COPY_BUDGET_FRACTION * budget_bytes):
         return fused
     return 0

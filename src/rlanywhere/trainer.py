@@ -6,7 +6,7 @@ Read `RLTrainer.train_step` top to bottom; it is the whole algorithm:
     then, around it: validate every test_freq, checkpoint every save_freq, log every step.
 
 Every hardware choice (dtypes, attention, micro-batch sizes, offload, where the reference model lives) comes from
-the Plan made by hardware.py before anything was loaded; this file only follows it.
+the Plan made by the planner (planner.py) before anything was loaded; this file only follows it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from .config import as_list, to_yaml
 from .errors import UserError
 from .data import PromptLoader, RLDataset
 from .distributed import DataParallel, NullTracker, check_world_config
-from .hardware import Plan, autocast_context, make_grad_scaler, precision_name
+from .plans import Plan
+from .planner import autocast_context, make_grad_scaler
+from .vocabulary import precision_name
 from .logprobs import response_logprobs
 from .lora import adapter_disabled, apply_lora, merged_state_for_export
 from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
@@ -45,7 +47,7 @@ from .oom import OOMGuard
 from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .rewards import RewardManager, load_custom_reward
-from .plan import RuntimeSizes
+from .plans import RuntimeSizes
 from .rollout import make_engine
 from .dist_checkpoint import load_checkpoint_any, save_full_model, save_sharded
 from .sharding import (call_in_root_forward, gathered, is_sharded, matched_micro_batches, needs_gradient_sum,

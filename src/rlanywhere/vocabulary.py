@@ -1,17 +1,104 @@
-"""The planner's vocabulary: dtype and attention names, capability rules, and the planner's errors.
+"""The vocabulary: the choices a config may name (as enums), dtype and attention names, capability rules, and the
+planner's errors.
 
-A leaf module (it imports only torch and rlanywhere.errors) so every other module can name a dtype or an
-attention implementation without importing the planner. Only this module writes dtype literals (torch.bfloat16,
-...) and attention-implementation names ("flash_attention_2", ...); tests/test_vocabulary.py checks that.
+A leaf module (it imports only torch and rlanywhere.errors) so every other module can name a dtype, an attention
+implementation or a config choice without importing the planner. Only this module writes dtype literals
+(torch.bfloat16, ...) and attention-implementation names ("flash_attention_2", ...); tests/test_vocabulary.py
+checks that. Config validation (config.py) takes its lists of valid values from the enums here.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import re
+from enum import Enum
+from typing import Any, Optional, Union
 
 import torch
 
 from .errors import UserError
+
+# ------------------------------------------------------------------------------------------ config choices
+class Choice(str, Enum):
+    """A config choice: compares, hashes and prints as its string value, so configs (plain strings) and code that
+    compares with strings keep working."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(member.value for member in cls)
+
+
+class AdvantageEstimator(Choice):
+    """algorithm.adv_estimator (algorithms.ADVANTAGE_ESTIMATORS has one function per member)."""
+
+    GAE = "gae"
+    GRPO = "grpo"
+    RLOO = "rloo"
+    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
+    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
+
+
+class LossAggMode(Choice):
+    """actor.loss_agg_mode / critic.loss_agg_mode: how token losses become one number (algorithms.agg_loss)."""
+
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+
+
+class PolicyLossMode(Choice):
+    """actor.policy_loss.loss_mode."""
+
+    VANILLA = "vanilla"
+    GSPO = "gspo"
+
+
+class RolloutEngineName(Choice):
+    """actor_rollout_ref.rollout.name: AUTO lets the planner pick (fast, falling back to hf)."""
+
+    AUTO = "auto"
+    FAST = "fast"
+    HF = "hf"
+
+
+class DecodeAttention(Choice):
+    """How FastEngine attends in a decode step (RolloutPlan.decode_attention)."""
+
+    SDPA = "sdpa"  # fused kernel; keeps scores in fp32 inside it
+    MATMUL = "matmul"  # batched GEMMs, softmax in fp32
+
+
+class AttnImplementation(Choice):
+    """hardware.attn_implementation (transformers' attn_implementation names); AUTO lets the planner pick."""
+
+    AUTO = "auto"
+    FLASH = "flash_attention_2"
+    SDPA = "sdpa"
+    EAGER = "eager"
+
+
+class Precision(Choice):
+    """hardware.precision; AUTO lets the planner pick for the card."""
+
+    AUTO = "auto"
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class Truncation(Choice):
+    """data.truncation: what happens to a prompt over max_prompt_length."""
+
+    ERROR = "error"
+    LEFT = "left"  # keep the last tokens
+    RIGHT = "right"  # keep the first tokens
+
 
 # ------------------------------------------------------------------------------ dtype and attention names
 FP32 = torch.float32
@@ -19,12 +106,16 @@ BF16 = torch.bfloat16
 FP16 = torch.float16
 ACCUMULATE_DTYPE = torch.float32  # log-softmax, advantages, losses: always reduced in fp32
 REFERENCE_DTYPE = torch.float64  # numerical references (doctor, tests)
-PRECISION_DTYPES = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
+STATISTICS_DTYPE = torch.float64  # sums of many terms (advantages, token counts across ranks): exact in fp64
+PRECISION_DTYPES = {Precision.FP32.value: FP32, Precision.BF16.value: BF16, Precision.FP16.value: FP16}
 
-ATTN_FLASH = "flash_attention_2"
-ATTN_SDPA = "sdpa"
-ATTN_EAGER = "eager"
+# plain strings (what transformers and the Plan carry): the enum members' values
+ATTN_FLASH = AttnImplementation.FLASH.value
+ATTN_SDPA = AttnImplementation.SDPA.value
+ATTN_EAGER = AttnImplementation.EAGER.value
 ATTN_IMPLEMENTATIONS = (ATTN_FLASH, ATTN_SDPA, ATTN_EAGER)
+DECODE_SDPA = DecodeAttention.SDPA.value
+DECODE_MATMUL = DecodeAttention.MATMUL.value
 
 ALLOC_CONF = "expandable_segments:True"  # fewer fragmentation OOMs when phase shapes change
 
@@ -68,6 +159,17 @@ def is_half(dtype: torch.dtype) -> bool:
     return dtype in (BF16, FP16)
 
 
+def to_jsonable(value: Any) -> Any:
+    """Dicts, lists and tuples with torch.dtype leaves -> the same with dtype names (for JSON records)."""
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    return value
+
+
 # ------------------------------------------------------------------------------------ capability rules
 def has_native_bf16(cc: Optional[tuple[int, int]]) -> bool:
     """Native bf16 math needs Ampere (8.0). torch.cuda.is_bf16_supported() also says True on a T4 because it counts
@@ -84,12 +186,22 @@ def has_tf32(cc: Optional[tuple[int, int]]) -> bool:
     return cc is not None and tuple(cc) >= (8, 0)
 
 
+def has_half_gemm_fp32_output(torch_version: str, on_cuda: bool) -> bool:
+    """Whether `torch.mm(half, half, out_dtype=torch.float32)` exists: CUDA with torch >= 2.8. Elsewhere an fp32
+    result needs the inputs upcast (cheap on CPU, an fp32 copy of the LM head every step on CUDA)."""
+    if not on_cuda:
+        return False
+    numbers = re.match(r"(\d+)\.(\d+)", str(torch_version))
+    return numbers is not None and (int(numbers.group(1)), int(numbers.group(2))) >= (2, 8)
+
+
 def flash_attn_capable(cc: Optional[tuple[int, int]]) -> bool:
     """FlashAttention-2 supports Ampere, Ada and Hopper."""
     return cc is not None and tuple(cc) >= (8, 0)
 
 
-def _cc_str(cc: Optional[tuple[int, int]]) -> str:
+def cc_str(cc: Optional[tuple[int, int]]) -> str:
+    """(8, 0) -> '8.0'; None (CPU) -> 'n/a'."""
     return f"{cc[0]}.{cc[1]}" if cc else "n/a"
 
 

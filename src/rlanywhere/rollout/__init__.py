@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
+from ..vocabulary import RolloutEngineName
 from .base import RolloutBatch, RolloutEngine, SamplingParams
 from .fast import FastEngine
 from .hf import HFEngine
 
 logger = logging.getLogger(__name__)
 
-ENGINE_CHOICES = ("auto", "fast", "hf")
+ENGINE_CHOICES = RolloutEngineName.values()
 
 
 def make_engine(

@@ -1,0 +1,773 @@
+"""The planner: every hardware decision for a run, made once, before any model loads, each with its reason.
+
+    prepare_environment(cfg)        # first thing, before CUDA initialises (allocator settings)
+    plan = make_plan(cfg)           # raises PlanError for impossible requests, before any model loads
+    apply_runtime(plan)             # TF32 flags, memory cap when emulating
+    with autocast_context(plan): ...
+
+What the planner decides, and why (docs/hardware.md has the long form):
+  * precision: bf16 autocast over fp32 master weights where the card has native bf16 (compute capability >= 8.0);
+    fp16 autocast over fp32 master weights with dynamic loss scaling on Volta / Turing (fp16 tensor cores, no
+    bf16) when the fp16 checks pass on the device (`machine.fp16_problems`), else fp32; fp32 on Pascal and on CPU;
+  * attention: FlashAttention-2 when installed and usable, else SDPA (when one of its backends runs), else eager;
+  * memory: the estimator's per-phase peaks against the card's memory decide gradient checkpointing, micro-batch
+    sizes, offload and where the reference model lives;
+  * rollout: the engine and everything it runs with (`RolloutPlan`: dtype, decode attention, weight fusion, fp32
+    logits, CUDA graphs, rows per wave, KV release between phases); `plan_rollout_for` gives the same decisions
+    to a bench that builds an engine without a config.
+`--emulate CARD` plans for a card from `machine.CARDS` and, on a real GPU, caps the process to that card's memory.
+The inputs come from machine.py (the probe, the card table) and model_shape.py; the result is a plans.Plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from . import estimator as est
+from .machine import CardSpec, DeviceInfo, HardwareProbe, card_spec, fp16_problems, predicted_sdpa_backends, \
+    probe_machine, sdpa_backends_that_run
+from .model_shape import ModelShape, read_model_shape
+from .plans import Plan, RolloutPlan
+from .vocabulary import (
+    ALLOC_CONF, ATTN_EAGER, ATTN_FLASH, ATTN_IMPLEMENTATIONS, ATTN_SDPA, BF16, FP16, FP32, LOSS_SCALE_GROWTH_INTERVAL,
+    LOSS_SCALE_INIT, NoFitError, PlanError, cc_str, dtype_from_name, dtype_name, flash_attn_capable, has_fast_fp16,
+    has_half_gemm_fp32_output, has_native_bf16, has_tf32, is_half, DECODE_MATMUL, DECODE_SDPA, AdvantageEstimator,
+    AttnImplementation, Precision, RolloutEngineName,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Target:
+    """The hardware the decisions are for: the emulated card, the real GPU, or the CPU."""
+
+    name: str
+    cc: Optional[tuple[int, int]]
+    memory_bytes: int
+    is_cuda: bool
+    emulated: Optional[str] = None
+    live_device: Optional[str] = None  # set when this is real hardware a kernel can be tried on
+
+    @property
+    def bf16(self) -> bool:
+        return has_native_bf16(self.cc)
+
+    @property
+    def fast_fp16(self) -> bool:
+        return has_fast_fp16(self.cc)
+
+    @property
+    def tf32(self) -> bool:
+        return has_tf32(self.cc)
+
+
+def _auto(value: Any) -> Optional[bool]:
+    """'auto' / None -> None; booleans and 'true'/'false' strings -> bool."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in ("true", "yes", "on", "1"):
+            return True
+        if lowered in ("false", "no", "off", "0"):
+            return False
+        raise PlanError(f"expected auto, true or false, got {value!r}")
+    return bool(value)
+
+
+def _resolve_device(cfg: Any, machine: HardwareProbe, card: Optional[CardSpec], for_execution: bool,
+                    reasons: dict[str, str]) -> tuple[str, Optional[DeviceInfo]]:
+    requested = str(cfg.hardware.device or "auto").strip().lower()
+    trainer_device = str(cfg.trainer.get("device", "auto") or "auto").strip().lower()
+    if requested == "auto" and trainer_device == "cpu":
+        requested = "cpu"
+        reasons["device"] = "trainer.device=cpu"
+    if requested == "cpu":
+        if card is not None:
+            if for_execution:
+                raise PlanError(f"emulating the {card.name} caps a real GPU to its memory, but hardware.device=cpu. "
+                                "Drop hardware.device=cpu (or the emulation) to run; `rlanywhere plan --emulate "
+                                f"{card.key}` plans without running")
+            reasons["device"] = f"planning only: the decisions are for the {card.name}"
+        reasons.setdefault("device", "hardware.device=cpu")
+        return "cpu", None
+    if requested == "auto":
+        if not machine.devices:
+            if card is not None and for_execution:
+                raise PlanError(f"--emulate {card.key} caps a real GPU to the {card.name}'s memory, and this machine "
+                                f"has no CUDA device. Run `rlanywhere plan --emulate {card.key}` to plan without a "
+                                "GPU, or drop the emulation to train on CPU")
+            if card is not None:
+                reasons["device"] = (f"planning only (no CUDA device here): the decisions are for the {card.name}")
+            else:
+                reasons["device"] = "no CUDA device visible: training on CPU"
+            return "cpu", None
+        index = _local_rank()
+        reasons["device"] = (f"auto: this rank's GPU (LOCAL_RANK={index})" if "LOCAL_RANK" in os.environ
+                             else "auto: first CUDA device")
+        if index >= len(machine.devices):
+            raise PlanError(f"rank with LOCAL_RANK={index} but only {len(machine.devices)} CUDA device(s) are visible: "
+                            f"start at most {len(machine.devices)} processes per node (--nproc_per_node / "
+                            "trainer.n_gpus_per_node)")
+    else:
+        match = re.fullmatch(r"cuda(?::(\d+))?", requested)
+        if match is None:
+            raise PlanError(f"hardware.device={requested!r} is not valid; use auto, cpu, cuda or cuda:N")
+        index = int(match.group(1) or 0)
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            if match.group(1) is not None:
+                raise PlanError(f"hardware.device={requested} under torchrun would put every rank on one GPU: use "
+                                "hardware.device=cuda (or auto); each rank takes cuda:LOCAL_RANK")
+            index = _local_rank()
+        if not machine.devices:
+            if card is not None and not for_execution:
+                reasons["device"] = f"planning only (no CUDA device here): the decisions are for the {card.name}"
+                return "cpu", None
+            raise PlanError(f"hardware.device={requested} but no CUDA device is visible (torch.cuda.is_available() "
+                            "is False). Use hardware.device=cpu (or auto)")
+        if index >= len(machine.devices):
+            raise PlanError(f"hardware.device={requested} but only {len(machine.devices)} CUDA device(s) are visible; "
+                            f"use cuda:0..cuda:{len(machine.devices) - 1}")
+        reasons["device"] = f"hardware.device={requested}"
+    return f"cuda:{index}", machine.devices[index]
+
+
+def _make_target(card: Optional[CardSpec], real: Optional[DeviceInfo], device: str, machine: HardwareProbe) -> _Target:
+    if card is not None:
+        return _Target(card.name, card.compute_capability, card.memory_bytes, True, emulated=card.key)
+    if real is not None:
+        return _Target(real.name, tuple(real.compute_capability), real.total_memory_bytes, True,
+                       live_device=device if machine.live else None)
+    return _Target(f"CPU ({machine.cpu_cores} cores)", None, machine.ram_available_bytes or machine.ram_total_bytes,
+                   False, live_device="cpu" if machine.live else None)
+
+
+@dataclass
+class _Precision:
+    name: str
+    param: torch.dtype
+    compute: torch.dtype
+    autocast: bool
+    scaler: bool
+
+
+@dataclass
+class _Fp16Checks:
+    """What is known about fp16 on the device that will run the plan."""
+
+    problems: Optional[list[str]]  # None: nothing could be run (planning without a GPU, a hand-made probe)
+    where: str  # the device they ran on, or why they did not run
+
+
+def _fp16_checks(target: _Target, real: Optional[DeviceInfo], device: str, machine: HardwareProbe) -> _Fp16Checks:
+    if real is None:
+        return _Fp16Checks(None, "planning without a GPU")
+    problems = real.fp16_problems
+    if problems is None and machine.live:
+        problems = real.fp16_problems = fp16_problems(device)
+    if problems is None:
+        return _Fp16Checks(None, "a probe not taken on this machine")
+    where = f"{device} ({real.name}" + (f", standing in for the {target.name})" if target.emulated else ")")
+    return _Fp16Checks(problems, where)
+
+
+def _decide_precision(requested: str, target: _Target, fp16: _Fp16Checks, reasons: dict[str, str]) -> _Precision:
+    cc = cc_str(target.cc)
+    fp32 = _Precision(Precision.FP32.value, FP32, FP32, False, False)
+    fp16_mixed = _Precision(Precision.FP16.value, FP32, FP16, True, True)
+    mixed = "fp16 autocast over fp32 master weights, dynamic loss scaling"
+    if requested == Precision.AUTO:
+        if not target.is_cuda:
+            reasons["precision"] = "fp32: CPU (hardware.precision=bf16 opts in to bf16 autocast on CPU)"
+            return fp32
+        if target.bf16:
+            reasons["precision"] = f"bf16 autocast over fp32 master weights: compute capability {cc} has native bf16"
+            return _Precision(Precision.BF16.value, FP32, BF16, True, False)
+        if not target.fast_fp16:
+            reasons["precision"] = (f"fp32: compute capability {cc} has no bf16 and no fp16 tensor cores (fp16 "
+                                    "would not be faster)")
+            return fp32
+        why = f"compute capability {cc} has fp16 tensor cores and no bf16"
+        if fp16.problems is None:
+            reasons["precision"] = (f"{mixed}: {why} (fp16 checks not run: {fp16.where}; `rlanywhere doctor` "
+                                    "runs them on the card)")
+            return fp16_mixed
+        if not fp16.problems:
+            reasons["precision"] = f"{mixed}: {why}; the fp16 checks passed on {fp16.where}"
+            return fp16_mixed
+        reasons["precision"] = (f"fp32: {why}, but the fp16 checks failed on {fp16.where}: "
+                                f"{'; '.join(fp16.problems)}")
+        log.warning("precision: fp32 instead of fp16 - the fp16 checks failed on %s: %s", fp16.where,
+                    "; ".join(fp16.problems))
+        return fp32
+    if requested == Precision.FP32:
+        reasons["precision"] = "fp32: hardware.precision=fp32"
+        return fp32
+    if requested == Precision.BF16:
+        if target.is_cuda and not target.bf16:
+            alt = " (or fp16, which this card runs on tensor cores)" if target.fast_fp16 else ""
+            raise PlanError(f"hardware.precision=bf16: bf16 needs compute capability >= 8.0; the {target.name} has "
+                            f"{cc}. Use hardware.precision=fp32 (or auto){alt}")
+        where = "CPU (slow without AVX512-BF16/AMX)" if not target.is_cuda else f"compute capability {cc}"
+        reasons["precision"] = f"bf16 autocast over fp32 master weights: hardware.precision=bf16 on {where}"
+        return _Precision(Precision.BF16.value, FP32, BF16, True, False)
+    if requested == Precision.FP16:
+        if not target.is_cuda:
+            raise PlanError("hardware.precision=fp16 is not supported on CPU. Use hardware.precision=fp32 (or bf16)")
+        if fp16.problems:
+            raise PlanError(f"hardware.precision=fp16: the fp16 checks failed on {fp16.where}: "
+                            f"{'; '.join(fp16.problems)}. Use hardware.precision=fp32 (or auto)")
+        slow = "" if target.fast_fp16 else f"; compute capability {cc} has no fp16 tensor cores, so it is not faster"
+        reasons["precision"] = f"{mixed}: hardware.precision=fp16{slow}"
+        return fp16_mixed
+    raise PlanError(f"hardware.precision={requested!r} is not valid; use auto, fp32, bf16 or fp16")
+
+
+def _decide_rollout_dtype(requested: str, precision: _Precision, target: _Target, reasons: dict[str, str]
+                          ) -> torch.dtype:
+    if str(requested).strip().lower() in ("auto", "", "none"):
+        reasons["rollout_dtype"] = "the compute dtype"
+        return precision.compute
+    try:
+        wanted = dtype_from_name(requested)
+    except ValueError as exc:
+        raise PlanError(f"actor_rollout_ref.rollout.dtype={requested!r}: {exc}") from exc
+    unsupported = (target.is_cuda and wanted == BF16 and not target.bf16) or (not target.is_cuda and wanted == FP16)
+    if unsupported:
+        # verl sets rollout.dtype=bfloat16 by default, so this is a default to adapt, not a hard request
+        reasons["rollout_dtype"] = (f"actor_rollout_ref.rollout.dtype={requested} overridden: the {target.name} "
+                                    f"cannot run it; rolling out in {dtype_name(precision.compute)}")
+        return precision.compute
+    reasons["rollout_dtype"] = f"actor_rollout_ref.rollout.dtype={requested}"
+    return wanted
+
+
+def _sdpa_backends(target: _Target, dtype: torch.dtype, head_dim: int) -> list[str]:
+    if target.live_device is not None:
+        return sdpa_backends_that_run(dtype, head_dim, target.live_device)
+    return predicted_sdpa_backends(target.cc, dtype, head_dim)
+
+
+def _decide_attention(requested: str, machine: HardwareProbe, target: _Target, compute: torch.dtype, head_dim: int,
+                      reasons: dict[str, str]) -> tuple[str, list[str]]:
+    cc = cc_str(target.cc)
+    if not target.is_cuda:
+        flash_problem = "FlashAttention-2 needs a CUDA GPU"
+    elif not flash_attn_capable(target.cc):
+        flash_problem = f"FlashAttention-2 needs compute capability >= 8.0; the {target.name} has {cc}"
+    elif not machine.flash_attn_installed:
+        flash_problem = "flash_attn is not installed (pip install flash-attn --no-build-isolation)"
+    elif not is_half(compute):
+        flash_problem = (f"FlashAttention-2 runs only in bf16/fp16, and the plan computes in {dtype_name(compute)} "
+                         "(set hardware.precision=bf16)")
+    else:
+        flash_problem = None
+    backends = _sdpa_backends(target, compute, head_dim)
+    backends_text = f"SDPA backends that run for {dtype_name(compute)}, head dim {head_dim}: {', '.join(backends)}"
+    if requested == AttnImplementation.AUTO:
+        if flash_problem is None:
+            reasons["attn_implementation"] = "auto: flash_attn is installed and usable on this card"
+            return ATTN_FLASH, backends
+        if backends:
+            reasons["attn_implementation"] = f"auto: {flash_problem}; {backends_text}"
+            return ATTN_SDPA, backends
+        reasons["attn_implementation"] = f"auto: {flash_problem}; no SDPA backend runs here"
+        return ATTN_EAGER, backends
+    if requested == ATTN_FLASH:
+        if flash_problem is not None:
+            raise PlanError(f"hardware.attn_implementation={ATTN_FLASH}: {flash_problem}. "
+                            f"Use hardware.attn_implementation={ATTN_SDPA} (or auto)")
+        reasons["attn_implementation"] = f"hardware.attn_implementation={ATTN_FLASH}"
+        return ATTN_FLASH, backends
+    if requested == ATTN_SDPA:
+        if not backends:
+            raise PlanError(f"hardware.attn_implementation=sdpa: no SDPA backend runs for {dtype_name(compute)} "
+                            f"with head dim {head_dim} here. Use hardware.attn_implementation={ATTN_EAGER} (or auto)")
+        reasons["attn_implementation"] = f"hardware.attn_implementation=sdpa; {backends_text}"
+        return ATTN_SDPA, backends
+    if requested == ATTN_EAGER:
+        reasons["attn_implementation"] = "hardware.attn_implementation=eager"
+        return ATTN_EAGER, backends
+    raise PlanError(f"hardware.attn_implementation={requested!r} is not valid; use auto, "
+                    f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+
+
+def _per_device(value: Optional[int], world: int) -> Optional[int]:
+    return None if value is None else max(1, int(value) // world)
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_execution: bool = True,
+              emulate: Optional[str] = None, model_shape: Optional[ModelShape] = None,
+              critic_shape: Optional[ModelShape] = None) -> Plan:
+    """Decide everything hardware-related for `cfg` on `machine` (probed now when None) or an emulated card.
+
+    for_execution=False (the `plan` command) allows planning for an emulated card on a machine without CUDA;
+    the plan's device is then "cpu" and the decisions are for the card. Raises PlanError / NoFitError."""
+    machine = machine if machine is not None else probe_machine()
+    hcfg = cfg.hardware
+    arr = cfg.actor_rollout_ref
+    reasons: dict[str, str] = {}
+    emulate_name = emulate or hcfg.emulate
+    card = card_spec(emulate_name) if emulate_name else None
+    device, real = _resolve_device(cfg, machine, card, for_execution, reasons)
+    target = _make_target(card, real, device, machine)
+    if card is not None:
+        reasons["card"] = (f"emulated: cc {cc_str(card.compute_capability)}, {card.memory_gib} GiB"
+                           + (f" on the real {real.name}" if real is not None else ""))
+    elif real is not None:
+        reasons["card"] = f"probed: cc {cc_str(real.compute_capability)}"
+    else:
+        reasons["card"] = f"RAM {est.format_bytes(target.memory_bytes)} available"
+
+    shape = model_shape or read_model_shape(arr.model.path, arr.model.get("gguf_file"))
+    if critic_shape is None and cfg.critic.model.path and cfg.critic.model.path != arr.model.path:
+        critic_shape = read_model_shape(cfg.critic.model.path)
+
+    precision = _decide_precision(str(hcfg.precision), target, _fp16_checks(target, real, device, machine), reasons)
+    rollout_dtype = _decide_rollout_dtype(str(arr.rollout.get("dtype", "auto")), precision, target, reasons)
+    allow_tf32 = target.is_cuda and target.tf32
+    reasons["allow_tf32"] = (f"compute capability {cc_str(target.cc)} has TF32 for fp32 matmuls" if allow_tf32 else
+                             "CPU" if not target.is_cuda else f"compute capability {cc_str(target.cc)} has no TF32")
+    attn, backends = _decide_attention(str(hcfg.attn_implementation), machine, target, precision.compute,
+                                       shape.head_dim, reasons)
+    engine = str(arr.rollout.name)
+    fallback_allowed = engine == RolloutEngineName.AUTO
+    if fallback_allowed:
+        engine = RolloutEngineName.FAST.value
+        reasons["rollout_engine"] = ("auto: the fast engine (static KV cache, CUDA graphs); it falls back to hf "
+                                     "for architectures it does not support")
+    else:
+        reasons["rollout_engine"] = f"actor_rollout_ref.rollout.name={engine}"
+
+    # which models exist
+    actor = arr.actor
+    use_critic = cfg.algorithm.adv_estimator == AdvantageEstimator.GAE
+    reasons["use_critic"] = ("adv_estimator=gae needs a value model" if use_critic else
+                             f"adv_estimator={cfg.algorithm.adv_estimator} needs no value model")
+    kl_loss = bool(actor.use_kl_loss) and float(actor.kl_loss_coef) > 0
+    kl_reward = bool(cfg.algorithm.use_kl_in_reward) and float(cfg.algorithm.kl_ctrl.kl_coef) > 0
+    use_ref = kl_loss or kl_reward
+    use_lora = int(arr.model.lora_rank) > 0
+    critic_lora = int(cfg.critic.model.lora_rank) if use_critic else 0
+    reasons["use_lora"] = (f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}" if use_lora
+                           else "full fine-tuning (lora_rank=0)")
+
+    # memory
+    plan = Plan(device=device, card=target.name, compute_capability=target.cc, precision=precision.name,
+                param_dtype=precision.param, compute_dtype=precision.compute,
+                use_autocast=precision.autocast, use_grad_scaler=precision.scaler, allow_tf32=allow_tf32,
+                attn_implementation=attn, reasons=reasons, emulated=target.emulated,
+                use_critic=use_critic, use_ref=use_ref, use_lora=use_lora,
+                alloc_conf=ALLOC_CONF if target.is_cuda else None)
+    plan.rollout = RolloutPlan(engine=engine, fallback_allowed=fallback_allowed, dtype=rollout_dtype,
+                               reasons={"engine": reasons["rollout_engine"], "dtype": reasons["rollout_dtype"],
+                                        "fallback_allowed": "automatic choice" if fallback_allowed else
+                                        f"actor_rollout_ref.rollout.name={engine} asked for this engine"})
+    reasons["alloc_conf"] = ("fewer fragmentation OOMs as phase shapes change (set before CUDA initialises)"
+                             if target.is_cuda else "CPU")
+    scores = attn == ATTN_EAGER or (attn == ATTN_SDPA and set(backends) <= {"math"})
+    # [distributed] several ranks: replicate when a full replica fits each, else shard (distributed.plan_sharding)
+    from .distributed import plan_sharding
+    plan_sharding(cfg, plan, lambda shard_world: _plan_memory(cfg, plan, target, shape, critic_shape, scores,
+                                                              critic_lora, use_ref and not use_lora, reasons,
+                                                              shard_world=shard_world))
+    _ref_reason(plan, use_ref, use_lora, kl_loss, kl_reward, reasons)
+    _memory_cap(plan, card, real, for_execution, reasons)
+    _plan_data_parallel(cfg, plan, machine, for_execution, reasons)
+    _plan_rollout(cfg, plan, target, shape, machine)
+    if for_execution and card is not None and real is not None:
+        _check_real_card_runs(plan, real, machine)
+    return plan
+
+
+def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, critic_shape: Optional[ModelShape],
+                 scores_materialized: bool, critic_lora: int, separate_ref: bool, reasons: dict[str, str],
+                 shard_world: int = 1) -> None:
+    hcfg = cfg.hardware
+    arr = cfg.actor_rollout_ref
+    actor, critic = arr.actor, cfg.critic
+    world = max(1, int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node))
+    n = int(arr.rollout.n)
+    prompts = int(cfg.data.train_batch_size)
+    mini = min(int(actor.ppo_mini_batch_size), prompts)
+    critic_mini = min(int(critic.ppo_mini_batch_size or mini), prompts)
+    if hcfg.memory_budget_gib:
+        device_bytes = int(float(hcfg.memory_budget_gib) * est.GIB)
+        source = f"hardware.memory_budget_gib={hcfg.memory_budget_gib}"
+    else:
+        device_bytes = target.memory_bytes
+        source = f"{target.name}{' (emulated)' if target.emulated else ''} {est.format_bytes(device_bytes)}"
+    budget = est.memory_budget_bytes(device_bytes, target.is_cuda)
+    plan.memory_budget_bytes = budget
+    reasons["memory_budget"] = (
+        f"{source} - {est.format_bytes(est.CUDA_CONTEXT_BYTES)} CUDA context, x {est.SAFETY_FRACTION} margin"
+        if target.is_cuda else f"{source} available RAM x {est.CPU_RAM_FRACTION}")
+    workload = est.Workload(
+        param_dtype=plan.param_dtype, compute_dtype=plan.compute_dtype, rollout_dtype=plan.rollout.dtype,
+        use_autocast=plan.use_autocast, prompts_per_step=max(1, math.ceil(prompts / world)), samples_per_prompt=n,
+        prompt_length=int(arr.rollout.prompt_length or cfg.data.max_prompt_length),
+        response_length=int(arr.rollout.response_length or cfg.data.max_response_length),
+        actor_mini_batch=max(1, mini * n // world), critic_mini_batch=max(1, critic_mini * n // world),
+        has_critic=plan.use_critic, has_ref=separate_ref,
+        actor_lora_rank=int(arr.model.lora_rank), critic_lora_rank=critic_lora,
+        attention_materializes_scores=scores_materialized, on_cuda=target.is_cuda,
+        use_dynamic_bsz=bool(actor.use_dynamic_bsz),
+        token_budget_cap=int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
+        rollout_engine=plan.rollout.engine,
+        # [distributed] FSDP2 sharding: weights/grads/Adam divided by the ranks, gathered weights counted
+        shard_world=shard_world, gather_dtype=sharded_gather_dtype(plan) if shard_world > 1 else None)
+
+    fixed: dict[str, Any] = {
+        "gradient_checkpointing": _auto(arr.model.enable_gradient_checkpointing),
+        "optimizer_offload": _auto(hcfg.optimizer_offload),
+        "param_offload": _auto(hcfg.param_offload),
+        "ref_on_device": {"auto": None, "cpu": False}.get(str(hcfg.ref_device).lower(), True),
+        "actor_micro_batch": _first(actor.ppo_micro_batch_size_per_gpu,
+                                    _per_device(actor.ppo_micro_batch_size, world)),
+        "critic_micro_batch": _first(critic.ppo_micro_batch_size_per_gpu,
+                                     _per_device(critic.ppo_micro_batch_size, world)),
+        # one size for the forward-only passes (old/ref log-probs, critic values): the first one given
+        "logprob_micro_batch": _first(arr.rollout.log_prob_micro_batch_size_per_gpu,
+                                      arr.ref.log_prob_micro_batch_size_per_gpu,
+                                      critic.forward_micro_batch_size_per_gpu,
+                                      _per_device(arr.rollout.log_prob_micro_batch_size, world),
+                                      _per_device(arr.ref.log_prob_micro_batch_size, world),
+                                      _per_device(critic.forward_micro_batch_size, world)),
+    }
+    if not target.is_cuda:
+        for key in ("optimizer_offload", "param_offload"):
+            if fixed[key]:
+                reasons[key] = f"hardware.{key}=true ignored: a CPU run has nowhere to offload to"
+            fixed[key] = None
+        fixed["ref_on_device"] = None
+    if shard_world > 1:  # [distributed] FSDP2 offloads with its CPUOffloadPolicy only; a sharded ref stays on device
+        fixed.update(optimizer_offload=False, ref_on_device=True, param_offload=bool(fixed["param_offload"]))
+    chunk = int(hcfg.logprob_chunk_size or 0) or None
+    fit = est.fit_settings(shape, workload, budget, fixed, critic_shape, logprob_chunk_size=chunk)
+    if fit is None:
+        label = f" ({source})" if world == 1 else (  # [distributed]
+            f" ({source} per rank; the models sharded over the {world} ranks)" if shard_world > 1 else
+            f" ({source} per rank; each of the {world} ranks holds the full models)")
+        raise NoFitError(est.explain_no_fit(shape, workload, budget, fixed, critic_shape, label))
+    placement, estimate = fit.placement, fit.estimate
+    plan.estimate = estimate
+    plan.gradient_checkpointing = placement.gradient_checkpointing
+    plan.optimizer_offload = placement.optimizer_offload and target.is_cuda
+    plan.param_offload = placement.param_offload and target.is_cuda
+    plan.sizes.actor_micro_batch_size = placement.actor_micro_batch
+    plan.sizes.critic_micro_batch_size = placement.critic_micro_batch if plan.use_critic else None
+    plan.sizes.logprob_micro_batch_size = placement.logprob_micro_batch
+    plan.sizes.max_token_len_per_micro_batch = placement.max_token_len
+    plan.logprob_chunk_size = placement.logprob_chunk_size
+    plan.sizes.rollout_batch_size = placement.rollout_batch
+    # planning-only runs (emulated card, no GPU here) still name the card's device for what lives on it
+    on_device = plan.device if (plan.device != "cpu" or not target.is_cuda) else "cuda:0"
+    plan.ref_device = (on_device if placement.ref_on_device else "cpu") if separate_ref else "none"
+    phases = estimate["phases"]
+    seq = workload.seq_len
+
+    def peak_text(*names: str) -> str:
+        present = [p for p in names if p in phases]
+        name = max(present, key=phases.get)
+        return f"{name} peak {est.format_bytes(phases[name])} of {est.format_bytes(budget)}"
+
+    caps = est.micro_batch_caps(workload)
+
+    def batch_reason(key: str, value: int, explicit_from: str, *phase_names: str) -> str:
+        if fixed.get(key) is not None:
+            return f"{explicit_from}={value} ({peak_text(*phase_names)})"
+        cap, cap_why = caps[key]
+        how = cap_why if value == cap else "the largest power of two that fits"
+        return f"{value} sequences x {seq} tokens: {how} ({peak_text(*phase_names)})"
+
+    for key in ("gradient_checkpointing", "optimizer_offload", "param_offload"):
+        if key not in reasons:
+            note = fit.notes.get(key, "")
+            explicit = {"gradient_checkpointing": "actor_rollout_ref.model.enable_gradient_checkpointing",
+                        "optimizer_offload": "hardware.optimizer_offload", "param_offload": "hardware.param_offload"}
+            reasons[key] = (f"{explicit[key]}={getattr(plan, key)}" if note == "explicit" else
+                            f"{'on' if getattr(plan, key) else 'off'}: {note}")
+    if workload.use_dynamic_bsz:
+        reasons["max_token_len_per_micro_batch"] = (
+            f"use_dynamic_bsz: ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}"
+            + (f" lowered to {placement.max_token_len} to fit" if placement.max_token_len
+               < int(actor.ppo_max_token_len_per_gpu) else "") + f" ({peak_text('actor_update', 'critic_update')})")
+        reasons["actor_micro_batch_size"] = "use_dynamic_bsz: micro-batches are cut by the token budget"
+        reasons["critic_micro_batch_size"] = reasons["actor_micro_batch_size"]
+    else:
+        reasons["actor_micro_batch_size"] = batch_reason(
+            "actor_micro_batch", placement.actor_micro_batch, "actor.ppo_micro_batch_size_per_gpu", "actor_update")
+        if plan.use_critic:
+            reasons["critic_micro_batch_size"] = batch_reason(
+                "critic_micro_batch", placement.critic_micro_batch, "critic.ppo_micro_batch_size_per_gpu",
+                "critic_update")
+    reasons["logprob_micro_batch_size"] = batch_reason(
+        "logprob_micro_batch", placement.logprob_micro_batch, "log_prob_micro_batch_size_per_gpu",
+        "old_log_prob", "ref_log_prob", "values") + "; old/ref log-probs and values"
+    reasons["rollout_batch_size"] = (
+        f"{'all ' if placement.rollout_batch == workload.rollout_sequences else ''}{placement.rollout_batch} of "
+        f"{workload.rollout_sequences} sequences at once ({peak_text('rollout')})")
+    reasons["logprob_chunk_size"] = ("hardware.logprob_chunk_size" if chunk else
+                                     f"logits of {placement.logprob_chunk_size} tokens x {shape.vocab_size} vocab per "
+                                     f"chunk stay under {est.LOGIT_CHUNK_TARGET_FRACTION:.0%} of the budget")
+    if separate_ref:
+        ref_note = fit.notes.get("ref_on_device", "")
+        reasons["ref_device"] = ("hardware.ref_device" if ref_note == "explicit" else
+                                 "parked on CPU, moved to the device only for its log-prob pass: needed to fit"
+                                 if not placement.ref_on_device else "fits beside the actor" +
+                                 (" and critic" if plan.use_critic else ""))
+
+
+# Free the KV cache after each rollout when the planned peak takes more than this share of the budget. The
+# estimator assumes the cache is gone during the log-prob and update phases; with this much of the budget in use,
+# a cache held beside the update's activations (plus allocator fragmentation) risks an OOM. Below it the cache stays,
+# which saves reallocating it and recapturing the CUDA graphs every step.
+KV_RELEASE_PEAK_FRACTION = 0.6
+
+
+def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype], on_cuda: bool, torch_version: str,
+                    shape: Optional[ModelShape], budget_bytes: Optional[int]) -> None:
+    """The rollout engine's kernels and weight copies for `rollout.dtype` on this device; fills `rollout` and its
+    reasons. Shared by make_plan (a run) and plan_rollout_for (a bench without a config)."""
+    reasons = rollout.reasons
+    dtype = rollout.dtype if rollout.dtype is not None else weight_dtype
+    half = dtype is not None and is_half(dtype)
+    dtype_text = dtype_name(dtype) if dtype is not None else "the model's dtype"
+    if half:
+        rollout.decode_attention = DECODE_SDPA
+        reasons["decode_attention"] = f"{dtype_text}: SDPA keeps the scores in fp32 inside the kernel"
+    else:
+        rollout.decode_attention = DECODE_MATMUL
+        reasons["decode_attention"] = (f"{dtype_text}: batched GEMMs beat the fused attention kernels for a decode "
+                                       "step's few queries (2x on an H200)")
+    rollout.match_hf_numerics = True
+    reasons["match_hf_numerics"] = (
+        "round like transformers in RMSNorm, RoPE and residual adds: sampling log-probs stay ~1e-4 from the "
+        "trainer's in half precision" if half else f"on (no effect in {dtype_text}: rounds the same either way)")
+    fp32_output_gemm = has_half_gemm_fp32_output(torch_version, on_cuda)
+    rollout.fp32_logits = not (half and on_cuda and not fp32_output_gemm)
+    reasons["fp32_logits"] = (
+        f"logits already fp32 in {dtype_text}" if not half else
+        f"fp32 LM-head output as the trainer computes log-probs (torch {torch_version}: one half-in/fp32-out GEMM)"
+        if fp32_output_gemm else "fp32 LM-head output (CPU: the inputs are upcast)" if not on_cuda else
+        f"off: torch {torch_version} has no torch.mm(..., out_dtype=) (>= 2.8), and an fp32 copy of the LM head every "
+        "step would cost more than it gains")
+    rollout.cuda_graphs = on_cuda and rollout.engine == RolloutEngineName.FAST
+    reasons["cuda_graphs"] = ("CUDA: one graph per decode step shape" if rollout.cuda_graphs else
+                              "CPU: no CUDA graphs" if not on_cuda else f"the {rollout.engine} engine captures none")
+    if rollout.engine != RolloutEngineName.FAST:
+        rollout.fuse_weights = False
+        reasons["fuse_weights"] = f"the {rollout.engine} engine keeps no weight copies"
+    elif weight_dtype is not None and dtype != weight_dtype:
+        rollout.fuse_weights = True
+        reasons["fuse_weights"] = (f"free: rollouts in {dtype_text} keep a cast copy of the {dtype_name(weight_dtype)} "
+                                   "weights anyway, stored fused (fewer, larger GEMMs)")
+    elif not on_cuda:
+        rollout.fuse_weights = False
+        reasons["fuse_weights"] = "CPU: the weights are used in place (a fused copy would double them)"
+    elif shape is None or budget_bytes is None or dtype is None:
+        rollout.fuse_weights = False
+        reasons["fuse_weights"] = "off: no model shape or memory budget to size the copy against"
+    else:
+        copy = est.fused_copy_bytes(shape, dtype)
+        limit = est.FUSED_COPY_BUDGET_FRACTION * budget_bytes
+        rollout.fuse_weights = copy <= limit
+        reasons["fuse_weights"] = (
+            f"{'on' if rollout.fuse_weights else 'off'}: the fused QKV and gate/up copy takes "
+            f"{est.format_bytes(copy)}, {'within' if rollout.fuse_weights else 'over'} "
+            f"{est.FUSED_COPY_BUDGET_FRACTION:.0%} of the {est.format_bytes(budget_bytes)} budget"
+            + (" (~10% faster decode steps)" if rollout.fuse_weights else ""))
+    rollout.transpose_gate_up = True
+    reasons["transpose_gate_up"] = "fused gate/up stored [hidden, 2 x intermediate]: faster for 64-256 decode rows"
+    reasons.setdefault("prefill_tokens_per_chunk", f"{rollout.prefill_tokens_per_chunk} padded prompt tokens per "
+                                                   "prefill forward bound its activations")
+    reasons.setdefault("check_every", f"every {rollout.check_every} decode steps: finished rows and stop strings")
+
+
+def _plan_rollout(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, machine: HardwareProbe) -> None:
+    """Every RolloutPlan field with its reason: the engine's kernels for the rollout dtype, its wave size and cache
+    length from the memory plan, and whether its KV cache is freed for the training phases."""
+    rollout = plan.rollout
+    arr = cfg.actor_rollout_ref
+    _rollout_policy(rollout, weight_dtype=plan.param_dtype, on_cuda=target.is_cuda,
+                    torch_version=machine.torch_version, shape=shape, budget_bytes=plan.memory_budget_bytes)
+    rollout.rows_per_wave = plan.sizes.rollout_batch_size
+    rollout.reasons["rows_per_wave"] = f"the planned rollout batch: {plan.reasons.get('rollout_batch_size', '')}"
+    prompt = int(arr.rollout.prompt_length or cfg.data.max_prompt_length)
+    response = int(arr.rollout.response_length or cfg.data.max_response_length)
+    rollout.max_seq_len = prompt + response
+    rollout.reasons["max_seq_len"] = f"prompt {prompt} + response {response} tokens"
+    estimate = plan.estimate or {}
+    peak, budget = estimate.get("peak_bytes", 0), estimate.get("budget_bytes")
+    tight = budget is not None and peak > KV_RELEASE_PEAK_FRACTION * budget
+    rollout.release_kv_between_phases = target.is_cuda and (target.emulated is not None or tight)
+    rollout.reasons["release_kv_between_phases"] = (
+        "CPU: memory is not the limit" if not target.is_cuda else
+        f"emulating the {target.name}: its memory cap leaves no room for an idle cache" if target.emulated else
+        f"{'' if tight else 'kept: '}planned peak {est.format_bytes(peak)} is "
+        f"{'over' if tight else 'within'} {KV_RELEASE_PEAK_FRACTION:.0%} of the {est.format_bytes(budget or 0)} budget")
+
+
+def plan_rollout_for(model_or_shape: Any, device: Any = "cpu", dtype: Optional[torch.dtype] = None,
+                     budget_bytes: Optional[int] = None, *, engine: str = RolloutEngineName.FAST.value,
+                     rows_per_wave: Optional[int] = None, max_seq_len: Optional[int] = None) -> RolloutPlan:
+    """The RolloutPlan a run would use for this model on `device`, without a config (benches build engines
+    directly). model_or_shape: a loaded HF model (its weight dtype counts: a different `dtype` means a cast copy),
+    or anything read_model_shape reads. dtype: the rollout dtype (default: the model's; fp32 for a shape).
+    budget_bytes: default the device's memory on CUDA. rows_per_wave: None decodes the whole request at once."""
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    weight = next(model_or_shape.parameters(), None) if hasattr(model_or_shape, "parameters") else None
+    config = getattr(model_or_shape, "config", None) if weight is not None else model_or_shape
+    shape = read_model_shape(config) if config is not None else None
+    weight_dtype = weight.dtype if weight is not None else None
+    dtype = dtype if dtype is not None else (weight_dtype or FP32)
+    if budget_bytes is None and on_cuda:
+        budget_bytes = est.memory_budget_bytes(torch.cuda.get_device_properties(device).total_memory, True)
+    rollout = RolloutPlan(engine=engine, fallback_allowed=False, dtype=dtype, rows_per_wave=rows_per_wave,
+                          max_seq_len=max_seq_len,
+                          reasons={"engine": f"engine={engine}", "dtype": f"dtype={dtype_name(dtype)}",
+                                   "fallback_allowed": "a bench measures the engine it asked for",
+                                   "rows_per_wave": "given" if rows_per_wave else "the whole request at once",
+                                   "release_kv_between_phases": "a bench has no training phases"})
+    _rollout_policy(rollout, weight_dtype=weight_dtype or dtype, on_cuda=on_cuda, torch_version=torch.__version__,
+                    shape=shape, budget_bytes=budget_bytes)
+    return rollout
+
+
+def sharded_gather_dtype(plan: Plan) -> Optional[torch.dtype]:
+    """[distributed] The dtype FSDP2 gathers a sharded model's weights in: the compute dtype under bf16 autocast
+    (MixedPrecisionPolicy, gradients reduced in fp32); None (the fp32 params) otherwise, fp16 included (it keeps
+    today's autocast + loss scaler on fp32 weights)."""
+    return BF16 if plan.use_autocast and plan.compute_dtype == BF16 else None
+
+
+def _local_rank() -> int:
+    """This process's GPU index under torchrun (0 alone)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _plan_data_parallel(cfg: Any, plan: Plan, machine: HardwareProbe, for_execution: bool,
+                        reasons: dict[str, str]) -> None:
+    """Several ranks: each holds a full replica (memory above is per rank, batch sizes divided by the ranks)."""
+    per_node = max(1, int(cfg.trainer.n_gpus_per_node))
+    world = max(1, int(cfg.trainer.nnodes) * per_node)
+    plan.world_size = world
+    if world == 1:
+        reasons["data_parallel"] = "one process (trainer.nnodes x trainer.n_gpus_per_node = 1)"
+        return
+    on_gpu = plan.device.startswith("cuda")
+    if for_execution and on_gpu and per_node > len(machine.devices):
+        raise PlanError(f"trainer.n_gpus_per_node={per_node} but this node has {len(machine.devices)} CUDA device(s): "
+                        f"use trainer.n_gpus_per_node<={len(machine.devices)} (or hardware.device=cpu for CPU "
+                        "processes)")
+    plan.dist_backend = "nccl" if on_gpu else "gloo"
+    # [distributed] plan.data_parallel ("replicate" | "shard") and its reason come from distributed.plan_sharding
+    reasons["dist_backend"] = "NCCL between GPUs" if on_gpu else "gloo between CPU processes"
+    if not on_gpu:
+        plan.cpu_threads = max(1, (machine.cpu_cores or os.cpu_count() or 1) // per_node)
+        reasons["cpu_threads"] = f"{machine.cpu_cores} cores shared by {per_node} CPU processes on this node"
+
+
+def _ref_reason(plan: Plan, use_ref: bool, use_lora: bool, kl_loss: bool, kl_reward: bool,
+                reasons: dict[str, str]) -> None:
+    if not use_ref:
+        plan.ref_device = "none"
+        reasons["ref_device"] = "no reference model: no KL term (use_kl_loss and use_kl_in_reward off, or coef 0)"
+    elif use_lora:
+        plan.ref_device = "none"
+        reasons["ref_device"] = "LoRA: the reference is the base model with the adapter disabled (no second copy)"
+    else:
+        why = " and ".join(w for w, on in (("use_kl_loss", kl_loss), ("use_kl_in_reward", kl_reward)) if on)
+        reasons["ref_device"] = f"{why} needs a reference; " + reasons.get("ref_device", "")
+
+
+def _memory_cap(plan: Plan, card: Optional[CardSpec], real: Optional[DeviceInfo], for_execution: bool,
+                reasons: dict[str, str]) -> None:
+    if card is None:
+        reasons["memory_fraction"] = "not emulating"
+        return
+    if real is None:
+        reasons["memory_fraction"] = f"would cap a real GPU to {card.memory_gib} GiB when run"
+        return
+    fraction = card.memory_bytes / real.total_memory_bytes
+    if fraction > 1.0:
+        message = (f"cannot emulate the {card.name} ({card.memory_gib} GiB) on the {real.name} "
+                   f"({est.format_bytes(real.total_memory_bytes)}): the card has more memory than this GPU")
+        if for_execution:
+            raise PlanError(message + "; emulate a smaller card or use a larger GPU")
+        reasons["memory_fraction"] = message
+        return
+    plan.memory_fraction = fraction
+    reasons["memory_fraction"] = (f"{card.memory_gib} GiB of the {real.name}'s "
+                                  f"{est.format_bytes(real.total_memory_bytes)}")
+
+
+def _check_real_card_runs(plan: Plan, real: DeviceInfo, machine: HardwareProbe) -> None:
+    """An emulated plan still executes on the real GPU: it must support what the plan uses."""
+    if plan.compute_dtype == BF16 and not real.native_bf16:
+        raise PlanError(f"the plan for the emulated {plan.card} computes in bf16, which the real {real.name} "
+                        f"(cc {cc_str(real.compute_capability)}) cannot run. Set hardware.precision=fp32")
+    if plan.attn_implementation == ATTN_FLASH and not (machine.flash_attn_installed and
+                                                       flash_attn_capable(real.compute_capability)):
+        raise PlanError(f"the plan for the emulated {plan.card} uses {ATTN_FLASH}, which the real {real.name} cannot "
+                        f"run. Set hardware.attn_implementation={ATTN_SDPA}")
+
+
+
+# --------------------------------------------------------------------------------------------- runtime
+def prepare_environment(cfg: Any = None) -> None:
+    """Call first thing, before anything touches torch.cuda: allocator settings are read when CUDA initialises."""
+    device = str(cfg.hardware.device if cfg is not None else "auto").lower()
+    if device == "cpu":
+        return
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+
+
+def apply_runtime(plan: Plan) -> None:
+    """TF32 flags, the memory cap when emulating, allocator settings (if CUDA has not initialised yet)."""
+    if not plan.device.startswith("cuda"):
+        torch.set_float32_matmul_precision("highest")
+        if plan.cpu_threads:
+            torch.set_num_threads(plan.cpu_threads)
+        return
+    if plan.alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
+        if torch.cuda.is_initialized():
+            log.warning("CUDA is already initialised: PYTORCH_CUDA_ALLOC_CONF=%s has no effect; call "
+                        "planner.prepare_environment(cfg) before touching torch.cuda", plan.alloc_conf)
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = plan.alloc_conf
+    torch.backends.cuda.matmul.allow_tf32 = plan.allow_tf32
+    torch.backends.cudnn.allow_tf32 = plan.allow_tf32
+    torch.set_float32_matmul_precision("high" if plan.allow_tf32 else "highest")
+    if plan.memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(plan.memory_fraction, torch.device(plan.device))
+
+
+def autocast_context(plan: Plan, enabled: bool = True) -> contextlib.AbstractContextManager:
+    """torch.autocast in the plan's compute dtype when the plan uses autocast, else a no-op."""
+    if not (enabled and plan.use_autocast):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(plan.device).type, dtype=plan.compute_dtype)
+
+
+def make_grad_scaler(plan: Plan) -> Optional["torch.amp.GradScaler"]:
+    """A GradScaler for fp16 plans (LOSS_SCALE_INIT, halved on overflow, doubled after LOSS_SCALE_GROWTH_INTERVAL
+    clean steps), None otherwise."""
+    if not plan.use_grad_scaler:
+        return None
+    return torch.amp.GradScaler(torch.device(plan.device).type, init_scale=LOSS_SCALE_INIT,
+                                growth_interval=LOSS_SCALE_GROWTH_INTERVAL)

@@ -1,0 +1,182 @@
+"""The Plan's data: what was decided for a run, with a reason for each decision. No decisions are made here: the
+planner (planner.py) fills these; everything else reads them.
+
+`Plan` is every hardware decision for a run; `plan.rollout` (`RolloutPlan`) and `plan.sizes` (`RuntimeSizes`) are
+its two parts that other modules take on their own. (The module is `plans`, not `plan`: a submodule named `plan`
+would replace the API function `rlanywhere.plan` as soon as anything imported it.)
+
+`RolloutPlan` is everything the rollout engine needs to know about the hardware, each field decided by the planner
+with a reason in `reasons`; its defaults are the portable choice (any device, no CUDA graphs, no extra weight
+copies) so a test or a bench can build one by hand. `RuntimeSizes` holds the sizes that change while a run goes
+(OOM recovery halves them): saved and restored whole with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+import torch
+
+from .estimator import format_bytes
+from .vocabulary import ATTN_SDPA, DECODE_SDPA, FP32, RolloutEngineName, dtype_name, to_jsonable
+
+
+@dataclass
+class RolloutPlan:
+    """How responses are generated: engine, dtype, kernels, memory. Every field has its reason in `reasons`."""
+
+    engine: str = RolloutEngineName.HF.value  # "fast" (the built-in engine) | "hf" (transformers generate)
+    fallback_allowed: bool = True  # may "fast" fall back to "hf" when FastEngine cannot run the model?
+    dtype: Optional[torch.dtype] = None  # engine compute dtype; None: the model's weight dtype
+    decode_attention: str = DECODE_SDPA  # DecodeAttention: sdpa | matmul (batched GEMMs, softmax in fp32)
+    fuse_weights: bool = False  # keep fused QKV and gate/up weight copies (fewer, larger GEMMs)
+    transpose_gate_up: bool = True  # fused gate/up stored [hidden, 2 x intermediate]
+    fp32_logits: bool = True  # LM head with fp32 output in half precision, as the trainer computes it
+    match_hf_numerics: bool = True  # round like transformers inside RMSNorm, RoPE, residual adds
+    cuda_graphs: bool = False  # capture each decode step as a CUDA graph (CUDA only)
+    rows_per_wave: Optional[int] = None  # sequences decoded together; None: the whole request at once
+    max_seq_len: Optional[int] = None  # KV cache length (prompt + response) to allocate up front
+    prefill_tokens_per_chunk: int = 16384  # padded prompt tokens per prefill forward
+    check_every: int = 8  # decode steps between host checks for finished rows
+    release_kv_between_phases: bool = False  # free the KV cache after each rollout for the training phases
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def kernels_text(self) -> str:
+        """One line for a summary table: decode attention, weight fusion, logits, rounding, graphs."""
+        if self.engine != RolloutEngineName.FAST:
+            return f"{self.engine} engine: transformers generate (none of FastEngine's kernels)"
+        logits = "fp32" if self.fp32_logits else dtype_name(self.dtype) if self.dtype is not None else "model-dtype"
+        return (f"decode {self.decode_attention}, {'fused' if self.fuse_weights else 'separate'} QKV/gate-up, "
+                f"{logits} logits{', HF rounding' if self.match_hf_numerics else ''}"
+                f"{', CUDA graphs' if self.cuda_graphs else ''}")
+
+    def to_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["dtype"] = str(self.dtype).replace("torch.", "") if self.dtype is not None else None
+        return record
+
+
+@dataclass
+class RuntimeSizes:
+    """The batch sizes a run may lower while it goes (OOM recovery); saved and restored whole."""
+
+    actor_micro_batch_size: int = 4
+    critic_micro_batch_size: Optional[int] = 4
+    logprob_micro_batch_size: int = 4
+    max_token_len_per_micro_batch: Optional[int] = None
+    rollout_batch_size: Optional[int] = None  # sequences generated at once (None: the whole batch)
+
+    def to_dict(self) -> dict[str, Optional[int]]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> "RuntimeSizes":
+        """Restore from a checkpoint's record; keys this version does not know are an error, not dropped."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(record) - known)
+        if unknown:
+            raise ValueError(f"unknown runtime sizes in the checkpoint: {unknown}; known: {sorted(known)}")
+        return cls(**record)
+
+
+@dataclass
+class Plan:
+    """Every hardware decision for a run, with the reason for each (see docs/ARCHITECTURE.md).
+
+    Defaults describe a small fp32 CPU run, so tests of other modules can write `Plan()`."""
+
+    device: str = "cpu"
+    card: str = "CPU"
+    compute_capability: Optional[tuple[int, int]] = None
+    precision: str = "fp32"
+    param_dtype: torch.dtype = FP32
+    compute_dtype: torch.dtype = FP32
+    use_autocast: bool = False
+    use_grad_scaler: bool = False
+    allow_tf32: bool = False
+    attn_implementation: str = ATTN_SDPA
+    gradient_checkpointing: bool = False
+    logprob_chunk_size: int = 1024
+    optimizer_offload: bool = False
+    param_offload: bool = False
+    ref_device: str = "cpu"  # the device, "cpu" (parked; moved in for its pass), or "none" (no separate ref)
+    memory_fraction: Optional[float] = None
+    alloc_conf: Optional[str] = None
+    reasons: dict[str, str] = field(default_factory=dict)
+    emulated: Optional[str] = None
+    memory_budget_bytes: Optional[int] = None
+    estimate: Optional[dict] = None
+    # which models exist
+    use_critic: bool = False
+    use_ref: bool = False  # reference log-probs are needed (a separate model, or the adapter-disabled base)
+    use_lora: bool = False
+    rollout: RolloutPlan = field(default_factory=lambda: RolloutPlan(dtype=FP32))  # how responses are generated
+    sizes: RuntimeSizes = field(default_factory=RuntimeSizes)  # batch sizes OOM recovery may lower
+    world_size: int = 1  # ranks (trainer.nnodes x trainer.n_gpus_per_node); sizes above are per rank
+    data_parallel: str = "none"  # "none" | "replicate" (full models per rank) | "shard" (FSDP2; sharding.py)
+    dist_backend: Optional[str] = None  # "nccl" | "gloo" when world_size > 1
+    cpu_threads: Optional[int] = None  # torch threads per process when several CPU ranks share a machine
+
+    def to_dict(self) -> dict:
+        return to_jsonable(asdict(self))
+
+    def summary(self) -> str:
+        gib = format_bytes
+        rows = [
+            ("device", self.device, self.reasons.get("device", "")),
+            ("card", self.card + (" (emulated)" if self.emulated else ""), self.reasons.get("card", "")),
+            ("precision", f"{self.precision}: params {dtype_name(self.param_dtype)}, compute "
+             f"{dtype_name(self.compute_dtype)}" + (", autocast" if self.use_autocast else "")
+             + (", grad scaler" if self.use_grad_scaler else ""), self.reasons.get("precision", "")),
+            ("rollout dtype", dtype_name(self.rollout.dtype), self.reasons.get("rollout_dtype", "")),
+            ("tf32", "on" if self.allow_tf32 else "off", self.reasons.get("allow_tf32", "")),
+            ("attention", self.attn_implementation, self.reasons.get("attn_implementation", "")),
+            ("rollout engine", self.rollout.engine, self.reasons.get("rollout_engine", "")),
+            ("rollout kernels", self.rollout.kernels_text(), self.rollout.reasons.get("fuse_weights", "")),
+            ("rollout KV cache", f"{self.rollout.max_seq_len or '-'} tokens x {self.rollout.rows_per_wave or 'all'} "
+             f"rows; {'freed after each rollout' if self.rollout.release_kv_between_phases else 'kept'}",
+             self.rollout.reasons.get("release_kv_between_phases", "")),
+            ("critic", "yes" if self.use_critic else "no", self.reasons.get("use_critic", "")),
+            ("reference", self.ref_device, self.reasons.get("ref_device", "")),
+            ("lora", "yes" if self.use_lora else "no", self.reasons.get("use_lora", "")),
+            ("grad checkpointing", "on" if self.gradient_checkpointing else "off",
+             self.reasons.get("gradient_checkpointing", "")),
+            ("actor micro-batch", str(self.sizes.actor_micro_batch_size), self.reasons.get("actor_micro_batch_size", "")),
+            ("critic micro-batch", str(self.sizes.critic_micro_batch_size) if self.use_critic else "-",
+             self.reasons.get("critic_micro_batch_size", "")),
+            ("log-prob micro-batch", str(self.sizes.logprob_micro_batch_size),
+             self.reasons.get("logprob_micro_batch_size", "")),
+            ("tokens per micro-batch", str(self.sizes.max_token_len_per_micro_batch or "-"),
+             self.reasons.get("max_token_len_per_micro_batch", "")),
+            ("rollout batch", str(self.sizes.rollout_batch_size or "all"), self.reasons.get("rollout_batch_size", "")),
+            ("log-prob chunk", f"{self.logprob_chunk_size} tokens", self.reasons.get("logprob_chunk_size", "")),
+            ("optimizer offload", "on" if self.optimizer_offload else "off", self.reasons.get("optimizer_offload", "")),
+            ("param offload", "on" if self.param_offload else "off", self.reasons.get("param_offload", "")),
+            ("memory budget", gib(self.memory_budget_bytes) if self.memory_budget_bytes else "-",
+             self.reasons.get("memory_budget", "")),
+            ("memory cap", f"{self.memory_fraction:.3f} of the GPU" if self.memory_fraction else "none",
+             self.reasons.get("memory_fraction", "")),
+            ("allocator", self.alloc_conf or "default", self.reasons.get("alloc_conf", "")),
+        ]
+        if self.world_size > 1:
+            rows.append(("ranks", f"{self.world_size} x {self.data_parallel} ({self.dist_backend})",
+                         self.reasons.get("data_parallel", "")))
+        return format_table(("decision", "choice", "reason"), rows)
+
+
+def format_table(headers: tuple[str, ...], rows: list[tuple], max_width: int = 90) -> str:
+    """A plain console table; long cells wrap in their column."""
+    def cells(row: tuple) -> list[list[str]]:
+        return [textwrap.wrap(str(c), max_width) or [""] for c in row]
+
+    wrapped = [cells(headers)] + [cells(r) for r in rows]
+    widths = [max(len(line) for row in wrapped for line in row[i]) for i in range(len(headers))]
+    out = []
+    for number, row in enumerate(wrapped):
+        for k in range(max(len(c) for c in row)):
+            out.append(" | ".join((c[k] if k < len(c) else "").ljust(w) for c, w in zip(row, widths)).rstrip())
+        if number == 0:
+            out.append("-+-".join("-" * w for w in widths))
+    return "\n".join(out)
