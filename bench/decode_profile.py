@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from rollout import DTYPES, qwen25_05b_shape  # noqa: E402
+from rollout import DTYPES, fast_plan, qwen25_05b_shape  # noqa: E402
 
 from rlanywhere.rollout import FastEngine, SamplingParams  # noqa: E402
 
@@ -42,11 +42,11 @@ def profile_step(engine: FastEngine, batch: int, span: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
-        engine._decode_forward(batch, span)
+        engine.runner.decode_step(batch, span - 1, span=span, eager=True)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            engine._decode_forward(batch, span)
+            engine.runner.decode_step(batch, span - 1, span=span, eager=True)
         torch.cuda.synchronize()
     totals: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
@@ -187,11 +187,11 @@ def main() -> None:
         torch.set_float32_matmul_precision("highest")
     dtype = DTYPES[args.dtype]
     model, _ = qwen25_05b_shape("cuda", dtype)
-    engine = FastEngine(model, None, use_cuda_graphs=False, decode_attention=args.attention)
+    attention = {} if args.attention == "auto" else {"decode_attention": args.attention}
+    engine = FastEngine(model, None, fast_plan(model, cuda_graphs=False, **attention))
     prompts = torch.randint(10, 1000, (args.batch, 128)).tolist()
     engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.0))
-    engine._ensure_capacity(args.batch, args.span)
-    engine._slot_buf.fill_(args.span - 1)
+    engine.runner.reserve(args.batch, args.span)
     if not args.skip_profile:
         profile_step(engine, args.batch, args.span)
     cfg = model.config

@@ -82,7 +82,6 @@ def gap_main(args) -> int:
     from transformers import AutoModelForCausalLM
 
     from rlanywhere import planner, plans, vocabulary
-    from rlanywhere.plans import RolloutPlan
     from rlanywhere.logprobs import response_logprobs
     from rlanywhere.models import ModelSource, fetch_demo_model, load_tokenizer
     from rlanywhere.precision_guard import rollout_logprob_gap
@@ -106,10 +105,11 @@ def gap_main(args) -> int:
     print(f"\n{'precision':<10}{'tokens':>8}{'mean':>11}{'p99.9':>11}{'max':>11}{'non-finite':>12}{'seconds':>9}")
     for precision in args.precisions.split(","):
         compute = vocabulary.PRECISION_DTYPES[precision]
-        plan = plans.Plan(device=args.device, precision=precision, compute_dtype=compute, rollout=RolloutPlan(dtype=compute),
-                       use_autocast=compute != vocabulary.FP32)
+        plan = plans.Plan(device=args.device, precision=precision, compute_dtype=compute,
+                          rollout=planner.plan_rollout_for(model, args.device, compute),
+                          use_autocast=compute != vocabulary.FP32)
         start = time.time()
-        engine = FastEngine(model, tokenizer, dtype=plan.rollout.dtype)
+        engine = FastEngine(model, tokenizer, plan.rollout)
         batch = engine.generate(prompts, params, generator=torch.Generator(args.device).manual_seed(0))
         ids, mask, pos = batch.sequences()
         with torch.no_grad(), planner.autocast_context(plan):

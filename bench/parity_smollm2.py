@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rollout import (forward_logprobs, parse_variants, response_rows, trainer_logprobs,  # noqa: E402  (bench/rollout.py)
+from rollout import (fast_plan, forward_logprobs, parse_variants, response_rows, trainer_logprobs,  # noqa: E402  (bench/rollout.py)
                      variant_label)
 
 
@@ -100,7 +100,8 @@ def bf16_gaps(model, tokenizer, prompts, new_tokens: int, device: str) -> None:
         return (f"mean {delta.mean():.2e} p99.9 {delta.quantile(0.999):.2e} max {delta.max():.2e} "
                 f"(> 1e-2: {int((delta > 1e-2).sum())})")
 
-    for label, engine in (("FastEngine", FastEngine(model, tokenizer)), ("HFEngine", HFEngine(model, tokenizer))):
+    fast = FastEngine(model, tokenizer, fast_plan(model))
+    for label, engine in (("FastEngine", fast), ("HFEngine", HFEngine(model, tokenizer))):
         out = engine.generate(prompts, params, generator=torch.Generator(device=device).manual_seed(0))
         mask = out.response_mask.bool()
         bf16_forward = forward_logprobs(model, out, temperature)
@@ -172,7 +173,7 @@ def main() -> int:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)
     all_same, dump = True, {"reference": expected, "hf_batched": hf_rows, "prompts": prompts, "variants": []}
     for kw in parse_variants(args.fast_variants):
-        engine = FastEngine(model, tokenizer, **kw)
+        engine = FastEngine(model, tokenizer, fast_plan(model, **kw))
         for run in range(args.runs):
             start = time.time()
             batch = engine.generate(prompts, params)

@@ -23,6 +23,7 @@ Throughput counts generated tokens (response_mask) per second of wall time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,6 +33,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+from rlanywhere.planner import plan_rollout_for  # noqa: E402
+from rlanywhere.plans import RolloutPlan  # noqa: E402
 from rlanywhere.rollout import FastEngine, HFEngine, SamplingParams  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -114,15 +117,26 @@ def time_engine(engine, prompts, params, device, repeats: int, warmup_params) ->
     return best, tokens, warm
 
 
-def step_breakdown(engine, params, device: str, batch: int, span: int) -> str:
-    """Milliseconds per decode-step graph replay and per sampling call at one (batch, span), CUDA events."""
+def fast_plan(model, rows: int | None = None, max_seq_len: int | None = None, **overrides) -> RolloutPlan:
+    """The RolloutPlan a training run gives FastEngine for `model` where it lives (the automatic choices), with
+    variant overrides by RolloutPlan field name (e.g. fuse_weights=False, decode_attention="matmul")."""
+    device = next(model.parameters()).device
+    automatic = plan_rollout_for(model, device, rows_per_wave=rows, max_seq_len=max_seq_len)
+    return dataclasses.replace(automatic, **overrides)
+
+
+def step_breakdown(engine, params, device: str, rows: int, slot: int) -> str:
+    """Milliseconds per decode-step graph replay and per sampling call for `rows` rows writing cache slot `slot`,
+    CUDA events (the runner's public API: the batch bucket and attention span a real step uses)."""
     from rlanywhere.rollout.base import sample_from_logits
 
-    engine._slot_buf.fill_(span - 1)
+    runner = engine.runner
+    batch, span = runner.bucket(rows), runner.span(slot)
     gen = torch.Generator(device=device).manual_seed(0)
     timings = {}
-    for label, fn in (("forward", lambda: engine._decode_step(batch, span)),
-                      ("sample", lambda: sample_from_logits(engine._logits_buf[:batch], params, gen))):
+    logits = runner.decode_step(batch, slot)
+    for label, fn in (("forward", lambda: runner.decode_step(batch, slot)),
+                      ("sample", lambda: sample_from_logits(logits, params, gen))):
         fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -134,8 +148,12 @@ def step_breakdown(engine, params, device: str, batch: int, span: int) -> str:
     return f"forward {timings['forward']:.3f} ms + sample {timings['sample']:.3f} ms per step (batch {batch}, span {span})"
 
 
+FORMER_KWARGS = {"use_cuda_graphs": "cuda_graphs", "max_batch_size": "rows_per_wave"}  # old FastEngine kwargs
+
+
 def parse_variants(text: str) -> list[dict]:
-    """'a=1,b=x;c=0' -> [{'a': True, 'b': 'x'}, {'c': False}]; 'default' is the engine with no kwargs."""
+    """'a=1,b=x;c=0' -> [{'a': True, 'b': 'x'}, {'c': False}]: RolloutPlan fields over the automatic plan;
+    'default' is the automatic plan itself."""
     variants = []
     for chunk in filter(None, (c.strip() for c in text.split(";"))):
         kw = {}
@@ -144,8 +162,9 @@ def parse_variants(text: str) -> list[dict]:
             continue
         for item in filter(None, (i.strip() for i in chunk.split(","))):
             key, value = item.split("=")
+            key = FORMER_KWARGS.get(key, key)
             kw[key] = {"1": True, "0": False, "true": True, "false": False}.get(value.lower(), value)
-            if key == "check_every":
+            if key in ("check_every", "rows_per_wave", "prefill_tokens_per_chunk"):
                 kw[key] = int(value)
         variants.append(kw)
     return variants or [{}]
@@ -213,7 +232,8 @@ def correctness_check(device: str, variants: list[dict]) -> None:
     model.to(torch.bfloat16)
     sample = SamplingParams(max_new_tokens=steps, temperature=1.0)
     engines = [("HFEngine", HFEngine(model, None, pad_token_id=0))]
-    engines += [(f"FastEngine {variant_label(kw)}", FastEngine(model, None, pad_token_id=0, **kw)) for kw in variants]
+    engines += [(f"FastEngine {variant_label(kw)}", FastEngine(model, None, fast_plan(model, **kw), pad_token_id=0))
+                for kw in variants]
     for label, eng in engines:
         out = eng.generate(prompts, sample, generator=torch.Generator(device=device).manual_seed(0))
         mask = out.response_mask.bool()
@@ -230,7 +250,7 @@ def variant_label(kw: dict) -> str:
 def check_fp32(model, prompts, expected, eos, device, steps, kw) -> None:
     """Greedy fp32 FastEngine (variant kw) against transformers: tokens and log-probs."""
 
-    engine = FastEngine(model, None, pad_token_id=0, check_every=4, **kw)
+    engine = FastEngine(model, None, fast_plan(model, **{"check_every": 4, **kw}), pad_token_id=0)
     params = SamplingParams(max_new_tokens=steps, temperature=0)
     batch = engine.generate(prompts, params)
     same = sum(a == b for a, b in zip(response_rows(batch), expected))
@@ -292,7 +312,9 @@ def main() -> None:
             label = engine_name + ("" if not kw else " " + variant_label(kw))
             try:
                 if engine_name == "fast":
-                    engine = FastEngine(model, tokenizer, **kw)
+                    rows = len(prompts) * args.n
+                    plan = fast_plan(model, rows, max(map(len, prompts)) + args.new_tokens, **kw)
+                    engine = FastEngine(model, tokenizer, plan)
                     warm_params = params
                 else:
                     engine = HFEngine(model, tokenizer)
@@ -304,9 +326,8 @@ def main() -> None:
                 print(f"  {label:<40} {tokens:>8} tokens  {seconds:8.3f} s  {tokens / seconds:10.0f} tok/s  "
                       f"(warm-up {warm:.2f} s)", flush=True)
                 if engine_name == "fast" and args.breakdown and device.startswith("cuda"):
-                    rows = len(prompts) * args.n
-                    print("    " + step_breakdown(engine, params, device, engine._bucket(rows),
-                                                  engine._span(args.prompt_len + args.new_tokens - 1)), flush=True)
+                    print("    " + step_breakdown(engine, params, device, rows,
+                                                  max(map(len, prompts)) + args.new_tokens - 2), flush=True)
                 del engine
             except Exception as exc:  # keep the other measurements of a run
                 import traceback

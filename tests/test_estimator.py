@@ -234,14 +234,6 @@ def test_no_fit_returns_none_and_explains_with_numbers():
 
 
 # ------------------------------------------------------------------------------ rollout engine's own weights
-def _engine_owned_bytes(engine) -> int:
-    total = 0
-    for layer, name in engine._owned:
-        store = engine._global if layer < 0 else engine._layers[layer]
-        total += store[name].numel() * store[name].element_size()
-    return total
-
-
 @pytest.mark.parametrize("case", ["lora", "cast", "plain"])
 def test_engine_weight_copies_match_a_real_fast_engine(case):
     """The estimate of FastEngine's own weight copies equals what a real engine allocates (CPU, so no fusing of
@@ -249,6 +241,7 @@ def test_engine_weight_copies_match_a_real_fast_engine(case):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2ForCausalLM
 
+    from rlanywhere.plans import RolloutPlan
     from rlanywhere.rollout import FastEngine
 
     config = tiny_qwen2_config(tied=True)
@@ -258,11 +251,11 @@ def test_engine_weight_copies_match_a_real_fast_engine(case):
     if case == "lora":
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=8, target_modules="all-linear",
                                                  init_lora_weights=False))
-    engine = FastEngine(model, None, pad_token_id=0, dtype=rollout_dtype)
+    engine = FastEngine(model, None, RolloutPlan(dtype=rollout_dtype, fuse_weights=case == "cast"), pad_token_id=0)
     wl = workload(rollout_dtype=rollout_dtype, actor_lora_rank=lora_rank, on_cuda=False, has_critic=False,
                   has_ref=False)
     predicted = est.rollout_engine_weight_bytes(shape_of(config), wl, budget_bytes=None)
-    assert predicted == _engine_owned_bytes(engine)
+    assert predicted == engine.owned_weight_bytes()
     assert (predicted > 0) == (case != "plain")
     estimate = est.estimate_memory(shape_of(config), wl, Placement())
     for parts in estimate["breakdown"].values():

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from rlanywhere.logprobs import response_logprobs
+from rlanywhere.plans import RolloutPlan
 from rlanywhere.rollout import FastEngine, HFEngine, SamplingParams, make_engine
 from rlanywhere.rollout.base import RolloutBatch
 
@@ -148,16 +149,16 @@ def test_fast_greedy_matches_transformers(kind, attention, fuse, match_hf):
     model = tiny_model(kind)
     params = SamplingParams(max_new_tokens=12, temperature=0)
     expected = reference_greedy(model, PROMPTS, 12)
-    engine = FastEngine(model, None, pad_token_id=PAD, decode_attention=attention, check_every=2, fuse_weights=fuse,
-                        match_hf_numerics=match_hf)
+    engine = FastEngine(model, None, RolloutPlan(decode_attention=attention, check_every=2, fuse_weights=fuse,
+                                                 match_hf_numerics=match_hf), pad_token_id=PAD)
     assert responses(engine.generate(PROMPTS, params)) == expected
     # EOS in play: a token the model emits mid-response for one prompt becomes EOS; rows stop at different steps
     eos = expected[0][4]
     expected_eos = reference_greedy(model, PROMPTS, 12, eos_id=eos)
     assert len(expected_eos[0]) == 5 and any(len(r) == 12 for r in expected_eos)
     model.generation_config.eos_token_id = eos
-    batch = FastEngine(model, None, pad_token_id=PAD, decode_attention=attention, check_every=2,
-                       fuse_weights=fuse).generate(PROMPTS, params)
+    batch = FastEngine(model, None, RolloutPlan(decode_attention=attention, check_every=2, fuse_weights=fuse),
+                       pad_token_id=PAD).generate(PROMPTS, params)
     assert responses(batch) == expected_eos
     assert batch.response_ids.shape[1] == max(len(r) for r in expected_eos)
     assert responses(HFEngine(model, None, pad_token_id=PAD).generate(PROMPTS, params)) == expected_eos
@@ -170,13 +171,13 @@ def test_batch_layout_and_shared_prefill(monkeypatch):
     model = tiny_model("qwen2")
     engine = FastEngine(model, None, pad_token_id=PAD)
     prefill_rows = []
-    original = engine._prefill
+    original = engine.runner.prefill
 
-    def counting_prefill(ids, lengths, row_start, copies):
+    def counting_prefill(ids, lengths, copies, row_start):
         prefill_rows.append(ids.shape[0])
-        return original(ids, lengths, row_start, copies)
+        return original(ids, lengths, copies, row_start)
 
-    monkeypatch.setattr(engine, "_prefill", counting_prefill)
+    monkeypatch.setattr(engine.runner, "prefill", counting_prefill)
     batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0, n=3))
     assert sum(prefill_rows) == len(PROMPTS)  # each prompt prefilled once for its 3 samples
     assert batch.num_prompts == 4 and batch.n == 3 and batch.prompt_ids.shape == (12, 8)
@@ -198,13 +199,14 @@ def test_waves_and_buckets_match_single_batch():
     model.generation_config.eos_token_id = 50
     params = SamplingParams(max_new_tokens=10, temperature=0, n=3)
     full = FastEngine(model, None, pad_token_id=PAD).generate(PROMPTS, params)
-    waves = FastEngine(model, None, pad_token_id=PAD, max_batch_size=2, max_seq_len=16).generate(PROMPTS, params)
+    waves_plan = RolloutPlan(rows_per_wave=2, max_seq_len=16)
+    waves = FastEngine(model, None, waves_plan, pad_token_id=PAD).generate(PROMPTS, params)
     assert responses(full) == responses(waves)
     assert torch.allclose(full.response_logprobs, waves.response_logprobs, atol=1e-5)
-    waves_engine = FastEngine(model, None, pad_token_id=PAD, max_batch_size=2, max_seq_len=16)
-    assert waves_engine.k_cache.shape[1] == 2  # pre-allocated rows
+    waves_engine = FastEngine(model, None, waves_plan, pad_token_id=PAD)
+    assert waves_engine.runner.cache.k.shape[1] == 2  # pre-allocated rows
     waves_engine.release_memory()
-    assert waves_engine.k_cache is None
+    assert waves_engine.runner.cache.k is None
     assert responses(waves_engine.generate(PROMPTS, params)) == responses(full)
 
 
@@ -276,7 +278,7 @@ def test_stop_strings(engine_cls):
     # a stop string made of two characters the model emits for prompt 0 at steps 3-4
     stop = tokenizer.decode(full[0][3:5])
     engine = engine_cls(model, tokenizer, pad_token_id=PAD) if engine_cls is HFEngine else engine_cls(
-        model, tokenizer, pad_token_id=PAD, check_every=3)
+        model, tokenizer, RolloutPlan(check_every=3), pad_token_id=PAD)
     batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=14, temperature=0, stop_strings=(stop,), ignore_eos=True))
     got = responses(batch)
     for ref, resp in zip(full, got):
@@ -290,8 +292,8 @@ def test_stop_strings(engine_cls):
     assert len(got[0]) == 5
     if engine_cls is FastEngine:  # a row that hit its stop string stops costing decode steps
         calls = []
-        original = engine._decode_step
-        engine._decode_step = lambda batch, span: calls.append(batch) or original(batch, span)
+        original = engine.runner.decode_step
+        engine.runner.decode_step = lambda batch, slot: calls.append(batch) or original(batch, slot)
         engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=14, temperature=0, stop_strings=(stop,)))
         assert len(calls) < 5 + 3
 
@@ -326,7 +328,7 @@ def test_peft_lora_model_uses_adapted_policy():
 
 def test_sync_weights_after_in_place_update():
     model = tiny_model("qwen2")
-    engine = FastEngine(model, None, pad_token_id=PAD, fuse_weights=True)  # engine-owned fused copies
+    engine = FastEngine(model, None, RolloutPlan(fuse_weights=True), pad_token_id=PAD)  # engine-owned fused copies
     params = SamplingParams(max_new_tokens=8, temperature=0)
     before = responses(engine.generate(PROMPTS, params))
     assert before == reference_greedy(model, PROMPTS, 8)
@@ -335,7 +337,7 @@ def test_sync_weights_after_in_place_update():
             layer.mlp.up_proj.weight.mul_(-1.5)
             layer.self_attn.q_proj.bias.add_(0.5)
     engine.sync_weights()
-    qkv = engine._layers[0]["qkv"]
+    qkv = engine.forward.weights.layers[0]["qkv"]
     assert torch.equal(qkv[:64], model.model.layers[0].self_attn.q_proj.weight)
     after = responses(engine.generate(PROMPTS, params))
     assert after != before
@@ -344,28 +346,29 @@ def test_sync_weights_after_in_place_update():
 
 def test_cast_copy_engine_dtype():
     model = tiny_model("llama")
-    engine = FastEngine(model, None, pad_token_id=PAD, dtype=torch.float64)
-    assert engine._layers[0]["qkv"].dtype == torch.float64  # one cast copy, fused
-    assert engine._layers[0]["o"].data_ptr() != model.model.layers[0].self_attn.o_proj.weight.data_ptr()
+    engine = FastEngine(model, None, RolloutPlan(dtype=torch.float64, fuse_weights=True), pad_token_id=PAD)
+    layers = engine.forward.weights.layers
+    assert layers[0]["qkv"].dtype == torch.float64  # one cast copy, fused
+    assert layers[0]["o"].data_ptr() != model.model.layers[0].self_attn.o_proj.weight.data_ptr()
+    assert engine.owned_weight_bytes() > 0
     plain = FastEngine(model, None, pad_token_id=PAD)
-    assert plain._layers[0]["o"].data_ptr() == model.model.layers[0].self_attn.o_proj.weight.data_ptr()  # no copy
+    plain_o = plain.forward.weights.layers[0]["o"]
+    assert plain_o.data_ptr() == model.model.layers[0].self_attn.o_proj.weight.data_ptr()  # no copy
+    assert plain.owned_weight_bytes() == 0
     batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))
     assert responses(batch) == reference_greedy(model, PROMPTS, 8)
 
 
-def test_decode_attention_auto_and_gate_up_layout():
+def test_gate_up_layout():
     model = tiny_model("qwen2")
     expected = reference_greedy(model, PROMPTS, 10)
     params = SamplingParams(max_new_tokens=10, temperature=0)
-    assert FastEngine(model, None, pad_token_id=PAD).decode_attention == "matmul"  # fp32: batched GEMMs
-    assert FastEngine(model, None, pad_token_id=PAD, dtype=torch.bfloat16).decode_attention == "sdpa"
     for transpose in (True, False):
-        engine = FastEngine(model, None, pad_token_id=PAD, fuse_weights=True, transpose_gate_up=transpose)
+        engine = FastEngine(model, None, RolloutPlan(fuse_weights=True, transpose_gate_up=transpose), pad_token_id=PAD)
         hidden, inter = model.config.hidden_size, model.config.intermediate_size
-        assert engine._layers[0]["gate_up"].shape == ((hidden, 2 * inter) if transpose else (2 * inter, hidden))
+        gate_up = engine.forward.weights.layers[0]["gate_up"]
+        assert gate_up.shape == ((hidden, 2 * inter) if transpose else (2 * inter, hidden))
         assert responses(engine.generate(PROMPTS, params)) == expected
-    with pytest.raises(ValueError, match="decode_attention"):
-        FastEngine(model, None, decode_attention="flash")
 
 
 # ATen's CPU kernels whose bf16 results we have seen not depend on the shape they run at. With AVX-512 (seen on a
@@ -402,7 +405,7 @@ def test_bf16_logprobs_match_the_trainer():
                                      ("bf16 logits", {"fp32_logits": False}, hf_forward_logprobs),
                                      ("default vs bf16 forward", {}, hf_forward_logprobs),
                                      ("fused", {"match_hf_numerics": False}, trainer_logprobs)):
-        engine = FastEngine(model, None, pad_token_id=PAD, **kwargs)
+        engine = FastEngine(model, None, RolloutPlan(**kwargs), pad_token_id=PAD)
         batch = engine.generate(PROMPTS * 4, params, generator=torch.Generator().manual_seed(0))
         gaps[label] = (reference(batch) - batch.response_logprobs)[batch.response_mask.bool()].abs()
         if label == "default":
@@ -474,3 +477,175 @@ def test_bad_prompts_are_rejected():
         engine.generate(torch.tensor([[1, 2]]), params)
     with pytest.raises(ValueError, match="tokenizer"):
         engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, stop_strings=("x",)))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The engine's parts: KV cache, scheduler state, waves, plan validation
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _tiny_cache():
+    from rlanywhere.rollout.llama import ModelDims
+    from rlanywhere.rollout.runner import KVCache
+
+    dims = ModelDims.of(tiny_model("qwen2"))
+    return KVCache(dims, torch.float32, torch.device("cpu")), dims
+
+
+def test_kv_cache_grow_compact_and_prompt_copies_keep_contents():
+    cache, dims = _tiny_cache()
+    assert cache.ensure(3, 10)
+    assert (cache.rows, cache.length) == (3, 16)  # length aligned to 16 slots
+    assert not cache.ensure(2, 16)  # already big enough: no reallocation
+    # a prompt's K/V written once, copied to its samples: prompt 0 -> rows 0-1, prompt 1 -> row 2
+    k = torch.randn(2, dims.kv_heads, 5, dims.head_dim)
+    v = torch.randn(2, dims.kv_heads, 5, dims.head_dim)
+    cache.store_prompt(1, 0, k, v, torch.tensor([2, 1]), rows=3)
+    assert torch.equal(cache.k[1, 0, :, :5], k[0]) and torch.equal(cache.k[1, 1, :, :5], k[0])
+    assert torch.equal(cache.v[1, 2, :, :5], v[1])
+    cache.starts[:3] = torch.tensor([0, 1, 2])
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    # growing with keep_contents keeps every old row and slot
+    assert cache.ensure(5, 40, keep_contents=True)
+    assert (cache.rows, cache.length) == (5, 48)
+    assert torch.equal(cache.k[:, :3, :, :16], before_k) and torch.equal(cache.v[:, :3, :, :16], before_v)
+    assert cache.starts[:3].tolist() == [0, 1, 2]
+    # compacting rows [2, 0] to the front keeps their slots and start offsets
+    cache.compact(torch.tensor([2, 0]), used_slots=16)
+    assert torch.equal(cache.k[:, 0, :, :16], before_k[:, 2]) and torch.equal(cache.v[:, 1, :, :16], before_v[:, 0])
+    assert cache.starts[:2].tolist() == [2, 0]
+    # a decode write lands at the slot for every row and the read covers the span
+    slot = torch.tensor([7])
+    new_k, new_v = torch.randn(2, dims.kv_heads, 1, dims.head_dim), torch.randn(2, dims.kv_heads, 1, dims.head_dim)
+    keys, values = cache.append(0, 2, slot, new_k, new_v, span=8)
+    assert keys.shape[2] == 8 and torch.equal(keys[:, :, 7], new_k[:, :, 0])
+    assert torch.equal(values[:, :, 7], new_v[:, :, 0])
+    # growing without keep_contents starts from zeros (the runner grows only between waves)
+    assert cache.ensure(6, 48)
+    assert cache.k.abs().sum() == 0
+    cache.release()
+    assert cache.k is None and cache.rows == 0
+
+
+def test_plan_waves_units():
+    from rlanywhere.rollout.scheduler import WaveUnit, plan_waves
+
+    # n <= rows: whole prompts, rows_per_wave // n of them per wave
+    waves = plan_waves(range(5), 2, 5)
+    assert [[u.prompt for u in w] for w in waves] == [[0, 1], [2, 3], [4]]
+    # n > rows: one prompt's samples split, never packed with the next prompt's
+    waves = plan_waves(range(2), 3, 2)
+    assert waves == [[WaveUnit(0, 0, 2)], [WaveUnit(0, 2, 1)], [WaveUnit(1, 0, 2)], [WaveUnit(1, 2, 1)]]
+
+
+def test_scheduler_wave_state_compacts_finished_rows():
+    from rlanywhere.rollout.base import StopStringMatcher
+    from rlanywhere.rollout.scheduler import RequestOutputs, StopRule, WaveState
+
+    engine = FastEngine(tiny_model("qwen2"), None, pad_token_id=PAD)
+    runner, scheduler = engine.runner, engine.scheduler
+    runner.reserve(8, 32)
+    # 6 rows in a bucket of 8, then rows 1, 3 and 4 finish: 3 active rows go to a bucket of 4
+    runner.load_rows(torch.arange(8) + 10, torch.arange(8), torch.zeros(8, dtype=torch.long))
+    row_map = torch.tensor([10, 11, 12, 13, 14, 15, 99, 99])
+    done = torch.tensor([False, True, False, True, True, False, True, True])
+    state = WaveState(width=4, batch=8, row_map=row_map, done=done)
+    out = RequestOutputs.empty(8, 99, PAD, torch.device("cpu"))
+    stop = StopRule.of([], StopStringMatcher(None, ()), torch.device("cpu"))
+    assert scheduler.check_rows(state, out, stop, step=3)
+    assert state.batch == 4
+    assert state.row_map.tolist() == [10, 12, 15, out.scratch]
+    assert state.done.tolist() == [False, False, False, True]
+    assert runner._buffers["tokens"][:3].tolist() == [10, 12, 15]  # the rows' decode state moved with them
+    state.done[:] = True
+    assert not scheduler.check_rows(state, out, stop, step=4)  # every row finished: the wave ends
+    assert state.slot(5) == 8
+
+
+@pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
+def test_waves_equal_chunked_calls(engine_cls):
+    """generate(rows_per_wave=r) returns what one call per chunk of r // n prompts returned (the trainer's former
+    chunking), for a generator per chunk (a function of the chunk's first prompt) and for one shared generator."""
+    model = tiny_model("qwen2")
+    engine = engine_cls(model, None, pad_token_id=PAD)
+    prompts = PROMPTS + [[3, 4, 5, 6], [60, 61]]
+    params = SamplingParams(max_new_tokens=7, temperature=1.0, n=2)
+
+    def per_chunk(first):
+        return torch.Generator().manual_seed(1000 + first)
+
+    chunks = [prompts[0:2], prompts[2:4], prompts[4:6]]
+    expected = RolloutBatch.concat([engine.generate(c, params, generator=per_chunk(2 * i))
+                                    for i, c in enumerate(chunks)], PAD)
+    got = engine.generate(prompts, params, generator=per_chunk, rows_per_wave=4)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.equal(got.response_logprobs, expected.response_logprobs)
+    assert torch.equal(got.prompt_ids, expected.prompt_ids) and got.num_prompts == len(prompts)
+    # the same from the engine's default (the plan's rows_per_wave)
+    planned = FastEngine(model, None, RolloutPlan(rows_per_wave=4), pad_token_id=PAD) if engine_cls is FastEngine \
+        else HFEngine(model, None, pad_token_id=PAD, rows_per_wave=4)
+    assert torch.equal(planned.generate(prompts, params, generator=per_chunk).response_ids, got.response_ids)
+    shared = torch.Generator().manual_seed(5)
+    expected = RolloutBatch.concat([engine.generate(c, params, generator=shared) for c in chunks], PAD)
+    got = engine.generate(prompts, params, generator=torch.Generator().manual_seed(5), rows_per_wave=5)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    # one chunk for the whole request draws differently: the test above can fail
+    whole = engine.generate(prompts, params, generator=per_chunk)
+    assert not torch.equal(whole.response_ids, got.response_ids)
+    # greedy: the same tokens whatever the wave size
+    greedy = SamplingParams(max_new_tokens=7, temperature=0, n=2)
+    all_rows = engine.generate(prompts, greedy, rows_per_wave=len(prompts) * 2)
+    half = engine.generate(prompts, greedy, rows_per_wave=len(prompts))
+    assert torch.equal(all_rows.response_ids, half.response_ids)
+    assert torch.allclose(all_rows.response_logprobs, half.response_logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="rows_per_wave"):
+        engine.generate(prompts, greedy, rows_per_wave=0)
+
+
+def test_rollout_batch_concat_matches_the_trainer_helper():
+    from rlanywhere.trainer import concat_rollouts
+
+    engine = FastEngine(tiny_model("llama"), None, pad_token_id=PAD)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
+    parts = [engine.generate(PROMPTS[:2], params, generator=torch.Generator().manual_seed(1)),
+             engine.generate(PROMPTS[2:], params, generator=torch.Generator().manual_seed(2))]
+    joined, reference = RolloutBatch.concat(parts, PAD), concat_rollouts(parts, PAD)
+    for field in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "response_logprobs"):
+        assert torch.equal(getattr(joined, field), getattr(reference, field)), field
+    assert joined.prompt_ids.shape == (8, 8) and joined.num_prompts == 4
+    assert RolloutBatch.concat(parts[:1], PAD) is parts[0]
+    with pytest.raises(ValueError, match="different n"):
+        RolloutBatch.concat([parts[0], engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))], PAD)
+
+
+def test_rollout_plan_validation_errors():
+    from rlanywhere.errors import UserError
+
+    model = tiny_model("qwen2")
+    for plan, match in ((RolloutPlan(cuda_graphs=True), "cuda_graphs=True needs the model on a CUDA device"),
+                        (RolloutPlan(decode_attention="flash"), "decode_attention"),
+                        (RolloutPlan(rows_per_wave=0), "rows_per_wave"),
+                        (RolloutPlan(max_seq_len=1), "max_seq_len"),
+                        (RolloutPlan(check_every=0), "check_every"),
+                        (RolloutPlan(prefill_tokens_per_chunk=0), "prefill_tokens_per_chunk"),
+                        (RolloutPlan(dtype=torch.long), "dtype"),
+                        ({"decode_attention": "sdpa"}, "RolloutPlan")):
+        with pytest.raises(UserError, match=match):
+            FastEngine(model, None, plan)
+
+
+def test_engine_follows_the_planners_rollout_plan():
+    from rlanywhere.planner import plan_rollout_for
+    from rlanywhere.plans import Plan
+
+    model = tiny_model("qwen2")
+    fp32 = plan_rollout_for(model, "cpu", rows_per_wave=8, max_seq_len=32)
+    chosen = (fp32.decode_attention, fp32.fuse_weights, fp32.cuda_graphs, fp32.rows_per_wave)
+    assert chosen == ("matmul", False, False, 8) and fp32.fp32_logits and "decode_attention" in fp32.reasons
+    engine = make_engine(model, None, plan=Plan(rollout=fp32))
+    assert engine.decode_attention == "matmul" and engine.runner.rows_capacity == 8
+    bf16 = plan_rollout_for(model, "cpu", torch.bfloat16)
+    assert bf16.decode_attention == "sdpa" and bf16.fuse_weights  # a cast copy exists anyway: fused
+    planned = RolloutPlan(engine="fast", dtype=torch.float32, decode_attention="sdpa")
+    assert make_engine(model, None, plan=Plan(rollout=planned)).decode_attention == "sdpa"
+    assert make_engine(model, None).decode_attention == "sdpa"  # no plan: RolloutPlan() defaults

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .vocabulary import LossAggMode
+from .vocabulary import STATISTICS_DTYPE, LossAggMode
 
 # ----------------------------------------------------------------------------------------------------------------
 # Masked statistics
@@ -374,9 +374,9 @@ def compute_advantages(
     given = token_rewards if token_rewards is not None else scores
     out_dtype = given.dtype if given.is_floating_point() else torch.get_default_dtype()
     if token_rewards is None:
-        token_rewards = scores_to_token_rewards(scores.to(torch.float64), mask)
-    token_rewards = token_rewards.to(torch.float64)
-    values = values.to(torch.float64) if values is not None else None
+        token_rewards = scores_to_token_rewards(scores.to(STATISTICS_DTYPE), mask)
+    token_rewards = token_rewards.to(STATISTICS_DTYPE)
+    values = values.to(STATISTICS_DTYPE) if values is not None else None
     outcome = masked_sum(token_rewards, mask, dim=-1)
     _warn_if_rewards_are_huge(outcome)
     advantages, returns = ADVANTAGE_ESTIMATORS[estimator](
@@ -573,7 +573,7 @@ class LossScale:
     def of(cls, mask: torch.Tensor, norm_length: float | None = None) -> "LossScale":
         """The scale of the rows in ``mask`` alone; ``norm_length`` defaults to the mask's width."""
         _check_token_tensors(mask)
-        per_row = mask.to(torch.float64).sum(dim=-1)
+        per_row = mask.to(STATISTICS_DTYPE).sum(dim=-1)
         width = mask.shape[-1] if norm_length is None else norm_length
         return cls(tokens=float(per_row.sum()), sequences=float((per_row > 0).sum()), norm_length=float(width))
 
@@ -810,7 +810,7 @@ def informative_groups(metric: torch.Tensor, group_index) -> torch.Tensor:
     as in verl (there is nothing to compare it with). Values are compared exactly (max == min), not through a
     floating-point std.
     """
-    metric = torch.as_tensor(metric).detach().reshape(-1).to(torch.float64)
+    metric = torch.as_tensor(metric).detach().reshape(-1).to(STATISTICS_DTYPE)
     group_ids, num_groups = _group_ids(group_index, metric.shape[0], metric.device)
     group_max = torch.full((num_groups,), -math.inf, dtype=metric.dtype).scatter_reduce(0, group_ids, metric, "amax")
     group_min = torch.full((num_groups,), math.inf, dtype=metric.dtype).scatter_reduce(0, group_ids, metric, "amin")

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import time
@@ -234,8 +236,8 @@ def load_model(model: str, max_new_tokens: int = 256, batch_size: int = 64, over
     source = resolve_model_source(str(model))
     tokenizer = load_tokenizer(source)
     hf_model = load_causal_lm(source, chosen).to(chosen.device).eval()
-    engine = make_engine(hf_model, tokenizer, chosen, engine=chosen.rollout.engine, max_batch_size=batch_size,
-                         max_seq_len=cfg.data.max_prompt_length + max_new_tokens)
+    chosen.rollout = dataclasses.replace(chosen.rollout, rows_per_wave=batch_size)  # generation only: no training
+    engine = make_engine(hf_model, tokenizer, chosen, engine=chosen.rollout.engine)
     return LoadedModel(hf_model, tokenizer, chosen, engine, cfg.data.max_prompt_length)
 
 

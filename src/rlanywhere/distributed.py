@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from . import algorithms as algo
 from .errors import UserError
+from .vocabulary import STATISTICS_DTYPE
 
 # A rank that waits longer than this on a collective gives up (the others died or hang): no endless hang.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
@@ -342,7 +343,7 @@ class DataParallel:
         local = algo.LossScale.of(mask, norm_length=norm_length)
         if not self.enabled:
             return local
-        counts = self._comm(torch.tensor([local.tokens, local.sequences], dtype=torch.float64))
+        counts = self._comm(torch.tensor([local.tokens, local.sequences], dtype=STATISTICS_DTYPE))
         dist.all_reduce(counts)
         return algo.LossScale(float(counts[0]), float(counts[1]), local.norm_length)
 

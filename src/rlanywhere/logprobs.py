@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .lora import unwrap_peft
+from .vocabulary import ACCUMULATE_DTYPE, ATTN_SDPA
 
 
 def no_autocast(device: torch.device):
@@ -69,7 +70,7 @@ def _check_inputs(hidden, weight, labels, bias, temperature, chunk_size):
 
 def head_dtype(weight: torch.Tensor) -> torch.dtype:
     """The LM head's math runs in fp32 at least (fp64 weights, as in exactness tests, stay fp64)."""
-    return torch.promote_types(weight.dtype, torch.float32)
+    return torch.promote_types(weight.dtype, ACCUMULATE_DTYPE)
 
 
 def _chunk_logits(hidden_chunk, weight_f32, bias_f32, inv_temperature):
@@ -253,7 +254,7 @@ def training_attention_mask(model: nn.Module, attention_mask: torch.Tensor) -> t
     so their outputs are unchanged. Batches without left padding keep the 2D mask (and SDPA's causal fast path).
     """
     left_padded = bool((attention_mask[:, 0] == 0).any())
-    if not left_padded or getattr(unwrap_peft(model).config, "_attn_implementation", None) != "sdpa":
+    if not left_padded or getattr(unwrap_peft(model).config, "_attn_implementation", None) != ATTN_SDPA:
         return attention_mask
     length = attention_mask.shape[1]
     real_key = attention_mask.bool()[:, None, None, :]  # [N, 1, 1, L]

@@ -289,11 +289,8 @@ class RLTrainer:
             "max_token_len_per_micro_batch": cfg.data.max_prompt_length + self.response_length})
 
         # ---- rollout engine (shares the actor's weights)
-        max_len = cfg.data.max_prompt_length + self.response_length
         with gathered(self.actor):  # [distributed] a sharded actor: the engine is built on its full weights
-            self.engine = make_engine(self.actor, self.tokenizer, plan, engine=acfg.rollout.name,
-                                      max_batch_size=plan.sizes.rollout_batch_size or cfg.data.train_batch_size * self.n,
-                                      max_seq_len=max_len)
+            self.engine = make_engine(self.actor, self.tokenizer, plan, engine=acfg.rollout.name)
         fallback = getattr(self.engine, "fallback_reason", None)
         if fallback and plan.rollout.engine != "hf":
             plan.rollout.engine = "hf"

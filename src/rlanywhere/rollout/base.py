@@ -15,9 +15,10 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 
 from ..logprobs import default_position_ids
 
@@ -102,12 +103,46 @@ class RolloutBatch:
         """Number of generated tokens per row, [B*n] long."""
         return self.response_mask.sum(-1)
 
+    @staticmethod
+    def concat(parts: Sequence["RolloutBatch"], pad_token_id: int) -> "RolloutBatch":
+        """Stack rollouts of several calls or waves (same n): prompts stay left-padded, responses right-padded,
+        both to the widest part."""
+        if not parts:
+            raise ValueError("RolloutBatch.concat needs at least one part")
+        if len({p.n for p in parts}) != 1:
+            raise ValueError(f"RolloutBatch.concat: parts have different n {sorted({p.n for p in parts})}")
+        if len(parts) == 1:
+            return parts[0]
+        width_p = max(p.prompt_ids.shape[1] for p in parts)
+        width_r = max(p.response_ids.shape[1] for p in parts)
+
+        def left(t: torch.Tensor, value: float) -> torch.Tensor:
+            return F.pad(t, (width_p - t.shape[1], 0), value=value)
+
+        def right(t: torch.Tensor, value: float) -> torch.Tensor:
+            return F.pad(t, (0, width_r - t.shape[1]), value=value)
+
+        return RolloutBatch(
+            prompt_ids=torch.cat([left(p.prompt_ids, pad_token_id) for p in parts]),
+            prompt_mask=torch.cat([left(p.prompt_mask, 0) for p in parts]),
+            response_ids=torch.cat([right(p.response_ids, pad_token_id) for p in parts]),
+            response_mask=torch.cat([right(p.response_mask, 0) for p in parts]),
+            response_logprobs=torch.cat([right(p.response_logprobs, 0.0) for p in parts]),
+            num_prompts=sum(p.num_prompts for p in parts),
+            n=parts[0].n,
+        )
+
     def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids, attention_mask, position_ids) of prompt+response, as the training forward passes want."""
         input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
         attention_mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
         position_ids = default_position_ids(attention_mask)
         return input_ids, attention_mask, position_ids
+
+
+# A torch.Generator (one random stream through the whole request), or a function of the index of a wave's first
+# prompt returning one (a fresh stream per wave: the trainer seeds it from (seed, step, global prompt index)).
+GeneratorSource = Union[torch.Generator, Callable[[int], torch.Generator], None]
 
 
 class RolloutEngine(abc.ABC):
@@ -118,9 +153,15 @@ class RolloutEngine(abc.ABC):
         self,
         prompts: list[list[int]],
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: GeneratorSource = None,
+        rows_per_wave: int | None = None,
     ) -> RolloutBatch:
-        """Sample `params.n` responses for each unpadded prompt; row i*n+j is sample j of prompt i."""
+        """Sample `params.n` responses for each unpadded prompt; row i*n+j is sample j of prompt i.
+
+        rows_per_wave: sequences generated together (default: the engine's plan; None there: all at once). A
+        larger request runs in waves of `rows_per_wave // n` prompts (see `prompt_chunks`); the result is what
+        one call per chunk with `generator` (or `generator(first prompt of the chunk)`) would give, stacked.
+        """
 
     def sync_weights(self) -> None:
         """Called by the trainer after each actor update. Engines that read the live weights may do nothing."""
@@ -209,6 +250,26 @@ def resolve_generator(
     out = torch.Generator(device=device)
     out.manual_seed(seed)
     return out
+
+
+def prompt_chunks(num_prompts: int, n: int, rows_per_wave: int | None) -> list[range]:
+    """Consecutive prompt ranges of max(1, rows_per_wave // n) prompts each (one range when rows_per_wave is None):
+    the waves of a request, as the trainer chunked its engine calls."""
+    if rows_per_wave is not None and (isinstance(rows_per_wave, bool) or not isinstance(rows_per_wave, int)
+                                      or rows_per_wave < 1):
+        raise ValueError(f"rows_per_wave must be an int >= 1 or None (all at once), got {rows_per_wave!r}")
+    per_chunk = num_prompts if rows_per_wave is None else max(1, rows_per_wave // n)
+    return [range(i, min(i + per_chunk, num_prompts)) for i in range(0, num_prompts, per_chunk)]
+
+
+def chunk_generator(generator: GeneratorSource, first_prompt: int) -> torch.Generator | None:
+    """The generator a chunk starting at prompt `first_prompt` draws from (see GeneratorSource)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    if callable(generator):
+        return generator(first_prompt)
+    raise TypeError(f"generator must be a torch.Generator, a function of the first prompt index, or None; "
+                    f"got {type(generator).__name__}")
 
 
 def apply_temperature_top_k_top_p(
@@ -347,6 +408,9 @@ __all__ = [
     "SamplingParams",
     "RolloutBatch",
     "RolloutEngine",
+    "GeneratorSource",
+    "prompt_chunks",
+    "chunk_generator",
     "apply_temperature_top_k_top_p",
     "sample_from_logits",
     "StopStringMatcher",

@@ -1,6 +1,7 @@
 """HFEngine: rollouts through transformers' `model.generate` (the reference engine; any causal LM, peft too).
 
-Prompts are left-padded with an attention mask and repeated `n` times (row i*n+j = sample j of prompt i).
+Prompts are left-padded with an attention mask and repeated `n` times (row i*n+j = sample j of prompt i); a
+request larger than `rows_per_wave` runs as one `generate` per chunk of prompts (base.prompt_chunks).
 Sampling uses transformers' own temperature / top-k / top-p warpers, passed as explicit logits processors
 followed by a recorder that keeps the log-softmax of the processed scores, so the returned log-probs are those
 of the distribution each token was drawn from without storing `output_scores` for every step (which would be
@@ -19,14 +20,17 @@ from transformers import StoppingCriteriaList, TemperatureLogitsWarper, TopKLogi
 
 from ..lora import unwrap_peft
 from .base import (
+    GeneratorSource,
     RolloutBatch,
     RolloutEngine,
     SamplingParams,
     StopStringMatcher,
     build_rollout_batch,
+    chunk_generator,
     collect_eos_ids,
     eos_lengths,
     left_pad,
+    prompt_chunks,
     resolve_pad_token_id,
     validate_prompts,
 )
@@ -100,7 +104,10 @@ def _generation_context(hf_model: Any, module: torch.nn.Module, seed: int | None
 class HFEngine(RolloutEngine):
     """Rollouts with `model.generate`. Works for any transformers causal LM and for peft-wrapped models."""
 
-    def __init__(self, model: Any, tokenizer: Any, pad_token_id: int | None = None):
+    def __init__(self, model: Any, tokenizer: Any, pad_token_id: int | None = None, rows_per_wave: int | None = None):
+        """rows_per_wave: the default of `generate`'s (the plan's `rollout.rows_per_wave`; None: all at once)."""
+        prompt_chunks(1, 1, rows_per_wave)  # checks it
+        self.rows_per_wave = rows_per_wave
         self.model = model
         self.tokenizer = tokenizer
         self.hf_model = unwrap_peft(model)
@@ -115,22 +122,34 @@ class HFEngine(RolloutEngine):
         self,
         prompts: list[list[int]],
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: GeneratorSource = None,
+        rows_per_wave: int | None = None,
     ) -> RolloutBatch:
         vocab = getattr(self.hf_model.config.get_text_config(), "vocab_size", None)
         prompts = validate_prompts(prompts, vocab)
         matcher = StopStringMatcher(self.tokenizer, params.stop_strings)
+        parts = []
+        rows_per_wave = rows_per_wave if rows_per_wave is not None else self.rows_per_wave
+        chunks = prompt_chunks(len(prompts), params.n, rows_per_wave)
+        if generator is None and params.seed is not None and len(chunks) > 1:
+            generator = torch.Generator().manual_seed(params.seed)  # one stream: waves draw different seeds
+        for chunk in chunks:
+            # Seed transformers' sampling (global RNG, forked) from the chunk's generator, else from params.seed.
+            gen = chunk_generator(generator, chunk.start)
+            seed = params.seed
+            if gen is not None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device).item())
+            parts.append(self._generate_wave([prompts[i] for i in chunk], params, seed, matcher))
+        return RolloutBatch.concat(parts, self.pad_token_id)
+
+    def _generate_wave(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
+                       matcher: StopStringMatcher) -> RolloutBatch:
         device = self.device
         eos_ids = [] if params.ignore_eos else list(self.eos_ids)
 
         repeated = [p for p in prompts for _ in range(params.n)]
         input_ids, attention_mask = left_pad(repeated, self.pad_token_id, device)
         prompt_width = input_ids.shape[1]
-
-        # Seed transformers' sampling (global RNG) from the caller's generator or seed, inside a forked RNG.
-        seed = params.seed
-        if generator is not None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
 
         processors = LogitsProcessorList()
         if not params.greedy:

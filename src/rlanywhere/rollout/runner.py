@@ -1,0 +1,261 @@
+"""The decode runner: the KV cache, the static decode buffers and CUDA graphs around one model forward.
+
+One job: run prefills and decode steps of `LlamaForward` on device memory it owns. Public API (the scheduler and
+the benches use only this):
+
+- `reserve(rows, length)`: make room for `rows` sequences of `length` slots (grows the cache, never shrinks);
+- `prefill(ids, lengths, copies, row_start)`: prompts once each, their K/V copied to their sample rows;
+- `load_rows(tokens, positions, starts)`: the decode state of rows [:batch] after a prefill;
+- `decode_step(batch, slot)`: logits [batch, vocab] for the next token of rows [:batch] (a CUDA graph replay per
+  (batch bucket, attention span) when graphs are on, else eager);
+- `advance(tokens)`: feed the sampled tokens back; `compact(active, batch, used_slots)`: move the active rows to
+  the front of a smaller bucket; `release()`: free the cache, buffers and graphs.
+
+Layout: left-padded rows; every row writes its next key/value to the same cache slot and a per-row start offset
+(`KVCache.starts`) masks the padding, so a decode step has one fixed shape for the whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from ..vocabulary import FP32
+from .llama import LlamaForward, ModelDims
+
+logger = logging.getLogger(__name__)
+
+CACHE_SLOT_ALIGNMENT = 16  # cache length rounded up to this (aligned rows for the attention kernels)
+SPAN_GRANULARITY = 256  # attention reads the cache up to the next multiple of this: few graphs, little waste
+
+
+def decode_row_bytes(dims: ModelDims, dtype: torch.dtype, length: int) -> int:
+    """Device bytes one decoded row costs: its K/V for `length` slots plus the logits buffer and sampling
+    temporaries (about four fp32 vocab-sized vectors)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    kv = 2 * dims.layers * dims.kv_heads * length * dims.head_dim * itemsize
+    return kv + 4 * dims.vocab * 4
+
+
+class KVCache:
+    """Static key/value cache `[layers, rows, kv_heads, length, head_dim]` plus each row's first valid slot.
+
+    Rows are sequences; a prompt of width P left-padded to the wave's width W starts at slot W - P (`starts`).
+    """
+
+    def __init__(self, dims: ModelDims, dtype: torch.dtype, device: torch.device):
+        self.dims, self.dtype, self.device = dims, dtype, device
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.starts: torch.Tensor | None = None  # [rows] long
+        self.rows = 0
+        self.length = 0
+
+    def ensure(self, rows: int, length: int, keep_contents: bool = False) -> bool:
+        """Grow to at least `rows` x `length` (length rounded up to CACHE_SLOT_ALIGNMENT); never shrinks.
+
+        Returns True when it reallocated (tensors moved). keep_contents copies the old rows/slots into the new
+        tensors (old and new live together for a moment); without it the old cache is freed first, so the peak is
+        the new cache alone: the runner grows only between waves, when nothing in the cache is needed any more.
+        """
+        if self.fits(rows, length):
+            return False
+        rows = max(rows, self.rows)
+        length = int(math.ceil(max(length, self.length) / CACHE_SLOT_ALIGNMENT) * CACHE_SLOT_ALIGNMENT)
+        old = (self.k, self.v, self.starts, self.rows, self.length) if keep_contents else None
+        self.k = self.v = self.starts = None
+        d = self.dims
+        shape = (d.layers, rows, d.kv_heads, length, d.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.starts = torch.zeros(rows, dtype=torch.long, device=self.device)
+        if old is not None and old[0] is not None:
+            k, v, starts, old_rows, old_length = old
+            self.k[:, :old_rows, :, :old_length] = k
+            self.v[:, :old_rows, :, :old_length] = v
+            self.starts[:old_rows] = starts
+        self.rows, self.length = rows, length
+        logger.info("FastEngine KV cache: %d rows x %d slots (%.2f GiB, %s)", rows, length,
+                    self.nbytes() / 2**30, self.dtype)
+        return True
+
+    def fits(self, rows: int, length: int) -> bool:
+        return self.k is not None and rows <= self.rows and length <= self.length
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+
+    def store_prompt(self, layer: int, row_start: int, k: torch.Tensor, v: torch.Tensor, copies: torch.Tensor,
+                     rows: int) -> None:
+        """Write one layer's prompt keys/values k, v [U, kv_heads, W, D] into rows row_start.., prompt u copied
+        to `copies[u]` consecutive rows (its samples): the prompt is computed once, shared by its samples."""
+        width = k.shape[2]
+        end = row_start + rows
+        self.k[layer, row_start:end, :, :width] = k.repeat_interleave(copies, dim=0, output_size=rows)
+        self.v[layer, row_start:end, :, :width] = v.repeat_interleave(copies, dim=0, output_size=rows)
+
+    def append(self, layer: int, batch: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one decode step's k, v [batch, kv_heads, 1, D] at cache slot `slot` ([1] long, on the device:
+        no host read, so graph-capturable); return the keys/values of slots [:span] of rows [:batch]."""
+        k_rows, v_rows = self.k[layer, :batch], self.v[layer, :batch]
+        k_rows.index_copy_(2, slot, k)
+        v_rows.index_copy_(2, slot, v)
+        return k_rows[:, :, :span], v_rows[:, :, :span]
+
+    def compact(self, index: torch.Tensor, used_slots: int) -> None:
+        """Rows `index` (long [batch], on the device) become rows [:batch], slots [:used_slots] and start offsets
+        kept; the rows after them are left as they were."""
+        batch = index.numel()
+        self.k[:, :batch, :, :used_slots] = self.k[:, index, :, :used_slots]
+        self.v[:, :batch, :, :used_slots] = self.v[:, index, :, :used_slots]
+        self.starts[:batch] = self.starts[index]
+
+    def release(self) -> None:
+        self.k = self.v = self.starts = None
+        self.rows = self.length = 0
+
+
+class DecodeRunner:
+    """KV cache, static buffers and CUDA graphs around one `LlamaForward` (see the module docstring)."""
+
+    def __init__(self, forward: LlamaForward, cuda_graphs: bool):
+        self.forward = forward
+        self.device, self.dtype = forward.device, forward.dtype
+        self.cuda_graphs = cuda_graphs
+        self.cache = KVCache(forward.dims, forward.dtype, forward.device)
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self._graph_pool = None
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------------------------------------- capacity
+    @property
+    def rows_capacity(self) -> int:
+        return self.cache.rows
+
+    @property
+    def length_capacity(self) -> int:
+        return self.cache.length
+
+    def row_bytes(self, length: int) -> int:
+        return decode_row_bytes(self.forward.dims, self.dtype, length)
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Room for `rows` sequences of `length` slots: cache, decode buffers and RoPE tables (graphs dropped when
+        anything moves)."""
+        if self.cache.fits(rows, length):
+            return
+        self.drop_graphs()  # graphs and buffers first: the new cache is allocated with their memory back
+        self._buffers = {}
+        self.cache.ensure(rows, length)
+        rows, length = self.cache.rows, self.cache.length
+        long = dict(dtype=torch.long, device=self.device)
+        cos, sin = self.forward.rope_tables(length)
+        self._buffers = {
+            "tokens": torch.zeros(rows, **long),
+            "positions": torch.zeros(rows, **long),
+            "slot": torch.zeros(1, **long),
+            "slot_range": torch.arange(length, **long),
+            "logits": torch.zeros(rows, self.forward.dims.vocab, dtype=FP32, device=self.device),
+            "cos": cos,
+            "sin": sin,
+        }
+
+    def release(self) -> None:
+        """Free the KV cache, static buffers and CUDA graphs; the next reserve allocates them again."""
+        self.drop_graphs()
+        self.cache.release()
+        self._buffers = {}
+
+    def drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._graph_pool = None
+
+    def sync_weights(self) -> None:
+        """Refresh the forward's weight copies; graphs captured with moved tensors are dropped."""
+        if self.forward.weights.sync():
+            self.drop_graphs()
+
+    def bucket(self, rows: int) -> int:
+        """Decode batch for `rows` active rows: the smallest power of two >= rows, capped at the cache's rows
+        (few distinct shapes, so few CUDA graphs)."""
+        return min(1 << max(rows - 1, 0).bit_length(), self.cache.rows)
+
+    def span(self, slot: int) -> int:
+        """Cache slots the attention reads at a step writing `slot`: slot+1 rounded up to SPAN_GRANULARITY,
+        bounded by the cache length."""
+        return min(self.cache.length, int(math.ceil((slot + 1) / SPAN_GRANULARITY) * SPAN_GRANULARITY))
+
+    # ----------------------------------------------------------------------------------------------- passes
+    def _rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._buffers["cos"], self._buffers["sin"]
+
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, copies: torch.Tensor, row_start: int) -> torch.Tensor:
+        """Left-padded prompts ids [U, W] (lengths [U]) into cache rows row_start.. (prompt u to copies[u] rows);
+        returns their last-position logits [U, vocab] fp32. Call `reserve` first."""
+        return self.forward.prefill(ids, lengths, copies, row_start, self._rope(), self.cache)
+
+    def load_rows(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor) -> None:
+        """Decode state of rows [:batch]: the token each feeds next, its position, its first valid cache slot."""
+        batch = tokens.numel()
+        self._buffers["tokens"][:batch] = tokens
+        self._buffers["positions"][:batch] = positions
+        self.cache.starts[:batch] = starts
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Rows [:batch] feed `tokens` next, one position further on."""
+        batch = tokens.numel()
+        self._buffers["tokens"][:batch] = tokens
+        self._buffers["positions"][:batch] += 1
+
+    def compact(self, active: torch.Tensor, batch: int, used_slots: int) -> None:
+        """Move the `active` rows to the front of a `batch`-row bucket (filler rows repeat the first active row)."""
+        count = active.numel()
+        index = torch.cat([active, active[:1].expand(batch - count)]) if batch > count else active
+        self.cache.compact(index, used_slots)
+        for name in ("tokens", "positions"):
+            buf = self._buffers[name]
+            buf[:batch] = buf[index]
+
+    def _decode_into_buffer(self, batch: int, span: int) -> None:
+        b = self._buffers
+        logits = self.forward.decode(b["tokens"][:batch], b["positions"][:batch], self.cache.starts[:batch],
+                                     b["slot"], b["slot_range"][:span], self._rope(), self.cache)
+        b["logits"][:batch].copy_(logits)
+
+    def decode_step(self, batch: int, slot: int, span: int | None = None, eager: bool = False) -> torch.Tensor:
+        """Logits [batch, vocab] (a view of a static buffer) for the next token of rows [:batch], writing their
+        keys/values at cache slot `slot`. span: slots attention reads (default `self.span(slot)`); eager: skip
+        the CUDA graph (profiling)."""
+        span = self.span(slot) if span is None else span
+        self._buffers["slot"].fill_(slot)
+        if eager or not self.cuda_graphs:
+            self._decode_into_buffer(batch, span)
+            return self._buffers["logits"][:batch]
+        graph = self._graphs.get((batch, span))
+        if graph is None:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            # Warm up on a side stream (lazy kernel/cuBLAS init); it recomputes exactly this step, so the cache
+            # write it makes is the one the replay makes.
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._decode_into_buffer(batch, span)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                self._decode_into_buffer(batch, span)
+            self._graphs[(batch, span)] = graph
+        graph.replay()
+        return self._buffers["logits"][:batch]
+
+    def captured_graphs(self) -> list[tuple[int, int]]:
+        """(batch, span) of the CUDA graphs captured so far."""
+        return sorted(self._graphs)
+
+
+__all__ = ["KVCache", "DecodeRunner", "decode_row_bytes"]
