@@ -21,6 +21,7 @@ from .models import (ModelSource, ValueModel, enable_gradient_checkpointing, loa
                      resolve_model_source)
 from .rewards import RewardManager, load_custom_reward
 from .rollout import make_engine
+from .sharding import gathered, shard_for_plan
 
 
 def _plain(value):
@@ -105,6 +106,7 @@ def build_models(cfg: DictConfig, plan: Plan, source: ModelSource, dp) -> Models
         enable_gradient_checkpointing(actor)
         if critic is not None:
             enable_gradient_checkpointing(critic)
+    shard_for_plan(plan, actor, critic, ref)  # [distributed] FSDP2 when plan.data_parallel == "shard"
     return Models(actor, critic, ref)
 
 
@@ -159,7 +161,8 @@ def apply_optim_config(cfg: DictConfig, optimizers: dict, schedulers: dict) -> N
 def build_engine(cfg: DictConfig, plan: Plan, actor, tokenizer):
     """The rollout engine, sharing the actor's weights, sized by plan.rollout. A fast engine that fell back to HF is
     recorded in the plan (engine and reason), so plan.json shows what runs."""
-    engine = make_engine(actor, tokenizer, plan, engine=cfg.actor_rollout_ref.rollout.name)
+    with gathered(actor):  # [distributed] a sharded actor: the engine is built on its full weights
+        engine = make_engine(actor, tokenizer, plan, engine=cfg.actor_rollout_ref.rollout.name)
     fallback = getattr(engine, "fallback_reason", None)
     if fallback and plan.rollout.engine != "hf":
         plan.rollout.engine = "hf"

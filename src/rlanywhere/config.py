@@ -270,6 +270,7 @@ class HardwareConfig:
     optimizer_offload: Any = "auto"
     ref_device: str = "auto"  # auto | cpu | cuda
     memory_budget_gib: Optional[float] = None  # None: the card's memory
+    data_parallel: str = "auto"  # several ranks: auto | replicate | shard (FSDP2); see docs/distributed.md
     logprob_chunk_size: int = 0  # 0: planner picks
     oom_recovery: bool = True
     # guard rails (precision_guard.py): stop when the fp16 loss scale falls below min_loss_scale, or when the mean

@@ -185,6 +185,11 @@ class Workload:
     use_dynamic_bsz: bool = False
     token_budget_cap: Optional[int] = None  # ppo_max_token_len_per_gpu when use_dynamic_bsz
     rollout_engine: str = "fast"  # "hf" owns no weight copies
+    # FSDP2 sharding over this many ranks (plan.data_parallel == "shard"): weights, gradients and Adam states are
+    # divided by it; the full weights exist only while gathered (sharding.py): for the rollout and the no-grad
+    # passes (the whole model, in gather_dtype), in updates two decoder layers at a time plus the root group
+    shard_world: int = 1
+    gather_dtype: Optional[torch.dtype] = None  # the MixedPrecisionPolicy's param_dtype; None: param_dtype
 
     @property
     def seq_len(self) -> int:
@@ -340,15 +345,31 @@ class _ModelMemory:
 def _model_memory(params: int, trainable: int, largest_trainable: int, workload: Workload) -> _ModelMemory:
     param_bytes = _nbytes(workload.param_dtype)
     compute_bytes = _nbytes(workload.compute_dtype)
-    cast = workload.use_autocast and compute_bytes != param_bytes
+    # sharded with a gather dtype: the layers' weights arrive already cast, autocast caches nothing
+    cast = workload.use_autocast and compute_bytes != param_bytes and workload.gather_dtype is None
+    world = max(1, workload.shard_world)
+    share = lambda count: -(-count // world)  # noqa: E731 - this rank's shard (FSDP2 pads to whole rows)
     return _ModelMemory(
-        weights=params * param_bytes,
-        grads=trainable * GRAD_BYTES_PER_PARAM,
-        adam=trainable * ADAM_STATES_PER_PARAM * ADAM_STATE_BYTES,
-        step_temp=int(trainable * 4 * OPTIMIZER_STEP_TEMP_COPIES),
+        weights=share(params) * param_bytes,
+        grads=share(trainable) * GRAD_BYTES_PER_PARAM,
+        adam=share(trainable) * ADAM_STATES_PER_PARAM * ADAM_STATE_BYTES,
+        step_temp=int(share(trainable) * 4 * OPTIMIZER_STEP_TEMP_COPIES),
         autocast_cache=trainable * compute_bytes if cast else 0,
         largest_trainable=largest_trainable,
     )
+
+
+def gathered_weight_bytes(params: int, workload: Workload) -> int:
+    """A sharded model's full weights while gathered (rollout, no-grad passes): params x the gather dtype."""
+    return params * _nbytes(workload.gather_dtype or workload.param_dtype)
+
+
+def sharded_update_unit_bytes(shape: ModelShape, workload: Workload) -> int:
+    """What a sharded update holds unsharded at once: the root group (embeddings, lm head, norm) and two decoder
+    layers (the one computing and the next one prefetched), in the gather dtype, plus their fp32 gradients
+    before the reduce-scatter."""
+    units = shape.embedding_params() + 2 * shape.layer_params()
+    return units * (_nbytes(workload.gather_dtype or workload.param_dtype) + GRAD_BYTES_PER_PARAM)
 
 
 def _models(shape: ModelShape, workload: Workload, critic_shape: Optional[ModelShape]) -> dict[str, _ModelMemory]:
@@ -472,6 +493,18 @@ def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
     if "critic" in models:
         breakdown["critic_update"] = update_parts("critic", cshape, placement.critic_micro_batch, False)
 
+    if workload.shard_world > 1:
+        # sharded: each pass holds what it gathers (sharding.gathered / FSDP's per-layer all-gathers)
+        full = {"actor": shape.num_params(), "ref": shape.num_params(),
+                "critic": cshape.backbone_params() + cshape.hidden_size + 1}
+        full_lp = {"rollout": "actor", "old_log_prob": "actor", "ref_log_prob": "ref", "values": "critic"}
+        for phase, model in full_lp.items():
+            if phase in breakdown:
+                breakdown[phase]["gathered_weights"] = gathered_weight_bytes(full[model], workload)
+        breakdown["actor_update"]["gathered_units"] = sharded_update_unit_bytes(shape, workload)
+        if "critic_update" in breakdown:
+            breakdown["critic_update"]["gathered_units"] = sharded_update_unit_bytes(cshape, workload)
+
     if engine_weights:
         for parts in breakdown.values():
             parts["rollout_engine_weights"] = engine_weights
@@ -569,14 +602,15 @@ def _choose_batches(shape: ModelShape, workload: Workload, budget: int, base: Pl
     def try_value(key: str, phases: tuple[str, ...]):
         def check(value: int):
             trial = replace(placement, **{key: value})
-            est = estimate_memory(shape, workload, trial, critic_shape)
+            # with the budget: FastEngine's fused copies exist only when small next to it (as the engine decides)
+            est = estimate_memory(shape, workload, trial, critic_shape, budget)
             return est["phases"] if _phase_fits(est, phases, budget) else None
         return check
 
     def pick(key: str, cap: int, phases: tuple[str, ...], floor: int = 1) -> bool:
         if key in fixed and fixed[key] is not None:
             setattr(placement, key, int(fixed[key]))
-            return _phase_fits(estimate_memory(shape, workload, placement, critic_shape), phases, budget)
+            return _phase_fits(estimate_memory(shape, workload, placement, critic_shape, budget), phases, budget)
         found = _largest_fitting(_candidates(max(cap, floor), floor), try_value(key, phases))
         if found is None:
             setattr(placement, key, floor)

@@ -379,7 +379,11 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     reasons["alloc_conf"] = ("fewer fragmentation OOMs as phase shapes change (set before CUDA initialises)"
                              if target.is_cuda else "CPU")
     scores = attn == ATTN_EAGER or (attn == ATTN_SDPA and set(backends) <= {"math"})
-    _plan_memory(cfg, plan, target, shape, critic_shape, scores, critic_lora, use_ref and not use_lora, reasons)
+    # [distributed] several ranks: replicate when a full replica fits each, else shard (distributed.plan_sharding)
+    from .distributed import plan_sharding
+    plan_sharding(cfg, plan, lambda shard_world: _plan_memory(cfg, plan, target, shape, critic_shape, scores,
+                                                              critic_lora, use_ref and not use_lora, reasons,
+                                                              shard_world=shard_world))
     _ref_reason(plan, use_ref, use_lora, kl_loss, kl_reward, reasons)
     _memory_cap(plan, card, real, for_execution, reasons)
     _plan_data_parallel(cfg, plan, machine, for_execution, reasons)
@@ -390,7 +394,8 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
 
 
 def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, critic_shape: Optional[ModelShape],
-                 scores_materialized: bool, critic_lora: int, separate_ref: bool, reasons: dict[str, str]) -> None:
+                 scores_materialized: bool, critic_lora: int, separate_ref: bool, reasons: dict[str, str],
+                 shard_world: int = 1) -> None:
     hcfg = cfg.hardware
     arr = cfg.actor_rollout_ref
     actor, critic = arr.actor, cfg.critic
@@ -421,7 +426,9 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
         attention_materializes_scores=scores_materialized, on_cuda=target.is_cuda,
         use_dynamic_bsz=bool(actor.use_dynamic_bsz),
         token_budget_cap=int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
-        rollout_engine=plan.rollout.engine)
+        rollout_engine=plan.rollout.engine,
+        # [distributed] FSDP2 sharding: weights/grads/Adam divided by the ranks, gathered weights counted
+        shard_world=shard_world, gather_dtype=sharded_gather_dtype(plan) if shard_world > 1 else None)
 
     fixed: dict[str, Any] = {
         "gradient_checkpointing": _auto(arr.model.enable_gradient_checkpointing),
@@ -446,11 +453,14 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
                 reasons[key] = f"hardware.{key}=true ignored: a CPU run has nowhere to offload to"
             fixed[key] = None
         fixed["ref_on_device"] = None
+    if shard_world > 1:  # [distributed] FSDP2 offloads with its CPUOffloadPolicy only; a sharded ref stays on device
+        fixed.update(optimizer_offload=False, ref_on_device=True, param_offload=bool(fixed["param_offload"]))
     chunk = int(hcfg.logprob_chunk_size or 0) or None
     fit = est.fit_settings(shape, workload, budget, fixed, critic_shape, logprob_chunk_size=chunk)
     if fit is None:
-        label = f" ({source})" if world == 1 else (
-            f" ({source} per rank; each of the {world} ranks holds the full models: no sharding yet)")
+        label = f" ({source})" if world == 1 else (  # [distributed]
+            f" ({source} per rank; the models sharded over the {world} ranks)" if shard_world > 1 else
+            f" ({source} per rank; each of the {world} ranks holds the full models)")
         raise NoFitError(est.explain_no_fit(shape, workload, budget, fixed, critic_shape, label))
     placement, estimate = fit.placement, fit.estimate
     plan.estimate = estimate
@@ -638,6 +648,13 @@ def plan_rollout_for(model_or_shape: Any, device: Any = "cpu", dtype: Optional[t
     return rollout
 
 
+def sharded_gather_dtype(plan: Plan) -> Optional[torch.dtype]:
+    """[distributed] The dtype FSDP2 gathers a sharded model's weights in: the compute dtype under bf16 autocast
+    (MixedPrecisionPolicy, gradients reduced in fp32); None (the fp32 params) otherwise, fp16 included (it keeps
+    today's autocast + loss scaler on fp32 weights)."""
+    return BF16 if plan.use_autocast and plan.compute_dtype == BF16 else None
+
+
 def _local_rank() -> int:
     """This process's GPU index under torchrun (0 alone)."""
     return int(os.environ.get("LOCAL_RANK", 0))
@@ -657,16 +674,8 @@ def _plan_data_parallel(cfg: Any, plan: Plan, machine: HardwareProbe, for_execut
         raise PlanError(f"trainer.n_gpus_per_node={per_node} but this node has {len(machine.devices)} CUDA device(s): "
                         f"use trainer.n_gpus_per_node<={len(machine.devices)} (or hardware.device=cpu for CPU "
                         "processes)")
-    plan.data_parallel = "replicate"
     plan.dist_backend = "nccl" if on_gpu else "gloo"
-    peak = (plan.estimate or {}).get("peak_bytes")
-    reasons["data_parallel"] = (
-        f"replicate over {world} ranks: each holds the full actor/critic/reference and its share of the batch"
-        + (f" (per-rank peak {est.format_bytes(peak)}" if peak else "")
-        + (f" of {est.format_bytes(plan.memory_budget_bytes)})" if peak and plan.memory_budget_bytes else
-           ")" if peak else "")
-        + "; gradients summed over ranks once per optimizer step. Sharding (FSDP2) is not implemented: "
-          "more ranks do not lower the memory for weights and optimizer state")
+    # [distributed] plan.data_parallel ("replicate" | "shard") and its reason come from distributed.plan_sharding
     reasons["dist_backend"] = "NCCL between GPUs" if on_gpu else "gloo between CPU processes"
     if not on_gpu:
         plan.cpu_threads = max(1, (machine.cpu_cores or os.cpu_count() or 1) // per_node)

@@ -138,7 +138,7 @@ class Plan:
     rollout: RolloutPlan = field(default_factory=lambda: RolloutPlan(dtype=FP32))  # how responses are generated
     sizes: RuntimeSizes = field(default_factory=RuntimeSizes)  # batch sizes OOM recovery may lower
     world_size: int = 1  # ranks (trainer.nnodes x trainer.n_gpus_per_node); sizes above are per rank
-    data_parallel: str = "none"  # "none" | "replicate" (every rank holds the full models; gradients all-reduced)
+    data_parallel: str = "none"  # "none" | "replicate" (full models per rank) | "shard" (FSDP2; sharding.py)
     dist_backend: Optional[str] = None  # "nccl" | "gloo" when world_size > 1
     cpu_threads: Optional[int] = None  # torch threads per process when several CPU ranks share a machine
 

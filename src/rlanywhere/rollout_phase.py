@@ -19,6 +19,7 @@ from .errors import UserError
 from .oom import OOMGuard
 from .plans import Plan, SizeKind
 from .rollout.base import RolloutBatch, SamplingParams, StopStringMatcher, collect_eos_ids
+from .sharding import weights_for_rollout
 from .stepbatch import ScoredRollout
 from .vocabulary import STATISTICS_DTYPE
 
@@ -78,7 +79,8 @@ class RolloutPhase:
             with torch.no_grad():  # step-level tensors live on the CPU; micro-batches visit the device
                 return self.engine.generate(prompts, params, generator=source, rows_per_wave=rows).to("cpu")
 
-        return self.oom.run("rollout", run, SizeKind.ROLLOUT_BATCH)
+        with weights_for_rollout(self.engine, self.actor):  # [distributed] sharded: gathered, synced, then freed
+            return self.oom.run("rollout", run, SizeKind.ROLLOUT_BATCH)
 
     def score(self, items: list[dict], rollout: RolloutBatch, n: int):
         texts = rollout.decode(self.tokenizer)

@@ -29,6 +29,7 @@ from . import builders
 from .checkpoint import (capture_rng, export_final_model, load_checkpoint, restore_rng, resume_latest,
                          retire_later_checkpoints, save_checkpoint)
 from .config import as_list, to_yaml
+from .dist_checkpoint import load_checkpoint_any, save_full_model, save_sharded
 from .distributed import DataParallel, NullTracker, check_world_config
 from .planner import make_grad_scaler
 from .plans import Plan, RuntimeSizes, SizeKind
@@ -37,6 +38,7 @@ from .offload import on_device
 from .oom import OOMGuard
 from .precision_guard import PrecisionGuard
 from .rollout_phase import RolloutPhase, response_length
+from .sharding import is_sharded, sync_engine
 from .runguard import RunInterrupted, RunStops, StopSignals, prepare_run_dir
 from .stepbatch import StepBatch
 from .stepmetrics import PhaseTimer, step_metrics
@@ -226,7 +228,7 @@ class RLTrainer:
                 metrics.update(self.update_actor(batch))
             for scheduler in self.schedulers.values():
                 scheduler.step()
-            self.engine.sync_weights()
+            sync_engine(self.engine, self.actor)  # [distributed] sharded: synced at the next generation instead
 
         # 7. diagnostics (over all ranks' rows; timings are this rank's)
         metrics.update(step_metrics(
@@ -249,10 +251,17 @@ class RLTrainer:
                 "plan_sizes": self.plan.sizes.to_dict()}
 
     def save(self) -> str:
-        export = merged_state_for_export(self.actor) if self.plan.use_lora else None
+        sharded = is_sharded(self.actor)
+        export = merged_state_for_export(self.actor) if self.plan.use_lora and not sharded else None
         # [distributed] replicas are identical: rank 0 writes, the others wait until it is complete
         path = os.path.join(self.run_dir, "checkpoints", f"global_step_{self.global_step}")
-        if self.dp.is_main:
+        if sharded:  # [distributed] every rank writes its shards (DCP), rank 0 the rest; LoRA merged there
+            path = save_sharded(self.dp, self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
+                                critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
+                                trainer_state=self.trainer_state(), keep=self.cfg.trainer.max_actor_ckpt_to_keep,
+                                config_yaml=to_yaml(self.cfg))
+            log.info("checkpoint saved: %s", path)
+        elif self.dp.is_main:
             path = save_checkpoint(self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
                                    critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
                                    trainer_state=self.trainer_state(), export_actor=export,
@@ -265,6 +274,10 @@ class RLTrainer:
     def save_final_model(self) -> str:
         """The trained actor in HF format at the end of a run: the last checkpoint's actor/ when one was written at
         this step (save_freq > 0), else RUN_DIR/final_model/ (model + tokenizer, LoRA merged, no optimizer)."""
+        if is_sharded(self.actor):  # [distributed] gathered full weights, written by rank 0
+            final = os.path.join(self.run_dir, "final_model")
+            save_full_model(self.dp, final, self.actor, self.tokenizer)
+            return final
         return export_final_model(self.run_dir, self.global_step, lambda: merged_state_for_export(self.actor)
                                   if self.plan.use_lora else self.actor, self.tokenizer, self.dp)
 
@@ -275,8 +288,9 @@ class RLTrainer:
             return
 
         def load(path: str) -> dict:
-            return load_checkpoint(path, actor=self.actor, critic=self.critic, optimizers=self.optimizers,
-                                   schedulers=self.schedulers)
+            # [distributed] a sharded (DCP) checkpoint loads on any world size; a replicated one as before
+            return load_checkpoint_any(load_checkpoint, path, actor=self.actor, critic=self.critic,
+                                       optimizers=self.optimizers, schedulers=self.schedulers)
 
         if trainer_cfg.resume_mode == "resume_path":  # asked for by name: no fallback
             path, state = trainer_cfg.resume_from_path, load(trainer_cfg.resume_from_path)
@@ -294,7 +308,7 @@ class RLTrainer:
             self.plan.sizes = self.oom_guard.sizes = RuntimeSizes.from_dict(state["plan_sizes"])
         self.write_plan_record()
         builders.apply_optim_config(self.cfg, self.optimizers, self.schedulers)
-        self.engine.sync_weights()
+        sync_engine(self.engine, self.actor)  # [distributed]
         retire_later_checkpoints(self.run_dir, self.global_step)  # never a mix of two timelines
         self.stops.last_good_checkpoint = path
         log.info("resumed from %s at step %d", path, self.global_step)

@@ -22,6 +22,7 @@ from .logprobs import response_logprobs
 from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
 from .models import response_values
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
+from .sharding import call_in_root_forward, gathered, is_sharded, matched_micro_batches, needs_gradient_sum
 from .oom import OOMGuard
 from .plans import Plan, SizeKind
 from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
@@ -92,13 +93,16 @@ class Updater:
 
     def logprobs(self, model, batch: StepBatch, temperature: float) -> torch.Tensor:
         """Log-probs of every response token under `model`."""
-        return self.forward_all("log_probs", batch, lambda ids, mask, pos, resp_len: response_logprobs(
-            model, ids, mask, resp_len, temperature=temperature, chunk_size=self.plan.logprob_chunk_size,
-            position_ids=pos)[0])
+        logprobs = call_in_root_forward(model, response_logprobs)  # [distributed] sharded: in the root's forward
+        with gathered(model):  # [distributed] sharded: full weights for the pass, so ranks need not match calls
+            return self.forward_all("log_probs", batch, lambda ids, mask, pos, resp_len: logprobs(
+                model, ids, mask, resp_len, temperature=temperature, chunk_size=self.plan.logprob_chunk_size,
+                position_ids=pos)[0])
 
     def values(self, critic, batch: StepBatch) -> torch.Tensor:
-        return self.forward_all("values", batch, lambda ids, mask, pos, resp_len: response_values(
-            critic, ids, mask, resp_len, pos))
+        with gathered(critic):  # [distributed] sharded: full weights for the pass
+            return self.forward_all("values", batch, lambda ids, mask, pos, resp_len: response_values(
+                critic, ids, mask, resp_len, pos))
 
     # ------------------------------------------------------------------------------------------ updates
     def accumulate(self, model, optimizer, batch: StepBatch, rows: list[int], size: int, loss_fn: LossFn,
@@ -113,11 +117,16 @@ class Updater:
         if scale is None:
             scale = algo.LossScale.of(batch.mask[rows], norm_length=self.response_length)
         totals: dict[str, float] = {}
-        for micro in self.micro_batches(batch, rows, size):
+        # [distributed] a sharded model: as many backward passes on every rank (padding ones weigh 0)
+        for micro, padding in matched_micro_batches(self.micro_batches(batch, rows, size), self.dp,
+                                                    is_sharded(model)):
             ids, mask, pos, resp_len = self.forward_rows(batch, micro)
             resp_mask = batch.mask[micro, :resp_len].to(self.device)
             with autocast_context(self.plan):
                 loss, shares, means = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask, scale)
+            if padding:
+                (loss * 0.0).backward()
+                continue
             if not torch.isfinite(loss.detach()):  # say which rows, so a rare NaN can be traced to its data
                 log.warning("non-finite loss %s in a micro-batch of rows %s (response lengths %s, prompt lengths %s)",
                             float(loss.detach()), micro[:16], batch.mask[micro].sum(-1).int().tolist()[:16],
@@ -153,8 +162,9 @@ class Updater:
         """`epochs` passes over the batch in mini-batches of `mini_rows` rows (all ranks' rows), one optimizer step
         each (rows shuffled per epoch when `shuffle_seed` is given); metrics averaged over the steps as
         `name/<metric>`. With param offload, `park` (the model not being trained) leaves the GPU meanwhile."""
+        # [distributed] a sharded model parks itself (FSDP2's CPUOffloadPolicy)
         parked = on_device(park, "cpu") if park is not None and self.plan.param_offload and self.device != "cpu" \
-            else contextlib.nullcontext()
+            and not is_sharded(park) else contextlib.nullcontext()
         with parked:
             if self.plan.optimizer_offload:
                 load_optimizer_state(optimizer, self.device)
@@ -173,9 +183,16 @@ class Updater:
                 for start in range(0, steps * local_mini, local_mini):
                     rows = order[start:start + local_mini]
                     scale = self.dp.loss_scale(batch.mask[rows], self.response_length) if self.dp.enabled else None
-                    metrics = self.oom.run(f"{name}_update", lambda size, rows=rows: self.accumulate(
-                        model, optimizer, batch, rows, size, loss_fn, scale), self.size_kind(kind))
-                    self.dp.sum_gradients(model)
+                    accumulate = lambda size, rows=rows, scale=scale: self.accumulate(  # noqa: E731
+                        model, optimizer, batch, rows, size, loss_fn, scale)
+                    if is_sharded(model):
+                        # [distributed] a sharded update communicates per layer: one rank redoing a micro-batch
+                        # alone would hang the others, so an OOM there ends the job
+                        metrics = accumulate(self.plan.sizes.get(self.size_kind(kind)))
+                    else:
+                        metrics = self.oom.run(f"{name}_update", accumulate, self.size_kind(kind))
+                    if needs_gradient_sum(model):  # [distributed] FSDP2 reduce-scatters a sharded model's itself
+                        self.dp.sum_gradients(model)
                     metrics = self.dp.sum_dict(metrics)
                     metrics["grad_norm"] = self.optimizer_step(name, model, optimizer, grad_clip)
                     for key, value in metrics.items():
@@ -211,7 +228,9 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
     compare_rollout = logprobs_comparable(rollout_cfg.top_k, rollout_cfg.top_p)
 
     def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask, scale):
-        logprob, entropy = response_logprobs(model, ids, mask, resp_len, temperature=temperature,
+        # [distributed] call_in_root_forward: a sharded model's root weights gathered around the head
+        logprob, entropy = call_in_root_forward(model, response_logprobs)(model, ids, mask, resp_len,
+                                                                          temperature=temperature,
                                              chunk_size=logprob_chunk_size, with_entropy=True, position_ids=pos)
         pick = lambda t: t[rows, :resp_len].to(device)  # noqa: E731
         old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()

@@ -1,0 +1,212 @@
+"""Checkpoints of sharded (FSDP2) runs: model and optimizer state with `torch.distributed.checkpoint` (DCP), in the
+same atomic, manifest-checked layout as checkpoint.py, plus the HF-format actor written once by rank 0.
+
+    RUN_DIR/checkpoints/global_step_N/
+        dcp/                    DCP: actor, critic and their optimizers, each rank's shards + .metadata
+        actor/                  HF model (safetensors + config + tokenizer) from the gathered full weights; LoRA merged
+        schedulers.pt, rng.pt, trainer_state.json ("sharded": true), config.yaml, manifest.json
+
+Every rank writes its own shards into `global_step_N.tmp/dcp`; rank 0 writes the rest, the manifest last, and
+renames the directory into place (a kill before that leaves the previous checkpoint as it was). DCP stores each
+tensor with its global shape and FQN, so a checkpoint written by N ranks loads on M ranks, sharded or not
+(`load_sharded`: on one process the models are plain modules and DCP reads the shards into full tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .checkpoint import (LATEST_FILE, CheckpointError, _atomic_write_text, _fsync_dir, capture_rng, checkpoint_root,
+                         list_checkpoints, restore_rng, verify_checkpoint, write_manifest)
+
+log = logging.getLogger(__name__)
+
+DCP_DIR = "dcp"
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, DCP_DIR))
+
+
+def _state_dicts(models: dict[str, Optional[nn.Module]], optimizers: dict[str, torch.optim.Optimizer]) -> dict:
+    """{name: model state, name + "_optim": optimizer state} keyed by parameter names (FQNs), sharded as the live
+    objects are (DTensors under FSDP2, plain tensors otherwise)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state = {}
+    for name, model in models.items():
+        if model is None:
+            continue
+        optimizer = optimizers.get(name)
+        model_state, optim_state = get_state_dict(model, optimizers=[optimizer] if optimizer is not None else [])
+        state[name] = model_state
+        if optimizer is not None:
+            state[f"{name}_optim"] = optim_state
+    return state
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full weights on the CPU of rank 0 (other ranks get {}); collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def merge_lora_state(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A peft model's full state dict -> the plain model's, each LoRA delta (B @ A x alpha / r) merged into its
+    base weight, peft's prefixes stripped; a plain model's is returned as it is."""
+    from .lora import is_peft_model
+
+    if not is_peft_model(model):
+        return state
+    config = model.peft_config[model.active_adapter]
+    scale = config.lora_alpha / config.r
+    out: dict[str, torch.Tensor] = {}
+    prefix = "base_model.model."
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        name = key[len(prefix):] if key.startswith(prefix) else key
+        if name.endswith(".base_layer.weight"):
+            stem = key[: -len(".base_layer.weight")]
+            a, b = state.get(f"{stem}.lora_A.default.weight"), state.get(f"{stem}.lora_B.default.weight")
+            if a is not None and b is not None:
+                value = (value.float() + scale * (b.float() @ a.float())).to(value.dtype)
+            name = name.replace(".base_layer.weight", ".weight")
+        elif ".base_layer." in name:
+            name = name.replace(".base_layer.", ".")
+        out[name] = value
+    return out
+
+
+def write_hf_model(directory: str, model: nn.Module, state: dict[str, torch.Tensor], tokenizer=None) -> None:
+    """An HF directory (`AutoModelForCausalLM.from_pretrained` loads it) from a full state dict (rank 0)."""
+    from safetensors.torch import save_file
+
+    from .lora import unwrap_peft
+
+    inner = unwrap_peft(model)
+    state = merge_lora_state(state, model)
+    if getattr(inner.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied: transformers re-ties it from the embeddings
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(directory, "model.safetensors"),
+              metadata={"format": "pt"})
+    inner.config.save_pretrained(directory)
+    if getattr(inner, "generation_config", None) is not None:
+        inner.generation_config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def save_sharded(dp, run_dir: str, step: int, *, actor, tokenizer, critic, optimizers: dict, schedulers: dict,
+                 trainer_state: dict, keep: Optional[int] = None, config_yaml: Optional[str] = None) -> str:
+    """Write checkpoint `step` of a sharded run (every rank calls it); returns its directory."""
+    import torch.distributed.checkpoint as dcp
+
+    root = checkpoint_root(run_dir)
+    final = os.path.join(root, f"global_step_{step}")
+    tmp = final + ".tmp"
+    actor_full = full_model_state(actor)  # collective; rank 0 holds the tensors
+    bad = next((k for k, v in actor_full.items() if not bool(torch.isfinite(v).all())), None)
+    bad = dp.gather_objects([bad])
+    if any(bad):
+        earlier = list_checkpoints(run_dir)
+        raise CheckpointError(
+            f"not saving global_step_{step}: parameter {next(b for b in bad if b)} holds NaN/inf. The last "
+            f"checkpoint is {earlier[-1] if earlier else '(none)'}; resume from it with a lower learning rate "
+            "(trainer.resume_mode=resume_path trainer.resume_from_path=<it>)")
+    if dp.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dp.barrier()
+    dcp.save(_state_dicts({"actor": actor, "critic": critic}, optimizers),
+             checkpoint_id=os.path.join(tmp, DCP_DIR))
+    if dp.is_main:
+        write_hf_model(os.path.join(tmp, "actor"), actor, actor_full, tokenizer)
+        torch.save({k: v.state_dict() for k, v in schedulers.items()}, os.path.join(tmp, "schedulers.pt"))
+        rng_tensors, rng_plain = capture_rng()
+        torch.save(rng_tensors, os.path.join(tmp, "rng.pt"))
+        if config_yaml is not None:
+            with open(os.path.join(tmp, "config.yaml"), "w") as handle:
+                handle.write(config_yaml)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as handle:
+            json.dump({**trainer_state, "global_step": step, "rng": rng_plain, "sharded": True,
+                       "world_size": dp.world}, handle)
+        write_manifest(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
+        if keep:
+            for old in list_checkpoints(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dp.barrier()
+    return final
+
+
+def load_sharded(path: str, *, actor, critic=None, optimizers: dict, schedulers: dict) -> dict[str, Any]:
+    """Load a DCP checkpoint into live objects (sharded over any number of ranks, or plain); returns trainer_state.
+    Every rank calls it (collective when a process group exists)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    problem = verify_checkpoint(path)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as handle:
+            state = json.load(handle)
+        models = {"actor": actor, "critic": critic}
+        target = _state_dicts(models, optimizers)
+        dcp.load(target, checkpoint_id=os.path.join(path, DCP_DIR))
+        for name, model in models.items():
+            if model is None:
+                continue
+            optimizer = optimizers.get(name)
+            set_state_dict(model, optimizers=[optimizer] if optimizer is not None else [],
+                           model_state_dict=target[name], optim_state_dict=target.get(f"{name}_optim", {}))
+        saved = torch.load(os.path.join(path, "schedulers.pt"), map_location="cpu", weights_only=True)
+        for name, scheduler in schedulers.items():
+            scheduler.load_state_dict(saved[name])
+        restore_rng(torch.load(os.path.join(path, "rng.pt"), weights_only=True), state["rng"])
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged file fails in many ways
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
+    return state
+
+
+def save_full_model(dp, directory: str, model: nn.Module, tokenizer) -> None:
+    """The trained actor of a sharded run in HF format (LoRA merged), written by rank 0, atomically."""
+    full = full_model_state(model)
+    if dp.is_main:
+        tmp = directory + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_hf_model(tmp, model, full, tokenizer)
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(tmp, directory)
+    dp.barrier()
+
+
+def load_checkpoint_any(load_replicated, path: str, *, actor, critic=None, optimizers: dict,
+                        schedulers: dict) -> dict[str, Any]:
+    """A sharded (DCP) checkpoint with `load_sharded`, on any world size, sharded or not; a replicated one with
+    `load_replicated` (checkpoint.load_checkpoint), which a sharded model cannot take."""
+    from .sharding import is_sharded
+
+    kwargs = dict(actor=actor, critic=critic, optimizers=optimizers, schedulers=schedulers)
+    if is_sharded_checkpoint(path):
+        return load_sharded(path, **kwargs)
+    if is_sharded(actor):
+        raise CheckpointError(f"checkpoint {path} was written by a replicated run and this run is sharded "
+                              "(plan.data_parallel=shard): resume it with hardware.data_parallel=replicate, or start "
+                              "a sharded run from its HF weights (actor_rollout_ref.model.path=<it>/actor)")
+    return load_replicated(path, **kwargs)

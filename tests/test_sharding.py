@@ -1,0 +1,225 @@
+"""FSDP2 sharding on CPU: 2 gloo ranks with hardware.data_parallel=shard train like one process on the same global
+batch (GRPO and PPO: losses, gradient norms, every metric, the weights), survive kill -9 with DCP checkpoints, and
+a 2-rank sharded checkpoint resumes on 1 rank. Plus the pieces on their own: gradients of the chunked log-probs
+through a sharded root equal one process's, the planner's replicate/shard/refuse decision.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import time
+
+import pytest
+import torch
+
+from rlanywhere.config import load_config
+from rlanywhere.tracking import read_metrics
+
+from .test_distributed import (actor_weights, assert_same_metrics, assert_same_weights, finish, kill_9_job,
+                               overrides, reward_file, single_process, torchrun)
+
+pytestmark = pytest.mark.slow
+_ = reward_file  # the fixture, imported for the tests below
+
+SHARD = {"hardware.data_parallel": "shard"}
+
+
+def plan_record(run_dir) -> dict:
+    return json.loads((run_dir / "plan.json").read_text())
+
+
+def test_grpo_sharded_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_model_dir, arith_data, tmp_path,
+                                                                            reward_file):
+    """GRPO, 3 steps, sharded: killed with SIGKILL inside step 3 (after the DCP checkpoint of step 2), resumed on 2
+    ranks: steps 0-3 equal one process; the same checkpoint resumed by one process gives the same step 3."""
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    marker = dist_dir / "checkpoints" / "global_step_2" / "trainer_state.json"
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD),
+                    {"RLA_TEST_HANG_WHEN": str(marker)})
+    deadline = time.time() + 240
+    latest = dist_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    while not (latest.exists() and latest.read_text().strip() == "2"):
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.time() < deadline, "no step-2 checkpoint"
+        time.sleep(0.1)
+    kill_9_job(proc)
+    proc.communicate(timeout=60)
+    checkpoint = dist_dir / "checkpoints" / "global_step_2"
+    assert (checkpoint / "dcp" / ".metadata").exists(), sorted(os.listdir(checkpoint))
+    assert (checkpoint / "actor" / "model.safetensors").exists()  # the HF-format actor, written once by rank 0
+    shutil.copytree(dist_dir, tmp_path / "dist_copy")
+
+    resume = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD))
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file))
+    out = finish(resume)
+    assert "resumed from" in out and "global_step_2" in out
+    assert plan_record(dist_dir)["data_parallel"] == "shard"
+
+    want = read_metrics(single_dir)
+    assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2, 3))
+    assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"), reference.actor)
+    assert any(abs(r.get("actor/pg_loss", 0.0)) > 1e-4 for r in want)
+
+    # the 2-rank sharded checkpoint resumed by one process (DCP reshards to the world size that loads it)
+    copy = tmp_path / "dist_copy"
+    single_process(overrides(tiny_model_dir, arith_data, copy, reward_file))
+    assert_same_metrics(read_metrics(copy), want, steps=(3,))
+
+
+def test_ppo_sharded_with_critic_and_reference_matches_one_process(tiny_model_dir, arith_data, tmp_path, reward_file):
+    """PPO: sharded actor, critic and reference, KL in the reward (adaptive), 2 epochs, gradient checkpointing,
+    token-budget micro-batches (ranks may run different numbers of them: padded to match)."""
+    extra = {"algorithm.adv_estimator": "gae", "algorithm.use_kl_in_reward": True,
+             "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.05,
+             "algorithm.kl_ctrl.target_kl": 0.01, "algorithm.kl_ctrl.horizon": 10,
+             "actor_rollout_ref.actor.ppo_epochs": 2, "critic.optim.lr": 1e-3,
+             "actor_rollout_ref.actor.use_dynamic_bsz": True,
+             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 90,
+             "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+             "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 0}
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **SHARD))
+    single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
+    finish(proc)
+    assert plan_record(dist_dir)["data_parallel"] == "shard"
+    want = read_metrics(single_dir)
+    assert {"critic/vf_loss", "actor/kl_coef", "actor/kl", "actor/grad_norm", "critic/grad_norm"} <= set(want[-1])
+    assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2))
+
+
+def test_lora_sharded_matches_one_process_and_exports_merged_weights(tiny_model_dir, arith_data, tmp_path,
+                                                                     reward_file):
+    """LoRA sharded (the adapters are the trainable parameters; the reference is the adapter-disabled base, KL
+    loss on): metrics of 2 GRPO steps equal one process, and the checkpoint's HF actor (gathered, LoRA merged by
+    dist_checkpoint) equals the one process's merged weights."""
+    from rlanywhere.lora import merged_state_for_export
+
+    extra = {"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 16,
+             "actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.kl_loss_coef": 0.1,
+             "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 2}
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **SHARD))
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
+    finish(proc)
+    assert plan_record(dist_dir)["data_parallel"] == "shard"
+    want = read_metrics(single_dir)
+    assert {"actor/kl_loss", "actor/grad_norm"} <= set(want[-1])
+    assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2))
+    got = actor_weights(dist_dir / "checkpoints" / "global_step_2")
+    assert not any("lora" in key for key in got)
+    assert_same_weights(got, merged_state_for_export(reference.actor))
+
+
+def _sharded_head_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    """Chunked log-probs + entropy of a sharded model (decoder call, LM head weight read directly) on 2 gloo
+    ranks, each its half of the rows in 2 micro-batches: gradients and the clipped norm, gathered to full."""
+    from transformers import AutoModelForCausalLM
+
+    from rlanywhere.distributed import DataParallel
+    from rlanywhere.logprobs import response_logprobs
+    from rlanywhere.sharding import call_in_root_forward, gathered, is_sharded, shard_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    dp = DataParallel.from_env("cpu", "gloo")
+    torch.manual_seed(0)
+    ids = torch.randint(4, 200, (4, 12))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    shard_model(model)
+    assert is_sharded(model)
+    logprobs = call_in_root_forward(model, response_logprobs)
+    for row in (2 * rank, 2 * rank + 1):
+        lp, ent = logprobs(model, ids[row:row + 1], torch.ones(1, 12, dtype=torch.long), 6, with_entropy=True)
+        (lp.sum() / 24 + 0.1 * ent.sum() / 24).backward()  # shares of the global mean over 4 rows x 6 tokens
+    norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1e9)
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    with gathered(model):  # plain full weights, no collective inside (ranks may call it unequally)
+        full = model.model.layers[0].mlp.up_proj.weight
+        plain = type(full) is torch.nn.Parameter and full.shape == (128, 64)
+        if rank == 0:
+            model(ids[:1])
+    if rank == 0:
+        torch.save({"grads": grads, "norm": float(norm), "plain": plain}, os.path.join(out_dir, "sharded.pt"))
+    dp.close()
+
+
+def test_sharded_chunked_logprob_gradients_equal_one_process(tiny_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    from rlanywhere.logprobs import response_logprobs
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_sharded_head_worker, args=(port, str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    got = torch.load(tmp_path / "sharded.pt", weights_only=True)
+    torch.manual_seed(0)
+    ids = torch.randint(4, 200, (4, 12))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lp, ent = response_logprobs(model, ids, torch.ones(4, 12, dtype=torch.long), 6, with_entropy=True)
+    (lp.sum() / 24 + 0.1 * ent.sum() / 24).backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1e9)
+    assert got["plain"]
+    assert math.isclose(got["norm"], float(norm), rel_tol=1e-5)
+    for name, param in model.named_parameters():
+        # the summed (not averaged) gradient: FSDP's divide factor is 1, each rank's loss is its share
+        torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-5, atol=1e-7)
+    assert float(model.model.embed_tokens.weight.grad.abs().sum()) > 0  # the tied head's gradient arrived
+
+
+def test_planner_shards_what_does_not_fit_replicated():
+    """Qwen2.5-1.5B-shape full fine-tuning GRPO on emulated P40s (optimizer offload off): refused on one card with
+    the numbers, planned "shard" on two (weights, grads and Adam halved; the gathered weights counted for the
+    rollout); a small model stays replicated; hardware.data_parallel forces either; a bad value is an error."""
+    from rlanywhere.errors import UserError
+    from rlanywhere.planner import make_plan
+    from rlanywhere.vocabulary import NoFitError
+
+    big = ["actor_rollout_ref.model.path=qwen2.5-1.5b", "algorithm.adv_estimator=grpo", "data.train_batch_size=16",
+           "actor_rollout_ref.rollout.n=8", "data.max_prompt_length=256", "data.max_response_length=512",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "hardware.optimizer_offload=false"]
+
+    def plan(items):
+        return make_plan(load_config(None, items), for_execution=False, emulate="p40")
+
+    with pytest.raises(NoFitError, match="actor_adam 11.50 GiB"):
+        plan(big)
+    two = plan(big + ["trainer.n_gpus_per_node=2"])
+    assert (two.world_size, two.data_parallel) == (2, "shard")
+    parts = two.estimate["breakdown"]
+    assert parts["actor_update"]["actor_adam"] == pytest.approx(11.50 * 2**30 / 2, rel=0.01)
+    assert parts["rollout"]["gathered_weights"] == pytest.approx(5.75 * 2**30, rel=0.01)
+    assert two.estimate["peak_bytes"] <= two.memory_budget_bytes
+    assert "a full replica does not fit one rank" in two.reasons["data_parallel"]
+    assert "gathered" in two.reasons["data_parallel"]
+    seven = [item.replace("qwen2.5-1.5b", "qwen2.5-7b") for item in big]
+    with pytest.raises(NoFitError, match="(?s)sharded over the 2 ranks.*does not fit either"):  # 7B: not even sharded
+        plan(seven + ["trainer.n_gpus_per_node=2"])
+    small = ["actor_rollout_ref.model.path=qwen2.5-0.5b", "algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=2"]
+    assert plan(small).data_parallel == "replicate"
+    assert plan(small + ["hardware.data_parallel=shard"]).data_parallel == "shard"
+    with pytest.raises(NoFitError):
+        plan(big + ["trainer.n_gpus_per_node=2", "hardware.data_parallel=replicate"])
+    with pytest.raises(UserError, match="hardware.data_parallel='both'"):
+        plan(small + ["hardware.data_parallel=both"])
+
+
+def test_matched_micro_batches_pad_the_shorter_rank():
+    """A rank with fewer micro-batches than the most any rank has repeats its first one, flagged as padding (its
+    loss weighs 0); replicas and one process are left alone."""
+    from rlanywhere.sharding import matched_micro_batches
+
+    class TwoRanks:
+        enabled = True
+
+        def max_value(self, value: float) -> float:
+            return max(value, 3.0)  # the other rank has 3 micro-batches
+
+    assert matched_micro_batches([[0, 1], [2]], TwoRanks(), sharded=True) == [
+        ([0, 1], False), ([2], False), ([0, 1], True)]
+    assert matched_micro_batches([[0, 1], [2]], TwoRanks(), sharded=False) == [([0, 1], False), ([2], False)]
