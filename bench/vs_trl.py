@@ -208,10 +208,13 @@ def main() -> int:
             if not run.startswith("trl"):
                 with open(os.path.join(run_dir, "plan.json")) as handle:
                     plan = json.load(handle)
-                results[run]["plan"] = {k: plan.get(k) for k in ("precision", "gradient_checkpointing",
-                                                                  "actor_micro_batch_size",
-                                                                  "max_token_len_per_micro_batch",
-                                                                  "attn_implementation", "rollout_engine")}
+                sizes = plan.get("sizes", {})
+                results[run]["plan"] = {
+                    "precision": plan.get("precision"), "gradient_checkpointing": plan.get("gradient_checkpointing"),
+                    "actor_micro_batch_size": sizes.get("actor_micro_batch_size"),
+                    "max_token_len_per_micro_batch": sizes.get("max_token_len_per_micro_batch"),
+                    "attn_implementation": plan.get("attn_implementation"),
+                    "rollout_engine": plan.get("rollout", {}).get("engine")}
 
     reference = None
     if "trl" in results:
