@@ -2,7 +2,7 @@
 
 It composes three parts, each with one job, and decides nothing about the hardware itself: every choice (dtype,
 decode attention, weight fusion, HF rounding, fp32 logits, CUDA graphs, rows per wave) comes from the
-`RolloutPlan` it is given (plan.py; the planner fills it, `RolloutPlan()` is the portable choice):
+`RolloutPlan` it is given (plans.py; the planner fills it, `RolloutPlan()` is the portable choice):
 
 - `llama.LlamaForward`: the model forward on the HF model's own parameters (no copy when the engine dtype
   matches; one cast copy, refreshed by `sync_weights()`, when it does not; LoRA read as merged copies);
@@ -93,7 +93,7 @@ class FastEngine(RolloutEngine):
     Args:
         model: a transformers Llama / Qwen2 / Qwen3 / Mistral causal LM, optionally wrapped by peft (LoRA).
         tokenizer: used for EOS ids and stop strings (may be None when neither is needed).
-        rollout: the RolloutPlan (plan.py says what each field means); default `RolloutPlan()`: the model's dtype,
+        rollout: the RolloutPlan (plans.py says what each field means); default `RolloutPlan()`: the model's dtype,
             SDPA attention, no CUDA graphs, no weight copies, the whole request in one wave.
         pad_token_id: default: the tokenizer's pad id, else the first EOS id.
     """
