@@ -108,6 +108,12 @@ def test_recipe_runs_one_step_on_cpu(tiny_model_dir, gsm8k_subset, tmp_path, zer
         assert point["acc"] == point["trainer_val_acc"]  # our re-scoring agrees with the trainer's val/acc
         assert 0.0 <= point["flexible_acc"] <= 1.0 and 0.0 <= point["format"] <= 1.0
     assert result["points"][1]["minutes"] > 0
+    # the trainer logs the reward's other numbers too: its val/flexible_acc is the bench's re-scored one
+    from rlanywhere.tracking import read_metrics
+
+    logged = {r["step"]: r for r in read_metrics(str(tmp_path / "work" / "run")) if "val/flexible_acc" in r}
+    assert [logged[p["step"]]["val/flexible_acc"] for p in result["points"]] == \
+        [p["flexible_acc"] for p in result["points"]]
     saved = (tmp_path / "work" / "run" / "val_generations" / "step_0.jsonl").read_text().splitlines()
     # one-shot: example question, example answer, question, the generation's turn; zero-shot: question, turn
     assert json.loads(saved[0])["prompt"].count("<|im_start|>") == (2 if zero_shot else 4)

@@ -29,6 +29,7 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
     params = rollouts.sampling_params(validation=True)
     chunk = cfg.data.val_batch_size or max(cfg.data.train_batch_size * rollouts.n, 64)
     accs, formats, scores_all, lengths, samples = [], [], [], [], []
+    extras: dict[str, list[float]] = {}  # the reward's other per-sample numbers (e.g. gsm8k's flexible_acc)
     # [distributed] the progress bar is rank 0's (it counts rank 0's block of prompts)
     with tqdm(total=len(items), desc=f"validation (step {step})", unit="prompt", leave=False,
               disable=not dp.is_main) as bar:
@@ -38,6 +39,9 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
             scores, info, texts = rollouts.score(part, rollout, params.n)
             accs += info["acc"]
             formats += info["format"]
+            for key, values in info.items():
+                if key not in ("acc", "format") and isinstance(values, list):
+                    extras.setdefault(key, []).extend(values)
             scores_all += scores.tolist()
             lengths += rollout.response_mask.sum(-1).tolist()
             samples += texts
@@ -51,9 +55,12 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
         for text, item in list(zip(all_samples[::params.n], all_items))[: cfg.trainer.log_val_generations]:
             log.info("val sample [truth %s]: %s", item["ground_truth"], text.strip()[:300])
     accs, formats, lengths = (dp.gather_objects(v) for v in (accs, formats, lengths))
+    # [distributed] the key names first: a rank whose samples all failed to score has fewer keys than the others
+    extra_keys = sorted(set(dp.gather_objects(sorted(extras)))) if dp.enabled else sorted(extras)
+    extra_means = {f"val/{key}": float(np.mean(dp.gather_objects(extras.get(key, [])))) for key in extra_keys}
     return {"val/acc": float(np.mean(accs)), "val/format": float(np.mean(formats)),
             "val/reward": float(np.mean(all_scores)), "val/response_length": float(np.mean(lengths)),
-            "val/num_samples": float(total)}
+            "val/num_samples": float(total), **extra_means}
 
 
 def write_val_generations(run_dir: str, step: int, tokenizer, items: list[dict], texts: list[str],
