@@ -151,13 +151,10 @@ def reward_file(tmp_path) -> Path:
     return path
 
 
-def test_grpo_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_model_dir, arith_data, tmp_path,
-                                                                    reward_file):
-    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
-    # 2 ranks, killed with SIGKILL inside step 3 (after checkpoint 2 is complete)
+def kill_9_after_checkpoint_2(run_overrides: list[str], dist_dir: Path) -> None:
+    """Run 2 ranks until checkpoint 2 is complete, hang them inside step 3, then SIGKILL the whole job."""
     marker = dist_dir / "checkpoints" / "global_step_2" / "trainer_state.json"
-    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file),
-                    {"RLA_TEST_HANG_WHEN": str(marker)})
+    proc = torchrun(run_overrides, {"RLA_TEST_HANG_WHEN": str(marker)})
     deadline = time.time() + 240
     latest = dist_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
     while not (latest.exists() and latest.read_text().strip() == "2"):
@@ -166,6 +163,13 @@ def test_grpo_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_model_di
         time.sleep(0.1)
     kill_9_job(proc)
     proc.communicate(timeout=60)
+
+
+def test_grpo_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_model_dir, arith_data, tmp_path,
+                                                                    reward_file):
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    # 2 ranks, killed with SIGKILL inside step 3 (after checkpoint 2 is complete)
+    kill_9_after_checkpoint_2(overrides(tiny_model_dir, arith_data, dist_dir, reward_file), dist_dir)
     assert not (dist_dir / "checkpoints" / "global_step_3").exists()
     shutil.copytree(dist_dir, tmp_path / "dist_copy")  # for the resume on one process
 

@@ -11,7 +11,6 @@ import math
 import os
 import shutil
 import socket
-import time
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ import torch
 from rlanywhere.config import load_config
 from rlanywhere.tracking import read_metrics
 
-from .test_distributed import (actor_weights, assert_same_metrics, assert_same_weights, finish, kill_9_job,
-                               overrides, reward_file, single_process, torchrun)
+from .test_distributed import (actor_weights, assert_same_metrics, assert_same_weights, finish,
+                               kill_9_after_checkpoint_2, overrides, reward_file, single_process, torchrun)
 
 pytestmark = pytest.mark.slow
 _ = reward_file  # the fixture, imported for the tests below
@@ -37,17 +36,7 @@ def test_grpo_sharded_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_
     """GRPO, 3 steps, sharded: killed with SIGKILL inside step 3 (after the DCP checkpoint of step 2), resumed on 2
     ranks: steps 0-3 equal one process; the same checkpoint resumed by one process gives the same step 3."""
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
-    marker = dist_dir / "checkpoints" / "global_step_2" / "trainer_state.json"
-    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD),
-                    {"RLA_TEST_HANG_WHEN": str(marker)})
-    deadline = time.time() + 240
-    latest = dist_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
-    while not (latest.exists() and latest.read_text().strip() == "2"):
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        assert time.time() < deadline, "no step-2 checkpoint"
-        time.sleep(0.1)
-    kill_9_job(proc)
-    proc.communicate(timeout=60)
+    kill_9_after_checkpoint_2(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD), dist_dir)
     checkpoint = dist_dir / "checkpoints" / "global_step_2"
     assert (checkpoint / "dcp" / ".metadata").exists(), sorted(os.listdir(checkpoint))
     assert (checkpoint / "actor" / "model.safetensors").exists()  # the HF-format actor, written once by rank 0

@@ -208,6 +208,14 @@ def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, critic=None, o
             f"the previous checkpoint {earlier[-1] if earlier else '(none)'} is intact. Free space (or point "
             "trainer.default_local_dir elsewhere) and re-run the same command to resume from it") from exc
 
+    return publish_checkpoint(run_dir, tmp, step, keep)
+
+
+def publish_checkpoint(run_dir: str, tmp: str, step: int, keep: Optional[int]) -> str:
+    """Make the complete `tmp` directory checkpoint `step`: rename it into place, fsync, point `latest` at it, and
+    keep only the newest `keep`. A crash before the rename leaves the previous checkpoints as they were."""
+    root = checkpoint_root(run_dir)
+    final = os.path.join(root, f"global_step_{step}")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _fsync_dir(root)
@@ -229,13 +237,19 @@ def _write_checkpoint_files(tmp: str, step: int, *, actor, tokenizer, critic, op
         critic.save(os.path.join(tmp, "critic"))
     torch.save({"optimizers": {k: v.state_dict() for k, v in optimizers.items()},
                 "schedulers": {k: v.state_dict() for k, v in schedulers.items()}}, os.path.join(tmp, "optim.pt"))
+    write_run_state(tmp, step, trainer_state, config_yaml, lora=is_lora)
+
+
+def write_run_state(tmp: str, step: int, trainer_state: dict, config_yaml: Optional[str], **extra) -> None:
+    """The non-model part of a checkpoint: RNG states, the config, and trainer_state.json (written last: its presence
+    is what the kill -9 tests wait for)."""
     rng_tensors, rng_plain = capture_rng()
     torch.save(rng_tensors, os.path.join(tmp, "rng.pt"))
     if config_yaml is not None:
         with open(os.path.join(tmp, "config.yaml"), "w") as handle:
             handle.write(config_yaml)
     with open(os.path.join(tmp, "trainer_state.json"), "w") as handle:
-        json.dump({**trainer_state, "global_step": step, "rng": rng_plain, "lora": is_lora}, handle)
+        json.dump({**trainer_state, "global_step": step, "rng": rng_plain, **extra}, handle)
 
 
 def list_checkpoints(run_dir: str) -> list[str]:

@@ -23,8 +23,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .checkpoint import (LATEST_FILE, CheckpointError, _atomic_write_text, _fsync_dir, capture_rng, checkpoint_root,
-                         list_checkpoints, restore_rng, verify_checkpoint, write_manifest)
+from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, publish_checkpoint, restore_rng,
+                         verify_checkpoint, write_manifest, write_run_state)
 
 log = logging.getLogger(__name__)
 
@@ -132,22 +132,9 @@ def save_sharded(dp, run_dir: str, step: int, *, actor, tokenizer, critic, optim
     if dp.is_main:
         write_hf_model(os.path.join(tmp, "actor"), actor, actor_full, tokenizer)
         torch.save({k: v.state_dict() for k, v in schedulers.items()}, os.path.join(tmp, "schedulers.pt"))
-        rng_tensors, rng_plain = capture_rng()
-        torch.save(rng_tensors, os.path.join(tmp, "rng.pt"))
-        if config_yaml is not None:
-            with open(os.path.join(tmp, "config.yaml"), "w") as handle:
-                handle.write(config_yaml)
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as handle:
-            json.dump({**trainer_state, "global_step": step, "rng": rng_plain, "sharded": True,
-                       "world_size": dp.world}, handle)
+        write_run_state(tmp, step, trainer_state, config_yaml, sharded=True, world_size=dp.world)
         write_manifest(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
-        if keep:
-            for old in list_checkpoints(run_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        publish_checkpoint(run_dir, tmp, step, keep)
     dp.barrier()
     return final
 
