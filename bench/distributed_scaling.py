@@ -106,7 +106,12 @@ def summarize(records: list[dict], rows_per_step: int, warmup: int) -> dict:
     train = [r for r in records if "perf/step_time_s" in r]
     timed = [r["perf/step_time_s"] for r in train[warmup:]] or [r["perf/step_time_s"] for r in train]
     step_time = statistics.median(timed)
+    # median seconds per phase (rank 0's timer): which phases shrink with more ranks and which do not
+    phases = sorted({k for r in train for k in r if k.startswith("timing/")})
+    later = train[warmup:] or train
+    phase_s = {k[len("timing/"):]: statistics.median([r[k] for r in later if k in r]) for k in phases}
     return {"steps": len(train), "step_time_s": step_time, "samples_per_s": rows_per_step / step_time,
+            "phase_s": phase_s,
             "peak_memory_gib_per_rank": max((r.get("perf/peak_memory_gib", 0.0) for r in train), default=None),
             "val_acc": {r["step"]: r["val/acc"] for r in records if "val/acc" in r}}
 
@@ -142,6 +147,9 @@ def part_scaling(args, root: str, extra: list[str]) -> dict:
               f"{args.nproc} ranks ({mode}) {many['samples_per_s']:.1f} samples/s ({many['step_time_s']:.2f} s/step): "
               f"x{results[name]['speedup']:.2f}; peak/rank {one['peak_memory_gib_per_rank']:.2f} vs "
               f"{many['peak_memory_gib_per_rank']:.2f} GiB{val}", flush=True)
+        for phase in sorted(set(one["phase_s"]) | set(many["phase_s"])):
+            print(f"  {phase}: 1 rank {one['phase_s'].get(phase, float('nan')):.3f} s  {args.nproc} ranks "
+                  f"{many['phase_s'].get(phase, float('nan')):.3f} s")
         for step in sorted(set(one["val_acc"]) | set(many["val_acc"])):
             print(f"  val/acc step {step}: 1 rank {one['val_acc'].get(step)}  {args.nproc} ranks "
                   f"{many['val_acc'].get(step)}")
