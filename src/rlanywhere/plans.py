@@ -53,11 +53,6 @@ class RolloutPlan:
                 f"{logits} logits{', HF rounding' if self.match_hf_numerics else ''}"
                 f"{', CUDA graphs' if self.cuda_graphs else ''}")
 
-    def to_dict(self) -> dict[str, Any]:
-        record = asdict(self)
-        record["dtype"] = str(self.dtype).replace("torch.", "") if self.dtype is not None else None
-        return record
-
 
 class SizeKind(str, Enum):
     """Which runtime size a phase runs at: each member's value is the RuntimeSizes field holding it."""

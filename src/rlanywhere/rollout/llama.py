@@ -232,7 +232,6 @@ class ModelDims:
     heads: int
     kv_heads: int
     head_dim: int
-    intermediate: int
     vocab: int
     eps: float
     scaling: float
@@ -255,17 +254,12 @@ class ModelDims:
             heads=config.num_attention_heads,
             kv_heads=config.num_key_value_heads,
             head_dim=head_dim,
-            intermediate=effective_weight(inner.layers[0].mlp.gate_proj)[0].shape[0],
             vocab=effective_weight(hf_model.lm_head)[0].shape[0],
             eps=float(config.rms_norm_eps),
             scaling=float(getattr(attn0, "scaling", head_dim**-0.5)),
             sliding_window=int(sliding) if sliding else None,
             qk_norm=hasattr(attn0, "q_norm"),
         )
-
-    def fused_copy_elements(self) -> int:
-        """Elements of the fused QKV and gate/up copies of all layers."""
-        return self.layers * self.hidden * ((self.heads + 2 * self.kv_heads) * self.head_dim + 2 * self.intermediate)
 
 
 @dataclass(frozen=True)

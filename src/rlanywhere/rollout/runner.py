@@ -32,14 +32,6 @@ CACHE_SLOT_ALIGNMENT = 16  # cache length rounded up to this (aligned rows for t
 SPAN_GRANULARITY = 256  # attention reads the cache up to the next multiple of this: few graphs, little waste
 
 
-def decode_row_bytes(dims: ModelDims, dtype: torch.dtype, length: int) -> int:
-    """Device bytes one decoded row costs: its K/V for `length` slots plus the logits buffer and sampling
-    temporaries (about four fp32 vocab-sized vectors)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    kv = 2 * dims.layers * dims.kv_heads * length * dims.head_dim * itemsize
-    return kv + 4 * dims.vocab * 4
-
-
 class KVCache:
     """Static key/value cache `[layers, rows, kv_heads, length, head_dim]` plus each row's first valid slot.
 
@@ -135,13 +127,6 @@ class DecodeRunner:
     @property
     def rows_capacity(self) -> int:
         return self.cache.rows
-
-    @property
-    def length_capacity(self) -> int:
-        return self.cache.length
-
-    def row_bytes(self, length: int) -> int:
-        return decode_row_bytes(self.forward.dims, self.dtype, length)
 
     def reserve(self, rows: int, length: int) -> None:
         """Room for `rows` sequences of `length` slots: cache, decode buffers and RoPE tables (graphs dropped when
@@ -253,9 +238,5 @@ class DecodeRunner:
         graph.replay()
         return self._buffers["logits"][:batch]
 
-    def captured_graphs(self) -> list[tuple[int, int]]:
-        """(batch, span) of the CUDA graphs captured so far."""
-        return sorted(self._graphs)
 
-
-__all__ = ["KVCache", "DecodeRunner", "decode_row_bytes"]
+__all__ = ["KVCache", "DecodeRunner"]
