@@ -164,7 +164,7 @@ def parse_variants(text: str) -> list[dict]:
             key, value = item.split("=")
             key = FORMER_KWARGS.get(key, key)
             kw[key] = {"1": True, "0": False, "true": True, "false": False}.get(value.lower(), value)
-            if key in ("check_every", "rows_per_wave", "prefill_tokens_per_chunk"):
+            if key in ("check_every", "rows_per_wave", "prefill_tokens_per_chunk", "span_granularity"):
                 kw[key] = int(value)
         variants.append(kw)
     return variants or [{}]

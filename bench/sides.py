@@ -54,8 +54,17 @@ def bench_env() -> dict:
 
 # ------------------------------------------------------------------------------------------------ model + data
 def smollm2_tokenizer():
-    """The SmolLM2 tokenizer from the demo GGUF, EOS fixed and pad set exactly as rlanywhere loads it."""
+    """The SmolLM2 tokenizer from the demo GGUF, EOS fixed and pad set exactly as rlanywhere loads it.
+
+    RLANYWHERE_BENCH_TOKENIZER=DIR reads it from a directory this function's result was saved to instead (a GPU box
+    that has no GGUF: `smollm2_tokenizer().save_pretrained(DIR)` once where the GGUF is)."""
     from rlanywhere.models import load_tokenizer, resolve_model_source
+
+    saved = os.environ.get("RLANYWHERE_BENCH_TOKENIZER")
+    if saved:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(saved)
 
     return load_tokenizer(resolve_model_source("smollm2-135m-instruct"))
 

@@ -153,8 +153,18 @@ def main() -> int:
     parser.add_argument("--work-dir", default=None, help="where the model and prompts are written (kept; "
                         "default: a temporary directory)")
     parser.add_argument("--out", default=None, help="write the summaries as JSON here")
+    parser.add_argument("--ours", action="append", default=[], metavar="NAME:KEY=VALUE[;KEY=VALUE...]",
+                        help="an extra rlanywhere run `ours-NAME`: the planner's run with these overrides on top "
+                             "(repeatable; e.g. --ours 'prof:trainer.profile_steps=[3]')")
     args = parser.parse_args()
-    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    variants = {}
+    for spec in args.ours:
+        name, _, keys = spec.partition(":")
+        if not name or "=" not in keys:
+            raise SystemExit(f"--ours {spec!r}: expected NAME:KEY=VALUE[;KEY=VALUE...]")
+        variants[f"ours-{name}"] = [k.strip() for k in keys.split(";") if k.strip()]
+        RUNS[f"ours-{name}"] = f"rlanywhere, the planner's choice + {'; '.join(variants[f'ours-{name}'])}"
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()] + list(variants)
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {sorted(RUNS)}")
@@ -200,6 +210,8 @@ def main() -> int:
                                  + precision_overrides(args, on_gpu))
                 elif run == "ours-ckpt":
                     overrides = base + ["actor_rollout_ref.model.enable_gradient_checkpointing=true"]
+                elif run in variants:
+                    overrides = base + variants[run]
                 else:
                     overrides = base
                 records = sides.run_rlanywhere(run_dir, overrides)

@@ -300,3 +300,23 @@ def test_sizes_lowered_by_oom_recovery_survive_a_resume(tiny_model_dir, arith_da
     assert resumed.oom_guard.sizes is resumed.plan.sizes  # OOM recovery goes on lowering the restored sizes
     record = json.loads((tmp_path / "plan.json").read_text())
     assert (record["sizes"]["rollout_batch_size"], record["sizes"]["actor_micro_batch_size"]) == (3, 1)
+
+
+def test_profile_steps_writes_a_trace_and_a_table_of_the_listed_step(tiny_model_dir, arith_data, tmp_path):
+    run_dir = tmp_path / "run"
+    _, rows = run_training(base_overrides(tiny_model_dir, arith_data, run_dir, **{
+        "trainer.profile_steps": "[2]", "trainer.save_freq": -1, "trainer.test_freq": -1,
+        "trainer.val_before_train": False}))
+    assert len(rows) == 2
+    written = sorted(os.listdir(run_dir / "profile"))
+    assert written == ["step_2.trace.json", "step_2.txt"]  # step 1 was not profiled
+    trace = json.loads((run_dir / "profile" / "step_2.trace.json").read_text())
+    phases = {event["name"] for event in trace["traceEvents"] if str(event.get("name", "")).startswith("phase/")}
+    assert {"phase/rollout", "phase/update_actor"} <= phases
+    assert "aten::" in (run_dir / "profile" / "step_2.txt").read_text()
+
+
+def test_profile_steps_must_be_step_numbers(tmp_path, capsys):
+    from rlanywhere.config import ConfigError
+    with pytest.raises(ConfigError, match="profile_steps"):
+        load_config(None, ["trainer.profile_steps=[0]"])

@@ -191,7 +191,8 @@ def test_fit_picks_largest_power_of_two_that_fits():
     fit = est.fit_settings(QWEN_05B, wl, budget)
     assert fit is not None and fit.estimate["peak_bytes"] <= budget
     p = fit.placement
-    assert p.actor_micro_batch < est.micro_batch_caps(wl)["actor_micro_batch"][0] == 32  # 16384 tokens / 512
+    cap = min(wl.actor_mini_batch, est.MAX_TOKENS_PER_MICRO_BATCH // 512)  # 512 = prompt + response tokens
+    assert p.actor_micro_batch < est.micro_batch_caps(wl)["actor_micro_batch"][0] == cap
     assert p.actor_micro_batch & (p.actor_micro_batch - 1) == 0  # a power of two
     bigger = Placement(**{**p.to_dict(), "actor_micro_batch": p.actor_micro_batch * 2})
     assert est.estimate_memory(QWEN_05B, wl, bigger)["phases"]["actor_update"] > budget

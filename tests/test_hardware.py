@@ -308,7 +308,7 @@ def test_plan_to_dict_and_summary():
 # ------------------------------------------------------------------------------------------ rollout plan
 ROLLOUT_FIELDS = ("engine", "fallback_allowed", "dtype", "decode_attention", "fuse_weights", "transpose_gate_up",
                   "fp32_logits", "match_hf_numerics", "cuda_graphs", "rows_per_wave", "max_seq_len",
-                  "prefill_tokens_per_chunk", "check_every", "release_kv_between_phases")
+                  "prefill_tokens_per_chunk", "check_every", "release_kv_between_phases", "span_granularity")
 
 
 def test_every_rollout_decision_has_its_reason():
@@ -317,6 +317,36 @@ def test_every_rollout_decision_has_its_reason():
         missing = [name for name in ROLLOUT_FIELDS if not plan.rollout.reasons.get(name)]
         assert not missing, (card, missing)
     assert set(ROLLOUT_FIELDS) | {"reasons"} == {f.name for f in dataclasses.fields(plans.RolloutPlan)}
+
+
+def test_training_kernels_leave_cudnn_attention_out_and_fuse_adamw_on_cuda():
+    hopper = make_plan(cfg_of(*PPO_05B), fake("h100"))
+    assert hopper.precision == "bf16" and hopper.attn_implementation == "sdpa"
+    # cuDNN would run here (PyTorch would pick it), but training shapes change every micro-batch
+    assert "cudnn_attention" in machine.predicted_sdpa_backends((9, 0), torch.bfloat16, 64)
+    assert hopper.training_sdpa_backends and "cudnn_attention" not in hopper.training_sdpa_backends
+    assert "execution plan per new shape" in hopper.reasons["training_sdpa_backends"]
+    assert hopper.fused_optimizer and "fused" in hopper.reasons["fused_optimizer"]
+    assert hopper.rollout.span_granularity == planner.DECODE_SPAN_GRANULARITY
+    for card in (None, "p40"):  # CPU; fp32 on Pascal: no cuDNN attention to leave out
+        plan = make_plan(cfg_of(*PPO_05B), fake(card))
+        assert plan.training_sdpa_backends == ()
+        assert plan.fused_optimizer == (card is not None)
+    assert "training attention" in hopper.summary() and "AdamW fused" in hopper.summary()
+
+
+def test_training_attention_context_restricts_sdpa_to_the_planned_backends():
+    from torch.nn.attention import SDPBackend
+
+    from rlanywhere.planner import training_attention_context
+    query = torch.randn(1, 2, 8, 16)
+    with training_attention_context(plans.Plan(training_sdpa_backends=("math",))):
+        out = torch.nn.functional.scaled_dot_product_attention(query, query, query, is_causal=True)
+    with torch.nn.attention.sdpa_kernel([SDPBackend.MATH]):
+        assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(query, query, query, is_causal=True))
+    with training_attention_context(plans.Plan(training_sdpa_backends=("efficient_attention",))):
+        with pytest.raises(RuntimeError):  # no efficient-attention kernel on a CPU: the context did restrict
+            torch.nn.functional.scaled_dot_product_attention(query, query, query, is_causal=True)
 
 
 def test_bf16_rollout_plan_on_ampere():
@@ -508,3 +538,22 @@ def test_plan_main(capsys):
     assert cli.plan_main(cfg_of(*SMALL), json_out="-", machine=fake("t4")) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["card"] == "Tesla T4" and data["plan"]["precision"] == "fp16"
+
+
+def test_update_micro_batches_grow_past_the_cap_only_with_room_to_spare():
+    job = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
+           "data.train_batch_size=16", "data.max_prompt_length=256", "data.max_response_length=256",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.rollout.n=8"]
+    capped = est.MAX_TOKENS_PER_MICRO_BATCH // 512  # 32 rows of 256 + 256 tokens
+    big = make_plan(cfg_of(*job, "hardware.memory_budget_gib=139"), fake("h100"))  # an H200's memory
+    eighty = make_plan(cfg_of(*job), fake("h100"))
+    for plan in (big, eighty):
+        update = plan.estimate["phases"]["actor_update"]
+        assert update <= est.ROOMY_PEAK_FRACTION * plan.memory_budget_bytes or \
+            plan.sizes.actor_micro_batch_size == capped
+        assert not plan.rollout.release_kv_between_phases  # growing never costs the rollout its cache
+    assert not big.gradient_checkpointing and big.sizes.actor_micro_batch_size == 2 * capped
+    assert "past the 16384-token cap" in big.reasons["actor_micro_batch_size"]
+    assert eighty.sizes.actor_micro_batch_size == capped  # a 2x micro-batch would take > 60% of 80 GB
+    checkpointed = make_plan(cfg_of(*job, "actor_rollout_ref.model.enable_gradient_checkpointing=true"), fake("h100"))
+    assert checkpointed.sizes.actor_micro_batch_size == 128  # the whole mini-batch: recompute keeps it small

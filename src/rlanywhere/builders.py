@@ -131,7 +131,7 @@ def optim_configs(cfg: DictConfig) -> dict:
     return {"actor": cfg.actor_rollout_ref.actor.optim, "critic": cfg.critic.optim}
 
 
-def build_optimizers(cfg: DictConfig, models: Models, total_steps: int) -> tuple[dict, dict]:
+def build_optimizers(cfg: DictConfig, models: Models, total_steps: int, fused: bool = False) -> tuple[dict, dict]:
     """AdamW over the trainable parameters of the actor (and critic), each with its schedule: (optimizers,
     schedulers), keyed "actor" / "critic"."""
     trained = {"actor": models.actor, "critic": models.critic}
@@ -140,8 +140,9 @@ def build_optimizers(cfg: DictConfig, models: Models, total_steps: int) -> tuple
         if trained[name] is None:
             continue
         params = [p for p in trained[name].parameters() if p.requires_grad]
+        # fused: one kernel per step where the plan says so (plan.fused_optimizer), else torch's default (foreach)
         optimizers[name] = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                                             weight_decay=optim_cfg.weight_decay)
+                                             weight_decay=optim_cfg.weight_decay, fused=fused or None)
         schedulers[name] = make_scheduler(optimizers[name], optim_cfg, total_steps)
     return optimizers, schedulers
 

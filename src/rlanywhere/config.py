@@ -21,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import UserError
+from .profiling import profile_step_set
 from .vocabulary import (
     AdvantageEstimator, AttnImplementation, LossAggMode, PolicyLossMode, Precision, RolloutEngineName, Truncation,
 )
@@ -256,6 +257,7 @@ class TrainerConfig:
     overwrite_run_dir: bool = False  # with resume_mode=disable: delete an earlier run's checkpoints, not refuse
     max_consecutive_nonfinite_updates: int = 5  # stop after this many NaN/inf updates in a row (0: never)
     max_consecutive_failed_reward_steps: int = 3  # stop after this many steps whose reward calls all failed
+    profile_steps: Any = None  # e.g. [3]: torch.profiler trace + kernel table of those steps in <run dir>/profile/
 
 
 @dataclass
@@ -310,7 +312,7 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r"|use_shm)": "not needed: models load through transformers",
     r"critic\.model\.(external_lib|use_shm)": "not needed: models load through transformers",
     r"trainer\.(default_hdfs_dir|del_local_ckpt_after_load|balance_batch|ray_wait_register_center_timeout"
-    r"|val_only|esi_redundant_time|rollout_data_dir|validation_data_dir|profile_steps|use_legacy_worker_impl)":
+    r"|val_only|esi_redundant_time|rollout_data_dir|validation_data_dir|use_legacy_worker_impl)":
     "not used by the single-process trainer",
     r"ray_init(\..*)?": "no Ray: one process (torchrun for several GPUs)",
     r"data\.(image_key|video_key|custom_cls(\..*)?|dataloader_num_workers|return_full_prompt|use_shm"
@@ -592,6 +594,11 @@ def _check_values(cfg: DictConfig) -> None:
     if cfg.hardware.logprob_gap_patience < 1:
         raise ConfigError(f"hardware.logprob_gap_patience must be >= 1 steps, got {cfg.hardware.logprob_gap_patience}")
     check_batch_sizes(cfg)
+    try:
+        profile_step_set(OmegaConf.to_object(cfg.trainer.profile_steps) if isinstance(cfg.trainer.profile_steps, ListConfig)
+                         else cfg.trainer.profile_steps)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
     _check_variant_values(cfg)

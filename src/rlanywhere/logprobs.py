@@ -41,7 +41,7 @@ def no_autocast(device: torch.device):
         return contextlib.nullcontext()
 
 
-def _check_inputs(hidden, weight, labels, bias, temperature, chunk_size):
+def _check_inputs(hidden, weight, labels, bias, temperature, chunk_size, check_labels=True):
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [N, T, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -58,7 +58,7 @@ def _check_inputs(hidden, weight, labels, bias, temperature, chunk_size):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
-    if labels.numel() > 0:
+    if check_labels and labels.numel() > 0:  # reads the labels on the host: a GPU caller may check them earlier
         low, high = int(labels.min()), int(labels.max())
         if low < 0 or high >= weight.shape[0]:
             raise ValueError(
@@ -177,15 +177,17 @@ def chunked_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    check_labels: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``labels`` and (optionally) entropy under ``softmax((hidden @ W^T + b) / temperature)``.
 
     hidden [N, T, H] (any float dtype), lm_head_weight [V, H], labels [N, T] long, lm_head_bias [V] | None.
     ``chunk_size`` is the number of tokens (over the flattened N*T) whose logits exist at once.
     Returns (logprobs [N, T] fp32, entropy [N, T] fp32 or None). Both are differentiable w.r.t. hidden, the
-    weight and the bias; the full [N, T, V] logits are never materialised.
+    weight and the bias; the full [N, T, V] logits are never materialised. ``check_labels=False`` skips the label
+    range check, which waits for the GPU (for labels known to be token ids of this vocabulary).
     """
-    _check_inputs(hidden, lm_head_weight, labels, lm_head_bias, temperature, chunk_size)
+    _check_inputs(hidden, lm_head_weight, labels, lm_head_bias, temperature, chunk_size, check_labels)
     batch, length, hidden_size = hidden.shape
     flat_hidden = hidden.reshape(batch * length, hidden_size)
     flat_labels = labels.reshape(batch * length).long()
@@ -272,6 +274,7 @@ def response_logprobs(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     position_ids: torch.Tensor | None = None,
+    check_labels: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of the last ``response_len`` tokens of ``input_ids`` under ``model``.
 
@@ -327,4 +330,5 @@ def response_logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
+        check_labels=check_labels,
     )

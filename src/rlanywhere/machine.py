@@ -23,7 +23,8 @@ import torch
 
 from . import estimator as est
 from .vocabulary import (
-    BF16, FP16, FP16_MATMUL_TOLERANCE, FP32, LOSS_SCALE_GROWTH_INTERVAL, LOSS_SCALE_INIT, REFERENCE_DTYPE, PlanError,
+    BF16, CUDNN_SDPA, FP16, FP16_MATMUL_TOLERANCE, FP32, LOSS_SCALE_GROWTH_INTERVAL, LOSS_SCALE_INIT, REFERENCE_DTYPE,
+    SDPA_BACKEND_NAMES, PlanError,
     cc_str, dtype_from_name, dtype_name, flash_attn_capable, has_fast_fp16, has_native_bf16, has_tf32, is_half,
     to_jsonable,
 )
@@ -81,7 +82,6 @@ def card_spec(name: str) -> CardSpec:
 
 
 # ------------------------------------------------------------------------------------------------ probe
-SDPA_BACKEND_NAMES = ("flash_attention", "efficient_attention", "cudnn_attention", "math")
 
 
 def sdpa_backends_that_run(dtype: torch.dtype, head_dim: int, device: Union[str, torch.device] = "cpu"
@@ -192,7 +192,7 @@ def predicted_sdpa_backends(cc: Optional[tuple[int, int]], dtype: torch.dtype, h
     if tuple(cc) >= (5, 0) and aligned and (dtype != BF16 or tuple(cc) >= (8, 0)):
         out.append("efficient_attention")
     if tuple(cc) >= (9, 0) and half and aligned and head_dim <= 128:
-        out.append("cudnn_attention")
+        out.append(CUDNN_SDPA)
     if dtype != BF16 or has_native_bf16(cc):
         out.append("math")
     return out

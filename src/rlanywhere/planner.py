@@ -37,7 +37,7 @@ from .machine import CardSpec, DeviceInfo, HardwareProbe, card_spec, fp16_proble
 from .model_shape import ModelShape, read_model_shape
 from .plans import Plan, RolloutPlan
 from .vocabulary import (
-    ALLOC_CONF, ATTN_EAGER, ATTN_FLASH, ATTN_IMPLEMENTATIONS, ATTN_SDPA, BF16, FP16, FP32, LOSS_SCALE_GROWTH_INTERVAL,
+    ALLOC_CONF, CUDNN_SDPA, ATTN_EAGER, ATTN_FLASH, ATTN_IMPLEMENTATIONS, ATTN_SDPA, BF16, FP16, FP32, LOSS_SCALE_GROWTH_INTERVAL,
     LOSS_SCALE_INIT, NoFitError, PlanError, cc_str, dtype_from_name, dtype_name, flash_attn_capable, has_fast_fp16,
     has_half_gemm_fp32_output, has_native_bf16, has_tf32, is_half, DECODE_MATMUL, DECODE_SDPA, AdvantageEstimator,
     AttnImplementation, Precision, RolloutEngineName,
@@ -388,6 +388,7 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     _memory_cap(plan, card, real, for_execution, reasons)
     _plan_data_parallel(cfg, plan, machine, for_execution, reasons)
     _plan_rollout(cfg, plan, target, shape, machine)
+    _plan_training_kernels(plan, backends, target.is_cuda)
     if for_execution and card is not None and real is not None:
         _check_real_card_runs(plan, real, machine)
     return plan
@@ -490,7 +491,13 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
         if fixed.get(key) is not None:
             return f"{explicit_from}={value} ({peak_text(*phase_names)})"
         cap, cap_why = caps[key]
-        how = cap_why if value == cap else "the largest power of two that fits"
+        roomy_cap, roomy_why = caps.get(f"roomy_{key}", (cap, cap_why))
+        how = (cap_why if value == cap else roomy_why if value == roomy_cap else
+               f"past the {est.MAX_TOKENS_PER_MICRO_BATCH}-token cap while the peak stays under "
+               f"{est.ROOMY_PEAK_FRACTION:.0%} of the budget (fewer kernel launches)" if value > cap else
+               "the largest power of two that fits")
+        if value > cap and value == roomy_cap:
+            how += f", with the peak under {est.ROOMY_PEAK_FRACTION:.0%} of the budget"
         return f"{value} sequences x {seq} tokens: {how} ({peak_text(*phase_names)})"
 
     for key in ("gradient_checkpointing", "optimizer_offload", "param_offload"):
@@ -535,7 +542,13 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
 # estimator assumes the cache is gone during the log-prob and update phases; with this much of the budget in use,
 # a cache held beside the update's activations (plus allocator fragmentation) risks an OOM. Below it the cache stays,
 # which saves reallocating it and recapturing the CUDA graphs every step.
-KV_RELEASE_PEAK_FRACTION = 0.6
+KV_RELEASE_PEAK_FRACTION = est.ROOMY_PEAK_FRACTION  # 0.6; micro-batches grow past their cap only below it
+
+
+# Decode attention on a GPU reads the cache up to the next multiple of this many slots. Attention time grows with
+# the slots read (bench/decode_profile.py: 25 us/layer at 256 slots, 40 at 512, bf16, 256 rows); finer spans read
+# fewer empty slots at the price of more CUDA graphs (one per rows bucket and span, captured once).
+DECODE_SPAN_GRANULARITY = 64
 
 
 def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype], on_cuda: bool, torch_version: str,
@@ -595,6 +608,11 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
     reasons.setdefault("prefill_tokens_per_chunk", f"{rollout.prefill_tokens_per_chunk} padded prompt tokens per "
                                                    "prefill forward bound its activations")
     reasons.setdefault("check_every", f"every {rollout.check_every} decode steps: finished rows and stop strings")
+    rollout.span_granularity = DECODE_SPAN_GRANULARITY if on_cuda else 256
+    reasons["span_granularity"] = (
+        f"decode attention reads the cache up to the next multiple of {rollout.span_granularity} slots: "
+        + ("a CUDA graph per (rows, span) bucket is cheap, reading empty slots is not" if on_cuda else
+           "CPU: few distinct shapes"))
 
 
 def _plan_rollout(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, machine: HardwareProbe) -> None:
@@ -755,6 +773,39 @@ def apply_runtime(plan: Plan) -> None:
     torch.set_float32_matmul_precision("high" if plan.allow_tf32 else "highest")
     if plan.memory_fraction is not None:
         torch.cuda.set_per_process_memory_fraction(plan.memory_fraction, torch.device(plan.device))
+
+
+def _plan_training_kernels(plan: Plan, sdpa_backends: list[str], on_cuda: bool) -> None:
+    """Which SDPA backends the training passes may use, and the optimizer's step kernel."""
+    reasons = plan.reasons
+    if on_cuda and plan.attn_implementation == ATTN_SDPA and CUDNN_SDPA in sdpa_backends:
+        plan.training_sdpa_backends = tuple(b for b in sdpa_backends if b != CUDNN_SDPA)
+        reasons["training_sdpa_backends"] = (
+            f"{', '.join(plan.training_sdpa_backends)}: cuDNN attention is left out of the training passes, whose "
+            "sequence lengths change with every micro-batch; it builds an execution plan per new shape (1.7-2.1 ms "
+            "of CPU per call on an H200), which made the update CPU-bound")
+    else:
+        plan.training_sdpa_backends = ()
+        reasons["training_sdpa_backends"] = ("PyTorch's choice" if plan.attn_implementation == ATTN_SDPA else
+                                             f"attention is {plan.attn_implementation}, not SDPA")
+    offloaded = plan.optimizer_offload or plan.param_offload
+    plan.fused_optimizer = on_cuda and plan.data_parallel != "shard" and not offloaded and not plan.use_grad_scaler
+    reasons["fused_optimizer"] = ("CUDA: AdamW's fused step (one kernel per parameter group)" if plan.fused_optimizer
+                                  else "CPU: AdamW's foreach step" if not on_cuda else
+                                  "fp16 loss scaling unscales before clipping: AdamW's foreach step"
+                                  if plan.use_grad_scaler else
+                                  "sharded parameters: AdamW's foreach step" if plan.data_parallel == "shard" else
+                                  "offloaded weights or optimizer state: AdamW's foreach step" if offloaded else
+                                  "AdamW's foreach step")
+
+
+def training_attention_context(plan: Plan) -> contextlib.AbstractContextManager:
+    """The SDPA backends of plan.training_sdpa_backends around a training forward/backward (no-op when empty)."""
+    if not plan.training_sdpa_backends:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name.upper()) for name in plan.training_sdpa_backends])
 
 
 def autocast_context(plan: Plan, enabled: bool = True) -> contextlib.AbstractContextManager:

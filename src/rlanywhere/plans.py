@@ -41,6 +41,7 @@ class RolloutPlan:
     max_seq_len: Optional[int] = None  # KV cache length (prompt + response) to allocate up front
     prefill_tokens_per_chunk: int = 16384  # padded prompt tokens per prefill forward
     check_every: int = 8  # decode steps between host checks for finished rows
+    span_granularity: int = 256  # decode attention reads the cache up to the next multiple of this many slots
     release_kv_between_phases: bool = False  # free the KV cache after each rollout for the training phases
     reasons: dict[str, str] = field(default_factory=dict)
 
@@ -136,6 +137,8 @@ class Plan:
     data_parallel: str = "none"  # "none" | "replicate" (full models per rank) | "shard" (FSDP2; sharding.py)
     dist_backend: Optional[str] = None  # "nccl" | "gloo" when world_size > 1
     cpu_threads: Optional[int] = None  # torch threads per process when several CPU ranks share a machine
+    training_sdpa_backends: tuple[str, ...] = ()  # SDPA backends training passes may use; (): PyTorch's choice
+    fused_optimizer: bool = False  # AdamW's fused (one kernel) step instead of foreach
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))
@@ -161,6 +164,10 @@ class Plan:
             ("lora", "yes" if self.use_lora else "no", self.reasons.get("use_lora", "")),
             ("grad checkpointing", "on" if self.gradient_checkpointing else "off",
              self.reasons.get("gradient_checkpointing", "")),
+            ("training attention", ", ".join(self.training_sdpa_backends) or "PyTorch's choice",
+             self.reasons.get("training_sdpa_backends", "")),
+            ("optimizer step", "AdamW fused" if self.fused_optimizer else "AdamW foreach",
+             self.reasons.get("fused_optimizer", "")),
             ("actor micro-batch", str(self.sizes.actor_micro_batch_size), self.reasons.get("actor_micro_batch_size", "")),
             ("critic micro-batch", str(self.sizes.critic_micro_batch_size) if self.use_critic else "-",
              self.reasons.get("critic_micro_batch_size", "")),

@@ -37,6 +37,7 @@ from .lora import adapter_disabled, merged_state_for_export
 from .offload import on_device
 from .oom import OOMGuard
 from .precision_guard import PrecisionGuard
+from .profiling import maybe_profile, profile_step_set
 from .rollout_phase import RolloutPhase, response_length
 from .sharding import is_sharded, sync_engine
 from .runguard import RunInterrupted, RunStops, StopSignals, prepare_run_dir
@@ -72,6 +73,8 @@ class RLTrainer:
         self.dp.barrier()  # rank 0's checks passed (a failure ends the job: torchrun stops the waiting ranks)
         seed_everything(cfg.trainer.seed)
         self.n = cfg.actor_rollout_ref.rollout.n
+        steps = cfg.trainer.profile_steps
+        self.profile_steps = profile_step_set(OmegaConf.to_object(steps) if OmegaConf.is_config(steps) else steps)
         max_seq_len = cfg.data.max_prompt_length + self.response_length
 
         self.source, self.tokenizer = builders.build_tokenizer(cfg)
@@ -81,7 +84,8 @@ class RLTrainer:
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.loader.steps_per_epoch
         models = builders.build_models(cfg, plan, self.source, self.dp)
         self.actor, self.critic, self.ref = models.actor, models.critic, models.ref
-        self.optimizers, self.schedulers = builders.build_optimizers(cfg, models, self.total_steps)
+        self.optimizers, self.schedulers = builders.build_optimizers(cfg, models, self.total_steps,
+                                                                     fused=plan.fused_optimizer)
         self.grad_scaler = make_grad_scaler(plan)  # fp16 plans: one dynamic loss scale for actor and critic
         # the guard speaks of the rollout's precision: its overflow rule is for half-precision rollouts
         self.precision_guard = PrecisionGuard.from_config(cfg.hardware, precision_name(plan.rollout.dtype))
@@ -366,7 +370,9 @@ class RLTrainer:
     def _train_step_or_drop(self) -> Optional[dict]:
         """One step; None when a stop signal dropped it before any update (the data position and RNG rewound)."""
         loader_state, rng = self.loader.state_dict(), capture_rng()
-        metrics = self.stops.droppable(lambda: self.train_step(self.loader.next_batch()))
+        with maybe_profile(self.global_step + 1, self.profile_steps, self.run_dir, self.device,
+                           self.dp.rank if self.dp.enabled else None):
+            metrics = self.stops.droppable(lambda: self.train_step(self.loader.next_batch()))
         if metrics is None:
             self.loader.load_state_dict(loader_state)
             restore_rng(*rng)

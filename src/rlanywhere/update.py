@@ -17,7 +17,7 @@ import torch
 
 from . import algorithms as algo
 from .distributed import DataParallel
-from .planner import autocast_context
+from .planner import autocast_context, training_attention_context
 from .logprobs import response_logprobs
 from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
 from .models import response_values
@@ -85,7 +85,7 @@ class Updater:
             out = torch.zeros(batch.mask.shape, dtype=ACCUMULATE_DTYPE)
             for rows in self.micro_batches(batch, list(range(batch.rows)), size):
                 ids, mask, pos, resp_len = self.forward_rows(batch, rows)
-                with autocast_context(self.plan):
+                with autocast_context(self.plan), training_attention_context(self.plan):
                     out[rows, :resp_len] = compute(ids, mask, pos, resp_len).float().cpu()
             return out * batch.rollout.response_mask  # every response: a loss mask only narrows the losses
 
@@ -97,7 +97,7 @@ class Updater:
         with gathered(model):  # [distributed] sharded: full weights for the pass, so ranks need not match calls
             return self.forward_all("log_probs", batch, lambda ids, mask, pos, resp_len: logprobs(
                 model, ids, mask, resp_len, temperature=temperature, chunk_size=self.plan.logprob_chunk_size,
-                position_ids=pos)[0])
+                position_ids=pos, check_labels=not ids.is_cuda)[0])
 
     def values(self, critic, batch: StepBatch) -> torch.Tensor:
         with gathered(critic):  # [distributed] sharded: full weights for the pass
@@ -116,29 +116,38 @@ class Updater:
         optimizer.zero_grad(set_to_none=True)
         if scale is None:
             scale = algo.LossScale.of(batch.mask[rows], norm_length=self.response_length)
-        totals: dict[str, float] = {}
+        # metrics stay on the device until the mini-batch ends: one host wait per optimizer step, not per micro-batch
+        totals: dict[str, torch.Tensor | float] = {}
+        losses: list[tuple[list[int], torch.Tensor]] = []
         # [distributed] a sharded model: as many backward passes on every rank (padding ones weigh 0)
         for micro, padding in matched_micro_batches(self.micro_batches(batch, rows, size), self.dp,
                                                     is_sharded(model)):
             ids, mask, pos, resp_len = self.forward_rows(batch, micro)
-            resp_mask = batch.mask[micro, :resp_len].to(self.device)
-            with autocast_context(self.plan):
+            host_mask = batch.mask[micro, :resp_len]
+            resp_mask = host_mask.to(self.device)
+            with autocast_context(self.plan), training_attention_context(self.plan):
                 loss, shares, means = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask, scale)
             if padding:
-                (loss * 0.0).backward()
+                with training_attention_context(self.plan):
+                    (loss * 0.0).backward()
                 continue
-            if not torch.isfinite(loss.detach()):  # say which rows, so a rare NaN can be traced to its data
-                log.warning("non-finite loss %s in a micro-batch of rows %s (response lengths %s, prompt lengths %s)",
-                            float(loss.detach()), micro[:16], batch.mask[micro].sum(-1).int().tolist()[:16],
-                            batch.rollout.prompt_mask[micro].sum(-1).tolist()[:16])
-            (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+            losses.append((micro, loss.detach()))
+            with training_attention_context(self.plan):  # checkpointing recomputes attention in backward
+                (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             # loss terms add up to the mini-batch's value; diagnostics (token means) are weighted by tokens
-            token_share = float(resp_mask.sum()) / max(scale.tokens, 1.0)
+            token_share = float(host_mask.sum()) / max(scale.tokens, 1.0)
             for key, value in shares.items():
-                totals[key] = totals.get(key, 0.0) + float(value)
+                totals[key] = totals.get(key, 0.0) + _detached(value)
             for key, value in means.items():
-                totals[key] = totals.get(key, 0.0) + float(value) * token_share
-        return totals
+                totals[key] = totals.get(key, 0.0) + _detached(value) * token_share
+        if losses:
+            finite = torch.isfinite(torch.stack([loss for _, loss in losses])).tolist()
+            for (micro, loss), ok in zip(losses, finite):
+                if not ok:  # say which rows, so a rare NaN can be traced to its data
+                    log.warning("non-finite loss %s in a micro-batch of rows %s (response lengths %s, prompt "
+                                "lengths %s)", float(loss), micro[:16], batch.mask[micro].sum(-1).int().tolist()[:16],
+                                batch.rollout.prompt_mask[micro].sum(-1).tolist()[:16])
+        return {key: float(value) for key, value in totals.items()}
 
     def optimizer_step(self, name: str, model, optimizer, grad_clip: float) -> float:
         """Unscale, clip, step (see precision_guard.optimizer_step); returns the grad norm. A step skipped by the
@@ -204,6 +213,11 @@ class Updater:
         return {f"{name}/{k}": v / max(count, 1) for k, v in totals.items()}
 
 
+def _detached(value):
+    """A metric term kept on its device, summed in float64 as Python floats were."""
+    return value.detach().to(torch.float64) if torch.is_tensor(value) else value
+
+
 # ---------------------------------------------------------------------------------------------- the losses
 def critic_loss(batch: StepBatch, critic_cfg, device: str) -> LossFn:
     """The critic's loss_fn: clipped value loss against the batch's returns."""
@@ -231,7 +245,8 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
         # [distributed] call_in_root_forward: a sharded model's root weights gathered around the head
         logprob, entropy = call_in_root_forward(model, response_logprobs)(model, ids, mask, resp_len,
                                                                           temperature=temperature,
-                                             chunk_size=logprob_chunk_size, with_entropy=True, position_ids=pos)
+                                             chunk_size=logprob_chunk_size, with_entropy=True, position_ids=pos,
+                                             check_labels=not ids.is_cuda)  # rollout tokens: no host wait on a GPU
         pick = lambda t: t[rows, :resp_len].to(device)  # noqa: E731
         old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
         # means: pg_clipfrac, approx_kl, ratio statistics (algorithms.POLICY_LOSSES)

@@ -116,6 +116,9 @@ ATTN_EAGER = AttnImplementation.EAGER.value
 ATTN_IMPLEMENTATIONS = (ATTN_FLASH, ATTN_SDPA, ATTN_EAGER)
 DECODE_SDPA = DecodeAttention.SDPA.value
 DECODE_MATMUL = DecodeAttention.MATMUL.value
+# torch SDPA backends by their SDPBackend member names, lower case (machine.sdpa_backends_that_run)
+SDPA_BACKEND_NAMES = ("flash_attention", "efficient_attention", "cudnn_attention", "math")
+CUDNN_SDPA = "cudnn_attention"
 
 ALLOC_CONF = "expandable_segments:True"  # fewer fragmentation OOMs when phase shapes change
 

@@ -125,7 +125,8 @@ class FastEngine(RolloutEngine):
         )
         self.forward = LlamaForward(self.hf_model, self.dtype, self.device, numerics)
         self.dims = self.forward.dims
-        self.runner = DecodeRunner(self.forward, cuda_graphs=bool(rollout.cuda_graphs))
+        self.runner = DecodeRunner(self.forward, cuda_graphs=bool(rollout.cuda_graphs),
+                                   span_granularity=rollout.span_granularity)
         self.eos_ids = collect_eos_ids(tokenizer, self.hf_model)
         self.pad_token_id = resolve_pad_token_id(pad_token_id, tokenizer, self.eos_ids)
         self.scheduler = Scheduler(self.runner, self.pad_token_id, rollout.check_every,

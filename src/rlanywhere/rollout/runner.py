@@ -29,7 +29,6 @@ from .llama import LlamaForward, ModelDims
 logger = logging.getLogger(__name__)
 
 CACHE_SLOT_ALIGNMENT = 16  # cache length rounded up to this (aligned rows for the attention kernels)
-SPAN_GRANULARITY = 256  # attention reads the cache up to the next multiple of this: few graphs, little waste
 
 
 class KVCache:
@@ -114,10 +113,11 @@ class KVCache:
 class DecodeRunner:
     """KV cache, static buffers and CUDA graphs around one `LlamaForward` (see the module docstring)."""
 
-    def __init__(self, forward: LlamaForward, cuda_graphs: bool):
+    def __init__(self, forward: LlamaForward, cuda_graphs: bool, span_granularity: int = 256):
         self.forward = forward
         self.device, self.dtype = forward.device, forward.dtype
         self.cuda_graphs = cuda_graphs
+        self.span_granularity = span_granularity
         self.cache = KVCache(forward.dims, forward.dtype, forward.device)
         self._graphs: dict[tuple[int, int], Any] = {}
         self._graph_pool = None
@@ -170,9 +170,10 @@ class DecodeRunner:
         return min(1 << max(rows - 1, 0).bit_length(), self.cache.rows)
 
     def span(self, slot: int) -> int:
-        """Cache slots the attention reads at a step writing `slot`: slot+1 rounded up to SPAN_GRANULARITY,
-        bounded by the cache length."""
-        return min(self.cache.length, int(math.ceil((slot + 1) / SPAN_GRANULARITY) * SPAN_GRANULARITY))
+        """Cache slots the attention reads at a step writing `slot`: slot+1 rounded up to the plan's span
+        granularity, bounded by the cache length."""
+        step = self.span_granularity
+        return min(self.cache.length, int(math.ceil((slot + 1) / step) * step))
 
     # ----------------------------------------------------------------------------------------------- passes
     def _rope(self) -> tuple[torch.Tensor, torch.Tensor]:
