@@ -37,7 +37,8 @@ from .machine import CardSpec, DeviceInfo, HardwareProbe, card_spec, fp16_proble
 from .model_shape import ModelShape, read_model_shape
 from .plans import Plan, RolloutPlan
 from .vocabulary import (
-    ALLOC_CONF, CUDNN_SDPA, ATTN_EAGER, ATTN_FLASH, ATTN_IMPLEMENTATIONS, ATTN_SDPA, BF16, FP16, FP32, LOSS_SCALE_GROWTH_INTERVAL,
+    ALLOC_CONF, CUDNN_SDPA, ATTN_EAGER, ATTN_FLASH, ATTN_IMPLEMENTATIONS, ATTN_SDPA, BF16, FP16, FP32,
+    LOSS_SCALE_GROWTH_INTERVAL,
     LOSS_SCALE_INIT, NoFitError, PlanError, cc_str, dtype_from_name, dtype_name, flash_attn_capable, has_fast_fp16,
     has_half_gemm_fp32_output, has_native_bf16, has_tf32, is_half, DECODE_MATMUL, DECODE_SDPA, AdvantageEstimator,
     AttnImplementation, Precision, RolloutEngineName,
@@ -783,7 +784,7 @@ def _plan_training_kernels(plan: Plan, sdpa_backends: list[str], on_cuda: bool) 
         reasons["training_sdpa_backends"] = (
             f"{', '.join(plan.training_sdpa_backends)}: cuDNN attention is left out of the training passes, whose "
             "sequence lengths change with every micro-batch; it builds an execution plan per new shape (1.7-2.1 ms "
-            "of CPU per call on an H200), which made the update CPU-bound")
+            "of CPU per call in a profiled H200 step), which made the update CPU-bound")
     else:
         plan.training_sdpa_backends = ()
         reasons["training_sdpa_backends"] = ("PyTorch's choice" if plan.attn_implementation == ATTN_SDPA else
