@@ -27,7 +27,7 @@ from .oom import OOMGuard
 from .plans import Plan, SizeKind
 from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
 from .stepbatch import StepBatch
-from .vocabulary import ACCUMULATE_DTYPE
+from .vocabulary import ACCUMULATE_DTYPE, STATISTICS_DTYPE
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class Updater:
 
 def _detached(value):
     """A metric term kept on its device, summed in float64 as Python floats were."""
-    return value.detach().to(torch.float64) if torch.is_tensor(value) else value
+    return value.detach().to(STATISTICS_DTYPE) if torch.is_tensor(value) else value
 
 
 # ---------------------------------------------------------------------------------------------- the losses
