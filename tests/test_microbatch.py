@@ -9,6 +9,7 @@ from rlanywhere.microbatch import (
     select_response,
     split_by_token_budget,
     split_fixed,
+    split_rows_by_length,
     split_rows_by_token_budget,
 )
 
@@ -71,6 +72,31 @@ def test_split_rows_uses_compacted_cost():
     groups = split_rows_by_token_budget(pm[1], pm[3], 30)
     assert groups == [[0], [1]]
     assert split_by_token_budget([12, 12], 30) == [[0, 1]]  # the naive cost would have grouped them
+
+
+def test_split_rows_by_length_hand_example():
+    # compacted lengths (prompt + response): 4, 14, 6, 12 -> longest first 1, 3, 2, 0 -> groups {1, 3}, {0, 2}
+    batch = _rollout([2, 10, 3, 6], [2, 4, 3, 6])
+    assert split_rows_by_length(batch[1], batch[3], 2) == [[1, 3], [0, 2]]
+    assert split_fixed(4, 2) == [[0, 1], [2, 3]]  # what consecutive groups would pad: 2 x 14 + 2 x 12
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_split_rows_by_length_partitions_like_split_fixed_and_pads_less(seed):
+    rng = random.Random(seed)
+    n, size = 37, 8
+    batch = _rollout([rng.randint(1, 12) for _ in range(n)], [rng.randint(0, 15) for _ in range(n)], seed=seed)
+    groups = split_rows_by_length(batch[1], batch[3], size)
+    assert sorted(i for g in groups for i in g) == list(range(n))
+    assert sorted(len(g) for g in groups) == sorted(len(g) for g in split_fixed(n, size))
+    assert all(g == sorted(g) for g in groups)
+
+    def padded_tokens(parts):
+        return sum(compact_rows(*batch, rows=g, pad_token_id=0).input_ids.numel() for g in parts)
+
+    assert padded_tokens(groups) <= padded_tokens(split_fixed(n, size))
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        split_rows_by_length(batch[1], batch[3], 0)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -1,6 +1,8 @@
 """Micro-batching for the training and log-prob passes, and padding removal for one micro-batch.
 
 * ``split_fixed``: consecutive groups of ``micro_batch_size`` rows.
+* ``split_rows_by_length``: groups of ``micro_batch_size`` rows of a RolloutBatch, rows of similar compacted
+  length together, so each micro-batch pads only to its own longest row (the update's default).
 * ``split_by_token_budget``: verl's ``use_dynamic_bsz`` idea: groups of rows whose padded cost
   (rows x longest row in the group) stays within ``max_tokens``, packed by sorting rows by length.
   ``split_rows_by_token_budget`` does the same from a RolloutBatch's masks, with the exact cost of a compacted
@@ -30,6 +32,18 @@ def split_fixed(num_rows: int, micro_batch_size: int) -> list[list[int]]:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
     starts = range(0, num_rows, micro_batch_size)
     return [list(range(start, min(start + micro_batch_size, num_rows))) for start in starts]
+
+
+def split_rows_by_length(prompt_mask: torch.Tensor, response_mask: torch.Tensor,
+                         micro_batch_size: int) -> list[list[int]]:
+    """Groups of ``micro_batch_size`` row positions (the last may be smaller), rows sorted longest first by their
+    compacted length (prompt extent + response extent) before grouping: as many micro-batches as ``split_fixed``,
+    but each pads only to its own longest row. Indices inside a group are ascending; every row appears once."""
+    if not (isinstance(micro_batch_size, int) and micro_batch_size > 0):
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    lengths = (_prompt_extent(prompt_mask) + _response_extent(response_mask)).tolist()
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep index order
+    return [sorted(order[start:start + micro_batch_size]) for start in range(0, len(order), micro_batch_size)]
 
 
 def _greedy_pack(parts: Sequence[tuple[int, ...]], max_tokens: int) -> list[list[int]]:

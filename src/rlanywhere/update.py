@@ -19,7 +19,7 @@ from . import algorithms as algo
 from .distributed import DataParallel
 from .planner import autocast_context, training_attention_context
 from .logprobs import response_logprobs
-from .microbatch import compact_rows, split_fixed, split_rows_by_token_budget
+from .microbatch import compact_rows, split_rows_by_length, split_rows_by_token_budget
 from .models import response_values
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .sharding import call_in_root_forward, gathered, is_sharded, matched_micro_batches, needs_gradient_sum
@@ -64,8 +64,8 @@ class Updater:
         if self.uses_token_budget:
             groups = split_rows_by_token_budget(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows],
                                                 size)
-        else:
-            groups = split_fixed(len(rows), size)
+        else:  # rows of similar length share a micro-batch: less padding, same gradient (one LossScale per mini-batch)
+            groups = split_rows_by_length(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows], size)
         return [[rows[i] for i in group] for group in groups]
 
     def forward_rows(self, batch: StepBatch, rows: list[int]):
