@@ -308,7 +308,8 @@ def test_plan_to_dict_and_summary():
 # ------------------------------------------------------------------------------------------ rollout plan
 ROLLOUT_FIELDS = ("engine", "fallback_allowed", "dtype", "decode_attention", "fuse_weights", "transpose_gate_up",
                   "fp32_logits", "match_hf_numerics", "cuda_graphs", "rows_per_wave", "max_seq_len",
-                  "prefill_tokens_per_chunk", "check_every", "release_kv_between_phases", "span_granularity")
+                  "prefill_tokens_per_chunk", "check_every", "release_kv_between_phases", "span_granularity",
+                  "compile_elementwise")
 
 
 def test_every_rollout_decision_has_its_reason():

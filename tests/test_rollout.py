@@ -656,3 +656,21 @@ def test_engine_follows_the_planners_rollout_plan():
     planned = RolloutPlan(engine="fast", dtype=torch.float32, decode_attention="sdpa")
     assert make_engine(model, None, plan=Plan(rollout=planned)).decode_attention == "sdpa"
     assert make_engine(model, None).decode_attention == "sdpa"  # no plan: RolloutPlan() defaults
+
+
+@pytest.mark.slow
+def test_compiled_elementwise_decode_matches_the_plain_decode():
+    """RolloutPlan.compile_elementwise: the decode step's norms, RoPE, SiLU*mul and residual adds compiled by
+    torch.compile (C++ here, Triton on a GPU) with eager's rounding. Same samples and log-probs as the plain path:
+    fp32 to float rounding, bf16 (transformers' rounding of every intermediate) to the reduction order of a norm."""
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-3)):
+        model = tiny_model("qwen2").to(dtype)
+        batches = {}
+        for compiled in (False, True):
+            engine = FastEngine(model, None, RolloutPlan(compile_elementwise=compiled), pad_token_id=PAD)
+            batches[compiled] = engine.generate(PROMPTS * 2, params, generator=torch.Generator().manual_seed(0))
+        plain, fused = batches[False], batches[True]
+        assert torch.equal(plain.response_ids, fused.response_ids), dtype
+        gap = (plain.response_logprobs - fused.response_logprobs)[plain.response_mask.bool()].abs()
+        assert gap.max() < tolerance, (dtype, float(gap.max()))

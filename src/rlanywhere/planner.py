@@ -610,6 +610,9 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
                                                    "prefill forward bound its activations")
     reasons.setdefault("check_every", f"every {rollout.check_every} decode steps: finished rows and stop strings")
     rollout.span_granularity = DECODE_SPAN_GRANULARITY if on_cuda else 256
+    rollout.compile_elementwise = False
+    reasons["compile_elementwise"] = ("off: compiled decode kernels are not yet measured faster "
+                                      "(bench/rollout.py --fast-variants compile_elementwise=1)")
     reasons["span_granularity"] = (
         f"decode attention reads the cache up to the next multiple of {rollout.span_granularity} slots: "
         + ("a CUDA graph per (rows, span) bucket is cheap, reading empty slots is not" if on_cuda else

@@ -42,6 +42,7 @@ class RolloutPlan:
     prefill_tokens_per_chunk: int = 16384  # padded prompt tokens per prefill forward
     check_every: int = 8  # decode steps between host checks for finished rows
     span_granularity: int = 256  # decode attention reads the cache up to the next multiple of this many slots
+    compile_elementwise: bool = False  # decode norms, RoPE, SiLU*mul, residual adds as torch.compile'd kernels
     release_kv_between_phases: bool = False  # free the KV cache after each rollout for the training phases
     reasons: dict[str, str] = field(default_factory=dict)
 

@@ -122,6 +122,7 @@ class FastEngine(RolloutEngine):
             out_dtype_gemm=bool(rollout.fp32_logits) and half_gemm_has_fp32_output(self.device, self.dtype),
             fuse_weights=bool(rollout.fuse_weights),
             transpose_gate_up=bool(rollout.transpose_gate_up),
+            compile_elementwise=bool(rollout.compile_elementwise),
         )
         self.forward = LlamaForward(self.hf_model, self.dtype, self.device, numerics)
         self.dims = self.forward.dims

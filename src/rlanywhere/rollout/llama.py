@@ -195,6 +195,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mat
     return torch.addcmul(x * cos, rolled, sin_signed)
 
 
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 match_hf: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta)): a residual add and the next norm, one kernel when compiled."""
+    h = h + delta
+    return h, rms_norm(h, weight, eps, match_hf)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's SiLU(gate) * up of a fused [..., 2 x intermediate] GEMM output (transformers' rounding)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def compiled_elementwise() -> dict[str, Any]:
+    """rms_norm, add_rms_norm, apply_rope and silu_mul compiled by torch.compile (inductor, Triton on a GPU), each
+    one fused kernel instead of several, with eager's rounding of every intermediate (inductor's
+    emulate_precision_casts, a process-wide setting): transformers' numerics, fewer kernel launches. Shapes are
+    dynamic, so every batch bucket and span shares one compiled kernel per function."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True
+    return {name: torch.compile(fn, dynamic=True)
+            for name, fn in (("rms_norm", rms_norm), ("add_rms_norm", add_rms_norm), ("apply_rope", apply_rope),
+                             ("silu_mul", silu_mul))}
+
+
 def half_gemm_has_fp32_output(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `torch.mm(..., out_dtype=fp32)` runs for `dtype` inputs on `device` (CUDA, torch >= 2.8)."""
     if device.type != "cuda" or dtype == FP32:
@@ -272,6 +298,7 @@ class Numerics:
     out_dtype_gemm: bool  # the fp32-output LM head as one half-in/fp32-out GEMM (CUDA, torch >= 2.8)
     fuse_weights: bool
     transpose_gate_up: bool
+    compile_elementwise: bool = False  # decode's norms, RoPE, SiLU*mul and residual adds as torch.compile kernels
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -429,6 +456,9 @@ class LlamaForward:
         self.dtype, self.device, self.numerics = dtype, device, numerics
         self.weights = LlamaWeights(hf_model, self.dims, dtype, device, numerics.fuse_weights,
                                     numerics.transpose_gate_up)
+        # the decode step's elementwise functions: compiled (fused kernels) or as written
+        self.ops = compiled_elementwise() if numerics.compile_elementwise else {
+            "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope, "silu_mul": silu_mul}
 
     def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [length, head_dim] in the engine dtype, from the model's own rotary embedding."""
@@ -467,7 +497,7 @@ class LlamaForward:
             if d.qk_norm:
                 qk = torch.cat((rms_norm(qk[:, :, : d.heads], w["q_norm"], d.eps, hf),
                                 rms_norm(qk[:, :, d.heads :], w["k_norm"], d.eps, hf)), dim=2)
-            qk = apply_rope(qk.transpose(1, 2), cos, sin, hf)  # q and k heads in one pass
+            qk = self.ops["apply_rope"](qk.transpose(1, 2), cos, sin, hf)  # q and k heads in one pass
             q, k = qk[:, : d.heads], qk[:, d.heads :]
         else:
             q = F.linear(x, w["q"], w.get("q_b")).view(n, t, d.heads, d.head_dim)
@@ -476,8 +506,8 @@ class LlamaForward:
             if d.qk_norm:
                 q = rms_norm(q, w["q_norm"], d.eps, hf)
                 k = rms_norm(k, w["k_norm"], d.eps, hf)
-            q = apply_rope(q.transpose(1, 2), cos, sin, hf)
-            k = apply_rope(k.transpose(1, 2), cos, sin, hf)
+            q = self.ops["apply_rope"](q.transpose(1, 2), cos, sin, hf)
+            k = self.ops["apply_rope"](k.transpose(1, 2), cos, sin, hf)
         return q, k, v.transpose(1, 2)
 
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, copies: torch.Tensor, row_start: int,
@@ -531,24 +561,59 @@ class LlamaForward:
         cos = rope[0][positions][:, None, None]  # [batch, 1, 1, D]
         sin = rope[1][positions][:, None, None]
         h = F.embedding(tokens, self.weights.globals["embed"])[:, None]  # [batch, 1, hidden]
+        if self.numerics.compile_elementwise:
+            return self._decode_fused(h, cos, sin, mask, sdpa, batch, slot, span, cache)
         for i, w in enumerate(self.weights.layers):
             x = rms_norm(h, w["ln1"], d.eps, hf)
             q, k, v = self.qkv(x, w, cos, sin)  # q [batch, heads, 1, D], k/v [batch, kv, 1, D]
             keys, values = cache.append(i, batch, slot, k, v, span)
-            # The query heads of one KV group act as G query positions against that group's keys (no GQA copy).
-            if sdpa:
-                q = q.reshape(batch, d.kv_heads, d.groups, d.head_dim)
-                a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d.scaling)
-            else:
-                # Batched GEMMs over (row, kv head): scale and mask fused into the first, softmax in fp32.
-                q = q.reshape(batch * d.kv_heads, d.groups, d.head_dim)
-                keys = keys.reshape(batch * d.kv_heads, span, d.head_dim)
-                values = values.reshape(batch * d.kv_heads, span, d.head_dim)
-                scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=d.scaling)
-                a = torch.bmm(scores.softmax(dim=-1, dtype=ACCUMULATE_DTYPE).to(self.dtype), values)
-            h = residual_linear(h, a.reshape(batch, 1, d.heads * d.head_dim), w["o"], w.get("o_b"), hf)
+            a = self._decode_attention(q, keys, values, mask, sdpa, batch, span)
+            h = residual_linear(h, a, w["o"], w.get("o_b"), hf)
             h = self.mlp_residual(h, rms_norm(h, w["ln2"], d.eps, hf), w)
         return self.logits(rms_norm(h[:, 0], self.weights.globals["norm"], d.eps, hf))
+
+    def _decode_attention(self, q, keys, values, mask, sdpa: bool, batch: int, span: int) -> torch.Tensor:
+        """[batch, 1, heads x D] attention output of one decode step. The query heads of one KV group act as G
+        query positions against that group's keys (no GQA copy)."""
+        d = self.dims
+        if sdpa:
+            q = q.reshape(batch, d.kv_heads, d.groups, d.head_dim)
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d.scaling)
+        else:
+            # Batched GEMMs over (row, kv head): scale and mask fused into the first, softmax in fp32.
+            q = q.reshape(batch * d.kv_heads, d.groups, d.head_dim)
+            keys = keys.reshape(batch * d.kv_heads, span, d.head_dim)
+            values = values.reshape(batch * d.kv_heads, span, d.head_dim)
+            scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=d.scaling)
+            a = torch.bmm(scores.softmax(dim=-1, dtype=ACCUMULATE_DTYPE).to(self.dtype), values)
+        return a.reshape(batch, 1, d.heads * d.head_dim)
+
+    def _decode_fused(self, h, cos, sin, mask, sdpa: bool, batch: int, slot, span: int, cache: Any) -> torch.Tensor:
+        """The decode layers with compiled elementwise kernels: each residual add runs inside the next norm's
+        kernel (the last MLP output is added inside the final norm), RoPE and SiLU*mul are one kernel each.
+        Residual adds round after the GEMM (transformers' order) in every dtype: fp32 matches the default path to
+        an ulp; half precision with round_like_hf matches it exactly (inductor rounds every intermediate)."""
+        d, ops, hf = self.dims, self.ops, self.numerics.round_like_hf
+        pending = None  # the previous layer's MLP output, not yet added to h
+        for i, w in enumerate(self.weights.layers):
+            if pending is None:
+                x = ops["rms_norm"](h, w["ln1"], d.eps, hf)
+            else:
+                h, x = ops["add_rms_norm"](h, pending, w["ln1"], d.eps, hf)
+            q, k, v = self.qkv(x, w, cos, sin)
+            keys, values = cache.append(i, batch, slot, k, v, span)
+            a = self._decode_attention(q, keys, values, mask, sdpa, batch, span)
+            h, x = ops["add_rms_norm"](h, F.linear(a, w["o"], w.get("o_b")), w["ln2"], d.eps, hf)
+            if self.numerics.fuse_weights:
+                y = torch.matmul(x, w["gate_up"]) if self.numerics.transpose_gate_up else F.linear(x, w["gate_up"])
+                y = y if w.get("gate_up_b") is None else y + w["gate_up_b"]
+                act = ops["silu_mul"](y)
+            else:
+                act = ops["silu_mul"](torch.cat((F.linear(x, w["gate"], w.get("gate_b")),
+                                                 F.linear(x, w["up"], w.get("up_b"))), dim=-1))
+            pending = F.linear(act, w["down"], w.get("down_b"))
+        _, x = ops["add_rms_norm"](h, pending, self.weights.globals["norm"], d.eps, hf)
+        return self.logits(x[:, 0])
 
 
 __all__ = ["LlamaForward", "LlamaWeights", "ModelDims", "Numerics", "supports", "rms_norm", "apply_rope",
