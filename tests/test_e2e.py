@@ -313,10 +313,36 @@ def test_profile_steps_writes_a_trace_and_a_table_of_the_listed_step(tiny_model_
     trace = json.loads((run_dir / "profile" / "step_2.trace.json").read_text())
     phases = {event["name"] for event in trace["traceEvents"] if str(event.get("name", "")).startswith("phase/")}
     assert {"phase/rollout", "phase/update_actor"} <= phases
-    assert "aten::" in (run_dir / "profile" / "step_2.txt").read_text()
+    table = (run_dir / "profile" / "step_2.txt").read_text()
+    assert "aten::" in table and "device busy ms" in table and "no device activity recorded" in table
+    assert any(line.split()[:1] == ["update_actor"] for line in table.splitlines())
 
 
 def test_profile_steps_must_be_step_numbers(tmp_path, capsys):
     from rlanywhere.config import ConfigError
     with pytest.raises(ConfigError, match="profile_steps"):
         load_config(None, ["trainer.profile_steps=[0]"])
+
+
+def test_phase_table_counts_overlapping_kernels_once_inside_each_phase():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from rlanywhere.profiling import covered_time, phase_table
+
+    assert covered_time([(0, 10), (5, 15), (20, 30), (40, 50)], 2, 45) == 13 + 10 + 5
+    assert covered_time([], 0, 10) == 0
+
+    def event(name, start, end, device=DeviceType.CPU, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("phase/rollout", 0, 10_000), event("phase/update_actor", 10_000, 30_000),
+              event("phase/update_actor", 10_000, 30_000, DeviceType.CUDA, annotation=True),  # not a kernel
+              event("gemm", 1_000, 9_000, DeviceType.CUDA), event("gemm", 12_000, 16_000, DeviceType.CUDA),
+              event("add", 14_000, 17_000, DeviceType.CUDA)]
+    lines = phase_table(events).splitlines()
+    assert lines[1].split() == ["rollout", "10.0", "8.0", "80%"]
+    assert lines[2].split() == ["update_actor", "20.0", "5.0", "25%"]
+    assert "CPU run" in phase_table([event("phase/rollout", 0, 5)])

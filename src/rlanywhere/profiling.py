@@ -5,7 +5,9 @@ runs under `torch.profiler.profile` (CPU and, on a GPU, CUDA activity). Each pha
 update_actor, ...) is a named range in the trace (stepmetrics.PhaseTimer). Written to `<run dir>/profile/`:
 
     step_<N>.trace.json   open in https://ui.perfetto.dev or chrome://tracing
-    step_<N>.txt          the top operators by self device time (self CPU time on a CPU), one table
+    step_<N>.txt          per phase: wall time and how much of it the GPU was busy (a phase far below 100 % is
+                          waiting on the CPU: Python, kernel launches, host syncs); then the top operators by self
+                          device time (self CPU time on a CPU)
 
 Profiling slows the step it covers (CUDA graphs replay as one range; kernel launches are recorded): read the
 table for shares, take the step times from the steps that were not profiled. [distributed] every rank writes its
@@ -56,4 +58,41 @@ def maybe_profile(step: int, steps: Iterable[int], run_dir: str, device: str, ra
     prof.export_chrome_trace(stem + ".trace.json")
     sort_by = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
     with open(stem + ".txt", "w") as handle:
+        handle.write(phase_table(prof.events()) + "\n\n")
         handle.write(prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=90))
+
+
+def covered_time(intervals: Iterable[tuple[float, float]], start: float, end: float) -> float:
+    """Length of the union of `intervals` (start, end) inside [start, end]: overlapping kernels count once."""
+    total, run_start, run_end = 0.0, None, None
+    for lo, hi in sorted((max(lo, start), min(hi, end)) for lo, hi in intervals):
+        if hi <= lo:
+            continue
+        if run_end is None or lo > run_end:
+            total += (run_end - run_start) if run_end is not None else 0.0
+            run_start, run_end = lo, hi
+        else:
+            run_end = max(run_end, hi)
+    return total + ((run_end - run_start) if run_end is not None else 0.0)
+
+
+def phase_table(events) -> str:
+    """One line per phase of the profiled step: wall ms, device-busy ms and their ratio (torch.profiler events:
+    CPU-side `phase/<name>` ranges, device-side kernels and copies on the same clock)."""
+    from torch.autograd import DeviceType
+
+    phases = [(e.name[len("phase/"):], e.time_range.start, e.time_range.end) for e in events
+              if e.device_type == DeviceType.CPU and e.name.startswith("phase/")]
+    device = [(e.time_range.start, e.time_range.end) for e in events
+              if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+    lines = [f"{'phase':<16} {'wall ms':>10} {'device busy ms':>15} {'busy':>6}"]
+    for name, start, end in phases:
+        wall = (end - start) / 1000
+        if not device:
+            lines.append(f"{name:<16} {wall:>10.1f} {'-':>15} {'-':>6}")
+            continue
+        busy = covered_time(device, start, end) / 1000
+        lines.append(f"{name:<16} {wall:>10.1f} {busy:>15.1f} {busy / max(wall, 1e-9):>6.0%}")
+    if not device:
+        lines.append("(no device activity recorded: a CPU run)")
+    return "\n".join(lines)
