@@ -595,8 +595,7 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"hardware.logprob_gap_patience must be >= 1 steps, got {cfg.hardware.logprob_gap_patience}")
     check_batch_sizes(cfg)
     try:
-        steps = cfg.trainer.profile_steps
-        profile_step_set(OmegaConf.to_object(steps) if isinstance(steps, ListConfig) else steps)
+        profile_step_set(cfg.trainer.profile_steps)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:

@@ -493,12 +493,11 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
             return f"{explicit_from}={value} ({peak_text(*phase_names)})"
         cap, cap_why = caps[key]
         roomy_cap, roomy_why = caps.get(f"roomy_{key}", (cap, cap_why))
-        how = (cap_why if value == cap else roomy_why if value == roomy_cap else
-               f"past the {est.MAX_TOKENS_PER_MICRO_BATCH}-token cap while the peak stays under "
-               f"{est.ROOMY_PEAK_FRACTION:.0%} of the budget (fewer kernel launches)" if value > cap else
-               "the largest power of two that fits")
-        if value > cap and value == roomy_cap:
-            how += f", with the peak under {est.ROOMY_PEAK_FRACTION:.0%} of the budget"
+        if value > cap:  # grown past the cap (estimator._choose_batches): say so, and where the growth stopped
+            how = (f"{roomy_why + ', ' if value == roomy_cap else ''}past the {est.MAX_TOKENS_PER_MICRO_BATCH}-token "
+                   f"cap while the peak stays under {est.ROOMY_PEAK_FRACTION:.0%} of the budget (fewer kernel launches)")
+        else:
+            how = cap_why if value == cap else "the largest power of two that fits"
         return f"{value} sequences x {seq} tokens: {how} ({peak_text(*phase_names)})"
 
     for key in ("gradient_checkpointing", "optimizer_offload", "param_offload"):

@@ -24,7 +24,8 @@ import torch
 
 
 def profile_step_set(value) -> frozenset[int]:
-    """trainer.profile_steps as a set of step numbers (None or [] -> empty)."""
+    """trainer.profile_steps (an int, a list or ListConfig, or a "[3,5]" string) as a set of step numbers (None or
+    [] -> empty)."""
     if value is None:
         return frozenset()
     if isinstance(value, str):  # "3" or "[3,5]" from a command line

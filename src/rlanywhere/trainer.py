@@ -73,8 +73,7 @@ class RLTrainer:
         self.dp.barrier()  # rank 0's checks passed (a failure ends the job: torchrun stops the waiting ranks)
         seed_everything(cfg.trainer.seed)
         self.n = cfg.actor_rollout_ref.rollout.n
-        steps = cfg.trainer.profile_steps
-        self.profile_steps = profile_step_set(OmegaConf.to_object(steps) if OmegaConf.is_config(steps) else steps)
+        self.profile_steps = profile_step_set(cfg.trainer.profile_steps)
         max_seq_len = cfg.data.max_prompt_length + self.response_length
 
         self.source, self.tokenizer = builders.build_tokenizer(cfg)

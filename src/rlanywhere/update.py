@@ -83,10 +83,11 @@ class Updater:
 
         def run(size: int) -> torch.Tensor:
             out = torch.zeros(batch.mask.shape, dtype=ACCUMULATE_DTYPE)
-            for rows in self.micro_batches(batch, list(range(batch.rows)), size):
-                ids, mask, pos, resp_len = self.forward_rows(batch, rows)
-                with autocast_context(self.plan), training_attention_context(self.plan):
-                    out[rows, :resp_len] = compute(ids, mask, pos, resp_len).float().cpu()
+            with training_attention_context(self.plan):
+                for rows in self.micro_batches(batch, list(range(batch.rows)), size):
+                    ids, mask, pos, resp_len = self.forward_rows(batch, rows)
+                    with autocast_context(self.plan):
+                        out[rows, :resp_len] = compute(ids, mask, pos, resp_len).float().cpu()
             return out * batch.rollout.response_mask  # every response: a loss mask only narrows the losses
 
         return self.oom.run(phase, run, self.size_kind(SizeKind.LOGPROB_MICRO_BATCH))
@@ -120,26 +121,26 @@ class Updater:
         totals: dict[str, torch.Tensor | float] = {}
         losses: list[tuple[list[int], torch.Tensor]] = []
         # [distributed] a sharded model: as many backward passes on every rank (padding ones weigh 0)
-        for micro, padding in matched_micro_batches(self.micro_batches(batch, rows, size), self.dp,
-                                                    is_sharded(model)):
-            ids, mask, pos, resp_len = self.forward_rows(batch, micro)
-            host_mask = batch.mask[micro, :resp_len]
-            resp_mask = host_mask.to(self.device)
-            with autocast_context(self.plan), training_attention_context(self.plan):
-                loss, shares, means = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask, scale)
-            if padding:
-                with training_attention_context(self.plan):
+        # the planned SDPA backends for forward and backward alike (checkpointing recomputes attention in backward)
+        with training_attention_context(self.plan):
+            for micro, padding in matched_micro_batches(self.micro_batches(batch, rows, size), self.dp,
+                                                        is_sharded(model)):
+                ids, mask, pos, resp_len = self.forward_rows(batch, micro)
+                host_mask = batch.mask[micro, :resp_len]
+                resp_mask = host_mask.to(self.device)
+                with autocast_context(self.plan):
+                    loss, shares, means = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask, scale)
+                if padding:
                     (loss * 0.0).backward()
-                continue
-            losses.append((micro, loss.detach()))
-            with training_attention_context(self.plan):  # checkpointing recomputes attention in backward
+                    continue
+                losses.append((micro, loss.detach()))
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
-            # loss terms add up to the mini-batch's value; diagnostics (token means) are weighted by tokens
-            token_share = float(host_mask.sum()) / max(scale.tokens, 1.0)
-            for key, value in shares.items():
-                totals[key] = totals.get(key, 0.0) + _detached(value)
-            for key, value in means.items():
-                totals[key] = totals.get(key, 0.0) + _detached(value) * token_share
+                # loss terms add up to the mini-batch's value; diagnostics (token means) are weighted by tokens
+                token_share = float(host_mask.sum()) / max(scale.tokens, 1.0)
+                for key, value in shares.items():
+                    totals[key] = totals.get(key, 0.0) + _detached(value)
+                for key, value in means.items():
+                    totals[key] = totals.get(key, 0.0) + _detached(value) * token_share
         if losses:
             finite = torch.isfinite(torch.stack([loss for _, loss in losses])).tolist()
             for (micro, loss), ok in zip(losses, finite):

@@ -202,9 +202,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return h, rms_norm(h, weight, eps, match_hf)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's SiLU(gate) * up of a fused [..., 2 x intermediate] GEMM output (transformers' rounding)."""
-    gate, up = gate_up.chunk(2, dim=-1)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's SiLU(gate) * up (transformers' rounding)."""
     return F.silu(gate) * up
 
 
@@ -474,18 +473,21 @@ class LlamaForward:
             return fp32_logits(last, head, self.numerics.out_dtype_gemm)
         return F.linear(last, head).to(FP32)
 
-    def mlp_residual(self, h: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        """h + SwiGLU(x)."""
+    def gate_up(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """SwiGLU's two projections of x: (gate, up), from one fused GEMM when the weights are fused."""
         if self.numerics.fuse_weights:
             if self.numerics.transpose_gate_up:  # weight stored [hidden, 2 * intermediate]
                 y = torch.matmul(x, w["gate_up"])
                 y = y if w.get("gate_up_b") is None else y + w["gate_up_b"]
             else:
                 y = F.linear(x, w["gate_up"], w.get("gate_up_b"))
-            gate, up = y.chunk(2, dim=-1)
-        else:
-            gate, up = F.linear(x, w["gate"], w.get("gate_b")), F.linear(x, w["up"], w.get("up_b"))
-        return residual_linear(h, F.silu(gate) * up, w["down"], w.get("down_b"), self.numerics.round_like_hf)
+            return y.chunk(2, dim=-1)
+        return F.linear(x, w["gate"], w.get("gate_b")), F.linear(x, w["up"], w.get("up_b"))
+
+    def mlp_residual(self, h: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """h + SwiGLU(x)."""
+        return residual_linear(h, silu_mul(*self.gate_up(x, w)), w["down"], w.get("down_b"),
+                               self.numerics.round_like_hf)
 
     def qkv(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor):
         """q [N, heads, T, D], k/v [N, kv_heads, T, D] for x [N, T, hidden], rope applied (sin: signed_sin)."""
@@ -604,14 +606,7 @@ class LlamaForward:
             keys, values = cache.append(i, batch, slot, k, v, span)
             a = self._decode_attention(q, keys, values, mask, sdpa, batch, span)
             h, x = ops["add_rms_norm"](h, F.linear(a, w["o"], w.get("o_b")), w["ln2"], d.eps, hf)
-            if self.numerics.fuse_weights:
-                y = torch.matmul(x, w["gate_up"]) if self.numerics.transpose_gate_up else F.linear(x, w["gate_up"])
-                y = y if w.get("gate_up_b") is None else y + w["gate_up_b"]
-                act = ops["silu_mul"](y)
-            else:
-                act = ops["silu_mul"](torch.cat((F.linear(x, w["gate"], w.get("gate_b")),
-                                                 F.linear(x, w["up"], w.get("up_b"))), dim=-1))
-            pending = F.linear(act, w["down"], w.get("down_b"))
+            pending = F.linear(ops["silu_mul"](*self.gate_up(x, w)), w["down"], w.get("down_b"))
         _, x = ops["add_rms_norm"](h, pending, self.weights.globals["norm"], d.eps, hf)
         return self.logits(x[:, 0])
 
