@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rollout import DTYPES, fast_plan, qwen25_05b_shape  # noqa: E402
 
 from rlanywhere.rollout import FastEngine, SamplingParams  # noqa: E402
+from rlanywhere.rollout.decode_attention import decode_attention as triton_decode_attention  # noqa: E402
+from rlanywhere.rollout.decode_attention import triton_usable  # noqa: E402
 
 
 def kernel_family(name: str) -> str:
@@ -163,8 +165,16 @@ def attention_bench(rows: int, dtype: torch.dtype, kv_heads: int, groups: int, h
             out.append(torch.bmm(s.softmax(-1, dtype=torch.float32).to(dtype), v.reshape(rows * kv_heads, span, head_dim)))
         return out
 
+    slot = torch.tensor([span - 1], device="cuda")
+
+    def triton():  # split-K over each row's filled slots (FastEngine's decode_attention="triton")
+        return [triton_decode_attention(q, k, v, start, slot, scale) for k, v in zip(ks, vs)]
+
+    formulations = [("sdpa", sdpa), ("matmul", matmul), ("baddbmm", baddbmm)]
+    if triton_usable():
+        formulations.append(("triton", triton))
     ref = sdpa()[0].float()
-    for name, fn in (("sdpa", sdpa), ("matmul", matmul), ("baddbmm", baddbmm)):
+    for name, fn in formulations:
         got = fn()[0].reshape(ref.shape).float()
         ms = time_graph(fn, iters=2) / layers
         kv_bytes = 2 * ks[0].numel() * ks[0].element_size()
@@ -178,7 +188,7 @@ def main() -> None:
     parser.add_argument("--no-tf32", action="store_true")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--span", type=int, default=512)
-    parser.add_argument("--attention", default="auto", choices=["auto", "sdpa", "matmul"])
+    parser.add_argument("--attention", default="auto", choices=["auto", "sdpa", "matmul", "triton"])
     parser.add_argument("--skip-profile", action="store_true")
     args = parser.parse_args()
     if args.no_tf32:

@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -98,8 +99,8 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_engine(engine, prompts, params, device, repeats: int, warmup_params) -> tuple[float, int, float]:
-    """(best seconds, generated tokens, warm-up seconds)."""
+def time_engine(engine, prompts, params, device, repeats: int, warmup_params) -> tuple[float, int, float, Any]:
+    """(best seconds, generated tokens, warm-up seconds, the last RolloutBatch)."""
     sync(device)
     start = time.perf_counter()
     engine.generate(prompts, warmup_params, generator=torch.Generator(device=device).manual_seed(0))
@@ -114,7 +115,7 @@ def time_engine(engine, prompts, params, device, repeats: int, warmup_params) ->
         elapsed = time.perf_counter() - start
         tokens = int(batch.response_mask.sum())
         best = min(best, elapsed)
-    return best, tokens, warm
+    return best, tokens, warm, batch
 
 
 def fast_plan(model, rows: int | None = None, max_seq_len: int | None = None, **overrides) -> RolloutPlan:
@@ -284,6 +285,9 @@ def main() -> None:
     parser.add_argument("--fast-variants", default="", help="';'-separated FastEngine kwargs, e.g. 'fuse_weights=0'")
     parser.add_argument("--check", action="store_true", help="greedy correctness check against transformers first")
     parser.add_argument("--breakdown", action="store_true", help="time one decode step's forward and sampling")
+    parser.add_argument("--gap", action="store_true",
+                        help="each engine's sampling log-probs against the trainer's (rlanywhere.logprobs) on the "
+                             "last timed batch: mean and max |difference|")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
 
@@ -320,11 +324,17 @@ def main() -> None:
                     engine = HFEngine(model, tokenizer)
                     warm_params = SamplingParams(max_new_tokens=8, temperature=args.temperature, n=args.n,
                                                  ignore_eos=args.fixed_length)
-                seconds, tokens, warm = time_engine(engine, prompts, params, device, args.repeats if engine_name == "fast" else 1, warm_params)
+                seconds, tokens, warm, batch = time_engine(engine, prompts, params, device, args.repeats if engine_name == "fast" else 1, warm_params)
                 results.append({"engine": label, "seconds": seconds, "tokens": tokens, "tok_per_s": tokens / seconds,
                                 "warmup_s": warm})
                 print(f"  {label:<40} {tokens:>8} tokens  {seconds:8.3f} s  {tokens / seconds:10.0f} tok/s  "
                       f"(warm-up {warm:.2f} s)", flush=True)
+                if args.gap:  # this engine's sampling log-probs against the trainer's, same model and tokens
+                    delta = (trainer_logprobs(model, batch, args.temperature) - batch.response_logprobs.float())
+                    delta = delta[batch.response_mask.bool()].abs()
+                    results[-1]["logprob_gap"] = float(delta.mean())
+                    print(f"    |logprob - trainer|: mean {delta.mean():.2e}  max {delta.max():.2e}  "
+                          f"({delta.numel()} tokens)", flush=True)
                 if engine_name == "fast" and args.breakdown and device.startswith("cuda"):
                     print("    " + step_breakdown(engine, params, device, rows,
                                                   max(map(len, prompts)) + args.new_tokens - 2), flush=True)

@@ -4,4 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# FastEngine's Triton kernels are tested on Triton's CPU interpreter (tests/conftest.py); a CPU build of torch
+# brings no triton, so the tests install it (>= 3.9: older interpreters fail under numpy 2.4; a CUDA build's own
+# triton is left as it is, and those tests skip there if it is older)
+"${PYTHON:-python3}" -c "import triton" 2>/dev/null || "${PYTHON:-python3}" -m pip install -q "triton>=3.9"
 exec "${PYTHON:-python3}" -m pytest -q tests "$@"

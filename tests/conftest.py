@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels (rollout/decode_attention.py) are tested on the CPU under Triton's interpreter, which triton picks
+# when it is imported: set before any test imports it (the tests use no GPU).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 SHIPPED = Path(__file__).resolve().parent / "data"  # a fresh clone's small copies (see tests/data/README.md)
 

@@ -351,10 +351,15 @@ def _collectives_worker(rank: int, port: int, out_dir: str) -> None:
         p.grad = torch.full_like(p, float(rank + 1))
     dp.sum_gradients(layer)
     scale = dp.loss_scale(torch.ones(rows, width), norm_length=4)
+    # two mini-batches in one exchange: all rows, then only the first row with its first column zeroed
+    partial = torch.ones(1, width)
+    partial[0, 0] = 0
+    scales = dp.loss_scales([torch.ones(rows, width), partial], norm_length=4)
     result = {"whole": whole.tolist(), "back": torch.equal(dp.local_rows(whole, local), local),
               "layout": [dp.layout.start, dp.layout.stop, dp.layout.total],
               "grads": [p.grad.flatten().tolist() for p in layer.parameters()],
               "scale": [scale.tokens, scale.sequences, scale.norm_length],
+              "scales": [[s.tokens, s.sequences, s.norm_length] for s in scales],
               "sums": dp.sum_dict({"a": rank + 1.0, f"only{rank}": 1.0}), "max": dp.max_value(rank * 10.0),
               "objects": dp.gather_objects([f"r{rank}"] * (rank + 1))}
     dp.close()
@@ -377,5 +382,6 @@ def test_collectives_with_uneven_rows_and_widths(tmp_path):
     assert first["layout"] == [0, 2, 5] and second["layout"] == [2, 5, 5]
     assert first["grads"] == second["grads"] == [[3.0, 3.0], [3.0]]  # 1 + 2
     assert first["scale"] == second["scale"] == [12.0, 5.0, 4.0]  # 6 + 6 tokens, 2 + 3 sequences
+    assert first["scales"] == second["scales"] == [[12.0, 5.0, 4.0], [3.0, 2.0, 4.0]]  # (3 - 1) + (2 - 1) tokens
     assert first["sums"] == {"a": 3.0, "only0": 1.0, "only1": 1.0} and first["max"] == second["max"] == 10.0
     assert first["objects"] == ["r0", "r1", "r1"]

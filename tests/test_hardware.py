@@ -33,8 +33,8 @@ def cfg_of(*overrides: str):
     return load_config(None, list(overrides))
 
 
-def fake(card=None, flash=False) -> HardwareProbe:
-    return HardwareProbe.fake(card, flash_attn_installed=flash)
+def fake(card=None, flash=False, triton_usable=None) -> HardwareProbe:
+    return HardwareProbe.fake(card, flash_attn_installed=flash, triton_usable=triton_usable)
 
 
 # -------------------------------------------------------------------------------------------- helpers
@@ -353,11 +353,46 @@ def test_training_attention_context_restricts_sdpa_to_the_planned_backends():
 def test_bf16_rollout_plan_on_ampere():
     plan = make_plan(cfg_of(*PPO_05B), fake("a100-80g"))
     rollout = plan.rollout
-    assert rollout.dtype == torch.bfloat16 and rollout.decode_attention == "sdpa"
+    assert rollout.dtype == torch.bfloat16 and rollout.decode_attention == "triton"
+    assert "split-K" in rollout.reasons["decode_attention"]
+    assert rollout.compile_elementwise and "torch.compile" in rollout.reasons["compile_elementwise"]
     assert rollout.fuse_weights and "cast copy" in rollout.reasons["fuse_weights"]  # fp32 master weights
     assert rollout.fp32_logits and rollout.match_hf_numerics and rollout.cuda_graphs
     assert rollout.rows_per_wave == plan.sizes.rollout_batch_size and rollout.max_seq_len == 256 + 256
     assert not rollout.fallback_allowed or rollout.engine == "fast"
+
+
+def test_triton_usable_needs_the_package_and_a_c_compiler(monkeypatch):
+    import importlib.util
+    import shutil
+
+    from rlanywhere import machine
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert not machine.triton_usable()  # no compiler for the launcher Triton builds
+    monkeypatch.setenv("CC", "/opt/bin/my-cc")
+    assert machine.triton_usable()
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/gcc" if name == "gcc" else None)
+    assert machine.triton_usable()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert not machine.triton_usable()
+
+
+def test_triton_decode_attention_needs_triton_and_a_measured_card():
+    no_triton = make_plan(cfg_of(*PPO_05B), fake("a100-80g", triton_usable=False)).rollout
+    assert no_triton.decode_attention == "sdpa" and "triton is not installed" in no_triton.reasons["decode_attention"]
+    assert not no_triton.compile_elementwise and "triton is not installed" in no_triton.reasons["compile_elementwise"]
+    turing = make_plan(cfg_of(*SMALL), fake("t4")).rollout  # fp16 there: half precision, but cc 7.5
+    assert turing.dtype == torch.float16 and turing.decode_attention == "sdpa" and not turing.compile_elementwise
+    assert "7.5 < 8.0" in turing.reasons["decode_attention"]
+    emulated = make_plan(cfg_of(*PPO_05B), fake("h100", triton_usable=True), emulate="p40").rollout
+    assert emulated.decode_attention == "matmul"  # fp32 on the P40 it emulates: never the Triton kernels
+    assert not emulated.compile_elementwise and "float32" in emulated.reasons["compile_elementwise"]
+    cpu = make_plan(cfg_of(*SMALL), fake(None)).rollout
+    assert not cpu.compile_elementwise and "CPU" in cpu.reasons["compile_elementwise"]
 
 
 def test_fp32_rollout_plan_on_cpu_and_pascal():
@@ -426,7 +461,7 @@ def test_plan_rollout_for_a_loaded_model_counts_its_cast_copy():
 
 def test_summary_shows_the_rollout_rows():
     text = make_plan(cfg_of(*PPO_05B), fake("a100-80g")).summary()
-    assert "rollout kernels" in text and "decode sdpa, fused QKV/gate-up, fp32 logits" in text
+    assert "rollout kernels" in text and "decode triton, fused QKV/gate-up, fp32 logits, HF rounding, compiled elementwise" in text
     assert "rollout KV cache" in text and "512 tokens" in text
 
 

@@ -341,12 +341,18 @@ class DataParallel:
     def loss_scale(self, mask: torch.Tensor, norm_length: float) -> "algo.LossScale":
         """The LossScale of this mini-batch over all ranks: token and sequence counts summed (norm_length is a
         constant of the run)."""
-        local = algo.LossScale.of(mask, norm_length=norm_length)
+        return self.loss_scales([mask], norm_length)[0]
+
+    def loss_scales(self, masks: list[torch.Tensor], norm_length: float) -> list["algo.LossScale"]:
+        """`loss_scale` of several mini-batches (this rank's masks), all ranks' counts summed in one exchange."""
+        local = [algo.LossScale.of(mask, norm_length=norm_length) for mask in masks]
         if not self.enabled:
             return local
-        counts = self._comm(torch.tensor([local.tokens, local.sequences], dtype=STATISTICS_DTYPE))
+        counts = self._comm(torch.tensor([[s.tokens, s.sequences] for s in local], dtype=STATISTICS_DTYPE)
+                            .reshape(len(local), 2))
         dist.all_reduce(counts)
-        return algo.LossScale(float(counts[0]), float(counts[1]), local.norm_length)
+        counts = counts.tolist()
+        return [algo.LossScale(tokens, sequences, s.norm_length) for (tokens, sequences), s in zip(counts, local)]
 
     # ---------------------------------------------------------------------------- models
     def sum_gradients(self, model: torch.nn.Module) -> None:

@@ -14,6 +14,7 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -235,6 +236,7 @@ class HardwareProbe:
     cuda_version: Optional[str] = None
     flash_attn_installed: bool = False
     flash_attn_version: Optional[str] = None
+    triton_usable: bool = False  # triton + a C compiler: FastEngine's Triton kernels (rollout/decode_attention.py)
     cpu_sdpa_backends: dict[str, list[str]] = field(default_factory=dict)
     live: bool = True
 
@@ -247,7 +249,8 @@ class HardwareProbe:
 
     def summary(self) -> str:
         lines = [f"torch {self.torch_version}" + (f", CUDA {self.cuda_version}" if self.cuda_version else ", no CUDA")
-                 + f", flash_attn {'installed ' + (self.flash_attn_version or '') if self.flash_attn_installed else 'not installed'}",
+                 + f", flash_attn {'installed ' + (self.flash_attn_version or '') if self.flash_attn_installed else 'not installed'}"
+                 + f", triton {'usable' if self.triton_usable else 'not usable (not installed, or no C compiler)'}",
                  f"CPU: {self.cpu_cores} cores, RAM {est.format_bytes(self.ram_total_bytes)} "
                  f"({est.format_bytes(self.ram_available_bytes)} available)"]
         for dev in self.devices:
@@ -267,12 +270,13 @@ class HardwareProbe:
 
     @classmethod
     def fake(cls, card: Optional[str] = None, flash_attn_installed: bool = False, ram_gib: float = 64.0,
-             cpu_cores: int = 8) -> "HardwareProbe":
+             cpu_cores: int = 8, triton_usable: Optional[bool] = None) -> "HardwareProbe":
         """A probe of a machine with one `card` (or none), for planning tests without that hardware."""
         devices = [DeviceInfo.from_card(card, 0, flash_attn_installed)] if card else []
         return cls(devices=devices, cpu_cores=cpu_cores, ram_total_bytes=int(ram_gib * est.GIB),
                    ram_available_bytes=int(ram_gib * est.GIB), cuda_version="12.4" if card else None,
-                   flash_attn_installed=flash_attn_installed, live=False)
+                   flash_attn_installed=flash_attn_installed,
+                   triton_usable=bool(card) if triton_usable is None else triton_usable, live=False)
 
 
 def _read_meminfo() -> tuple[int, int]:
@@ -306,6 +310,17 @@ def _cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+TRITON_C_COMPILERS = ("cc", "gcc", "clang")
+
+
+def triton_usable() -> bool:
+    """Whether Triton kernels can be built here: triton importable (PyTorch's CUDA builds on Linux bring it, a CPU
+    build does not) and a C compiler for the launcher Triton builds on first use ($CC, cc, gcc or clang)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return bool(os.environ.get("CC")) or any(shutil.which(name) for name in TRITON_C_COMPILERS)
+
+
 def flash_attn_status() -> tuple[bool, Optional[str], Optional[str]]:
     """(importable, version, why not). Importing can fail on ABI mismatches, so it is tried, not just found."""
     if importlib.util.find_spec("flash_attn") is None:
@@ -326,7 +341,8 @@ def probe_machine(measure_sdpa: bool = True) -> HardwareProbe:
     flash_ok, flash_version, _ = flash_attn_status()
     machine = HardwareProbe(cpu_cores=_cpu_cores(), ram_total_bytes=total, ram_available_bytes=available,
                             cuda_version=torch.version.cuda, flash_attn_installed=flash_ok,
-                            flash_attn_version=flash_version, live=True)
+                            flash_attn_version=flash_version,
+                            triton_usable=triton_usable(), live=True)
     if measure_sdpa:
         machine.cpu_sdpa_backends = {f"float32/{PROBE_HEAD_DIM}": sdpa_backends_that_run(FP32, PROBE_HEAD_DIM, "cpu")}
     if not torch.cuda.is_available():

@@ -31,7 +31,7 @@ class RolloutPlan:
     engine: str = RolloutEngineName.HF.value  # "fast" (the built-in engine) | "hf" (transformers generate)
     fallback_allowed: bool = True  # may "fast" fall back to "hf" when FastEngine cannot run the model?
     dtype: Optional[torch.dtype] = None  # engine compute dtype; None: the model's weight dtype
-    decode_attention: str = DECODE_SDPA  # DecodeAttention: sdpa | matmul (batched GEMMs, softmax in fp32)
+    decode_attention: str = DECODE_SDPA  # DecodeAttention: sdpa | matmul (batched GEMMs) | triton (split-K)
     fuse_weights: bool = False  # keep fused QKV and gate/up weight copies (fewer, larger GEMMs)
     transpose_gate_up: bool = True  # fused gate/up stored [hidden, 2 x intermediate]
     fp32_logits: bool = True  # LM head with fp32 output in half precision, as the trainer computes it
@@ -53,6 +53,7 @@ class RolloutPlan:
         logits = "fp32" if self.fp32_logits else dtype_name(self.dtype) if self.dtype is not None else "model-dtype"
         return (f"decode {self.decode_attention}, {'fused' if self.fuse_weights else 'separate'} QKV/gate-up, "
                 f"{logits} logits{', HF rounding' if self.match_hf_numerics else ''}"
+                f"{', compiled elementwise' if self.compile_elementwise else ''}"
                 f"{', CUDA graphs' if self.cuda_graphs else ''}")
 
 

@@ -49,23 +49,30 @@ def step_metrics(dp, *, scores: torch.Tensor, mask: torch.Tensor, prompt_mask: t
     """Step 7's diagnostics. `scores`, `mask` and the per-token tensors hold every rank's rows; `prompt_mask` and
     `info` are this rank's; `extra` (KL-in-reward, dynamic sampling, truncation metrics) is merged as it is."""
     resp_len = mask.sum(-1)
-    total_tokens = float(mask.sum()) + dp.sum_dict({"t": float(prompt_mask.sum())})["t"]
+    # [distributed] every rank's share of the per-rank numbers in one exchange (one host sync, not one per metric)
+    ranks = dp.gather_objects([{
+        "acc": list(info["acc"]), "format": list(info["format"]), "overlong": list(info.get("overlong_penalty", [])),
+        "errors": float(info["num_errors"]), "prompt_tokens": float(prompt_mask.sum()),
+        "peak": peak_memory_gib(device), "oom": float(oom_recoveries)}])
+    every = lambda key: [value for part in ranks for value in part[key]]  # noqa: E731
+    total = lambda key: sum(part[key] for part in ranks)  # noqa: E731
+    total_tokens = float(mask.sum()) + total("prompt_tokens")
     metrics = {
         "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if scores.numel() > 1 else 0.0,
-        "reward/acc": float(np.mean(dp.gather_objects(info["acc"]))),
-        "reward/format": float(np.mean(dp.gather_objects(info["format"]))),
-        "reward/errors": dp.sum_dict({"e": float(info["num_errors"])})["e"],
+        "reward/acc": float(np.mean(every("acc"))),
+        "reward/format": float(np.mean(every("format"))),
+        "reward/errors": total("errors"),
         "response_length/mean": float(resp_len.mean()), "response_length/max": float(resp_len.max()),
         "response_length/clip_ratio": float((resp_len >= response_length).float().mean()),
         "actor/lr": actor_lr,
         "perf/step_time_s": step_time, "perf/tokens_per_s": total_tokens / step_time,
         "perf/rollout_tokens_per_s": float(mask.sum()) / max(timer.times.get("rollout", 1e-9), 1e-9),
-        "perf/peak_memory_gib": dp.max_value(peak_memory_gib(device)),
+        "perf/peak_memory_gib": max(part["peak"] for part in ranks),
         **{f"timing/{k}": v for k, v in timer.times.items()},
         **extra,
     }
     if "overlong_penalty" in info:
-        metrics["reward/overlong_penalty"] = float(np.mean(dp.gather_objects(info["overlong_penalty"])))
+        metrics["reward/overlong_penalty"] = float(np.mean(every("overlong")))
     if ref_logprobs is not None and old_logprobs is not None:
         metrics["actor/kl"] = float(algo.masked_mean(algo.kl_penalty(old_logprobs, ref_logprobs, "kl"), mask))
     if kl_coef is not None:
@@ -73,5 +80,5 @@ def step_metrics(dp, *, scores: torch.Tensor, mask: torch.Tensor, prompt_mask: t
     if values is not None:
         metrics["critic/values_mean"] = float(algo.masked_mean(values, mask))
         metrics["critic/returns_mean"] = float(algo.masked_mean(returns, mask))
-    metrics["oom/recoveries"] = dp.sum_dict({"n": float(oom_recoveries)})["n"]
+    metrics["oom/recoveries"] = total("oom")
     return metrics

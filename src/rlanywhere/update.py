@@ -179,8 +179,8 @@ class Updater:
             if self.plan.optimizer_offload:
                 load_optimizer_state(optimizer, self.device)
             model.train()
-            totals: dict[str, float] = {}
-            count = 0
+            local: dict[str, float] = {}  # this rank's metric sums over the optimizer steps
+            grad_norms, count = 0.0, 0
             for epoch in range(epochs):
                 order = list(range(batch.rows))
                 if shuffle_seed is not None:
@@ -190,9 +190,11 @@ class Updater:
                 # its share; the loss denominators and the gradient are summed over ranks
                 steps = -(-(self.dp.layout.total if self.dp.enabled else batch.rows) // mini_rows)
                 local_mini = -(-batch.rows // max(steps, 1)) if self.dp.enabled else mini_rows
-                for start in range(0, steps * local_mini, local_mini):
-                    rows = order[start:start + local_mini]
-                    scale = self.dp.loss_scale(batch.mask[rows], self.response_length) if self.dp.enabled else None
+                minis = [order[start:start + local_mini] for start in range(0, steps * local_mini, local_mini)]
+                # [distributed] every mini-batch's loss denominators in one exchange before the first of them
+                scales = (self.dp.loss_scales([batch.mask[rows] for rows in minis], self.response_length)
+                          if self.dp.enabled else [None] * len(minis))
+                for rows, scale in zip(minis, scales):
                     accumulate = lambda size, rows=rows, scale=scale: self.accumulate(  # noqa: E731
                         model, optimizer, batch, rows, size, loss_fn, scale)
                     if is_sharded(model):
@@ -203,11 +205,12 @@ class Updater:
                         metrics = self.oom.run(f"{name}_update", accumulate, self.size_kind(kind))
                     if needs_gradient_sum(model):  # [distributed] FSDP2 reduce-scatters a sharded model's itself
                         self.dp.sum_gradients(model)
-                    metrics = self.dp.sum_dict(metrics)
-                    metrics["grad_norm"] = self.optimizer_step(name, model, optimizer, grad_clip)
+                    grad_norms += self.optimizer_step(name, model, optimizer, grad_clip)
                     for key, value in metrics.items():
-                        totals[key] = totals.get(key, 0.0) + value
+                        local[key] = local.get(key, 0.0) + value
                     count += 1
+            totals = self.dp.sum_dict(local)  # [distributed] summed over ranks once per update, not once per step
+            totals["grad_norm"] = grad_norms  # the same on every rank: the norm of the summed gradient
             model.eval()
             if self.plan.optimizer_offload:
                 offload_optimizer_state(optimizer, "cpu")

@@ -72,6 +72,7 @@ class DecodeAttention(Choice):
 
     SDPA = "sdpa"  # fused kernel; keeps scores in fp32 inside it
     MATMUL = "matmul"  # batched GEMMs, softmax in fp32
+    TRITON = "triton"  # split-K kernels over each row's filled slots (rollout/decode_attention.py)
 
 
 class AttnImplementation(Choice):
@@ -116,6 +117,7 @@ ATTN_EAGER = AttnImplementation.EAGER.value
 ATTN_IMPLEMENTATIONS = (ATTN_FLASH, ATTN_SDPA, ATTN_EAGER)
 DECODE_SDPA = DecodeAttention.SDPA.value
 DECODE_MATMUL = DecodeAttention.MATMUL.value
+DECODE_TRITON = DecodeAttention.TRITON.value
 # torch SDPA backends by their SDPBackend member names, lower case (machine.sdpa_backends_that_run)
 SDPA_BACKEND_NAMES = ("flash_attention", "efficient_attention", "cudnn_attention", "math")
 CUDNN_SDPA = "cudnn_attention"

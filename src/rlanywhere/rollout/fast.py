@@ -25,7 +25,7 @@ import torch
 from ..errors import UserError
 from ..lora import unwrap_peft
 from ..plans import RolloutPlan
-from ..vocabulary import FP32, DecodeAttention
+from ..vocabulary import DECODE_TRITON, FP32, DecodeAttention
 from .base import (
     GeneratorSource,
     RolloutBatch,
@@ -53,6 +53,7 @@ from .llama import (
     signed_sin,
     supports,
 )
+from .decode_attention import triton_usable, triton_interpreting
 from .runner import DecodeRunner
 from .scheduler import RequestOutputs, Scheduler, StopRule, plan_waves
 
@@ -70,6 +71,15 @@ def _check_plan(rollout: Any, device: torch.device) -> None:
     if rollout.decode_attention not in DecodeAttention.values():
         raise RolloutPlanError(f"RolloutPlan.decode_attention must be one of {DecodeAttention.values()}, got "
                                f"{rollout.decode_attention!r}")
+    if rollout.decode_attention == DECODE_TRITON:
+        if not triton_usable():
+            raise RolloutPlanError("RolloutPlan.decode_attention='triton' needs the triton package (it comes with "
+                                   "PyTorch's CUDA builds on Linux) and a C compiler (cc, gcc or clang, or $CC) to "
+                                   "build its launcher; install them, or use 'sdpa' or 'matmul'")
+        if device.type != "cuda" and not triton_interpreting():
+            raise RolloutPlanError(f"RolloutPlan.decode_attention='triton' runs on CUDA GPUs; the model is on "
+                                   f"{device.type}. Use 'sdpa' or 'matmul' (or TRITON_INTERPRET=1, Triton's slow "
+                                   "CPU interpreter, for tests)")
     dtype = rollout.dtype
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise RolloutPlanError(f"RolloutPlan.dtype must be a floating torch.dtype or None (the model's), got "

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..lora import unwrap_peft
-from ..vocabulary import ACCUMULATE_DTYPE, DECODE_SDPA, FP32
+from ..vocabulary import ACCUMULATE_DTYPE, DECODE_SDPA, DECODE_TRITON, FP32
+from .decode_attention import decode_attention as triton_decode_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -291,7 +292,7 @@ class ModelDims:
 class Numerics:
     """How the forward rounds and which kernels it uses (all decided by the RolloutPlan, resolved for the device)."""
 
-    decode_attention: str  # "sdpa" | "matmul"
+    decode_attention: str  # DecodeAttention: "sdpa" | "matmul" | "triton"
     round_like_hf: bool  # transformers' rounding inside RMSNorm, RoPE, residual adds (half precision only)
     fp32_logits: bool  # LM head with fp32 output
     out_dtype_gemm: bool  # the fp32-output LM head as one half-in/fp32-out GEMM (CUDA, torch >= 2.8)
@@ -552,33 +553,42 @@ class LlamaForward:
         """
         d, hf = self.dims, self.numerics.round_like_hf
         batch, span = tokens.shape[0], cols.shape[0]
-        valid = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= slot)  # [batch, span]
-        # additive mask built once per step (not converted again inside every layer's attention call)
-        mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, float("-inf"))
-        sdpa = self.numerics.decode_attention == DECODE_SDPA
-        if sdpa:
-            mask = mask[:, None, None, :]
-        else:  # [batch * kv_heads, groups, span]: the addend of one batched GEMM per layer
-            mask = mask[:, None, None, :].expand(batch, d.kv_heads, d.groups, span).reshape(-1, d.groups, span)
+        mask = self._decode_mask(cols, starts, slot)
         cos = rope[0][positions][:, None, None]  # [batch, 1, 1, D]
         sin = rope[1][positions][:, None, None]
         h = F.embedding(tokens, self.weights.globals["embed"])[:, None]  # [batch, 1, hidden]
         if self.numerics.compile_elementwise:
-            return self._decode_fused(h, cos, sin, mask, sdpa, batch, slot, span, cache)
+            return self._decode_fused(h, cos, sin, mask, starts, slot, batch, span, cache)
         for i, w in enumerate(self.weights.layers):
             x = rms_norm(h, w["ln1"], d.eps, hf)
             q, k, v = self.qkv(x, w, cos, sin)  # q [batch, heads, 1, D], k/v [batch, kv, 1, D]
             keys, values = cache.append(i, batch, slot, k, v, span)
-            a = self._decode_attention(q, keys, values, mask, sdpa, batch, span)
+            a = self._decode_attention(q, keys, values, mask, starts, slot, batch, span)
             h = residual_linear(h, a, w["o"], w.get("o_b"), hf)
             h = self.mlp_residual(h, rms_norm(h, w["ln2"], d.eps, hf), w)
         return self.logits(rms_norm(h[:, 0], self.weights.globals["norm"], d.eps, hf))
 
-    def _decode_attention(self, q, keys, values, mask, sdpa: bool, batch: int, span: int) -> torch.Tensor:
+    def _decode_mask(self, cols: torch.Tensor, starts: torch.Tensor, slot: torch.Tensor) -> torch.Tensor | None:
+        """The additive attention mask of a decode step (built once, not inside every layer), shaped for the
+        planned kernel; None for the Triton kernel (it reads each row's [start, slot] itself)."""
+        kind, d = self.numerics.decode_attention, self.dims
+        if kind == DECODE_TRITON:
+            return None
+        valid = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= slot)  # [batch, span]
+        mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, float("-inf"))
+        if kind == DECODE_SDPA:
+            return mask[:, None, None, :]
+        batch, span = valid.shape  # [batch * kv_heads, groups, span]: the addend of one batched GEMM per layer
+        return mask[:, None, None, :].expand(batch, d.kv_heads, d.groups, span).reshape(-1, d.groups, span)
+
+    def _decode_attention(self, q, keys, values, mask, starts, slot, batch: int, span: int) -> torch.Tensor:
         """[batch, 1, heads x D] attention output of one decode step. The query heads of one KV group act as G
         query positions against that group's keys (no GQA copy)."""
-        d = self.dims
-        if sdpa:
+        d, kind = self.dims, self.numerics.decode_attention
+        if kind == DECODE_TRITON:
+            a = triton_decode_attention(q.reshape(batch, d.kv_heads, d.groups, d.head_dim), keys, values, starts,
+                                        slot, d.scaling)
+        elif kind == DECODE_SDPA:
             q = q.reshape(batch, d.kv_heads, d.groups, d.head_dim)
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d.scaling)
         else:
@@ -590,7 +600,7 @@ class LlamaForward:
             a = torch.bmm(scores.softmax(dim=-1, dtype=ACCUMULATE_DTYPE).to(self.dtype), values)
         return a.reshape(batch, 1, d.heads * d.head_dim)
 
-    def _decode_fused(self, h, cos, sin, mask, sdpa: bool, batch: int, slot, span: int, cache: Any) -> torch.Tensor:
+    def _decode_fused(self, h, cos, sin, mask, starts, slot, batch: int, span: int, cache: Any) -> torch.Tensor:
         """The decode layers with compiled elementwise kernels: each residual add runs inside the next norm's
         kernel (the last MLP output is added inside the final norm), RoPE and SiLU*mul are one kernel each.
         Residual adds round after the GEMM (transformers' order) in every dtype: fp32 matches the default path to
@@ -604,7 +614,7 @@ class LlamaForward:
                 h, x = ops["add_rms_norm"](h, pending, w["ln1"], d.eps, hf)
             q, k, v = self.qkv(x, w, cos, sin)
             keys, values = cache.append(i, batch, slot, k, v, span)
-            a = self._decode_attention(q, keys, values, mask, sdpa, batch, span)
+            a = self._decode_attention(q, keys, values, mask, starts, slot, batch, span)
             h, x = ops["add_rms_norm"](h, F.linear(a, w["o"], w.get("o_b")), w["ln2"], d.eps, hf)
             pending = F.linear(ops["silu_mul"](*self.gate_up(x, w)), w["down"], w.get("down_b"))
         _, x = ops["add_rms_norm"](h, pending, self.weights.globals["norm"], d.eps, hf)

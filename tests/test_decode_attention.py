@@ -1,0 +1,128 @@
+"""The split-K decode attention kernels (rollout/decode_attention.py), run on the CPU by Triton's interpreter
+(TRITON_INTERPRET=1, set by conftest.py before triton is imported).
+
+scripts/test.sh installs triton where torch brought none (a CPU build); without it these tests are skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlanywhere.rollout import FastEngine, SamplingParams
+from rlanywhere.rollout import decode_attention as kernels
+from rlanywhere.plans import RolloutPlan
+
+from .test_rollout import PAD, PROMPTS, reference_greedy, responses, tiny_model
+
+
+
+def interpreter_runs() -> bool:
+    """triton >= 3.9 under TRITON_INTERPRET=1: older interpreters fail on loops with tensor bounds (numpy 2.4)."""
+    from importlib.metadata import version
+
+    if not (kernels.triton_usable() and kernels.triton_interpreting()):
+        return False
+    return tuple(int(part) for part in version("triton").split(".")[:2]) >= (3, 9)
+
+
+pytestmark = pytest.mark.skipif(not interpreter_runs(),
+                                reason="needs triton >= 3.9 and TRITON_INTERPRET=1 (scripts/test.sh, conftest.py)")
+
+
+def reference_attention(q, keys, values, starts, slot, scale):
+    """fp64 softmax(q K^T * scale) V over slots [start, slot] of each row."""
+    span = keys.shape[2]
+    cols = torch.arange(span)
+    valid = (cols[None] >= starts[:, None]) & (cols[None] <= slot)
+    scores = torch.einsum("bhgd,bhsd->bhgs", q.double(), keys.double()) * scale
+    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+    values = values.double().masked_fill(~valid[:, None, :, None], 0.0)  # 0 * NaN poison would be NaN
+    return torch.einsum("bhgs,bhsd->bhgd", scores.softmax(-1), values)
+
+
+def test_plan_splits_fills_the_gpu_with_whole_blocks():
+    assert kernels.BLOCK_SLOTS == 64
+    # 12 blocks of 64; 528 programs wanted / 128 (row, head) pairs -> 5 chunks of ceil(12/5)=3 blocks -> 4 chunks
+    assert kernels.plan_splits(128, 768, 528) == (4, 192)
+    assert kernels.plan_splits(512, 768, 528) == (2, 384)
+    assert kernels.plan_splits(1024, 768, 528) == (1, 768)  # enough rows: one program walks the whole span
+    assert kernels.plan_splits(2, 100, 528) == (2, 64)  # never a chunk shorter than a block
+
+
+@pytest.mark.parametrize("dtype,groups,head_dim,tolerance", [
+    (torch.float32, 7, 64, 1e-5), (torch.bfloat16, 4, 64, 2e-2), (torch.float32, 1, 48, 1e-5)])
+def test_kernel_matches_fp64_attention_over_each_rows_filled_slots(dtype, groups, head_dim, tolerance):
+    torch.manual_seed(0)
+    rows, kv_heads, layers, length, span = 5, 2, 3, 320, 256
+    # views of a [layers, rows, kv, length, D] cache, as the engine passes them (strided, not contiguous)
+    cache_k = torch.randn(layers, rows + 2, kv_heads, length, head_dim).to(dtype)
+    cache_v = torch.randn(layers, rows + 2, kv_heads, length, head_dim).to(dtype)
+    keys, values = cache_k[1, :rows, :, :span], cache_v[1, :rows, :, :span]
+    # poison everything a row must not read: left padding and slots after the one written this step
+    slot = torch.tensor([200])
+    starts = torch.tensor([0, 3, 64, 130, 200])
+    for r, s in enumerate(starts.tolist()):
+        keys[r, :, :s] = 1e4
+        values[r, :, :s] = float("nan")
+    keys[:, :, 201:] = 1e4
+    values[:, :, 201:] = float("nan")
+    q = torch.randn(rows, kv_heads, groups, head_dim).to(dtype)
+    expected = reference_attention(q, keys, values, starts, slot, head_dim**-0.5)
+    for splits in (None, 1, 3, 4):
+        out = kernels.decode_attention(q, keys, values, starts, slot, head_dim**-0.5, splits=splits)
+        assert out.dtype == dtype and out.shape == q.shape
+        gap = (out.double() - expected).abs().max().item()
+        assert gap < tolerance, (splits, gap)
+    # the row whose only filled slot is the one just written returns that slot's value
+    assert torch.allclose(out[4].double(), values[4, :, 200:201].double().expand(kv_heads, groups, head_dim),
+                          atol=tolerance)
+
+
+def test_kernel_refuses_keys_without_a_contiguous_last_dim():
+    q = torch.randn(2, 1, 2, 16)
+    keys = torch.randn(2, 1, 16, 64).transpose(2, 3)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        kernels.decode_attention(q, keys, keys, torch.zeros(2, dtype=torch.long), torch.tensor([3]), 0.25)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_engine_with_triton_attention_matches_transformers(kind):
+    model = tiny_model(kind)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    engine = FastEngine(model, None, RolloutPlan(decode_attention="triton", check_every=2), pad_token_id=PAD)
+    assert responses(engine.generate(PROMPTS, params)) == reference_greedy(model, PROMPTS, 8)
+
+
+def test_engine_with_triton_attention_in_bf16_stays_within_bf16s_own_error_of_the_trainer():
+    """bf16 sampling log-probs against the trainer's (rlanywhere.logprobs on the bf16 model): the kernel rounds the
+    probabilities to bf16 before the product with V, as FlashAttention (the trainer's attention on a GPU) does, so
+    on a CPU it sits further from the trainer than the SDPA path but inside bf16's own error (bf16 vs fp32
+    weights). bench/rollout.py --check measures the same gap on a GPU."""
+    import copy
+
+    from rlanywhere.logprobs import response_logprobs
+
+    model = tiny_model("qwen2").to(torch.bfloat16)
+    exact = copy.deepcopy(model).float()
+
+    def trainer_logprobs(batch, which):
+        ids, mask, pos = batch.sequences()
+        with torch.no_grad():
+            return response_logprobs(which, ids, mask, batch.response_ids.shape[1], position_ids=pos)[0]
+
+    engine = FastEngine(model, None, RolloutPlan(decode_attention="triton"), pad_token_id=PAD)
+    batch = engine.generate(PROMPTS * 2, SamplingParams(max_new_tokens=12, temperature=1.0),
+                            generator=torch.Generator().manual_seed(0))
+    mask = batch.response_mask.bool()
+    gap = (trainer_logprobs(batch, model) - batch.response_logprobs)[mask].abs()
+    bf16_error = (trainer_logprobs(batch, model) - trainer_logprobs(batch, exact))[mask].abs()
+    assert gap.mean() < bf16_error.mean(), (float(gap.mean()), float(bf16_error.mean()))
+
+
+def test_triton_attention_off_a_gpu_needs_the_interpreter(monkeypatch):
+    from rlanywhere.errors import UserError
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(UserError, match="runs on CUDA GPUs"):
+        FastEngine(tiny_model("qwen2"), None, RolloutPlan(decode_attention="triton"), pad_token_id=PAD)
