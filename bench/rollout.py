@@ -13,6 +13,9 @@ Examples (a CUDA GPU; figures and exact commands in docs/rollout.md):
         --prompts data/gsm8k/test.parquet --batch 128 --new-tokens 256 --dtype bf16
     # FastEngine variants (ablations) and a greedy correctness check against transformers first
     python bench/rollout.py --check --fast-variants "fuse_weights=1;fuse_weights=0;decode_attention=matmul"
+    # how far each engine's sampling log-probs are from the trainer's, on a real model
+    python bench/rollout.py --gguf SmolLM2.gguf --prompts data/gsm8k/test.parquet --batch 128 --engines fast,hf \
+        --gap --fast-variants "decode_attention=sdpa;decode_attention=triton"
 
 `--model qwen2.5-0.5b-shape` builds a random-weight model with Qwen2.5-0.5B's configuration (hidden 896, 24
 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied embeddings); nothing is downloaded.
