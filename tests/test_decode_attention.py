@@ -16,7 +16,6 @@ from rlanywhere.plans import RolloutPlan
 from .test_rollout import PAD, PROMPTS, reference_greedy, responses, tiny_model
 
 
-
 def interpreter_runs() -> bool:
     """triton >= 3.9 under TRITON_INTERPRET=1: older interpreters fail on loops with tensor bounds (numpy 2.4)."""
     from importlib.metadata import version

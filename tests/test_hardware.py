@@ -393,6 +393,9 @@ def test_triton_decode_attention_needs_triton_and_a_measured_card():
     assert not emulated.compile_elementwise and "float32" in emulated.reasons["compile_elementwise"]
     cpu = make_plan(cfg_of(*SMALL), fake(None)).rollout
     assert not cpu.compile_elementwise and "CPU" in cpu.reasons["compile_elementwise"]
+    hf = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.rollout.name=hf"), fake("a100-80g")).rollout
+    assert hf.decode_attention == "sdpa" and not hf.compile_elementwise  # transformers generate: none of ours
+    assert "the hf engine" in hf.reasons["decode_attention"] and "the hf engine" in hf.reasons["compile_elementwise"]
 
 
 def test_fp32_rollout_plan_on_cpu_and_pascal():

@@ -554,7 +554,10 @@ TRITON_DECODE_REASON = ("split-K Triton kernel over each row's filled cache slot
                         "one program and reads the left padding too")
 
 
-def _triton_decode_refusal(triton: bool, cc: Optional[tuple[int, int]]) -> str:
+def _triton_decode_refusal(triton: bool, cc: Optional[tuple[int, int]], engine: str) -> str:
+    """Why FastEngine's Triton kernels are not planned on this CUDA target (half precision)."""
+    if engine != RolloutEngineName.FAST:
+        return f"the {engine} engine runs none of FastEngine's kernels"
     if not triton:
         return "triton is not installed, or no C compiler to build its kernels' launcher"
     return (f"compute capability {cc_str(cc) if cc else 'unknown'} < {cc_str(TRITON_DECODE_MIN_CC)} (not measured "
@@ -572,19 +575,21 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
                     triton: bool = False) -> None:
     """The rollout engine's kernels and weight copies for `rollout.dtype` on this device; fills `rollout` and its
     reasons. Shared by make_plan (a run) and plan_rollout_for (a bench without a config). cc: the compute
-    capability the plan is for (an emulated card's); triton: whether Triton is installed."""
+    capability the plan is for (an emulated card's); triton: whether Triton kernels can be built here."""
     reasons = rollout.reasons
     dtype = rollout.dtype if rollout.dtype is not None else weight_dtype
     half = dtype is not None and is_half(dtype)
     dtype_text = dtype_name(dtype) if dtype is not None else "the model's dtype"
-    triton_runs = on_cuda and triton and cc is not None and cc >= TRITON_DECODE_MIN_CC
-    if half and triton_runs and rollout.engine == RolloutEngineName.FAST:
+    # FastEngine's Triton kernels (split-K attention, compiled elementwise ops): half precision, where measured
+    triton_kernels = (half and on_cuda and triton and cc is not None and cc >= TRITON_DECODE_MIN_CC
+                      and rollout.engine == RolloutEngineName.FAST)
+    if triton_kernels:
         rollout.decode_attention = DECODE_TRITON
         reasons["decode_attention"] = f"{dtype_text}: {TRITON_DECODE_REASON}"
     elif half:
         rollout.decode_attention = DECODE_SDPA
         reasons["decode_attention"] = f"{dtype_text}: SDPA keeps the scores in fp32 inside the kernel" + (
-            "" if not on_cuda else f" (Triton's split-K kernel: {_triton_decode_refusal(triton, cc)})")
+            "" if not on_cuda else f" (Triton's split-K kernel: {_triton_decode_refusal(triton, cc, rollout.engine)})")
     else:
         rollout.decode_attention = DECODE_MATMUL
         reasons["decode_attention"] = (f"{dtype_text}: batched GEMMs beat the fused attention kernels for a decode "
@@ -632,14 +637,14 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
                                                    "prefill forward bound its activations")
     reasons.setdefault("check_every", f"every {rollout.check_every} decode steps: finished rows and stop strings")
     rollout.span_granularity = DECODE_SPAN_GRANULARITY if on_cuda else 256
-    rollout.compile_elementwise = half and triton_runs and rollout.engine == RolloutEngineName.FAST
+    rollout.compile_elementwise = triton_kernels
     reasons["compile_elementwise"] = (
         "on: the decode step's norms, RoPE, SiLU*mul and residual adds as fused torch.compile kernels, eager's "
         "rounding kept: 14% shorter bf16 decode steps on an H200 (a few seconds of compilation once)"
         if rollout.compile_elementwise else
         "off: CPU (no CUDA graphs to save launches from)" if not on_cuda else
         f"off: {dtype_text} (measured faster in half precision only)" if not half else
-        f"off: {_triton_decode_refusal(triton, cc)}")
+        f"off: {_triton_decode_refusal(triton, cc, rollout.engine)}")
     reasons["span_granularity"] = (
         f"decode attention reads the cache up to the next multiple of {rollout.span_granularity} slots: "
         + ("a CUDA graph per (rows, span) bucket is cheap, reading empty slots is not" if on_cuda else
