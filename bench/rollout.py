@@ -131,7 +131,8 @@ def fast_plan(model, rows: int | None = None, max_seq_len: int | None = None, **
 
 def step_breakdown(engine, params, device: str, rows: int, slot: int) -> str:
     """Milliseconds per decode-step graph replay and per sampling call for `rows` rows writing cache slot `slot`,
-    CUDA events (the runner's public API: the batch bucket and attention span a real step uses)."""
+    CUDA events (the runner's public API: the batch bucket and attention span a real step uses). With the fused
+    sampler the sampling runs inside the step: its cost is the fused step's time minus the forward's."""
     from rlanywhere.rollout.base import sample_from_logits
 
     runner = engine.runner
@@ -139,8 +140,13 @@ def step_breakdown(engine, params, device: str, rows: int, slot: int) -> str:
     gen = torch.Generator(device=device).manual_seed(0)
     timings = {}
     logits = runner.decode_step(batch, slot)
-    for label, fn in (("forward", lambda: runner.decode_step(batch, slot)),
-                      ("sample", lambda: sample_from_logits(logits, params, gen))):
+    jobs = [("forward", lambda: runner.decode_step(batch, slot)),
+            ("sample", lambda: sample_from_logits(logits, params, gen))]
+    fused = engine.scheduler.fused_sampling_for(params)
+    if fused:
+        runner.set_sampling(torch.zeros(1, dtype=torch.long, device=device), params.temperature)
+        jobs[1] = ("fused", lambda: runner.decode_sample(batch, slot))
+    for label, fn in jobs:
         fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -149,6 +155,9 @@ def step_breakdown(engine, params, device: str, rows: int, slot: int) -> str:
         end.record()
         torch.cuda.synchronize()
         timings[label] = start.elapsed_time(end) / 20
+    if fused:
+        return (f"forward {timings['forward']:.3f} ms; with fused sampling {timings['fused']:.3f} ms per step "
+                f"(sampling {timings['fused'] - timings['forward']:.3f} ms; batch {batch}, span {span})")
     return f"forward {timings['forward']:.3f} ms + sample {timings['sample']:.3f} ms per step (batch {batch}, span {span})"
 
 

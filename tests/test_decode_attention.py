@@ -125,3 +125,41 @@ def test_triton_attention_off_a_gpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(UserError, match="runs on CUDA GPUs"):
         FastEngine(tiny_model("qwen2"), None, RolloutPlan(decode_attention="triton"), pad_token_id=PAD)
+
+
+@pytest.mark.parametrize("dtype,match_hf", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)])
+def test_rope_and_store_rounds_like_apply_rope_and_writes_only_the_slot(dtype, match_hf):
+    from rlanywhere.rollout.llama import apply_rope, signed_sin
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, head_dim, rows, length = 3, 4, 2, 32, 5, 24
+    qkv = torch.randn(batch, heads + 2 * kv_heads, head_dim).to(dtype)
+    angles = torch.rand(batch, head_dim // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = signed_sin(torch.cat([angles.sin()] * 2, -1)).to(dtype)
+    cache_k = torch.randn(rows, kv_heads, length, head_dim).to(dtype)
+    cache_v = torch.randn(rows, kv_heads, length, head_dim).to(dtype)
+    before_k, before_v = cache_k.clone(), cache_v.clone()
+    slot = torch.tensor([17])
+    q = kernels.rope_and_store(qkv, cos, sin, cache_k, cache_v, slot, heads, match_hf)
+    rotated = apply_rope(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None], match_hf)  # the eager path
+
+    assert torch.equal(q, rotated[:, :heads])  # bitwise: bf16 rounds by integer arithmetic inside the kernel
+    assert torch.equal(cache_k[:batch, :, 17], rotated[:, heads:])
+    assert torch.equal(cache_v[:batch, :, 17], qkv[:, heads + kv_heads:])
+    # nothing else moved: other slots, and the rows after the batch
+    written = torch.zeros(rows, kv_heads, length, dtype=torch.bool)
+    written[:batch, :, 17] = True
+    assert torch.equal(cache_k[~written], before_k[~written]) and torch.equal(cache_v[~written], before_v[~written])
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_engine_with_the_fused_kv_write_matches_transformers(kind):
+    model = tiny_model(kind)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    plan = RolloutPlan(decode_attention="triton", fuse_weights=True, fused_kv_write=True, check_every=2)
+    engine = FastEngine(model, None, plan, pad_token_id=PAD)
+    assert engine.forward.kv_write_kernel
+    assert responses(engine.generate(PROMPTS, params)) == reference_greedy(model, PROMPTS, 8)
+    qwen3 = FastEngine(tiny_model("qwen3"), None, plan, pad_token_id=PAD)
+    assert not qwen3.forward.kv_write_kernel  # q/k norms come before RoPE: the separate kernels

@@ -4,6 +4,8 @@ The reference is a single process whose rollout is generated in the same two blo
 (plan.sizes.rollout_batch_size = half the batch), so the samples are the same draws; then losses, gradient norms, every
 metric and the final weights must agree to float round-off. A 2-rank run killed with SIGKILL after its step-2
 checkpoint and resumed (on 2 ranks, and on 1) reproduces step 3; a rank that raises ends the job with its message.
+The 2-rank runs balance their rows (trainer.balance_batch, on by default): rows move between the ranks after each
+rollout, and the results still equal one process's.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def overrides(model_dir, data_dir, run_dir, reward_file, **extra) -> list[str]:
-    """test_e2e's tiny run, 3 GRPO steps, one mini-batch per step, a checkpoint every step, our reward."""
+    """test_e2e's tiny run, 3 GRPO steps, one mini-batch per step, a checkpoint every step, our reward. Responses
+    stop after a word ending in "e", so their lengths differ and trainer.balance_batch (on) moves rows."""
     return base_overrides(model_dir, data_dir, run_dir, **{
         "data.max_response_length": 10, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+        "actor_rollout_ref.rollout.stop": "['e']",
         "custom_reward_function.path": str(reward_file), "trainer.total_training_steps": 3,
         "trainer.test_freq": 3, "trainer.save_freq": 1, "trainer.seed": 5, "algorithm.adv_estimator": "grpo",
         **extra})
@@ -112,9 +116,16 @@ SPLIT_DEPENDENT = {"actor/ratio_max"}
 
 
 def compared(row: dict) -> dict:
-    """The metrics that must agree: all but timings, throughput, this machine's memory and maxima."""
+    """The metrics that must agree: all but timings, throughput, this machine's memory, maxima and the per-rank
+    token counts of balance_batch (global_seqlen/*: only a run over several ranks has them)."""
     return {k: v for k, v in row.items()
-            if not k.startswith(("perf/", "timing/")) and k != "step" and k not in SPLIT_DEPENDENT}
+            if not k.startswith(("perf/", "timing/", "global_seqlen/")) and k != "step" and k not in SPLIT_DEPENDENT}
+
+
+def assert_rows_moved(rows: list[dict]) -> None:
+    """balance_batch moved rows in some step: the busiest rank had fewer tokens after than as generated."""
+    balanced = [r for r in rows if "global_seqlen/max" in r]
+    assert balanced and any(r["global_seqlen/balanced_max"] < r["global_seqlen/max"] for r in balanced), balanced
 
 
 def assert_same_metrics(got: list[dict], want: list[dict], steps) -> None:
@@ -180,6 +191,7 @@ def test_grpo_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_model_di
     assert "resumed from" in out and "global_step_2" in out
 
     want = read_metrics(single_dir)
+    assert_rows_moved(read_metrics(dist_dir))
     assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2, 3))
     assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"), reference.actor)
     assert any(abs(r.get("actor/pg_loss", 0.0)) > 1e-4 for r in want)  # a real update, not zeros matching zeros
@@ -210,7 +222,9 @@ def test_ppo_with_critic_and_adaptive_kl_on_two_ranks_matches_one_process(tiny_m
     assert "starting torchrun" in out
     plan = json.loads((dist_dir / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["data_parallel"] == "replicate" and plan["dist_backend"] == "gloo"
+    assert plan["balance_batch"] is True and "batch balance: on" in out  # verl's default
     want = read_metrics(single_dir)
+    assert_rows_moved(read_metrics(dist_dir))
     assert {"critic/vf_loss", "actor/kl_coef", "actor/kl"} <= set(want[-1])
     assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2))
     assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_2"), reference.actor)
@@ -273,6 +287,9 @@ def test_one_process_helpers_are_the_identity():
     t = torch.arange(6.0).view(3, 2)
     assert dp.gather_rows(t) is t and dp.local_rows(t, t) is t
     assert dp.sum_dict({"a": 1.5}) == {"a": 1.5} and dp.gather_objects([1, 2]) == [1, 2]
+    assert torch.equal(dp.exchange_rows(t, [[2, 0]], [2]), t[[2, 0]]) and dp.max_ints([3, 1]) == [3, 1]
+    with pytest.raises(ValueError, match="one send list and one receive count per rank"):
+        dp.exchange_rows(t, [[0], [1]], [1, 1])
     scale = dp.loss_scale(torch.tensor([[1, 1, 0], [0, 0, 0]]), norm_length=7)
     assert (scale.tokens, scale.sequences, scale.norm_length) == (2.0, 1.0, 7.0)
 
@@ -355,18 +372,25 @@ def _collectives_worker(rank: int, port: int, out_dir: str) -> None:
     partial = torch.ones(1, width)
     partial[0, 0] = 0
     scales = dp.loss_scales([torch.ones(rows, width), partial], norm_length=4)
+    # all-to-all: rank 0 keeps its row 0 and sends row 1 to rank 1; rank 1 sends all its rows to rank 0, 2 first
+    held = torch.tensor([[0, 0], [1, 1]]) if rank == 0 else torch.tensor([[10, 10], [11, 11], [12, 12]])
+    send, receive = ([[0], [1]], [1, 3]) if rank == 0 else ([[2, 0, 1], []], [1, 0])
+    exchanged = dp.exchange_rows(held, send, receive)
     result = {"whole": whole.tolist(), "back": torch.equal(dp.local_rows(whole, local), local),
               "layout": [dp.layout.start, dp.layout.stop, dp.layout.total],
               "grads": [p.grad.flatten().tolist() for p in layer.parameters()],
               "scale": [scale.tokens, scale.sequences, scale.norm_length],
               "scales": [[s.tokens, s.sequences, s.norm_length] for s in scales],
               "sums": dp.sum_dict({"a": rank + 1.0, f"only{rank}": 1.0}), "max": dp.max_value(rank * 10.0),
-              "objects": dp.gather_objects([f"r{rank}"] * (rank + 1))}
+              "objects": dp.gather_objects([f"r{rank}"] * (rank + 1)),
+              "exchanged": exchanged.tolist(), "max_ints": dp.max_ints([3, 1] if rank == 0 else [2, 5])}
     dp.close()
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
 
 
-def test_collectives_with_uneven_rows_and_widths(tmp_path):
+def run_two_gloo_ranks(worker, out_dir: Path) -> tuple[dict, dict]:
+    """Spawn `worker(rank, port, out_dir)` as 2 processes on a free local port; each writes out_dir/<rank>.json,
+    returned as (rank 0's, rank 1's)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -374,8 +398,13 @@ def test_collectives_with_uneven_rows_and_widths(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_collectives_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
-    first, second = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
+    mp.spawn(worker, args=(port, str(out_dir)), nprocs=2, join=True)
+    first, second = (json.loads((Path(out_dir) / f"{r}.json").read_text()) for r in (0, 1))
+    return first, second
+
+
+def test_collectives_with_uneven_rows_and_widths(tmp_path):
+    first, second = run_two_gloo_ranks(_collectives_worker, tmp_path)
     # rank 0: 2 rows x 3 of 1.0; rank 1: 3 rows x 2 of 2.0, padded with 0 to width 3
     assert first["whole"] == second["whole"] == [[1, 1, 1]] * 2 + [[2, 2, 0]] * 3
     assert first["back"] and second["back"]
@@ -385,3 +414,5 @@ def test_collectives_with_uneven_rows_and_widths(tmp_path):
     assert first["scales"] == second["scales"] == [[12.0, 5.0, 4.0], [3.0, 2.0, 4.0]]  # (3 - 1) + (2 - 1) tokens
     assert first["sums"] == {"a": 3.0, "only0": 1.0, "only1": 1.0} and first["max"] == second["max"] == 10.0
     assert first["objects"] == ["r0", "r1", "r1"]
+    assert first["exchanged"] == [[0, 0], [12, 12], [10, 10], [11, 11]] and second["exchanged"] == [[1, 1]]
+    assert first["max_ints"] == second["max_ints"] == [3, 5]

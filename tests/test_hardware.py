@@ -309,7 +309,7 @@ def test_plan_to_dict_and_summary():
 ROLLOUT_FIELDS = ("engine", "fallback_allowed", "dtype", "decode_attention", "fuse_weights", "transpose_gate_up",
                   "fp32_logits", "match_hf_numerics", "cuda_graphs", "rows_per_wave", "max_seq_len",
                   "prefill_tokens_per_chunk", "check_every", "release_kv_between_phases", "span_granularity",
-                  "compile_elementwise")
+                  "compile_elementwise", "fused_sampling", "fused_kv_write")
 
 
 def test_every_rollout_decision_has_its_reason():
@@ -356,6 +356,8 @@ def test_bf16_rollout_plan_on_ampere():
     assert rollout.dtype == torch.bfloat16 and rollout.decode_attention == "triton"
     assert "split-K" in rollout.reasons["decode_attention"]
     assert rollout.compile_elementwise and "torch.compile" in rollout.reasons["compile_elementwise"]
+    assert rollout.fused_sampling and "one Triton pass" in rollout.reasons["fused_sampling"]
+    assert rollout.fused_kv_write and "one Triton kernel" in rollout.reasons["fused_kv_write"]
     assert rollout.fuse_weights and "cast copy" in rollout.reasons["fuse_weights"]  # fp32 master weights
     assert rollout.fp32_logits and rollout.match_hf_numerics and rollout.cuda_graphs
     assert rollout.rows_per_wave == plan.sizes.rollout_batch_size and rollout.max_seq_len == 256 + 256
@@ -385,17 +387,24 @@ def test_triton_decode_attention_needs_triton_and_a_measured_card():
     no_triton = make_plan(cfg_of(*PPO_05B), fake("a100-80g", triton_usable=False)).rollout
     assert no_triton.decode_attention == "sdpa" and "triton is not installed" in no_triton.reasons["decode_attention"]
     assert not no_triton.compile_elementwise and "triton is not installed" in no_triton.reasons["compile_elementwise"]
+    assert not no_triton.fused_sampling and "triton is not installed" in no_triton.reasons["fused_sampling"]
+    assert not no_triton.fused_kv_write and "triton is not installed" in no_triton.reasons["fused_kv_write"]
     turing = make_plan(cfg_of(*SMALL), fake("t4")).rollout  # fp16 there: half precision, but cc 7.5
     assert turing.dtype == torch.float16 and turing.decode_attention == "sdpa" and not turing.compile_elementwise
     assert "7.5 < 8.0" in turing.reasons["decode_attention"]
     emulated = make_plan(cfg_of(*PPO_05B), fake("h100", triton_usable=True), emulate="p40").rollout
     assert emulated.decode_attention == "matmul"  # fp32 on the P40 it emulates: never the Triton kernels
     assert not emulated.compile_elementwise and "float32" in emulated.reasons["compile_elementwise"]
+    assert not emulated.fused_sampling and "6.1 < 8.0" in emulated.reasons["fused_sampling"]  # Triton: no Pascal
+    assert not turing.fused_sampling and not turing.fused_kv_write and not emulated.fused_kv_write
     cpu = make_plan(cfg_of(*SMALL), fake(None)).rollout
     assert not cpu.compile_elementwise and "CPU" in cpu.reasons["compile_elementwise"]
+    assert not cpu.fused_sampling and "CPU" in cpu.reasons["fused_sampling"]
     hf = make_plan(cfg_of(*PPO_05B, "actor_rollout_ref.rollout.name=hf"), fake("a100-80g")).rollout
     assert hf.decode_attention == "sdpa" and not hf.compile_elementwise  # transformers generate: none of ours
+    assert not hf.fused_sampling and "the hf engine" in hf.reasons["fused_sampling"]
     assert "the hf engine" in hf.reasons["decode_attention"] and "the hf engine" in hf.reasons["compile_elementwise"]
+    assert not cpu.fused_kv_write and not hf.fused_kv_write
 
 
 def test_fp32_rollout_plan_on_cpu_and_pascal():

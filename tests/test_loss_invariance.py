@@ -98,3 +98,37 @@ def test_gradient_does_not_depend_on_the_split(trainer_and_batch, which, mode):
         torch.testing.assert_close(grad, reference, rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
         loss_key = "pg_loss" if which == "actor" else "vf_loss"
         assert metrics[loss_key] == pytest.approx(ref_metrics[loss_key], rel=1e-6, abs=1e-9), name
+
+
+@pytest.mark.parametrize("mode", algo.LOSS_AGG_MODES)
+def test_gradient_does_not_depend_on_which_rank_holds_a_row(trainer_and_batch, mode):
+    """trainer.balance_batch moves rows between ranks: each rank's loss is its rows' share under the mini-batch's
+    LossScale of all ranks' rows (DataParallel.loss_scales), and the ranks' gradients are summed. Two ranks as two
+    shares: the contiguous layout and the length-balanced one give the gradient of the whole mini-batch."""
+    from rlanywhere.balance import rows_after_balancing
+
+    trainer, batch = trainer_and_batch
+    trainer.cfg.actor_rollout_ref.actor.loss_agg_mode = mode
+    model, optimizer = trainer.actor, trainer.optimizers["actor"]
+    loss_fn = actor_loss(batch, trainer.cfg.actor_rollout_ref.actor, trainer.cfg.actor_rollout_ref.rollout,
+                         trainer.plan.logprob_chunk_size, "cpu")
+    trainer.plan.sizes.set(SizeKind.ACTOR_MICRO_BATCH, 2)
+    every = list(range(batch.rows))
+    whole_scale = algo.LossScale.of(batch.mask, norm_length=trainer.response_length)
+
+    def summed_gradient(layout):
+        total = None
+        for rows in layout:
+            trainer.updater.accumulate(model, optimizer, batch, rows, 2, loss_fn, whole_scale)
+            grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            total = grad.clone() if total is None else total + grad
+        return total
+
+    lengths = (batch.rollout.prompt_mask.sum(-1) + batch.mask.sum(-1)).long().tolist()
+    balanced = rows_after_balancing(lengths, [4, 4])
+    assert balanced != [every[:4], every[4:]]  # the lengths differ: balancing moves rows
+    reference = summed_gradient([every])
+    assert reference.abs().max() > 0
+    for layout in ([every[:4], every[4:]], balanced):
+        torch.testing.assert_close(summed_gradient(layout), reference, rtol=1e-6, atol=1e-9,
+                                   msg=lambda m, layout=layout: f"{layout}: {m}")

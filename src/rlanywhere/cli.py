@@ -239,6 +239,7 @@ def plan_main(config=None, overrides: Optional[list[str]] = None, emulate: Optio
     only the JSON. machine: a HardwareProbe (default: probe this machine)."""
     from pathlib import Path
 
+    from .balance import balance_text
     from .config import config_from
     from .estimator import format_bytes
     from .machine import probe_machine
@@ -259,6 +260,8 @@ def plan_main(config=None, overrides: Optional[list[str]] = None, emulate: Optio
             print(f"\nno plan: {exc}")
         return 2
     payload = {"probe": machine.to_dict(), "plan": plan.to_dict()}
+    if plan.world_size > 1:  # [distributed] not a plan decision: the config's, said beside the plan
+        payload["balance_batch"] = bool(cfg.trainer.balance_batch)
     if json_out == "-":
         print(json.dumps(payload, indent=2))
         return 0
@@ -271,6 +274,8 @@ def plan_main(config=None, overrides: Optional[list[str]] = None, emulate: Optio
           f"{sizes.critic_micro_batch_size if plan.use_critic else '-'}, log-prob {sizes.logprob_micro_batch_size}"
           + (f", tokens {sizes.max_token_len_per_micro_batch}" if sizes.max_token_len_per_micro_batch else "")
           + f"; rollout {sizes.rollout_batch_size} sequences at once")
+    if plan.world_size > 1:
+        print(balance_text(bool(cfg.trainer.balance_batch), plan.world_size))
     if json_out:
         Path(json_out).write_text(json.dumps(payload, indent=2))
         print(f"wrote {json_out}")

@@ -258,6 +258,9 @@ class TrainerConfig:
     max_consecutive_nonfinite_updates: int = 5  # stop after this many NaN/inf updates in a row (0: never)
     max_consecutive_failed_reward_steps: int = 3  # stop after this many steps whose reward calls all failed
     profile_steps: Any = None  # e.g. [3]: torch.profiler trace + kernel table of those steps in <run dir>/profile/
+    # several ranks: after each rollout, move rows so every rank trains about as many tokens (verl's key and default;
+    # one process: nothing to balance). docs/distributed.md
+    balance_batch: bool = True
 
 
 @dataclass
@@ -311,7 +314,7 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r"actor_rollout_ref\.model\.(external_lib|use_liger|use_fused_kernels|enable_activation_offload"
     r"|use_shm)": "not needed: models load through transformers",
     r"critic\.model\.(external_lib|use_shm)": "not needed: models load through transformers",
-    r"trainer\.(default_hdfs_dir|del_local_ckpt_after_load|balance_batch|ray_wait_register_center_timeout"
+    r"trainer\.(default_hdfs_dir|del_local_ckpt_after_load|ray_wait_register_center_timeout"
     r"|val_only|esi_redundant_time|rollout_data_dir|validation_data_dir|use_legacy_worker_impl)":
     "not used by the single-process trainer",
     r"ray_init(\..*)?": "no Ray: one process (torchrun for several GPUs)",

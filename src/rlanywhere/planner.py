@@ -554,6 +554,9 @@ TRITON_DECODE_REASON = ("split-K Triton kernel over each row's filled cache slot
                         "one program and reads the left padding too")
 
 
+FUSED_SAMPLING_GAIN = "one pass instead of ~9 kernels over the fp32 logits"
+
+
 def _triton_decode_refusal(triton: bool, cc: Optional[tuple[int, int]], engine: str) -> str:
     """Why FastEngine's Triton kernels are not planned on this CUDA target (half precision)."""
     if engine != RolloutEngineName.FAST:
@@ -644,6 +647,21 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
         if rollout.compile_elementwise else
         "off: CPU (no CUDA graphs to save launches from)" if not on_cuda else
         f"off: {dtype_text} (measured faster in half precision only)" if not half else
+        f"off: {_triton_decode_refusal(triton, cc, rollout.engine)}")
+    rollout.fused_kv_write = triton_kernels
+    reasons["fused_kv_write"] = (
+        "on: the decode step's RoPE and K/V cache writes as one Triton kernel per layer instead of three (models "
+        "with fused QKV weights and no q/k norms; others keep the separate kernels)" if rollout.fused_kv_write else
+        "off: CPU" if not on_cuda else
+        f"off: {dtype_text} (planned with the Triton attention, half precision only)" if not half else
+        f"off: {_triton_decode_refusal(triton, cc, rollout.engine)}")
+    # The sampler does not depend on the model's dtype: any rollout where Triton runs (measured on an H200)
+    rollout.fused_sampling = (on_cuda and triton and cc is not None and cc >= TRITON_DECODE_MIN_CC
+                              and rollout.engine == RolloutEngineName.FAST)
+    reasons["fused_sampling"] = (
+        f"on: each decode step samples in one Triton pass over its logits inside the step's CUDA graph "
+        f"({FUSED_SAMPLING_GAIN}); requests with top-k or top-p use the torch sampler" if rollout.fused_sampling else
+        "off: CPU (the torch sampler)" if not on_cuda else
         f"off: {_triton_decode_refusal(triton, cc, rollout.engine)}")
     reasons["span_granularity"] = (
         f"decode attention reads the cache up to the next multiple of {rollout.span_granularity} slots: "

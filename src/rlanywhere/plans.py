@@ -43,6 +43,8 @@ class RolloutPlan:
     check_every: int = 8  # decode steps between host checks for finished rows
     span_granularity: int = 256  # decode attention reads the cache up to the next multiple of this many slots
     compile_elementwise: bool = False  # decode norms, RoPE, SiLU*mul, residual adds as torch.compile'd kernels
+    fused_sampling: bool = False  # decode steps sample in one Triton pass over the logits (no top-k / top-p)
+    fused_kv_write: bool = False  # decode's RoPE and K/V cache writes as one Triton kernel (fused QKV weights)
     release_kv_between_phases: bool = False  # free the KV cache after each rollout for the training phases
     reasons: dict[str, str] = field(default_factory=dict)
 
@@ -54,6 +56,8 @@ class RolloutPlan:
         return (f"decode {self.decode_attention}, {'fused' if self.fuse_weights else 'separate'} QKV/gate-up, "
                 f"{logits} logits{', HF rounding' if self.match_hf_numerics else ''}"
                 f"{', compiled elementwise' if self.compile_elementwise else ''}"
+                f"{', fused sampling' if self.fused_sampling else ''}"
+                f"{', fused RoPE + KV write' if self.fused_kv_write else ''}"
                 f"{', CUDA graphs' if self.cuda_graphs else ''}")
 
 

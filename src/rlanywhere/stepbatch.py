@@ -16,7 +16,7 @@ class StepBatch:
     """Everything known about one step's sequences; tensors are [rows, response_len] unless noted."""
 
     rollout: RolloutBatch
-    group_index: torch.Tensor  # [rows] which prompt each row answers
+    group_index: torch.Tensor  # [rows] which prompt each row answers: its index in the step's global batch
     scores: torch.Tensor  # [rows]
     reward_info: dict
     old_logprobs: Optional[torch.Tensor] = None

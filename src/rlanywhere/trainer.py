@@ -6,9 +6,10 @@ Read `RLTrainer.train_step` top to bottom; it is the whole algorithm:
     and `fit` the whole run: resume, validate every test_freq, the step loop, checkpoint every save_freq, stop.
 
 The parts live in their own modules: builders.py (models, optimizers, data, engine), rollout_phase.py (steps 1-2),
-update.py (micro-batches, accumulation, optimizer steps), stepmetrics.py (step 7), validation.py, runguard.py
-(signals, divergence stops), checkpoint.py. Every hardware choice comes from the Plan made by the planner
-(planner.py) before anything was loaded; this file only follows it.
+balance.py (rows moved between ranks after them: trainer.balance_batch), update.py (micro-batches, accumulation,
+optimizer steps), stepmetrics.py (step 7), validation.py, runguard.py (signals, divergence stops), checkpoint.py.
+Every hardware choice comes from the Plan made by the planner (planner.py) before anything was loaded; this file
+only follows it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import algorithms as algo
 from . import builders
+from .balance import balance_rows, balance_text
 from .checkpoint import (capture_rng, export_final_model, load_checkpoint, restore_rng, resume_latest,
                          retire_later_checkpoints, save_checkpoint)
 from .config import as_list, to_yaml
@@ -73,6 +75,10 @@ class RLTrainer:
         self.dp.barrier()  # rank 0's checks passed (a failure ends the job: torchrun stops the waiting ranks)
         seed_everything(cfg.trainer.seed)
         self.n = cfg.actor_rollout_ref.rollout.n
+        # [distributed] after each rollout, rows move so every rank trains about as many tokens (one process: none)
+        self.balance_batch = bool(cfg.trainer.balance_batch) and self.dp.enabled
+        if self.dp.enabled:
+            log.info("%s", balance_text(self.balance_batch, self.dp.world))
         self.profile_steps = profile_step_set(cfg.trainer.profile_steps)
         max_seq_len = cfg.data.max_prompt_length + self.response_length
 
@@ -110,7 +116,8 @@ class RLTrainer:
         """plan.json: every decision with its reason, as it runs now (engine fallback, sizes OOM recovery lowered)."""
         if not self.dp.is_main:
             return
-        record = {**self.plan.to_dict(), "notices": self.notices, "oom_events": self.oom_guard.events}
+        record = {**self.plan.to_dict(), "balance_batch": self.balance_batch, "notices": self.notices,
+                  "oom_events": self.oom_guard.events}
         tmp = os.path.join(self.run_dir, "plan.json.tmp")
         with open(tmp, "w") as handle:
             json.dump(record, handle, indent=2)
@@ -168,12 +175,18 @@ class RLTrainer:
         scored, sampling_metrics = self.rollouts.rollout_and_score(items, timer, self.global_step, first_prompt)
         items, rollout, scores, info = scored.items, scored.rollout, scored.scores, scored.info
         self.precision_guard.check_rollout(rollout.response_logprobs, rollout.response_mask)
-        group_index = torch.arange(len(items)).repeat_interleave(self.n)
+        # each row's prompt by its index in the global batch: GRPO/RLOO groups, wherever balancing puts the row
+        group_index = (first_prompt + torch.arange(len(items))).repeat_interleave(self.n)
         self.dp.set_rows(len(group_index))
         batch = StepBatch(rollout=rollout, group_index=group_index, scores=scores, reward_info=info)
+        balance_metrics: dict = {}
+        if self.balance_batch:  # [distributed] rows move between ranks: about as many tokens each from here on
+            with timer("balance_batch"):
+                batch, balance_metrics = balance_rows(self.dp, batch, self.tokenizer.pad_token_id)
+            rollout, scores, info = batch.rollout, batch.scores, batch.reward_info
         batch.loss_mask, truncation_metrics = self.rollouts.truncated_loss_mask(rollout)
         if self.dp.enabled:  # [distributed] the fraction over all ranks' rows
-            truncation_metrics = {key: self.dp.sum_dict({"v": value * len(group_index)})["v"] / self.dp.layout.total
+            truncation_metrics = {key: self.dp.sum_dict({"v": value * batch.rows})["v"] / self.dp.layout.total
                                   for key, value in truncation_metrics.items()}
         mask = rollout.response_mask.float()  # every response carries its score, kept out of the loss or not
 
@@ -203,7 +216,7 @@ class RLTrainer:
         with timer("advantages"):
             whole = self.dp.gather_rows
             local_mask = mask
-            scores, mask, group_index = whole(scores), whole(mask), whole(group_index + first_prompt)
+            scores, mask, group_index = whole(scores), whole(mask), whole(batch.group_index)
             old_logprobs, ref_logprobs, values = (whole(batch.old_logprobs), whole(batch.ref_logprobs),
                                                   whole(batch.values))
             token_rewards, kl_metrics = algo.scores_to_token_rewards(scores, mask), {}
@@ -240,7 +253,8 @@ class RLTrainer:
             step_time=time.perf_counter() - step_start, timer=timer, device=self.device,
             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             kl_coef=self.kl_ctrl.value if algo_cfg.use_kl_in_reward else None, values=values, returns=returns,
-            oom_recoveries=len(self.oom_guard.events), extra={**kl_metrics, **sampling_metrics, **truncation_metrics}))
+            oom_recoveries=len(self.oom_guard.events), extra={**kl_metrics, **sampling_metrics, **truncation_metrics,
+                                                       **balance_metrics}))
         metrics.update(self.precision_guard.end_step(metrics))  # loss scale, skipped steps; stops on a tripped rail
         return metrics
 

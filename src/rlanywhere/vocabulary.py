@@ -108,6 +108,7 @@ FP16 = torch.float16
 ACCUMULATE_DTYPE = torch.float32  # log-softmax, advantages, losses: always reduced in fp32
 REFERENCE_DTYPE = torch.float64  # numerical references (doctor, tests)
 STATISTICS_DTYPE = torch.float64  # sums of many terms (advantages, token counts across ranks): exact in fp64
+EXCHANGE_DTYPE = torch.float64  # per-row numbers moved between ranks (balance_batch): fp32 and floats kept exact
 PRECISION_DTYPES = {Precision.FP32.value: FP32, Precision.BF16.value: BF16, Precision.FP16.value: FP16}
 
 # plain strings (what transformers and the Plan carry): the enum members' values

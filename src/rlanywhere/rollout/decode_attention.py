@@ -11,6 +11,9 @@ kernel merges the chunks. Programs skip slots outside [start, slot], so padding 
 Numerics follow FlashAttention: scores and softmax statistics in fp32, probabilities rounded to the value dtype
 before the product with V (fp32 inputs: exact fp32 products, no TF32). The launch reads nothing from the device,
 so a CUDA graph can capture it. Tests run the kernels on a CPU with Triton's interpreter (TRITON_INTERPRET=1).
+
+Also here, the step before it: `rope_and_store` rotates the fused QKV output and writes this step's keys and
+values into the cache in one kernel, rounding as llama.apply_rope does. The kernels live in decode_kernels.py.
 """
 
 from __future__ import annotations
@@ -33,95 +36,10 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _build_kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def split_kernel(q_ptr, k_ptr, v_ptr, starts_ptr, slot_ptr, acc_ptr, max_ptr, sum_ptr,
-                     stride_qb, stride_qh, stride_qg, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                     stride_vs, kv_heads, groups, head_dim, span, chunk, scale,
-                     SPLITS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                     HALF_DOT: tl.constexpr):
-        row_head = tl.program_id(0)
-        split = tl.program_id(1)
-        row = (row_head // kv_heads).to(tl.int64)  # 64-bit offsets: a long cache's row stride times rows > 2^31
-        head = (row_head % kv_heads).to(tl.int64)
-        first = tl.load(starts_ptr + row)  # the row's first real slot (left padding before it)
-        last = tl.load(slot_ptr)  # the slot this step wrote: slots [first, last] are filled
-        lo = tl.maximum(split * chunk, first)
-        hi = tl.minimum(tl.minimum((split + 1) * chunk, last + 1), span)
-
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < head_dim
-        q = tl.load(q_ptr + row * stride_qb + head * stride_qh + g[:, None] * stride_qg + d[None, :],
-                    mask=(g[:, None] < groups) & d_ok[None, :], other=0.0)
-        k_base = k_ptr + row * stride_kb + head * stride_kh
-        v_base = v_ptr + row * stride_vb + head * stride_vh
-        running_max = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-        running_sum = tl.zeros([G_PAD], dtype=tl.float32)
-        acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
-        for block in range(lo, hi, BLOCK_S):
-            s = block + tl.arange(0, BLOCK_S)
-            s_ok = s < hi
-            k = tl.load(k_base + s[:, None] * stride_ks + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-            if HALF_DOT:
-                scores = tl.dot(q, tl.trans(k))
-            else:  # exact fp32 products (no TF32)
-                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            scores = tl.where(s_ok[None, :], scores * scale, float("-inf"))
-            # every block holds at least one filled slot (block < hi, block >= lo >= first): the max is finite
-            new_max = tl.maximum(running_max, tl.max(scores, 1))
-            correction = tl.exp(running_max - new_max)
-            p = tl.exp(scores - new_max[:, None])
-            running_sum = running_sum * correction + tl.sum(p, 1)
-            v = tl.load(v_base + s[:, None] * stride_vs + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-            p = p.to(v.dtype)  # probabilities rounded to the value dtype, as FlashAttention does
-            if HALF_DOT:
-                acc = acc * correction[:, None] + tl.dot(p, v)
-            else:
-                acc = acc * correction[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            running_max = new_max
-        out = (row_head * SPLITS + split) * G_PAD + g
-        tl.store(max_ptr + out, running_max)
-        tl.store(sum_ptr + out, running_sum)
-        tl.store(acc_ptr + out[:, None] * BLOCK_D + d[None, :], acc)
-
-    @triton.jit
-    def merge_kernel(acc_ptr, max_ptr, sum_ptr, o_ptr, stride_ob, stride_oh, stride_og, kv_heads, groups, head_dim,
-                     SPLITS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-        row_head = tl.program_id(0)
-        row = (row_head // kv_heads).to(tl.int64)
-        head = (row_head % kv_heads).to(tl.int64)
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, BLOCK_D)
-        base = row_head * SPLITS * G_PAD
-        overall = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-        for split in range(SPLITS):
-            overall = tl.maximum(overall, tl.load(max_ptr + base + split * G_PAD + g))
-        total = tl.zeros([G_PAD], dtype=tl.float32)
-        acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
-        for split in range(SPLITS):
-            at = base + split * G_PAD + g
-            weight = tl.exp(tl.load(max_ptr + at) - overall)  # an empty split has max -inf: weight 0
-            total += tl.load(sum_ptr + at) * weight
-            acc += tl.load(acc_ptr + at[:, None] * BLOCK_D + d[None, :]) * weight[:, None]
-        out = acc / total[:, None]
-        tl.store(o_ptr + row * stride_ob + head * stride_oh + g[:, None] * stride_og + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=(g[:, None] < groups) & (d[None, :] < head_dim))
-
-    return split_kernel, merge_kernel
-
-
-_KERNELS = None
-
-
 def _kernels():
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _build_kernels()
-    return _KERNELS
+    from . import decode_kernels as kernels  # imports triton: only where the kernels run
+
+    return kernels.split_kernel, kernels.merge_kernel, kernels.rope_store_kernel
 
 
 def plan_splits(rows_x_heads: int, span: int, programs_wanted: int) -> tuple[int, int]:
@@ -144,7 +62,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """softmax(q K^T * scale) V over each row's slots [starts[row], slot], for q [B, KV, G, D] and keys/values
     [B, KV, S, D] (any strides with a contiguous last dim: views of the cache); starts [B] and slot [1] long on the
     device. Returns [B, KV, G, D] in q's dtype. splits: chunks per (row, KV head) (default: fill the GPU)."""
-    split_kernel, merge_kernel = _kernels()
+    split_kernel, merge_kernel, _ = _kernels()
     batch, kv_heads, groups, head_dim = q.shape
     span = keys.shape[2]
     if q.stride(-1) != 1:
@@ -175,4 +93,29 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return out
 
 
-__all__ = ["decode_attention", "plan_splits", "triton_usable", "triton_interpreting", "BLOCK_SLOTS"]
+def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, cache_k: torch.Tensor,
+                   cache_v: torch.Tensor, slot: torch.Tensor, heads: int, match_hf: bool) -> torch.Tensor:
+    """One decode step's RoPE and cache write in one kernel (instead of RoPE, then two index copies).
+
+    qkv [B, heads + 2 KV, D]: the fused QKV projection of one token per row; cos/sin_signed [B, D] at each row's
+    position (sin_signed: llama.signed_sin); cache_k/cache_v [rows >= B, KV, length, D]: one layer's cache (views,
+    contiguous last dim); slot [1] long on the device. Writes the rotated keys and the values at `slot` of rows
+    [:B] and returns the rotated queries [B, heads, D], rounded as llama.apply_rope rounds (match_hf: transformers'
+    order)."""
+    _, _, rope_store_kernel = _kernels()
+    batch, all_heads, head_dim = qkv.shape
+    kv_heads = (all_heads - heads) // 2
+    if qkv.stride(-1) != 1 or cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1 or cos.stride(-1) != 1:
+        raise ValueError("rope_and_store: qkv, cos and the cache need a contiguous last dimension")
+    if cos.stride() != sin_signed.stride():
+        raise ValueError("rope_and_store: cos and sin_signed need the same layout")
+    q = torch.empty(batch, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    rope_store_kernel[(batch, all_heads)](
+        qkv, cos, sin_signed, q, cache_k, cache_v, slot, qkv.stride(0), qkv.stride(1), cos.stride(0),
+        q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), heads, kv_heads, head_dim,
+        BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), MATCH_HF=bool(match_hf))
+    return q
+
+
+__all__ = ["decode_attention", "rope_and_store", "plan_splits", "triton_usable", "triton_interpreting", "BLOCK_SLOTS"]

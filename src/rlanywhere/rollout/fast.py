@@ -71,15 +71,19 @@ def _check_plan(rollout: Any, device: torch.device) -> None:
     if rollout.decode_attention not in DecodeAttention.values():
         raise RolloutPlanError(f"RolloutPlan.decode_attention must be one of {DecodeAttention.values()}, got "
                                f"{rollout.decode_attention!r}")
-    if rollout.decode_attention == DECODE_TRITON:
+    for field_text, wants, instead in (
+            ("decode_attention='triton'", rollout.decode_attention == DECODE_TRITON, "use 'sdpa' or 'matmul'"),
+            ("fused_sampling=True", bool(rollout.fused_sampling), "set it to False (the torch sampler)"),
+            ("fused_kv_write=True", bool(rollout.fused_kv_write), "set it to False (RoPE, then index copies)")):
+        if not wants:
+            continue
         if not triton_usable():
-            raise RolloutPlanError("RolloutPlan.decode_attention='triton' needs the triton package (it comes with "
-                                   "PyTorch's CUDA builds on Linux) and a C compiler (cc, gcc or clang, or $CC) to "
-                                   "build its launcher; install them, or use 'sdpa' or 'matmul'")
+            raise RolloutPlanError(f"RolloutPlan.{field_text} needs the triton package (it comes with PyTorch's CUDA "
+                                   "builds on Linux) and a C compiler (cc, gcc or clang, or $CC) to build its "
+                                   f"launcher; install them, or {instead}")
         if device.type != "cuda" and not triton_interpreting():
-            raise RolloutPlanError(f"RolloutPlan.decode_attention='triton' runs on CUDA GPUs; the model is on "
-                                   f"{device.type}. Use 'sdpa' or 'matmul' (or TRITON_INTERPRET=1, Triton's slow "
-                                   "CPU interpreter, for tests)")
+            raise RolloutPlanError(f"RolloutPlan.{field_text} runs on CUDA GPUs; the model is on {device.type}: "
+                                   f"{instead} (or TRITON_INTERPRET=1, Triton's slow CPU interpreter, for tests)")
     dtype = rollout.dtype
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise RolloutPlanError(f"RolloutPlan.dtype must be a floating torch.dtype or None (the model's), got "
@@ -133,11 +137,13 @@ class FastEngine(RolloutEngine):
             fuse_weights=bool(rollout.fuse_weights),
             transpose_gate_up=bool(rollout.transpose_gate_up),
             compile_elementwise=bool(rollout.compile_elementwise),
+            fused_kv_write=bool(rollout.fused_kv_write),
         )
         self.forward = LlamaForward(self.hf_model, self.dtype, self.device, numerics)
         self.dims = self.forward.dims
         self.runner = DecodeRunner(self.forward, cuda_graphs=bool(rollout.cuda_graphs),
-                                   span_granularity=rollout.span_granularity)
+                                   span_granularity=rollout.span_granularity,
+                                   fused_sampling=bool(rollout.fused_sampling))
         self.eos_ids = collect_eos_ids(tokenizer, self.hf_model)
         self.pad_token_id = resolve_pad_token_id(pad_token_id, tokenizer, self.eos_ids)
         self.scheduler = Scheduler(self.runner, self.pad_token_id, rollout.check_every,

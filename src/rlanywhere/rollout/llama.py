@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..lora import unwrap_peft
 from ..vocabulary import ACCUMULATE_DTYPE, DECODE_SDPA, DECODE_TRITON, FP32
 from .decode_attention import decode_attention as triton_decode_attention
+from .decode_attention import rope_and_store
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -299,6 +300,7 @@ class Numerics:
     fuse_weights: bool
     transpose_gate_up: bool
     compile_elementwise: bool = False  # decode's norms, RoPE, SiLU*mul and residual adds as torch.compile kernels
+    fused_kv_write: bool = False  # decode's RoPE and K/V cache writes as one Triton kernel (fused QKV weights)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -446,8 +448,9 @@ class LlamaWeights:
 class LlamaForward:
     """Prefill and decode passes of a Llama-family decoder over `LlamaWeights`, K/V through a cache object.
 
-    The cache object provides `store_prompt(layer, row_start, k, v, copies, rows)` (prefill) and
-    `append(layer, batch, slot, k, v, span) -> (keys, values)` (decode); rollout/runner.py `KVCache` does.
+    The cache object provides `store_prompt(layer, row_start, k, v, copies, rows)` (prefill),
+    `append(layer, batch, slot, k, v, span) -> (keys, values)` (decode) and `layer(i) -> (k, v)` (one layer's
+    tensors, for the fused RoPE + cache write); rollout/runner.py `KVCache` does.
     """
 
     def __init__(self, hf_model: Any, dtype: torch.dtype, device: torch.device, numerics: Numerics):
@@ -459,6 +462,8 @@ class LlamaForward:
         # the decode step's elementwise functions: compiled (fused kernels) or as written
         self.ops = compiled_elementwise() if numerics.compile_elementwise else {
             "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope, "silu_mul": silu_mul}
+        # the one-kernel RoPE + cache write reads the fused QKV output; q/k norms (Qwen3) come before RoPE
+        self.kv_write_kernel = numerics.fused_kv_write and numerics.fuse_weights and not self.dims.qk_norm
 
     def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [length, head_dim] in the engine dtype, from the model's own rotary embedding."""
@@ -561,12 +566,25 @@ class LlamaForward:
             return self._decode_fused(h, cos, sin, mask, starts, slot, batch, span, cache)
         for i, w in enumerate(self.weights.layers):
             x = rms_norm(h, w["ln1"], d.eps, hf)
-            q, k, v = self.qkv(x, w, cos, sin)  # q [batch, heads, 1, D], k/v [batch, kv, 1, D]
-            keys, values = cache.append(i, batch, slot, k, v, span)
+            q, keys, values = self._decode_qkv(i, x, w, cos, sin, cache, batch, slot, span)
             a = self._decode_attention(q, keys, values, mask, starts, slot, batch, span)
             h = residual_linear(h, a, w["o"], w.get("o_b"), hf)
             h = self.mlp_residual(h, rms_norm(h, w["ln2"], d.eps, hf), w)
         return self.logits(rms_norm(h[:, 0], self.weights.globals["norm"], d.eps, hf))
+
+    def _decode_qkv(self, i: int, x, w, cos, sin, cache: Any, batch: int, slot, span: int):
+        """Layer i's rotated queries [batch, heads, 1, D] and the keys/values attention reads ([batch, kv, span, D]
+        views of the cache), this step's key and value written at `slot` first."""
+        d = self.dims
+        if self.kv_write_kernel:
+            y = F.linear(x, w["qkv"], w.get("qkv_b")).view(batch, d.heads + 2 * d.kv_heads, d.head_dim)
+            cache_k, cache_v = cache.layer(i)
+            q = rope_and_store(y, cos.view(batch, d.head_dim), sin.view(batch, d.head_dim), cache_k, cache_v, slot,
+                               d.heads, self.numerics.round_like_hf)
+            return q.view(batch, d.heads, 1, d.head_dim), cache_k[:batch, :, :span], cache_v[:batch, :, :span]
+        q, k, v = self.qkv(x, w, cos, sin)  # q [batch, heads, 1, D], k/v [batch, kv, 1, D]
+        keys, values = cache.append(i, batch, slot, k, v, span)
+        return q, keys, values
 
     def _decode_mask(self, cols: torch.Tensor, starts: torch.Tensor, slot: torch.Tensor) -> torch.Tensor | None:
         """The additive attention mask of a decode step (built once, not inside every layer), shaped for the
@@ -612,8 +630,7 @@ class LlamaForward:
                 x = ops["rms_norm"](h, w["ln1"], d.eps, hf)
             else:
                 h, x = ops["add_rms_norm"](h, pending, w["ln1"], d.eps, hf)
-            q, k, v = self.qkv(x, w, cos, sin)
-            keys, values = cache.append(i, batch, slot, k, v, span)
+            q, keys, values = self._decode_qkv(i, x, w, cos, sin, cache, batch, slot, span)
             a = self._decode_attention(q, keys, values, mask, starts, slot, batch, span)
             h, x = ops["add_rms_norm"](h, F.linear(a, w["o"], w.get("o_b")), w["ln2"], d.eps, hf)
             pending = F.linear(ops["silu_mul"](*self.gate_up(x, w)), w["down"], w.get("down_b"))

@@ -8,6 +8,8 @@ the benches use only this):
 - `load_rows(tokens, positions, starts)`: the decode state of rows [:batch] after a prefill;
 - `decode_step(batch, slot)`: logits [batch, vocab] for the next token of rows [:batch] (a CUDA graph replay per
   (batch bucket, attention span) when graphs are on, else eager);
+- `decode_sample(batch, slot)`: the same step with the sampling inside it (rollout/fused_sampling.py: one Triton
+  pass over the logits, in the same graph): (tokens, log-probs) of rows [:batch], after `set_sampling`;
 - `advance(tokens)`: feed the sampled tokens back; `compact(active, batch, used_slots)`: move the active rows to
   the front of a smaller bucket; `release()`: free the cache, buffers and graphs.
 
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from ..vocabulary import FP32
+from .fused_sampling import sample_into
 from .llama import LlamaForward, ModelDims
 
 logger = logging.getLogger(__name__)
@@ -97,6 +100,10 @@ class KVCache:
         v_rows.index_copy_(2, slot, v)
         return k_rows[:, :, :span], v_rows[:, :, :span]
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values [rows, kv_heads, length, head_dim] (views)."""
+        return self.k[layer], self.v[layer]
+
     def compact(self, index: torch.Tensor, used_slots: int) -> None:
         """Rows `index` (long [batch], on the device) become rows [:batch], slots [:used_slots] and start offsets
         kept; the rows after them are left as they were."""
@@ -113,13 +120,15 @@ class KVCache:
 class DecodeRunner:
     """KV cache, static buffers and CUDA graphs around one `LlamaForward` (see the module docstring)."""
 
-    def __init__(self, forward: LlamaForward, cuda_graphs: bool, span_granularity: int = 256):
+    def __init__(self, forward: LlamaForward, cuda_graphs: bool, span_granularity: int = 256,
+                 fused_sampling: bool = False):
         self.forward = forward
         self.device, self.dtype = forward.device, forward.dtype
         self.cuda_graphs = cuda_graphs
+        self.fused_sampling = fused_sampling  # decode_sample available (Triton runs here)
         self.span_granularity = span_granularity
         self.cache = KVCache(forward.dims, forward.dtype, forward.device)
-        self._graphs: dict[tuple[int, int], Any] = {}
+        self._graphs: dict[tuple[int, int, bool], Any] = {}
         self._graph_pool = None
         self._buffers: dict[str, torch.Tensor] = {}
 
@@ -147,6 +156,11 @@ class DecodeRunner:
             "logits": torch.zeros(rows, self.forward.dims.vocab, dtype=FP32, device=self.device),
             "cos": cos,
             "sin": sin,
+            # the fused sampler's inputs (set per wave) and outputs
+            "seed": torch.zeros(1, **long),
+            "temperature": torch.ones(1, dtype=FP32, device=self.device),
+            "sampled": torch.zeros(rows, **long),
+            "sampled_logprobs": torch.zeros(rows, dtype=FP32, device=self.device),
         }
 
     def release(self) -> None:
@@ -206,22 +220,45 @@ class DecodeRunner:
             buf = self._buffers[name]
             buf[:batch] = buf[index]
 
-    def _decode_into_buffer(self, batch: int, span: int) -> None:
+    def set_sampling(self, seed: torch.Tensor, temperature: float) -> None:
+        """The fused sampler's seed ([1] int64 on the device: drawn from the wave's generator, no host read) and
+        temperature (0: greedy) for the following `decode_sample` steps."""
+        self._buffers["seed"].copy_(seed)
+        self._buffers["temperature"].fill_(temperature)
+
+    def _decode_into_buffer(self, batch: int, span: int, sample: bool) -> None:
         b = self._buffers
         logits = self.forward.decode(b["tokens"][:batch], b["positions"][:batch], self.cache.starts[:batch],
                                      b["slot"], b["slot_range"][:span], self._rope(), self.cache)
-        b["logits"][:batch].copy_(logits)
+        if sample:  # the decode step's slot counts the noise: each step draws afresh
+            sample_into(logits, b["seed"], b["slot"], b["temperature"], b["sampled"][:batch],
+                        b["sampled_logprobs"][:batch])
+        else:
+            b["logits"][:batch].copy_(logits)
 
     def decode_step(self, batch: int, slot: int, span: int | None = None, eager: bool = False) -> torch.Tensor:
         """Logits [batch, vocab] (a view of a static buffer) for the next token of rows [:batch], writing their
         keys/values at cache slot `slot`. span: slots attention reads (default `self.span(slot)`); eager: skip
         the CUDA graph (profiling)."""
+        self._run_step(batch, slot, span, eager, sample=False)
+        return self._buffers["logits"][:batch]
+
+    def decode_sample(self, batch: int, slot: int, span: int | None = None,
+                      eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_step` with the next token drawn inside the step (the fused sampler, `set_sampling` first):
+        (tokens [batch] long, log-probs [batch] fp32), views of static buffers."""
+        if not self.fused_sampling:
+            raise RuntimeError("decode_sample needs a runner built with fused_sampling=True (Triton)")
+        self._run_step(batch, slot, span, eager, sample=True)
+        return self._buffers["sampled"][:batch], self._buffers["sampled_logprobs"][:batch]
+
+    def _run_step(self, batch: int, slot: int, span: int | None, eager: bool, sample: bool) -> None:
         span = self.span(slot) if span is None else span
         self._buffers["slot"].fill_(slot)
         if eager or not self.cuda_graphs:
-            self._decode_into_buffer(batch, span)
-            return self._buffers["logits"][:batch]
-        graph = self._graphs.get((batch, span))
+            self._decode_into_buffer(batch, span, sample)
+            return
+        graph = self._graphs.get((batch, span, sample))
         if graph is None:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
@@ -230,14 +267,13 @@ class DecodeRunner:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self._decode_into_buffer(batch, span)
+                self._decode_into_buffer(batch, span, sample)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool):
-                self._decode_into_buffer(batch, span)
-            self._graphs[(batch, span)] = graph
+                self._decode_into_buffer(batch, span, sample)
+            self._graphs[(batch, span, sample)] = graph
         graph.replay()
-        return self._buffers["logits"][:batch]
 
 
 __all__ = ["KVCache", "DecodeRunner"]

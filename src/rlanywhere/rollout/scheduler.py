@@ -108,11 +108,17 @@ class Scheduler:
                  gen: torch.Generator, out: RequestOutputs, stop: StopRule) -> None:
         """Generate every row of `wave` into `out`."""
         state = self._prefill(wave, prompts, params, gen, out, stop)
+        fused = self.fused_sampling_for(params)
+        if fused:  # one seed per wave from its generator; the decode step counts the draws after it
+            seed = torch.randint(0, 2**62, (1,), generator=gen, device=gen.device, dtype=torch.long)
+            self.runner.set_sampling(seed.to(self.runner.device), params.temperature)
         for t in range(1, params.max_new_tokens):
             if t % self.check_every == 0 and not self.check_rows(state, out, stop, t):
                 break
-            logits = self.runner.decode_step(state.batch, state.slot(t))
-            tok, logp = sample_from_logits(logits, params, gen)
+            if fused:
+                tok, logp = self.runner.decode_sample(state.batch, state.slot(t))
+            else:
+                tok, logp = sample_from_logits(self.runner.decode_step(state.batch, state.slot(t)), params, gen)
             out.tokens[t].index_copy_(0, state.row_map, tok)
             out.logprobs[t].index_copy_(0, state.row_map, logp)
             if stop.use_eos:
@@ -120,6 +126,11 @@ class Scheduler:
             self.runner.advance(tok)
         if stop.matcher:
             self._scan_stop_strings(state, out, stop, params.max_new_tokens)
+
+    def fused_sampling_for(self, params: SamplingParams) -> bool:
+        """Whether decode steps sample inside the step (the runner's fused sampler): it has no top-k / top-p."""
+        vocab = self.runner.forward.dims.vocab
+        return self.runner.fused_sampling and (params.top_k == 0 or params.top_k >= vocab) and params.top_p == 1.0
 
     def _prefill(self, wave: list[WaveUnit], prompts: list[list[int]], params: SamplingParams,
                  gen: torch.Generator, out: RequestOutputs, stop: StopRule) -> WaveState:
