@@ -4,7 +4,8 @@ The torch sampler (base.sample_from_logits) makes about nine passes over the [ro
 step (softmax, noise, divide, argmax, gather, log), each its own kernel launched from Python: 0.41 ms of a 2.6 ms
 step at 256 rows of a 49k vocabulary. Here the logits are read once. Each (row, vocabulary chunk) program keeps a
 running max and sum of exp (the log-sum-exp) and a running winner of the Gumbel-max race, argmax(x + G) with
-G = -log(-log(U)) and x = logit / temperature, which draws exactly from softmax(x); a second kernel merges the
+G = -log(-log(U)) and x = logit * (1 / temperature) (the trainer's arithmetic, logprobs.py), which draws exactly
+from softmax(x); a second kernel merges the
 chunks of a row. The uniform draws come from Triton's Philox keyed by a seed and counted by (vocabulary position,
 row, decode step), so they depend on neither the chunking nor the launch, and the seed, step and temperature are
 read from device tensors: a CUDA graph captured once replays every step with fresh noise.
@@ -12,7 +13,8 @@ read from device tensors: a CUDA graph captured once replays every step with fre
     sample_into(logits, seed, step, temperature, tokens_out, logprobs_out)   # logits [rows, vocab] fp32
 
 temperature 0 is greedy (argmax, the first index among ties, log-prob of the unscaled logits), as
-base.sample_from_logits does. No top-k or top-p: the planner uses this sampler only for requests without them.
+base.sample_from_logits does. No top-k or top-p: the scheduler uses it only for requests without them
+(`Scheduler.fused_sampling_for`); the planner decides where it may run (`RolloutPlan.fused_sampling`).
 Tests run the kernels on a CPU with Triton's interpreter (TRITON_INTERPRET=1).
 """
 
