@@ -5,10 +5,10 @@ step (softmax, noise, divide, argmax, gather, log), each its own kernel launched
 step at 256 rows of a 49k vocabulary. Here the logits are read once. Each (row, vocabulary chunk) program keeps a
 running max and sum of exp (the log-sum-exp) and a running winner of the Gumbel-max race, argmax(x + G) with
 G = -log(-log(U)) and x = logit * (1 / temperature) (the trainer's arithmetic, logprobs.py), which draws exactly
-from softmax(x); a second kernel merges the
-chunks of a row. The uniform draws come from Triton's Philox keyed by a seed and counted by (vocabulary position,
-row, decode step), so they depend on neither the chunking nor the launch, and the seed, step and temperature are
-read from device tensors: a CUDA graph captured once replays every step with fresh noise.
+from softmax(x); a second kernel merges the chunks of a row. The uniform draws come from Triton's Philox keyed by a
+seed and counted by (vocabulary position, row, decode step), so they depend on neither the chunking nor the launch,
+and the seed, step and temperature are read from device tensors: a CUDA graph captured once replays every step with
+fresh noise.
 
     sample_into(logits, seed, step, temperature, tokens_out, logprobs_out)   # logits [rows, vocab] fp32
 
