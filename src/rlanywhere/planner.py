@@ -583,9 +583,11 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
     dtype = rollout.dtype if rollout.dtype is not None else weight_dtype
     half = dtype is not None and is_half(dtype)
     dtype_text = dtype_name(dtype) if dtype is not None else "the model's dtype"
-    # FastEngine's Triton kernels (split-K attention, compiled elementwise ops): half precision, where measured
-    triton_kernels = (half and on_cuda and triton and cc is not None and cc >= TRITON_DECODE_MIN_CC
-                      and rollout.engine == RolloutEngineName.FAST)
+    # FastEngine's Triton kernels run here (measured on an H200); the attention, compiled elementwise ops and fused
+    # KV write in half precision only, the sampler in any dtype
+    triton_runs = (on_cuda and triton and cc is not None and cc >= TRITON_DECODE_MIN_CC
+                   and rollout.engine == RolloutEngineName.FAST)
+    triton_kernels = half and triton_runs
     if triton_kernels:
         rollout.decode_attention = DECODE_TRITON
         reasons["decode_attention"] = f"{dtype_text}: {TRITON_DECODE_REASON}"
@@ -655,9 +657,7 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
         "off: CPU" if not on_cuda else
         f"off: {dtype_text} (planned with the Triton attention, half precision only)" if not half else
         f"off: {_triton_decode_refusal(triton, cc, rollout.engine)}")
-    # The sampler does not depend on the model's dtype: any rollout where Triton runs (measured on an H200)
-    rollout.fused_sampling = (on_cuda and triton and cc is not None and cc >= TRITON_DECODE_MIN_CC
-                              and rollout.engine == RolloutEngineName.FAST)
+    rollout.fused_sampling = triton_runs  # the sampler does not depend on the model's dtype
     reasons["fused_sampling"] = (
         f"on: each decode step samples in one Triton pass over its logits inside the step's CUDA graph "
         f"({FUSED_SAMPLING_GAIN}); requests with top-k or top-p use the torch sampler" if rollout.fused_sampling else

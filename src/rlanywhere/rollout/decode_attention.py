@@ -42,16 +42,24 @@ def _kernels():
     return kernels.split_kernel, kernels.merge_kernel, kernels.rope_store_kernel
 
 
+def plan_chunks(items: int, length: int, block: int, programs_wanted: int) -> tuple[int, int]:
+    """(splits, chunk): each of `items` independent reductions over `length` elements cut into `splits` chunks of
+    `chunk` elements (a multiple of `block`, none empty), enough programs to fill the GPU, none shorter than a
+    block. Shared by the split-K attention (slots per (row, KV head)) and the fused sampler (vocabulary per row)."""
+    blocks = max(1, math.ceil(length / block))
+    splits = max(1, min(blocks, math.ceil(programs_wanted / max(items, 1))))
+    chunk = math.ceil(blocks / splits) * block
+    return math.ceil(blocks * block / chunk), chunk
+
+
 def plan_splits(rows_x_heads: int, span: int, programs_wanted: int) -> tuple[int, int]:
-    """(splits, chunk): each (row, KV head) cuts the span into `splits` chunks of `chunk` slots (a multiple of
-    BLOCK_SLOTS), enough programs to fill the GPU, none shorter than one block."""
-    blocks = max(1, math.ceil(span / BLOCK_SLOTS))
-    splits = max(1, min(blocks, math.ceil(programs_wanted / max(rows_x_heads, 1))))
-    chunk = math.ceil(blocks / splits) * BLOCK_SLOTS
-    return math.ceil(blocks * BLOCK_SLOTS / chunk), chunk
+    """`plan_chunks` of each (row, KV head)'s span in blocks of BLOCK_SLOTS slots."""
+    return plan_chunks(rows_x_heads, span, BLOCK_SLOTS, programs_wanted)
 
 
-def _programs_wanted(device: torch.device) -> int:
+def programs_wanted(device: torch.device) -> int:
+    """Programs that fill `device` (a few per SM, to cover memory latency); on the CPU (the interpreter in
+    tests) a few, so that rows still cut into several chunks."""
     if device.type != "cuda":
         return 8
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
@@ -71,7 +79,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         raise ValueError("decode_attention: keys/values need a contiguous last dimension")
     rows_x_heads = batch * kv_heads
     if splits is None:
-        splits, chunk = plan_splits(rows_x_heads, span, _programs_wanted(q.device))
+        splits, chunk = plan_splits(rows_x_heads, span, programs_wanted(q.device))
     else:
         chunk = math.ceil(span / splits / BLOCK_SLOTS) * BLOCK_SLOTS
     g_pad = max(16, 1 << (groups - 1).bit_length())  # tl.dot needs 16 rows
@@ -118,4 +126,4 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tenso
     return q
 
 
-__all__ = ["decode_attention", "rope_and_store", "plan_splits", "triton_usable", "triton_interpreting", "BLOCK_SLOTS"]
+__all__ = ["decode_attention", "rope_and_store", "plan_chunks", "plan_splits", "programs_wanted", "triton_usable", "triton_interpreting", "BLOCK_SLOTS"]

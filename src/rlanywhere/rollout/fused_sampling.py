@@ -25,9 +25,9 @@ import math
 import torch
 
 from ..vocabulary import FP32
+from .decode_attention import plan_chunks, programs_wanted
 
 BLOCK_VOCAB = 1024  # vocabulary entries per inner iteration (four quarters, one Philox call for all four)
-PROGRAMS_PER_SM = 4
 
 
 def _kernels():
@@ -37,18 +37,8 @@ def _kernels():
 
 
 def plan_vocab_splits(rows: int, vocab: int, programs_wanted: int) -> tuple[int, int]:
-    """(splits, chunk): each row's vocabulary cut into `splits` chunks of `chunk` entries (a multiple of
-    BLOCK_VOCAB, none empty), enough programs to fill the GPU."""
-    blocks = max(1, math.ceil(vocab / BLOCK_VOCAB))
-    splits = max(1, min(blocks, math.ceil(programs_wanted / max(rows, 1))))
-    chunk = math.ceil(blocks / splits) * BLOCK_VOCAB
-    return math.ceil(vocab / chunk), chunk
-
-
-def _programs_wanted(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    """`plan_chunks` of each row's vocabulary in blocks of BLOCK_VOCAB entries."""
+    return plan_chunks(rows, vocab, BLOCK_VOCAB, programs_wanted)
 
 
 def sample_into(logits: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, temperature: torch.Tensor,
@@ -69,7 +59,7 @@ def sample_into(logits: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, te
     if rows == 0:
         return
     if splits is None:
-        splits, chunk = plan_vocab_splits(rows, vocab, _programs_wanted(logits.device))
+        splits, chunk = plan_vocab_splits(rows, vocab, programs_wanted(logits.device))
     else:
         chunk = math.ceil(vocab / splits / BLOCK_VOCAB) * BLOCK_VOCAB
         splits = math.ceil(vocab / chunk)
