@@ -1,10 +1,11 @@
-"""Padding in update micro-batches: consecutive rows against rows grouped by length, on real responses.
+"""Padding in update micro-batches: consecutive rows against rows grouped by length, left-padded or packed.
 
-The update cuts a mini-batch into micro-batches of a fixed number of rows; each micro-batch is as wide as its
-longest prompt + longest response (microbatch.compact_rows). Consecutive rows after the shuffle pad every
-micro-batch to nearly the batch's longest row; grouping rows of similar length (microbatch.split_rows_by_length,
-the update's default) pads each micro-batch only to its own longest row, with the same number of micro-batches
-and the same gradient (one LossScale per mini-batch).
+The update cuts a mini-batch into micro-batches of a fixed number of rows. Left-padded (microbatch.compact_rows,
+the layout before session 9), each micro-batch is as wide as its longest prompt + longest response; packed from
+column 0 (microbatch.pack_rows, the update's layout now), as wide as its longest prompt + response. Consecutive
+rows after the shuffle pad every micro-batch to nearly the batch's longest row; grouping rows of similar length
+(microbatch.split_rows_by_length, the update's default) pads each micro-batch only to its own longest row, with the
+same number of micro-batches and the same gradient (one LossScale per mini-batch).
 
 This script samples real responses from SmolLM2-135M-Instruct (the demo GGUF) for GSM8K questions in verl's
 prompt format (chat template, instruction), n samples a prompt, then prints for each micro-batch size the tokens
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from rlanywhere.data import GSM8K_INSTRUCTION  # noqa: E402
 from rlanywhere.logprobs import response_logprobs  # noqa: E402
-from rlanywhere.microbatch import compact_rows, split_fixed, split_rows_by_length  # noqa: E402
+from rlanywhere.microbatch import compact_rows, pack_rows, split_fixed, split_rows_by_length  # noqa: E402
 from rlanywhere.models import load_tokenizer, resolve_model_source  # noqa: E402
 from rlanywhere.rollout import SamplingParams, make_engine  # noqa: E402
 
@@ -53,12 +54,13 @@ def gsm8k_prompts(tokenizer, directory: Path, count: int, seed: int) -> list[lis
     return out
 
 
-def split_tokens(batch, groups: list[list[int]], pad_token_id: int) -> int:
-    return sum(compact_rows(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, group,
-                            pad_token_id).input_ids.numel() for group in groups)
+def split_tokens(batch, groups: list[list[int]], pad_token_id: int, layout=compact_rows) -> int:
+    return sum(layout(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, group,
+                      pad_token_id).input_ids.numel() for group in groups)
 
 
-def time_update(model, batch, groups: list[list[int]], pad_token_id: int, device: str, repeats: int) -> float:
+def time_update(model, batch, groups: list[list[int]], pad_token_id: int, device: str, repeats: int,
+                layout=compact_rows) -> float:
     """Best seconds of one forward + backward over all micro-batches (chunked log-probs, sum of log-probs)."""
     best = float("inf")
     for _ in range(repeats):
@@ -67,9 +69,10 @@ def time_update(model, batch, groups: list[list[int]], pad_token_id: int, device
             torch.cuda.synchronize()
         start = time.perf_counter()
         for group in groups:
-            ids, mask, pos, resp_len = (t.to(device) if torch.is_tensor(t) else t for t in compact_rows(
+            ids, mask, pos, resp_len, *start = (t.to(device) if torch.is_tensor(t) else t for t in layout(
                 batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, group, pad_token_id))
-            logprobs, _ = response_logprobs(model, ids, mask, resp_len, position_ids=pos)
+            logprobs, _ = response_logprobs(model, ids, mask, resp_len, position_ids=pos,
+                                            response_start=start[0] if start else None)
             (logprobs * batch.response_mask[group, :resp_len].to(device)).sum().backward()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -119,16 +122,18 @@ def main() -> int:
     pad = tokenizer.pad_token_id
     model.train()
     print(f"\nreal tokens: {real}")
-    print(f"{'micro rows':>10} {'consecutive':>12} {'by length':>10} {'saved':>7}" +
-          (f" {'consecutive s':>14} {'by length s':>12}" if args.time else ""))
+    print(f"{'micro rows':>10} {'consecutive':>12} {'by length':>10} {'saved':>7} {'packed':>8} {'saved':>7}" +
+          (f" {'consecutive s':>14} {'by length s':>12} {'packed s':>9}" if args.time else ""))
     for size in (int(s) for s in args.micro.split(",")):
         fixed, by_length = split_fixed(rows, size), split_rows_by_length(shuffled.prompt_mask,
                                                                          shuffled.response_mask, size)
         a, b = split_tokens(shuffled, fixed, pad), split_tokens(shuffled, by_length, pad)
-        line = f"{size:>10} {a:>12} {b:>10} {1 - b / a:>7.1%}"
+        c = split_tokens(shuffled, by_length, pad, layout=pack_rows)
+        line = f"{size:>10} {a:>12} {b:>10} {1 - b / a:>7.1%} {c:>8} {1 - c / a:>7.1%}"
         if args.time:
             line += (f" {time_update(model, shuffled, fixed, pad, args.device, args.repeats):>14.2f}"
-                     f" {time_update(model, shuffled, by_length, pad, args.device, args.repeats):>12.2f}")
+                     f" {time_update(model, shuffled, by_length, pad, args.device, args.repeats):>12.2f}"
+                     f" {time_update(model, shuffled, by_length, pad, args.device, args.repeats, pack_rows):>9.2f}")
         print(line, flush=True)
     return 0
 

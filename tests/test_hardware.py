@@ -336,6 +336,24 @@ def test_training_kernels_leave_cudnn_attention_out_and_fuse_adamw_on_cuda():
     assert "training attention" in hopper.summary() and "AdamW fused" in hopper.summary()
 
 
+def test_decoder_layers_compiled_where_triton_runs_and_use_torch_compile_allows():
+    hopper = make_plan(cfg_of(*PPO_05B), fake("h100", triton_usable=True))
+    assert hopper.compile_training and "torch.compile per decoder layer" in hopper.reasons["compile_training"]
+    assert "training passes" in hopper.summary() and "compiled" in hopper.summary()
+    assert make_plan(cfg_of(*PPO_05B, "hardware.precision=fp32"), fake("a100-80g", triton_usable=True)).compile_training
+    refusals = {  # (card, triton, extra overrides, emulate) -> the reason names the cause
+        ("h100", True, ("actor_rollout_ref.actor.use_torch_compile=false",), None): "use_torch_compile=false",
+        ("h100", False, (), None): "triton is not installed",
+        ("t4", True, (), None): "compute capability 7.5 < 8.0",
+        ("h100", True, (), "p40"): "compute capability 6.1 < 8.0",
+        (None, None, (), None): "CPU",
+    }
+    for (card, triton, extra, emulate), why in refusals.items():
+        plan = make_plan(cfg_of(*PPO_05B, *extra), fake(card, triton_usable=triton), emulate=emulate)
+        assert not plan.compile_training and why in plan.reasons["compile_training"], (card, emulate, plan.reasons)
+        assert "not compiled" in plan.summary()
+
+
 def test_training_attention_context_restricts_sdpa_to_the_planned_backends():
     from torch.nn.attention import SDPBackend
 

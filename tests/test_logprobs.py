@@ -34,16 +34,28 @@ def _grads(fn, hidden, weight, bias, labels, coef_lp, coef_ent, **kw):
     return logprobs.detach(), (entropy.detach() if entropy is not None else None), grads
 
 
+@pytest.fixture
+def traced_chunk_math(monkeypatch):
+    """compiled=True traced by Dynamo with the "eager" backend: the compiled path's math, without code generation."""
+    from rlanywhere import logprobs
+
+    monkeypatch.setattr(logprobs, "COMPILE_BACKEND", "eager")
+
+
 @pytest.mark.parametrize("use_logprobs,use_entropy", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_matches_naive_values_and_gradients(use_logprobs, use_entropy, temperature):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_chunked_matches_naive_values_and_gradients(use_logprobs, use_entropy, temperature, compiled,
+                                                    traced_chunk_math):
     hidden, weight, bias, labels = _inputs()
     g = torch.Generator().manual_seed(1)
     coef_lp = torch.randn(labels.shape, generator=g) if use_logprobs else None
     coef_ent = torch.randn(labels.shape, generator=g) if use_entropy else None
     kw = dict(temperature=temperature, with_entropy=True)
+    got_kw = dict(kw, compiled=compiled)
     # 21 tokens in chunks of 5: the last chunk is partial
-    got = _grads(chunked_logprobs_and_entropy, hidden, weight, bias, labels, coef_lp, coef_ent, chunk_size=5, **kw)
+    got = _grads(chunked_logprobs_and_entropy, hidden, weight, bias, labels, coef_lp, coef_ent, chunk_size=5,
+                 **got_kw)
     ref = _grads(naive_logprobs_and_entropy, hidden, weight, bias, labels, coef_lp, coef_ent, **kw)
     torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
@@ -66,11 +78,12 @@ def test_naive_reference_is_hand_checkable():
         torch.testing.assert_close(ent, expected_ent.view(1, 1))
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4, 21, 1000])
-def test_chunk_sizes_without_entropy_and_without_bias(chunk_size):
+@pytest.mark.parametrize("chunk_size,compiled", [(1, False), (4, False), (21, False), (1000, False), (4, True)])
+def test_chunk_sizes_without_entropy_and_without_bias(chunk_size, compiled, traced_chunk_math):
     hidden, weight, _, labels = _inputs(bias=False, seed=3)
     coef = torch.randn(labels.shape, generator=torch.Generator().manual_seed(4))
-    got = _grads(chunked_logprobs_and_entropy, hidden, weight, None, labels, coef, None, chunk_size=chunk_size)
+    got = _grads(chunked_logprobs_and_entropy, hidden, weight, None, labels, coef, None, chunk_size=chunk_size,
+                 compiled=compiled)
     ref = _grads(naive_logprobs_and_entropy, hidden, weight, None, labels, coef, None)
     assert got[1] is None and ref[1] is None
     torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)

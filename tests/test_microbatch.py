@@ -5,6 +5,7 @@ import torch
 
 from rlanywhere.microbatch import (
     compact_rows,
+    pack_rows,
     scatter_back,
     select_response,
     split_by_token_budget,
@@ -176,3 +177,71 @@ def test_compacted_micro_batches_give_the_full_batch_logprobs():
             scatter_back(got, rows, lp)
     valid = response_mask.bool()
     torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_pack_rows_puts_every_row_from_column_zero_hand_example():
+    pad = 7
+    prompt_ids, prompt_mask, response_ids, response_mask = _rollout([2, 5, 3, 1], [3, 6, 2, 1], pad=pad)
+    response_ids[2, 4] = 99  # garbage in a padded response slot never reaches the batch
+    rows = [1, 2, 3]
+    mb = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, rows, pad_token_id=pad)
+    # rows 1, 2, 3: 5 + 6, 3 + 2, 1 + 1 tokens -> 11 columns (compact_rows: 5 prompt + 6 response columns as well;
+    # rows 2 and 3 alone: 4 packed columns against 3 + 2 compacted)
+    assert mb.input_ids.shape == (3, 11) and mb.response_len == 6 and mb.response_start.tolist() == [5, 3, 1]
+    for i, row in enumerate(rows):
+        p, r = int(prompt_mask[row].sum()), int(response_mask[row].sum())
+        real = torch.cat([prompt_ids[row, -p:], response_ids[row, :r]])
+        assert mb.input_ids[i, :p + r].tolist() == real.tolist()
+        assert (mb.input_ids[i, p + r:] == pad).all() and mb.attention_mask[i].tolist() == [1] * (p + r) + [0] * (11 - p - r)
+        assert mb.position_ids[i].tolist() == list(range(11))
+    narrow = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, [2, 3], pad_token_id=pad)
+    assert narrow.input_ids.shape == (2, 5)  # max(3 + 2, 1 + 1)
+    assert compact_rows(prompt_ids, prompt_mask, response_ids, response_mask, [1, 3], pad).input_ids.shape == (2, 11)
+    assert pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, [1, 3], pad).input_ids.shape == (2, 11)
+    batch = _rollout([2, 3], [1, 1])
+    batch[1][0] = 0
+    with pytest.raises(ValueError, match="no prompt tokens"):
+        pack_rows(*batch, rows=[0, 1], pad_token_id=0)
+
+
+@pytest.mark.parametrize("with_critic", [False, True])
+def test_packed_micro_batches_give_the_left_padded_logprobs_values_and_gradients(with_critic):
+    """Packed rows (no attention mask, causal only) against the left-padded layout with its mask, for a mix of prompt
+    and response lengths: the same log-probs, entropies (or values) and gradients at every real response token."""
+    import transformers
+
+    from rlanywhere.logprobs import response_logprobs
+    from rlanywhere.models import ValueModel, response_values
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=128, attn_implementation="sdpa"))
+    if with_critic:
+        model = ValueModel.from_causal_lm(model)
+        with torch.no_grad():
+            model.value_head.weight.normal_()
+    batch = _rollout([6, 2, 4, 3, 1], [5, 1, 7, 2, 3], pad=0, seed=1)
+    rows = [0, 1, 2, 3, 4]
+    weights = torch.randn(5, 7, generator=torch.Generator().manual_seed(2))
+
+    def run(layout):
+        mb = layout(*batch, rows=rows, pad_token_id=0)
+        start = mb.response_start if layout is pack_rows else None
+        model.zero_grad(set_to_none=True)
+        if with_critic:
+            out = response_values(model, mb.input_ids, mb.attention_mask, mb.response_len, mb.position_ids,
+                                  response_start=start)
+            extra = out
+        else:
+            out, extra = response_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_len,
+                                           with_entropy=True, position_ids=mb.position_ids, response_start=start)
+        valid = batch[3][:, :mb.response_len].float()
+        ((out * weights * valid).sum() + (extra * valid).sum()).backward()
+        return out.detach() * valid, extra.detach() * valid, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    packed, padded = run(pack_rows), run(compact_rows)
+    torch.testing.assert_close(packed[0], padded[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[1], padded[1], atol=1e-5, rtol=1e-5)
+    for name, grad in padded[2].items():
+        torch.testing.assert_close(packed[2][name], grad, atol=1e-5, rtol=1e-4, msg=name)

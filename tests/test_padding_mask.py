@@ -87,3 +87,19 @@ def test_no_left_padding_keeps_the_2d_mask():
     assert built.shape == (2, 1, 5, 5) and built.dtype == torch.bool
     assert not bool(built[1, 0, 3, 0]) and bool(built[1, 0, 0, 0])  # real queries skip padding; padding sees itself
     assert training_attention_mask(tiny_qwen2(attn="eager"), mask) is mask
+
+
+def test_packed_rows_give_sdpa_no_mask_at_all(sdpa_masks):
+    """The update's layout (microbatch.pack_rows): no padding before a real token, so SDPA gets no mask (causal
+    only, its flash kernel where it runs) and no query row can be fully masked."""
+    from rlanywhere.microbatch import pack_rows
+
+    model = tiny_qwen2(attn="sdpa")
+    ids, mask = _left_padded_batch(model.config.vocab_size)
+    prompt_mask, response_mask = mask[:, :5], mask[:, 5:]
+    packed = pack_rows(ids[:, :5], prompt_mask, ids[:, 5:], response_mask, [0, 1, 2], pad_token_id=0)
+    logprob, entropy = response_logprobs(model, packed.input_ids, packed.attention_mask, packed.response_len,
+                                         with_entropy=True, position_ids=packed.position_ids,
+                                         response_start=packed.response_start)
+    (logprob.sum() + entropy.sum()).backward()
+    assert sdpa_masks and all(m is None for m in sdpa_masks)

@@ -17,8 +17,8 @@ from .config import as_list
 from .data import PromptLoader, RLDataset
 from .plans import Plan
 from .lora import apply_lora
-from .models import (ModelSource, ValueModel, enable_gradient_checkpointing, load_causal_lm, load_tokenizer,
-                     resolve_model_source)
+from .models import (ModelSource, ValueModel, compile_decoder_layers, enable_gradient_checkpointing, load_causal_lm,
+                     load_tokenizer, resolve_model_source)
 from .rewards import RewardManager, load_custom_reward
 from .rollout import make_engine
 from .sharding import gathered, shard_for_plan
@@ -106,6 +106,10 @@ def build_models(cfg: DictConfig, plan: Plan, source: ModelSource, dp) -> Models
         enable_gradient_checkpointing(actor)
         if critic is not None:
             enable_gradient_checkpointing(critic)
+    if plan.compile_training:  # after checkpointing: a checkpointed layer recomputes its compiled forward
+        for model in (actor, critic, ref):
+            if model is not None:
+                compile_decoder_layers(model)
     shard_for_plan(plan, actor, critic, ref)  # [distributed] FSDP2 when plan.data_parallel == "shard"
     return Models(actor, critic, ref)
 

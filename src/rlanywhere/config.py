@@ -106,6 +106,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     ppo_epochs: int = 1
     shuffle: bool = False
+    use_torch_compile: bool = True  # verl's key: false keeps the training passes eager (the planner decides where on)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -308,8 +309,10 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r"|tensor_model_parallel_size|calculate_log_probs|engine_kwargs(\..*)?|multi_turn(\..*)?|layered_summon"
     r"|agent(\..*)?)": "the built-in rollout engine sizes its KV cache and batches from the plan",
     r"actor_rollout_ref\.hybrid_engine": "actor and rollout always share weights here",
-    r"actor_rollout_ref\.(actor|ref|rollout)\.(ulysses_sequence_parallel_size|use_torch_compile|checkpoint(\..*)?"
+    r"actor_rollout_ref\.(actor|ref|rollout)\.(ulysses_sequence_parallel_size|checkpoint(\..*)?"
     r"|use_fused_kernels|use_remove_padding)": "not needed: padding is removed per micro-batch",
+    r"actor_rollout_ref\.(ref|rollout)\.use_torch_compile": "actor_rollout_ref.actor.use_torch_compile decides for "
+    "every training-side pass (actor, reference, critic); the rollout engine plans its own kernels",
     r"critic\.(ulysses_sequence_parallel_size|checkpoint(\..*)?|rollout_n)": "not needed on one process",
     r"actor_rollout_ref\.model\.(external_lib|use_liger|use_fused_kernels|enable_activation_offload"
     r"|use_shm)": "not needed: models load through transformers",

@@ -83,11 +83,48 @@ def _chunk_logits(hidden_chunk, weight_f32, bias_f32, inv_temperature):
     return logits
 
 
+def _chunk_statistics(logits, labels, with_entropy: bool):
+    """(log-sum-exp, label log-prob, entropy or None) of one chunk's logits [M, V]."""
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(1, labels[:, None]).squeeze(1) - lse
+    if not with_entropy:
+        return lse, logprobs, None
+    # H = lse - sum_j p_j z_j
+    return lse, logprobs, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def _chunk_logit_grad(logits, lse, entropy, labels, grad_logprobs, grad_entropy, inv_temperature: float):
+    """d(loss)/d(raw logits) of one chunk: d(log p_y)/dz = onehot(y) - p, dH/dz = -p * (log p + H), times the
+    temperature's 1/T (z = raw / T). grad_logprobs / grad_entropy: [M] or None."""
+    log_probs = logits - lse[:, None]
+    probs = log_probs.exp()
+    grad_z = torch.zeros_like(logits)
+    if grad_entropy is not None:
+        grad_z = grad_z - (log_probs + entropy[:, None]) * probs * grad_entropy[:, None]
+    if grad_logprobs is not None:
+        label_column = torch.arange(logits.shape[1], device=logits.device)[None, :] == labels[:, None]
+        grad_z = grad_z + (label_column.to(logits.dtype) - probs) * grad_logprobs[:, None]
+    return grad_z * inv_temperature
+
+
+_COMPILED_CHUNK_MATH: dict = {}
+COMPILE_BACKEND = "inductor"  # CPU tests trace with "eager" (seconds; no code generation)
+
+
+def _compiled(fn):
+    """fn compiled once per process (dynamic shapes: the last chunk is shorter): inductor fuses each chunk's
+    softmax statistics into one or two passes over its logits instead of one pass per eager op."""
+    key = (fn, COMPILE_BACKEND)
+    if key not in _COMPILED_CHUNK_MATH:
+        _COMPILED_CHUNK_MATH[key] = torch.compile(fn, dynamic=True, backend=COMPILE_BACKEND)
+    return _COMPILED_CHUNK_MATH[key]
+
+
 class _ChunkedLogprobEntropy(torch.autograd.Function):
     """autograd.Function over flattened tokens: hidden [M, H], weight [V, H], bias [V] | None, labels [M]."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy, compiled):
         num_tokens = hidden.shape[0]
         inv_temperature = 1.0 / temperature
         head = head_dtype(weight)
@@ -97,9 +134,17 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         with torch.no_grad(), no_autocast(hidden.device):
             weight_f32 = weight.to(head_dtype(weight))
             bias_f32 = bias.to(weight_f32.dtype) if bias is not None else None
+            statistics = _compiled(_chunk_statistics) if compiled else None
             for start in range(0, num_tokens, chunk_size):
                 stop = min(start + chunk_size, num_tokens)
                 logits = _chunk_logits(hidden[start:stop], weight_f32, bias_f32, inv_temperature)
+                if statistics is not None:
+                    lse, chunk_logprobs, chunk_entropy = statistics(logits, labels[start:stop], with_entropy)
+                    logsumexp[start:stop], logprobs[start:stop] = lse, chunk_logprobs
+                    if with_entropy:
+                        entropy[start:stop] = chunk_entropy
+                    del logits
+                    continue
                 lse = torch.logsumexp(logits, dim=-1)
                 logsumexp[start:stop] = lse
                 logprobs[start:stop] = logits.gather(1, labels[start:stop, None]).squeeze(1) - lse
@@ -113,6 +158,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         ctx.with_entropy = with_entropy
+        ctx.compiled = compiled
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -126,7 +172,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         if not ctx.with_entropy:
             grad_entropy = None
         if grad_logprobs is None and grad_entropy is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         inv_temperature = 1.0 / ctx.temperature
         num_tokens = hidden.shape[0]
         with torch.no_grad(), no_autocast(hidden.device):
@@ -135,9 +181,19 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             grad_hidden = torch.empty_like(hidden) if needs_hidden else None
             grad_weight = torch.zeros_like(weight_f32) if needs_weight else None
             grad_bias = torch.zeros_like(bias_f32) if (needs_bias and bias is not None) else None
+            logit_grad = _compiled(_chunk_logit_grad) if ctx.compiled else None
             for start in range(0, num_tokens, ctx.chunk_size):
                 stop = min(start + ctx.chunk_size, num_tokens)
                 hidden_f32 = hidden[start:stop].to(weight_f32.dtype)
+                if logit_grad is not None:
+                    rows = slice(start, stop)
+                    grad_z = logit_grad(_chunk_logits(hidden_f32, weight_f32, bias_f32, inv_temperature),
+                                        logsumexp[rows], entropy[rows] if grad_entropy is not None else None,
+                                        labels[rows], _rows_of(grad_logprobs, rows, weight_f32.dtype),
+                                        _rows_of(grad_entropy, rows, weight_f32.dtype), inv_temperature)
+                    _accumulate_head_grads(grad_z, hidden_f32, weight_f32, rows, grad_hidden, grad_weight, grad_bias)
+                    del grad_z
+                    continue
                 # log p = z - lse, computed in place in the recomputed logits buffer.
                 log_probs = _chunk_logits(hidden_f32, weight_f32, bias_f32, inv_temperature)
                 log_probs -= logsumexp[start:stop, None]
@@ -155,18 +211,28 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 # chain rule through z = (h W^T + b) / temperature
                 if inv_temperature != 1.0:
                     grad_z *= inv_temperature
-                if grad_hidden is not None:
-                    grad_hidden[start:stop] = (grad_z @ weight_f32).to(hidden.dtype)
-                if grad_weight is not None:
-                    grad_weight.addmm_(grad_z.t(), hidden_f32)
-                if grad_bias is not None:
-                    grad_bias += grad_z.sum(0)
+                _accumulate_head_grads(grad_z, hidden_f32, weight_f32, slice(start, stop), grad_hidden, grad_weight,
+                                       grad_bias)
                 del log_probs, probs, grad_z
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _rows_of(grad, rows: slice, dtype):
+    return grad[rows].to(dtype) if grad is not None else None
+
+
+def _accumulate_head_grads(grad_z, hidden_f32, weight_f32, rows: slice, grad_hidden, grad_weight, grad_bias):
+    """The chain rule through logits = hidden W^T + b for one chunk: its rows of grad_hidden, += grad_weight, grad_bias."""
+    if grad_hidden is not None:
+        grad_hidden[rows] = (grad_z @ weight_f32).to(grad_hidden.dtype)
+    if grad_weight is not None:
+        grad_weight.addmm_(grad_z.t(), hidden_f32)
+    if grad_bias is not None:
+        grad_bias += grad_z.sum(0)
 
 
 def chunked_logprobs_and_entropy(
@@ -178,6 +244,7 @@ def chunked_logprobs_and_entropy(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     check_labels: bool = True,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``labels`` and (optionally) entropy under ``softmax((hidden @ W^T + b) / temperature)``.
 
@@ -185,15 +252,17 @@ def chunked_logprobs_and_entropy(
     ``chunk_size`` is the number of tokens (over the flattened N*T) whose logits exist at once.
     Returns (logprobs [N, T] fp32, entropy [N, T] fp32 or None). Both are differentiable w.r.t. hidden, the
     weight and the bias; the full [N, T, V] logits are never materialised. ``check_labels=False`` skips the label
-    range check, which waits for the GPU (for labels known to be token ids of this vocabulary).
+    range check, which waits for the GPU (for labels known to be token ids of this vocabulary). ``compiled=True``
+    (plan.compile_training) runs each chunk's softmax statistics and logit gradient as torch.compile kernels:
+    the same math in fewer passes over the chunk's logits; the matmuls stay as they are.
     """
     _check_inputs(hidden, lm_head_weight, labels, lm_head_bias, temperature, chunk_size, check_labels)
     batch, length, hidden_size = hidden.shape
     flat_hidden = hidden.reshape(batch * length, hidden_size)
     flat_labels = labels.reshape(batch * length).long()
     logprobs, entropy = _ChunkedLogprobEntropy.apply(
-        flat_hidden, lm_head_weight, lm_head_bias, flat_labels, float(temperature), chunk_size, with_entropy
-    )
+        flat_hidden, lm_head_weight, lm_head_bias, flat_labels, float(temperature), chunk_size, with_entropy,
+        compiled)
     logprobs = logprobs.view(batch, length)
     return logprobs, (entropy.view(batch, length) if with_entropy else None)
 
@@ -265,6 +334,22 @@ def training_attention_mask(model: nn.Module, attention_mask: torch.Tensor) -> t
     return (causal & real_key) | itself  # [N, 1, L, L], True = may attend
 
 
+def response_window(response_start: torch.Tensor, response_len: int, width: int, offset: int = 0) -> torch.Tensor:
+    """[b, R'] column indices ``response_start[i] + offset + j`` into a packed micro-batch of ``width`` columns,
+    clamped inside it (columns past a row's own response hold padding, masked by the caller)."""
+    steps = torch.arange(response_len, device=response_start.device)
+    return (response_start.to(steps.device)[:, None] + offset + steps).clamp(0, width - 1)
+
+
+def decoder_hidden(decoder: nn.Module, input_ids, attention_mask, position_ids, packed: bool = False):
+    """The decoder's last hidden states for a training micro-batch: left-padded rows with their mask
+    (``training_attention_mask``), or rows packed from column 0 (``packed``) with none: causal attention alone is
+    right for every real token there, and SDPA may take its flash kernel."""
+    mask = None if packed else training_attention_mask(decoder, attention_mask)
+    outputs = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+    return outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+
+
 def response_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -275,13 +360,18 @@ def response_logprobs(
     with_entropy: bool = False,
     position_ids: torch.Tensor | None = None,
     check_labels: bool = True,
+    compiled_head: bool = False,
+    response_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of the last ``response_len`` tokens of ``input_ids`` under ``model``.
+    """Log-probs (and entropy) of the last ``response_len`` tokens of ``input_ids`` under ``model``, or, with
+    ``response_start`` [N] (rows packed from column 0, ``microbatch.pack_rows``), of the ``response_len`` tokens from
+    column ``response_start[i]`` of each row; the decoder then runs with a causal mask only.
 
     ``model`` is a transformers causal LM (Llama, Qwen2, ...) or a peft ``PeftModel`` around one (LoRA stays
     active; use ``lora.adapter_disabled`` for the reference policy). Runs only the decoder to get the final hidden
     states, then chunked log-probs with the output embedding, so no [N, L, V] logits exist. Works inside autocast
-    (hidden states may come back in the autocast dtype; the log-prob math is fp32).
+    (hidden states may come back in the autocast dtype; the log-prob math is fp32). ``compiled_head``: see
+    ``chunked_logprobs_and_entropy``'s ``compiled``.
     Returns (logprobs [N, R] fp32, entropy [N, R] fp32 or None); values at response padding are meaningless and
     must be masked by the caller.
     """
@@ -314,14 +404,15 @@ def response_logprobs(
         raise TypeError(f"{type(inner).__name__}.get_decoder() returned the model itself; cannot separate the lm head")
     if position_ids is None:
         position_ids = default_position_ids(attention_mask)
-    outputs = decoder(
-        input_ids=input_ids, attention_mask=training_attention_mask(inner, attention_mask),
-        position_ids=position_ids, use_cache=False
-    )
-    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    hidden = decoder_hidden(decoder, input_ids, attention_mask, position_ids, packed=response_start is not None)
     # hidden state at position t predicts token t + 1
-    response_hidden = hidden[:, -response_len - 1 : -1]
-    labels = input_ids[:, -response_len:]
+    if response_start is None:
+        response_hidden = hidden[:, -response_len - 1 : -1]
+        labels = input_ids[:, -response_len:]
+    else:
+        before = response_window(response_start, response_len, seq_len, offset=-1)
+        response_hidden = hidden.gather(1, before[..., None].expand(-1, -1, hidden.shape[-1]))
+        labels = input_ids.gather(1, response_window(response_start, response_len, seq_len))
     return chunked_logprobs_and_entropy(
         response_hidden,
         output_embeddings.weight,
@@ -331,4 +422,5 @@ def response_logprobs(
         chunk_size=chunk_size,
         with_entropy=with_entropy,
         check_labels=check_labels,
+        compiled=compiled_head,
     )

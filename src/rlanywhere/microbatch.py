@@ -10,6 +10,8 @@
 * ``compact_rows``: the [b, P' + R'] training inputs for some rows of a RolloutBatch, with the columns that are
   padding in every selected row removed (left side of prompts, right side of responses), so a micro-batch of short
   sequences costs only its own length.
+* ``pack_rows``: the update's layout: each row's prompt and response from column 0, padding after them; no
+  attention mask needed (SDPA's flash kernel where it runs), and no wider than ``compact_rows``.
 * ``select_response`` / ``scatter_back``: move per-token tensors between the full [B, R] layout and a
   micro-batch's [b, R'] layout.
 """
@@ -191,6 +193,64 @@ def compact_rows(
     input_ids = input_ids.masked_fill(attention_mask == 0, pad_token_id)
     position_ids = default_position_ids(attention_mask)
     return MicroBatch(input_ids, attention_mask, position_ids, response_width)
+
+
+class PackedMicroBatch(NamedTuple):
+    """Inputs of one micro-batch with every row's tokens from column 0 (``pack_rows``): row i's response starts at
+    column ``response_start[i]``; ``response_len`` is R', the longest response kept."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_len: int
+    response_start: torch.Tensor
+
+
+def pack_rows(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    rows: Sequence[int] | torch.Tensor,
+    pad_token_id: int,
+) -> PackedMicroBatch:
+    """Training inputs for ``rows`` of a RolloutBatch with each row's prompt and response side by side from column 0
+    and the padding after them: [b, W] with W = the longest prompt + response among the rows (``compact_rows``
+    pads to the longest prompt plus the longest response, which is wider when long prompts meet long responses).
+
+    No row has padding before a real token, so a causal mask alone is right for every real token: the model needs no
+    attention mask, and SDPA can take its flash kernel (it takes none with a mask). Padding queries at the end see
+    only the tokens before them; their outputs are never read. ``response_start[i]`` = row i's prompt length;
+    ``response_len`` = R' as in ``compact_rows``, so per-token tensors are the same [b, R'] slices
+    (``select_response``). The response mask must be a prefix (real tokens, then padding), as rollouts build it."""
+    if prompt_ids.shape != prompt_mask.shape or response_ids.shape != response_mask.shape:
+        raise ValueError(
+            "ids and masks must have the same shapes: prompt "
+            f"{tuple(prompt_ids.shape)} vs {tuple(prompt_mask.shape)}, response "
+            f"{tuple(response_ids.shape)} vs {tuple(response_mask.shape)}"
+        )
+    if prompt_ids.shape[0] != response_ids.shape[0]:
+        raise ValueError(f"prompt and response row counts differ: {prompt_ids.shape[0]} vs {response_ids.shape[0]}")
+    if response_ids.shape[1] == 0:
+        raise ValueError("response_ids has no columns; a RolloutBatch always has at least one response column")
+    index = _as_index(rows, prompt_ids.device)
+    prompt_lens = _prompt_extent(prompt_mask[index])
+    if int(prompt_lens.min()) == 0:
+        raise ValueError(
+            f"rows {index[prompt_lens == 0].tolist()} have no prompt tokens at all; the first response token needs "
+            "at least one prompt token before it"
+        )
+    response_lens = _response_extent(response_mask[index])
+    response_width = max(int(response_lens.max()), 1)
+    width = int((prompt_lens + response_lens).max())
+    width = max(width, int(prompt_lens.max()) + 1)  # at least one response column for every row
+    # in [left-padded prompt | response], row i's tokens are one run from column P - p_i: read W columns from there
+    sequences = torch.cat([prompt_ids[index], response_ids[index]], dim=1)
+    columns = prompt_ids.shape[1] - prompt_lens[:, None] + torch.arange(width, device=prompt_ids.device)
+    real = torch.arange(width, device=prompt_ids.device) < (prompt_lens + response_lens)[:, None]
+    input_ids = sequences.gather(1, columns.clamp(max=sequences.shape[1] - 1)).masked_fill(~real, pad_token_id)
+    position_ids = torch.arange(width, device=prompt_ids.device).expand(index.numel(), width)
+    return PackedMicroBatch(input_ids, real.long(), position_ids, response_width, prompt_lens)
 
 
 def select_response(tensor: torch.Tensor, rows: Sequence[int] | torch.Tensor, response_len: int) -> torch.Tensor:

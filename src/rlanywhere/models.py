@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .errors import UserError
-from .logprobs import default_position_ids, head_dtype, no_autocast, training_attention_mask
+from .logprobs import decoder_hidden, default_position_ids, head_dtype, no_autocast, response_window
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,29 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         target.enable_input_require_grads()  # so checkpointed blocks see a grad-requiring input under LoRA
 
 
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a causal LM, a ValueModel or either under a peft adapter ([] when none found)."""
+    from .lora import unwrap_peft
+
+    inner = unwrap_peft(model.backbone if isinstance(model, ValueModel) else model)
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else inner
+    layers = getattr(decoder, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
+    """Compile each decoder layer in place (nn.Module.compile): its norms, RoPE, SiLU*mul, residual adds and dtype
+    casts become a few fused kernels around the matmuls and attention. Every layer runs the same code with its own
+    weights as graph inputs, so one graph serves them all; dynamic shapes, so a micro-batch of a new length does not
+    recompile. Parameters, state dicts and checkpoints are unchanged. Returns the number of layers compiled.
+    `backend`: torch.compile's ("aot_eager" in CPU tests: the same tracing and autograd, no code generation)."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(dynamic=True, backend=backend)
+    return len(layers)
+
+
 # ------------------------------------------------------------------------------------------------ critic
 class ValueModel(nn.Module):
     """The critic: the actor's transformer backbone plus a scalar value head, initialised from the actor."""
@@ -238,12 +261,11 @@ class ValueModel(nn.Module):
     def config(self):
         return self.backbone.config
 
-    def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask, position_ids=None, packed: bool = False) -> torch.Tensor:
+        """Values at every position [N, L]; `packed`: rows from column 0 (microbatch.pack_rows), no mask needed."""
         if position_ids is None:
             position_ids = default_position_ids(attention_mask)
-        mask = training_attention_mask(self.backbone, attention_mask)
-        hidden = self.backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
+        hidden = decoder_hidden(self.backbone, input_ids, attention_mask, position_ids, packed=packed)
         head = self.value_head
         dtype = head_dtype(head.weight)  # at least fp32, as the LM head (logprobs.py), also under fp16 autocast
         with no_autocast(hidden.device):
@@ -285,7 +307,11 @@ class ValueModel(nn.Module):
             raise RuntimeError(f"critic checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
 
 
-def response_values(critic: ValueModel, input_ids, attention_mask, response_len: int, position_ids=None):
-    """V(s_t) for each response token t: the value at the position that predicts it (prompt end .. second-last)."""
-    values = critic(input_ids, attention_mask, position_ids)
-    return values[:, -response_len - 1:-1]
+def response_values(critic: ValueModel, input_ids, attention_mask, response_len: int, position_ids=None,
+                    response_start: Optional[torch.Tensor] = None):
+    """V(s_t) for each response token t: the value at the position that predicts it (prompt end .. second-last);
+    with `response_start` (rows packed from column 0), from column response_start[i] - 1 of each row."""
+    values = critic(input_ids, attention_mask, position_ids, packed=response_start is not None)
+    if response_start is None:
+        return values[:, -response_len - 1:-1]
+    return values.gather(1, response_window(response_start, response_len, values.shape[1], offset=-1))

@@ -145,6 +145,7 @@ class Plan:
     cpu_threads: Optional[int] = None  # torch threads per process when several CPU ranks share a machine
     training_sdpa_backends: tuple[str, ...] = ()  # SDPA backends training passes may use; (): PyTorch's choice
     fused_optimizer: bool = False  # AdamW's fused (one kernel) step instead of foreach
+    compile_training: bool = False  # training-side passes compiled: decoder layers and the log-prob head's math
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))
@@ -174,6 +175,8 @@ class Plan:
              self.reasons.get("training_sdpa_backends", "")),
             ("optimizer step", "AdamW fused" if self.fused_optimizer else "AdamW foreach",
              self.reasons.get("fused_optimizer", "")),
+            ("training passes", "compiled" if self.compile_training else "not compiled",
+             self.reasons.get("compile_training", "")),
             ("actor micro-batch", str(self.sizes.actor_micro_batch_size), self.reasons.get("actor_micro_batch_size", "")),
             ("critic micro-batch", str(self.sizes.critic_micro_batch_size) if self.use_critic else "-",
              self.reasons.get("critic_micro_batch_size", "")),

@@ -147,7 +147,7 @@ class RLTrainer:
     def update_actor(self, batch: StepBatch) -> dict:
         actor_cfg = self.cfg.actor_rollout_ref.actor
         loss_fn = actor_loss(batch, actor_cfg, self.cfg.actor_rollout_ref.rollout, self.plan.logprob_chunk_size,
-                             self.device)
+                             self.device, compiled_head=self.plan.compile_training)
         return self.updater.ppo_update(
             "actor", self.actor, self.optimizers["actor"], batch, loss_fn, mini_rows=actor_cfg.ppo_mini_batch_size
             * self.n, epochs=actor_cfg.ppo_epochs, shuffle_seed=self.shuffle_seed(actor_cfg),

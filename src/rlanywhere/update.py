@@ -19,7 +19,7 @@ from . import algorithms as algo
 from .distributed import DataParallel
 from .planner import autocast_context, training_attention_context
 from .logprobs import response_logprobs
-from .microbatch import compact_rows, split_rows_by_length, split_rows_by_token_budget
+from .microbatch import PackedMicroBatch, pack_rows, split_rows_by_length, split_rows_by_token_budget
 from .models import response_values
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .sharding import call_in_root_forward, gathered, is_sharded, matched_micro_batches, needs_gradient_sum
@@ -31,8 +31,8 @@ from .vocabulary import ACCUMULATE_DTYPE, STATISTICS_DTYPE
 
 log = logging.getLogger(__name__)
 
-# A loss_fn for Updater.accumulate: (model, rows, ids, mask, position_ids, response_len, response_mask, scale) ->
-# (loss, shares: terms that add up to the mini-batch's value, means: token-mean diagnostics)
+# A loss_fn for Updater.accumulate: (model, rows, micro: PackedMicroBatch, response_mask, scale) -> (loss, shares:
+# terms that add up to the mini-batch's value, means: token-mean diagnostics)
 LossFn = Callable[..., tuple[torch.Tensor, dict, dict]]
 
 
@@ -68,26 +68,26 @@ class Updater:
             groups = split_rows_by_length(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows], size)
         return [[rows[i] for i in group] for group in groups]
 
-    def forward_rows(self, batch: StepBatch, rows: list[int]):
-        """Padding-free tensors for a micro-batch on the device: (input_ids, attention_mask, position_ids,
-        response_len)."""
+    def forward_rows(self, batch: StepBatch, rows: list[int]) -> PackedMicroBatch:
+        """A micro-batch on the device, each row's tokens from column 0 (microbatch.pack_rows: no attention mask,
+        padding only after the longest row)."""
         r = batch.rollout
-        tensors = compact_rows(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, rows, self.pad_token_id)
-        return tuple(t.to(self.device) if torch.is_tensor(t) else t for t in tensors)
+        packed = pack_rows(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, rows, self.pad_token_id)
+        return PackedMicroBatch(*(t.to(self.device) if torch.is_tensor(t) else t for t in packed))
 
     # ------------------------------------------------------------------------------------------ forward passes
     @torch.no_grad()
     def forward_all(self, phase: str, batch: StepBatch, compute: Callable) -> torch.Tensor:
-        """compute(ids, mask, position_ids, response_len) -> [rows, response_len] over every micro-batch, gathered
-        into a [rows, R] CPU tensor (0 at padding); micro-batched by the plan, OOM-guarded."""
+        """compute(micro: PackedMicroBatch) -> [rows, response_len] over every micro-batch, gathered into a [rows, R]
+        CPU tensor (0 at padding); micro-batched by the plan, OOM-guarded."""
 
         def run(size: int) -> torch.Tensor:
             out = torch.zeros(batch.mask.shape, dtype=ACCUMULATE_DTYPE)
             with training_attention_context(self.plan):
                 for rows in self.micro_batches(batch, list(range(batch.rows)), size):
-                    ids, mask, pos, resp_len = self.forward_rows(batch, rows)
+                    micro = self.forward_rows(batch, rows)
                     with autocast_context(self.plan):
-                        out[rows, :resp_len] = compute(ids, mask, pos, resp_len).float().cpu()
+                        out[rows, :micro.response_len] = compute(micro).float().cpu()
             return out * batch.rollout.response_mask  # every response: a loss mask only narrows the losses
 
         return self.oom.run(phase, run, self.size_kind(SizeKind.LOGPROB_MICRO_BATCH))
@@ -96,14 +96,15 @@ class Updater:
         """Log-probs of every response token under `model`."""
         logprobs = call_in_root_forward(model, response_logprobs)  # [distributed] sharded: in the root's forward
         with gathered(model):  # [distributed] sharded: full weights for the pass, so ranks need not match calls
-            return self.forward_all("log_probs", batch, lambda ids, mask, pos, resp_len: logprobs(
-                model, ids, mask, resp_len, temperature=temperature, chunk_size=self.plan.logprob_chunk_size,
-                position_ids=pos, check_labels=not ids.is_cuda)[0])
+            return self.forward_all("log_probs", batch, lambda micro: logprobs(
+                model, micro.input_ids, micro.attention_mask, micro.response_len, temperature=temperature,
+                chunk_size=self.plan.logprob_chunk_size, position_ids=micro.position_ids,
+                check_labels=not micro.input_ids.is_cuda, compiled_head=self.plan.compile_training,
+                response_start=micro.response_start)[0])
 
     def values(self, critic, batch: StepBatch) -> torch.Tensor:
         with gathered(critic):  # [distributed] sharded: full weights for the pass
-            return self.forward_all("values", batch, lambda ids, mask, pos, resp_len: response_values(
-                critic, ids, mask, resp_len, pos))
+            return self.forward_all("values", batch, lambda micro: micro_values(critic, micro))
 
     # ------------------------------------------------------------------------------------------ updates
     def accumulate(self, model, optimizer, batch: StepBatch, rows: list[int], size: int, loss_fn: LossFn,
@@ -125,11 +126,11 @@ class Updater:
         with training_attention_context(self.plan):
             for micro, padding in matched_micro_batches(self.micro_batches(batch, rows, size), self.dp,
                                                         is_sharded(model)):
-                ids, mask, pos, resp_len = self.forward_rows(batch, micro)
-                host_mask = batch.mask[micro, :resp_len]
+                inputs = self.forward_rows(batch, micro)
+                host_mask = batch.mask[micro, :inputs.response_len]
                 resp_mask = host_mask.to(self.device)
                 with autocast_context(self.plan):
-                    loss, shares, means = loss_fn(model, micro, ids, mask, pos, resp_len, resp_mask, scale)
+                    loss, shares, means = loss_fn(model, micro, inputs, resp_mask, scale)
                 if padding:
                     (loss * 0.0).backward()
                     continue
@@ -217,6 +218,12 @@ class Updater:
         return {f"{name}/{k}": v / max(count, 1) for k, v in totals.items()}
 
 
+def micro_values(critic, micro: PackedMicroBatch) -> torch.Tensor:
+    """The critic's values of a micro-batch's response tokens [rows, response_len]."""
+    return response_values(critic, micro.input_ids, micro.attention_mask, micro.response_len, micro.position_ids,
+                           response_start=micro.response_start)
+
+
 def _detached(value):
     """A metric term kept on its device, summed in float64 as Python floats were."""
     return value.detach().to(STATISTICS_DTYPE) if torch.is_tensor(value) else value
@@ -226,9 +233,9 @@ def _detached(value):
 def critic_loss(batch: StepBatch, critic_cfg, device: str) -> LossFn:
     """The critic's loss_fn: clipped value loss against the batch's returns."""
 
-    def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask, scale):
-        pick = lambda t: t[rows, :resp_len].to(device)  # noqa: E731
-        values = response_values(model, ids, mask, resp_len, pos)
+    def loss_fn(model, rows, micro, resp_mask, scale):
+        pick = lambda t: t[rows, :micro.response_len].to(device)  # noqa: E731
+        values = micro_values(model, micro)
         loss, metrics = algo.value_loss(values, pick(batch.values), pick(batch.returns), resp_mask,
                                         critic_cfg.cliprange_value, critic_cfg.loss_agg_mode, scale)
         return loss, {"vf_loss": loss.detach()}, metrics
@@ -236,8 +243,10 @@ def critic_loss(batch: StepBatch, critic_cfg, device: str) -> LossFn:
     return loss_fn
 
 
-def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int, device: str) -> LossFn:
-    """The actor's loss_fn: PPO clip (or GSPO) - entropy bonus + KL loss, one aggregation mode."""
+def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int, device: str,
+               compiled_head: bool = False) -> LossFn:
+    """The actor's loss_fn: PPO clip (or GSPO) - entropy bonus + KL loss, one aggregation mode. compiled_head:
+    the log-prob head's chunk math compiled (plan.compile_training)."""
     temperature = rollout_cfg.temperature or 1.0
     clip_low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
     clip_high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
@@ -245,13 +254,14 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
     policy_loss = algo.POLICY_LOSSES[actor_cfg.policy_loss.loss_mode]  # vanilla PPO clip or GSPO
     compare_rollout = logprobs_comparable(rollout_cfg.top_k, rollout_cfg.top_p)
 
-    def loss_fn(model, rows, ids, mask, pos, resp_len, resp_mask, scale):
+    def loss_fn(model, rows, micro, resp_mask, scale):
         # [distributed] call_in_root_forward: a sharded model's root weights gathered around the head
-        logprob, entropy = call_in_root_forward(model, response_logprobs)(model, ids, mask, resp_len,
-                                                                          temperature=temperature,
-                                             chunk_size=logprob_chunk_size, with_entropy=True, position_ids=pos,
-                                             check_labels=not ids.is_cuda)  # rollout tokens: no host wait on a GPU
-        pick = lambda t: t[rows, :resp_len].to(device)  # noqa: E731
+        logprob, entropy = call_in_root_forward(model, response_logprobs)(
+            model, micro.input_ids, micro.attention_mask, micro.response_len, temperature=temperature,
+            chunk_size=logprob_chunk_size, with_entropy=True, position_ids=micro.position_ids,
+            check_labels=not micro.input_ids.is_cuda,  # rollout tokens: no host wait on a GPU
+            compiled_head=compiled_head, response_start=micro.response_start)
+        pick = lambda t: t[rows, :micro.response_len].to(device)  # noqa: E731
         old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
         # means: pg_clipfrac, approx_kl, ratio statistics (algorithms.POLICY_LOSSES)
         pg_loss, means = policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low, clip_high,

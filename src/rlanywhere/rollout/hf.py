@@ -181,7 +181,9 @@ class HFEngine(RolloutEngine):
             return_dict_in_generate=True,
             use_cache=True,
         )
-        with _generation_context(self.hf_model, self.model, seed, device):
+        # eager even where the training passes compiled the decoder layers (plan.compile_training): generate's
+        # KV cache and one-token steps would recompile them at every new length
+        with _generation_context(self.hf_model, self.model, seed, device), torch.compiler.set_stance("force_eager"):
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,

@@ -1,0 +1,85 @@
+"""Compiled decoder layers (plan.compile_training): the same log-probs, entropies and gradients as eager ones.
+
+The planner turns compilation on for CUDA runs where Triton runs (tests/test_hardware.py); here the CPU checks the
+part that can go wrong without a GPU: that Dynamo and AOT autograd trace transformers' layers as our training
+passes call them (left padding and its 4D mask, new widths, gradient checkpointing's recompute, no-grad passes),
+with the "aot_eager" backend (no code generation, so seconds instead of minutes).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlanywhere.logprobs import response_logprobs
+from rlanywhere.models import ValueModel, compile_decoder_layers, decoder_layers, enable_gradient_checkpointing
+
+
+def tiny_qwen2(seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(config)
+    model.config.use_cache = False
+    return model
+
+
+def micro_batch(width: int, left_padding: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (3, width), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :left_padding] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def loss_and_grads(model, ids, mask, pos, response_len=4):
+    model.zero_grad(set_to_none=True)
+    logprobs, entropy = response_logprobs(model, ids, mask, response_len, with_entropy=True, position_ids=pos)
+    weights = torch.linspace(-1.0, 1.0, response_len)
+    loss = (logprobs * weights).sum() - 0.1 * entropy.sum()
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_layers_give_eager_gradients(checkpointing):
+    eager = tiny_qwen2()
+    compiled = copy.deepcopy(eager)
+    if checkpointing:
+        enable_gradient_checkpointing(eager)
+        enable_gradient_checkpointing(compiled)
+    torch._dynamo.reset()
+    assert compile_decoder_layers(compiled, backend="aot_eager") == 2
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # checkpoints keep their keys
+    # new widths, with and without left padding (the 4D mask or none)
+    for width, left_padding, seed in ((10, 3, 1), (13, 0, 2), (9, 2, 3)):
+        batch = micro_batch(width, left_padding, seed)
+        loss, grads = loss_and_grads(eager, *batch)
+        compiled_loss, compiled_grads = loss_and_grads(compiled, *batch)
+        torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():  # the log-prob passes: a no-grad variant of the same graph
+        batch = micro_batch(11, 1, 4)
+        torch.testing.assert_close(response_logprobs(compiled, batch[0], batch[1], 5)[0],
+                                   response_logprobs(eager, batch[0], batch[1], 5)[0], rtol=1e-5, atol=1e-5)
+    from torch._dynamo.utils import counters
+    assert counters["stats"]["unique_graphs"] >= 2  # the layers did run compiled (with and without gradients)
+
+
+def test_decoder_layers_are_found_under_a_critic_and_an_adapter():
+    from rlanywhere.lora import apply_lora
+
+    model = tiny_qwen2()
+    critic = ValueModel.from_causal_lm(model)
+    assert len(decoder_layers(critic)) == 2 and decoder_layers(critic)[0] is critic.backbone.layers[0]
+    adapted = apply_lora(tiny_qwen2(), 4, 8, "all-linear")
+    layers = decoder_layers(adapted)
+    assert len(layers) == 2 and layers[0] is adapted.get_base_model().model.layers[0]
+    assert decoder_layers(torch.nn.Linear(2, 2)) == []
+    assert compile_decoder_layers(critic, backend="eager") == 2 and critic.backbone.layers[1]._compiled_call_impl
