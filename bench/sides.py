@@ -33,6 +33,10 @@ SHAPES = {
     # Qwen2.5-0.5B's body: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, tied embeddings.
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          intermediate_size=4864, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # SmolLM2-135M's body (Llama: hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536): the demo's model
+    # with random weights, where the GGUF cannot travel
+    "smollm2-135m-shape": dict(architecture="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                               num_key_value_heads=3, intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5),
     # For developing the benches on a CPU in seconds.
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-6),
@@ -75,7 +79,7 @@ def materialize_model(out_dir: str, shape: str, seed: int = 0) -> str:
     `shape` is a SHAPES key (random weights, the SmolLM2 vocabulary) or REAL_SMOLLM2 (the real SmolLM2-135M
     weights, dequantized from the demo GGUF). A directory already holding this shape is reused."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     marker = Path(out_dir) / "bench_shape.json"
     if marker.exists() and json.loads(marker.read_text()) == {"shape": shape, "seed": seed}:
@@ -91,11 +95,14 @@ def materialize_model(out_dir: str, shape: str, seed: int = 0) -> str:
     else:
         if shape not in SHAPES:
             raise SystemExit(f"unknown model shape {shape!r}: use one of {sorted(SHAPES)} or {REAL_SMOLLM2}")
-        config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=4096,
-                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, **SHAPES[shape])
+        sizes = dict(SHAPES[shape])
+        config_class, model_class = ((LlamaConfig, LlamaForCausalLM) if sizes.pop("architecture", "qwen2") == "llama"
+                                     else (Qwen2Config, Qwen2ForCausalLM))
+        config = config_class(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=4096,
+                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, **sizes)
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_class(config)
     # One EOS for both frameworks: the tokenizer's (the GGUF's <|im_end|>), nothing hidden in generation_config.
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -17,14 +17,16 @@ from rlanywhere.logprobs import response_logprobs
 from rlanywhere.models import ValueModel, compile_decoder_layers, decoder_layers, enable_gradient_checkpointing
 
 
-def tiny_qwen2(seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_qwen2(seed: int = 0, family: str = "qwen2"):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    config_class, model_class = (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig,
+                                                                                          LlamaForCausalLM)
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation="sdpa")
-    model = Qwen2ForCausalLM(config)
+    config = config_class(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          attn_implementation="sdpa")
+    model = model_class(config)
     model.config.use_cache = False
     return model
 
@@ -46,9 +48,10 @@ def loss_and_grads(model, ids, mask, pos, response_len=4):
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_compiled_layers_give_eager_gradients(checkpointing):
-    eager = tiny_qwen2()
+@pytest.mark.parametrize("checkpointing,family", [(False, "qwen2"), (True, "qwen2"), (False, "llama")])
+def test_compiled_layers_give_eager_gradients(checkpointing, family):
+    """Qwen2 (the benchmarks' body) and Llama (the demo's SmolLM2), with and without gradient checkpointing."""
+    eager = tiny_qwen2(family=family)
     compiled = copy.deepcopy(eager)
     if checkpointing:
         enable_gradient_checkpointing(eager)

@@ -106,11 +106,20 @@ def test_split_rows_budget_holds_for_compacted_batches(seed):
     n = 20
     batch = _rollout([rng.randint(1, 12) for _ in range(n)], [rng.randint(0, 15) for _ in range(n)], seed=seed)
     budget = 60
-    groups = split_rows_by_token_budget(batch[1], batch[3], budget)
-    assert sorted(i for g in groups for i in g) == list(range(n))
-    for group in groups:
-        mb = compact_rows(*batch, rows=group, pad_token_id=0)
-        assert mb.input_ids.numel() <= budget or len(group) == 1
+    for packed, layout in ((False, compact_rows), (True, pack_rows)):
+        groups = split_rows_by_token_budget(batch[1], batch[3], budget, packed=packed)
+        assert sorted(i for g in groups for i in g) == list(range(n))
+        for group in groups:
+            mb = layout(*batch, rows=group, pad_token_id=0)
+            assert mb.input_ids.numel() <= budget or len(group) == 1
+
+
+def test_packed_budget_groups_hold_more_rows_when_long_prompts_meet_long_responses():
+    # prompts 8, 1, 8, 1 and responses 1, 8, 1, 8: left-padded, any two rows mixing both cost 2 x 16; packed 2 x 9
+    batch = _rollout([8, 1, 8, 1], [1, 8, 1, 8])
+    assert len(split_rows_by_token_budget(batch[1], batch[3], 18)) == 4
+    packed = split_rows_by_token_budget(batch[1], batch[3], 18, packed=True)
+    assert len(packed) == 2 and all(pack_rows(*batch, rows=g, pad_token_id=0).input_ids.numel() == 18 for g in packed)
 
 
 def test_compact_rows_removes_shared_padding_and_keeps_alignment():
@@ -192,7 +201,8 @@ def test_pack_rows_puts_every_row_from_column_zero_hand_example():
         p, r = int(prompt_mask[row].sum()), int(response_mask[row].sum())
         real = torch.cat([prompt_ids[row, -p:], response_ids[row, :r]])
         assert mb.input_ids[i, :p + r].tolist() == real.tolist()
-        assert (mb.input_ids[i, p + r:] == pad).all() and mb.attention_mask[i].tolist() == [1] * (p + r) + [0] * (11 - p - r)
+        assert (mb.input_ids[i, p + r:] == pad).all()
+        assert mb.attention_mask[i].tolist() == [1] * (p + r) + [0] * (11 - p - r)
         assert mb.position_ids[i].tolist() == list(range(11))
     narrow = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, [2, 3], pad_token_id=pad)
     assert narrow.input_ids.shape == (2, 5)  # max(3 + 2, 1 + 1)

@@ -226,7 +226,8 @@ def _rows_of(grad, rows: slice, dtype):
 
 
 def _accumulate_head_grads(grad_z, hidden_f32, weight_f32, rows: slice, grad_hidden, grad_weight, grad_bias):
-    """The chain rule through logits = hidden W^T + b for one chunk: its rows of grad_hidden, += grad_weight, grad_bias."""
+    """The chain rule through logits = hidden W^T + b for one chunk: its rows of grad_hidden; += grad_weight and
+    grad_bias."""
     if grad_hidden is not None:
         grad_hidden[rows] = (grad_z @ weight_f32).to(grad_hidden.dtype)
     if grad_weight is not None:

@@ -106,17 +106,20 @@ def split_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[
 
 
 def split_rows_by_token_budget(
-    prompt_mask: torch.Tensor, response_mask: torch.Tensor, max_tokens: int
+    prompt_mask: torch.Tensor, response_mask: torch.Tensor, max_tokens: int, packed: bool = False
 ) -> list[list[int]]:
-    """Token-budget groups for a RolloutBatch, costed as ``compact_rows`` will build them.
+    """Token-budget groups for a RolloutBatch, costed exactly as the micro-batches will be built.
 
-    A compacted micro-batch is ``rows x (longest prompt + longest response)`` wide (prompts are left-padded,
-    responses right-padded), which can exceed ``rows x longest(prompt + response)``; this uses the exact cost.
+    A compacted micro-batch (``compact_rows``) is ``rows x (longest prompt + longest response)`` wide (prompts
+    left-padded, responses right-padded), which can exceed ``rows x longest(prompt + response)``, the width of a
+    packed one (``packed=True``: ``pack_rows``, the update's layout), so packed groups may hold more rows.
     """
     _check_budget(max_tokens)
     prompt_lens = _prompt_extent(prompt_mask).tolist()
-    # compact_rows keeps at least one response column
+    # both layouts keep at least one response column
     response_lens = _response_extent(response_mask).clamp(min=1).tolist()
+    if packed:
+        return _greedy_pack([(p + r,) for p, r in zip(prompt_lens, response_lens)], max_tokens)
     return _greedy_pack(list(zip(prompt_lens, response_lens)), max_tokens)
 
 
@@ -149,6 +152,29 @@ def _as_index(rows, device) -> torch.Tensor:
     return index
 
 
+def _checked_rows(prompt_ids, prompt_mask, response_ids, response_mask, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, prompt length per row) for a micro-batch of a RolloutBatch, after checking the shapes and that
+    every row has a prompt token (the first response token's log-prob needs one before it)."""
+    if prompt_ids.shape != prompt_mask.shape or response_ids.shape != response_mask.shape:
+        raise ValueError(
+            "ids and masks must have the same shapes: prompt "
+            f"{tuple(prompt_ids.shape)} vs {tuple(prompt_mask.shape)}, response "
+            f"{tuple(response_ids.shape)} vs {tuple(response_mask.shape)}"
+        )
+    if prompt_ids.shape[0] != response_ids.shape[0]:
+        raise ValueError(f"prompt and response row counts differ: {prompt_ids.shape[0]} vs {response_ids.shape[0]}")
+    if response_ids.shape[1] == 0:
+        raise ValueError("response_ids has no columns; a RolloutBatch always has at least one response column")
+    index = _as_index(rows, prompt_ids.device)
+    prompt_lens = _prompt_extent(prompt_mask[index])
+    if int(prompt_lens.min()) == 0:
+        raise ValueError(
+            f"rows {index[prompt_lens == 0].tolist()} have no prompt tokens at all; the first response token needs "
+            "at least one prompt token before it"
+        )
+    return index, prompt_lens
+
+
 def compact_rows(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -165,25 +191,10 @@ def compact_rows(
     ``response_mask[rows][:, :R']`` (see ``select_response`` / ``scatter_back``). Masked-out positions hold
     ``pad_token_id`` so every id is a valid label. At least one response column is kept.
     """
-    if prompt_ids.shape != prompt_mask.shape or response_ids.shape != response_mask.shape:
-        raise ValueError(
-            "ids and masks must have the same shapes: prompt "
-            f"{tuple(prompt_ids.shape)} vs {tuple(prompt_mask.shape)}, response "
-            f"{tuple(response_ids.shape)} vs {tuple(response_mask.shape)}"
-        )
-    if prompt_ids.shape[0] != response_ids.shape[0]:
-        raise ValueError(f"prompt and response row counts differ: {prompt_ids.shape[0]} vs {response_ids.shape[0]}")
-    if response_ids.shape[1] == 0:
-        raise ValueError("response_ids has no columns; a RolloutBatch always has at least one response column")
-    index = _as_index(rows, prompt_ids.device)
+    index, prompt_lens = _checked_rows(prompt_ids, prompt_mask, response_ids, response_mask, rows)
     sub_prompt_mask = prompt_mask[index]
     sub_response_mask = response_mask[index]
-    prompt_width = int(_prompt_extent(sub_prompt_mask).max())
-    if prompt_width == 0:
-        raise ValueError(
-            f"rows {index.tolist()} have no prompt tokens at all; the first response token needs at least one "
-            "prompt token before it"
-        )
+    prompt_width = int(prompt_lens.max())
     response_width = max(int(_response_extent(sub_response_mask).max()), 1)
     start = prompt_mask.shape[1] - prompt_width
     prompt_part_mask = sub_prompt_mask[:, start:]
@@ -223,27 +234,10 @@ def pack_rows(
     only the tokens before them; their outputs are never read. ``response_start[i]`` = row i's prompt length;
     ``response_len`` = R' as in ``compact_rows``, so per-token tensors are the same [b, R'] slices
     (``select_response``). The response mask must be a prefix (real tokens, then padding), as rollouts build it."""
-    if prompt_ids.shape != prompt_mask.shape or response_ids.shape != response_mask.shape:
-        raise ValueError(
-            "ids and masks must have the same shapes: prompt "
-            f"{tuple(prompt_ids.shape)} vs {tuple(prompt_mask.shape)}, response "
-            f"{tuple(response_ids.shape)} vs {tuple(response_mask.shape)}"
-        )
-    if prompt_ids.shape[0] != response_ids.shape[0]:
-        raise ValueError(f"prompt and response row counts differ: {prompt_ids.shape[0]} vs {response_ids.shape[0]}")
-    if response_ids.shape[1] == 0:
-        raise ValueError("response_ids has no columns; a RolloutBatch always has at least one response column")
-    index = _as_index(rows, prompt_ids.device)
-    prompt_lens = _prompt_extent(prompt_mask[index])
-    if int(prompt_lens.min()) == 0:
-        raise ValueError(
-            f"rows {index[prompt_lens == 0].tolist()} have no prompt tokens at all; the first response token needs "
-            "at least one prompt token before it"
-        )
+    index, prompt_lens = _checked_rows(prompt_ids, prompt_mask, response_ids, response_mask, rows)
     response_lens = _response_extent(response_mask[index])
     response_width = max(int(response_lens.max()), 1)
-    width = int((prompt_lens + response_lens).max())
-    width = max(width, int(prompt_lens.max()) + 1)  # at least one response column for every row
+    width = int((prompt_lens + response_lens.clamp(min=1)).max())  # a response column for every row
     # in [left-padded prompt | response], row i's tokens are one run from column P - p_i: read W columns from there
     sequences = torch.cat([prompt_ids[index], response_ids[index]], dim=1)
     columns = prompt_ids.shape[1] - prompt_lens[:, None] + torch.arange(width, device=prompt_ids.device)

@@ -215,7 +215,6 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         target.enable_input_require_grads()  # so checkpointed blocks see a grad-requiring input under LoRA
 
 
-
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a causal LM, a ValueModel or either under a peft adapter ([] when none found)."""
     from .lora import unwrap_peft

@@ -63,7 +63,7 @@ class Updater:
     def micro_batches(self, batch: StepBatch, rows: list[int], size: int) -> list[list[int]]:
         if self.uses_token_budget:
             groups = split_rows_by_token_budget(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows],
-                                                size)
+                                                size, packed=True)  # costed as forward_rows builds them
         else:  # rows of similar length share a micro-batch: less padding, same gradient (one LossScale per mini-batch)
             groups = split_rows_by_length(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows], size)
         return [[rows[i] for i in group] for group in groups]
