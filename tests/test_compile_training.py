@@ -86,3 +86,22 @@ def test_decoder_layers_are_found_under_a_critic_and_an_adapter():
     assert len(layers) == 2 and layers[0] is adapted.get_base_model().model.layers[0]
     assert decoder_layers(torch.nn.Linear(2, 2)) == []
     assert compile_decoder_layers(critic, backend="eager") == 2 and critic.backbone.layers[1]._compiled_call_impl
+
+
+def test_hf_generate_runs_compiled_layers_eagerly():
+    """The HF engine's generate (KV cache, one token a step) would recompile compiled layers at every new length:
+    it runs them eager, and gives what the uncompiled model gives."""
+    from torch._dynamo.utils import counters
+
+    from rlanywhere.rollout import SamplingParams
+    from rlanywhere.rollout.hf import HFEngine
+
+    model = tiny_qwen2().eval()
+    prompts, params = [[5, 6, 7], [11, 12, 13, 14]], SamplingParams(max_new_tokens=5, temperature=0)
+    expected = HFEngine(model, None, pad_token_id=0).generate(prompts, params).response_ids
+    torch._dynamo.reset()
+    counters.clear()
+    compile_decoder_layers(model, backend="eager")
+    got = HFEngine(model, None, pad_token_id=0).generate(prompts, params).response_ids
+    assert torch.equal(got, expected)
+    assert counters["stats"]["unique_graphs"] == 0  # nothing traced, nothing compiled

@@ -82,6 +82,13 @@ class _StopStringCriteria(StoppingCriteria):
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
+def _eager_layers():
+    """Eager decoder layers even where the training passes compiled them (plan.compile_training): generate's KV cache
+    and one-token steps would recompile them at every new length (torch >= 2.6; older torch has no stance)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _generation_context(hf_model: Any, module: torch.nn.Module, seed: int | None, device: torch.device):
     """Eval mode, no grad, a clean generation_config and (when seeded) a forked RNG, all restored afterwards."""
@@ -181,9 +188,7 @@ class HFEngine(RolloutEngine):
             return_dict_in_generate=True,
             use_cache=True,
         )
-        # eager even where the training passes compiled the decoder layers (plan.compile_training): generate's
-        # KV cache and one-token steps would recompile them at every new length
-        with _generation_context(self.hf_model, self.model, seed, device), torch.compiler.set_stance("force_eager"):
+        with _generation_context(self.hf_model, self.model, seed, device), _eager_layers():
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
