@@ -105,3 +105,18 @@ def test_hf_generate_runs_compiled_layers_eagerly():
     got = HFEngine(model, None, pad_token_id=0).generate(prompts, params).response_ids
     assert torch.equal(got, expected)
     assert counters["stats"]["unique_graphs"] == 0  # nothing traced, nothing compiled
+
+
+def test_a_compile_failure_names_its_fix_and_eager_plans_pass_errors_through():
+    from rlanywhere.errors import UserError
+    from rlanywhere.plans import Plan
+    from rlanywhere.update import training_passes
+
+    failure = torch._dynamo.exc.TorchDynamoException("inductor could not build a kernel\nmore lines")
+    with pytest.raises(UserError, match="use_torch_compile=false") as caught:
+        with training_passes(Plan(compile_training=True)):
+            raise failure
+    assert "inductor could not build a kernel" in str(caught.value) and "more lines" not in str(caught.value)
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        with training_passes(Plan(compile_training=False)):
+            raise failure

@@ -7,8 +7,8 @@ planned device and compares against a float64 reference computed on CPU:
     matmul compute dtype a matmul under the plan's autocast vs fp64 (skipped for fp32 plans)
     attention            the planned attention (SDPA / FlashAttention-2 / eager math) with causal + padding masks
                          vs a fp64 softmax reference, forward and backward
-    tiny model           a random 2-layer Qwen2 built in code: loss and gradients on the planned path vs the same
-                         weights in fp64 eager attention
+    tiny model           a random 2-layer Qwen2 built in code: loss and gradients on the planned path (compiled
+                         layers where the plan compiles the training passes) vs the same weights in fp64
     generation           model.generate of 4 tokens in the rollout dtype
     fp16                 for fp16 plans: the planner's fp16 checks (machine.fp16_problems: fp16 autocast matmul,
                          fp16 SDPA forward and backward, a GradScaler skipping an overflowed step)
@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import config_from
+from .models import compile_decoder_layers
+from .update import training_passes
 from .estimator import MIB, format_bytes
 from .machine import HardwareProbe, fp16_problems, probe_machine
 from .plans import Plan, format_table
@@ -197,12 +199,15 @@ def check_tiny_model(plan: Plan, device: torch.device) -> tuple[str, str]:
         with warnings.catch_warnings():  # renamed in newer transformers; this name works in every 5.x
             warnings.simplefilter("ignore", FutureWarning)
             planned.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if plan.compile_training:  # the training passes' compiled layers, built as the trainer builds them
+        compile_decoder_layers(planned)
     input_ids, attention_mask, labels = _tiny_batch(device)
     scaler = make_grad_scaler(plan)
-    with autocast_context(plan):
-        out = planned(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-    loss = out.loss
-    (scaler.scale(loss) if scaler is not None else loss).backward()
+    with training_passes(plan):  # a compile failure is reported with its fix
+        with autocast_context(plan):
+            out = planned(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        loss = out.loss
+        (scaler.scale(loss) if scaler is not None else loss).backward()
     if scaler is not None:
         optimizer = torch.optim.SGD(planned.parameters(), lr=0.0)  # only to let the scaler unscale the grads
         scaler.unscale_(optimizer)
@@ -224,7 +229,7 @@ def check_tiny_model(plan: Plan, device: torch.device) -> tuple[str, str]:
     limit = MODEL_TOLERANCE[arith]
     finite = bool(torch.isfinite(flat).all()) and math.isfinite(float(loss.detach()))
     ok = finite and flat.abs().sum() > 0 and max(logit_err, loss_err, grad_err) <= limit
-    ckpt = ", checkpointing" if plan.gradient_checkpointing else ""
+    ckpt = (", checkpointing" if plan.gradient_checkpointing else "") + (", compiled" if plan.compile_training else "")
     return (("pass" if ok else "fail"),
             f"{plan.attn_implementation}, {plan.precision}{ckpt}: logits error {logit_err:.2e}, loss error "
             f"{loss_err:.2e}, grad error {grad_err:.2e} (limit {limit:.0e})")

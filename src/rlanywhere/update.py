@@ -17,6 +17,7 @@ import torch
 
 from . import algorithms as algo
 from .distributed import DataParallel
+from .errors import UserError
 from .planner import autocast_context, training_attention_context
 from .logprobs import response_logprobs
 from .microbatch import PackedMicroBatch, pack_rows, split_rows_by_length, split_rows_by_token_budget
@@ -83,7 +84,7 @@ class Updater:
 
         def run(size: int) -> torch.Tensor:
             out = torch.zeros(batch.mask.shape, dtype=ACCUMULATE_DTYPE)
-            with training_attention_context(self.plan):
+            with training_passes(self.plan):
                 for rows in self.micro_batches(batch, list(range(batch.rows)), size):
                     micro = self.forward_rows(batch, rows)
                     with autocast_context(self.plan):
@@ -123,7 +124,7 @@ class Updater:
         losses: list[tuple[list[int], torch.Tensor]] = []
         # [distributed] a sharded model: as many backward passes on every rank (padding ones weigh 0)
         # the planned SDPA backends for forward and backward alike (checkpointing recomputes attention in backward)
-        with training_attention_context(self.plan):
+        with training_passes(self.plan):
             for micro, padding in matched_micro_batches(self.micro_batches(batch, rows, size), self.dp,
                                                         is_sharded(model)):
                 inputs = self.forward_rows(batch, micro)
@@ -216,6 +217,28 @@ class Updater:
             if self.plan.optimizer_offload:
                 offload_optimizer_state(optimizer, "cpu")
         return {f"{name}/{k}": v / max(count, 1) for k, v in totals.items()}
+
+
+class CompiledPassError(UserError, RuntimeError):
+    """The compiled training passes (plan.compile_training) could not be compiled on this machine."""
+
+
+@contextlib.contextmanager
+def training_passes(plan: Plan):
+    """Around every training-side forward/backward: the planned SDPA backends, and a compile failure of the
+    compiled passes (the first call compiles) named with its fix instead of a compiler traceback."""
+    with training_attention_context(plan):
+        if not plan.compile_training:
+            yield
+            return
+        try:
+            yield
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise CompiledPassError(
+                f"the compiled training passes failed to compile here ({type(exc).__name__}: {first_line}); run "
+                "with actor_rollout_ref.actor.use_torch_compile=false for eager passes (slower updates, same "
+                "results), and check `rlanywhere doctor`") from exc
 
 
 def micro_values(critic, micro: PackedMicroBatch) -> torch.Tensor:
