@@ -45,13 +45,22 @@ def loss_and_grads(model, ids, mask, pos, response_len=4):
     weights = torch.linspace(-1.0, 1.0, response_len)
     loss = (logprobs * weights).sum() - 0.1 * entropy.sum()
     loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("checkpointing,family", [(False, "qwen2"), (True, "qwen2"), (False, "llama")])
-def test_compiled_layers_give_eager_gradients(checkpointing, family):
-    """Qwen2 (the benchmarks' body) and Llama (the demo's SmolLM2), with and without gradient checkpointing."""
+@pytest.mark.parametrize("checkpointing,family,lora", [(False, "qwen2", False), (True, "qwen2", False),
+                                                      (False, "llama", False), (True, "llama", True)])
+def test_compiled_layers_give_eager_gradients(checkpointing, family, lora):
+    """Qwen2 (the benchmarks' body) and Llama (the demo's SmolLM2), with and without gradient checkpointing, and
+    under LoRA adapters (checkpointed, as small cards run it)."""
     eager = tiny_qwen2(family=family)
+    if lora:
+        from rlanywhere.lora import apply_lora
+
+        eager = apply_lora(eager, 4, 8, "all-linear")
+        for name, param in eager.named_parameters():  # peft starts B at zero: make the adapters matter
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1)
     compiled = copy.deepcopy(eager)
     if checkpointing:
         enable_gradient_checkpointing(eager)
@@ -65,6 +74,7 @@ def test_compiled_layers_give_eager_gradients(checkpointing, family):
         loss, grads = loss_and_grads(eager, *batch)
         compiled_loss, compiled_grads = loss_and_grads(compiled, *batch)
         torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-5)
+        assert grads.keys() == compiled_grads.keys() and len(grads) > 0
         for name, grad in grads.items():
             torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     with torch.no_grad():  # the log-prob passes: a no-grad variant of the same graph
