@@ -31,12 +31,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import config_from
-from .models import compile_decoder_layers
-from .update import training_passes
 from .estimator import MIB, format_bytes
 from .machine import HardwareProbe, fp16_problems, probe_machine
+from .models import compile_decoder_layers
 from .plans import Plan, format_table
 from .planner import apply_runtime, autocast_context, make_grad_scaler, make_plan, prepare_environment
+from .update import training_passes
 from .vocabulary import (
     ACCUMULATE_DTYPE, ATTN_FLASH, ATTN_SDPA, FP16_MATMUL_TOLERANCE, FP32, REFERENCE_DTYPE, dtype_name, precision_name,
 )

@@ -867,19 +867,21 @@ def _plan_training_compile(plan: Plan, allowed: bool, on_cuda: bool, cc: Optiona
     """Whether the training-side passes (log-probs, values, updates) run compiled: the actor's, reference's and
     critic's decoder layers (torch.compile, one graph per layer class) and the log-prob head's chunk math."""
     why_not = ("actor_rollout_ref.actor.use_torch_compile=false" if not allowed else
-               "CPU: compiling takes tens of seconds per layer variant, not repaid by a CPU run's few steps"
+               "CPU: compiling takes tens of seconds per layer variant (measured on 2 cores), not repaid by a CPU "
+               "run's few steps"
                if not on_cuda else
                "triton is not installed, or no C compiler to build its kernels' launcher" if not triton else
                f"compute capability {cc_str(cc) if cc else 'unknown'} < {cc_str(COMPILE_TRAINING_MIN_CC)} (Triton "
                "does not run on Pascal; Volta and Turing not measured)" if cc is None or cc < COMPILE_TRAINING_MIN_CC
                else "sharded models (FSDP2): compiled layers under fully_shard not measured here"
                if plan.data_parallel == "shard" else
-               "offloaded weights move between devices, which would recompile" if plan.param_offload else None)
+               "offloaded weights (moved between devices each phase): compiled layers not measured there"
+               if plan.param_offload else None)
     plan.compile_training = why_not is None
     plan.reasons["compile_training"] = why_not or (
         "torch.compile per decoder layer (dynamic shapes, one graph shared by every layer) and of the log-prob "
         "head's softmax math: the norms, RoPE, SiLU*mul, residual adds and casts run as fused kernels (the update "
-        "1.6-1.7x faster on an H200, docs/benchmarks.md); the first step pays the compile (~10 s, cached on disk)")
+        "1.6-1.8x faster on an H200, docs/benchmarks.md); the first step pays the compile (~10 s, cached on disk)")
 
 
 def training_attention_context(plan: Plan) -> contextlib.AbstractContextManager:
