@@ -185,6 +185,9 @@ def train(cfg: DictConfig, run_plan=None, notices: Optional[list[str]] = None) -
     try:
         trainer.fit()
         final_model = trainer.save_final_model()
+        # [distributed] every rank done before any leaves: a rank tearing its process group down while another still
+        # has gloo traffic in flight can abort at exit ("terminate called without an active exception")
+        trainer.dp.barrier()
     finally:
         trainer.dp.close()  # [distributed] leave torchrun's process group (nothing to do in one process)
     if trainer.dp.is_main:  # [distributed] rank 0 plots
