@@ -134,6 +134,8 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         with torch.no_grad(), no_autocast(hidden.device):
             weight_f32 = weight.to(head_dtype(weight))
             bias_f32 = bias.to(weight_f32.dtype) if bias is not None else None
+            # compiled: the statistics fused into a pass or two; eager (below): in place in the logits buffer, no
+            # second chunk-sized buffer, which is what a 24 GB card needs at a 151,936-token vocabulary
             statistics = _compiled(_chunk_statistics) if compiled else None
             for start in range(0, num_tokens, chunk_size):
                 stop = min(start + chunk_size, num_tokens)
@@ -181,7 +183,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             grad_hidden = torch.empty_like(hidden) if needs_hidden else None
             grad_weight = torch.zeros_like(weight_f32) if needs_weight else None
             grad_bias = torch.zeros_like(bias_f32) if (needs_bias and bias is not None) else None
-            logit_grad = _compiled(_chunk_logit_grad) if ctx.compiled else None
+            logit_grad = _compiled(_chunk_logit_grad) if ctx.compiled else None  # eager: in place, as in forward
             for start in range(0, num_tokens, ctx.chunk_size):
                 stop = min(start + ctx.chunk_size, num_tokens)
                 hidden_f32 = hidden[start:stop].to(weight_f32.dtype)

@@ -866,17 +866,19 @@ def _plan_training_compile(plan: Plan, allowed: bool, on_cuda: bool, cc: Optiona
                            triton: bool) -> None:
     """Whether the training-side passes (log-probs, values, updates) run compiled: the actor's, reference's and
     critic's decoder layers (torch.compile, one graph per layer class) and the log-prob head's chunk math."""
-    why_not = ("actor_rollout_ref.actor.use_torch_compile=false" if not allowed else
-               "CPU: compiling takes tens of seconds per layer variant (measured on 2 cores), not repaid by a CPU "
-               "run's few steps"
-               if not on_cuda else
-               "triton is not installed, or no C compiler to build its kernels' launcher" if not triton else
-               f"compute capability {cc_str(cc) if cc else 'unknown'} < {cc_str(COMPILE_TRAINING_MIN_CC)} (Triton "
-               "does not run on Pascal; Volta and Turing not measured)" if cc is None or cc < COMPILE_TRAINING_MIN_CC
-               else "sharded models (FSDP2): compiled layers under fully_shard not measured here"
-               if plan.data_parallel == "shard" else
-               "offloaded weights (moved between devices each phase): compiled layers not measured there"
-               if plan.param_offload else None)
+    refusals = (  # the first that applies is the reason
+        (not allowed, "actor_rollout_ref.actor.use_torch_compile=false"),
+        (not on_cuda, "CPU: compiling takes tens of seconds per layer variant (measured on 2 cores), not repaid by a "
+                      "CPU run's few steps"),
+        (not triton, "triton is not installed, or no C compiler to build its kernels' launcher"),
+        (cc is None or cc < COMPILE_TRAINING_MIN_CC,
+         f"compute capability {cc_str(cc) if cc else 'unknown'} < {cc_str(COMPILE_TRAINING_MIN_CC)} (Triton does not "
+         "run on Pascal; Volta and Turing not measured)"),
+        (plan.data_parallel == "shard", "sharded models (FSDP2): compiled layers under fully_shard not measured here"),
+        (plan.param_offload, "offloaded weights (moved between devices each phase): compiled layers not measured "
+                             "there"),
+    )
+    why_not = next((reason for refused, reason in refusals if refused), None)
     plan.compile_training = why_not is None
     plan.reasons["compile_training"] = why_not or (
         "torch.compile per decoder layer (dynamic shapes, one graph shared by every layer) and of the log-prob "

@@ -97,11 +97,8 @@ class Updater:
         """Log-probs of every response token under `model`."""
         logprobs = call_in_root_forward(model, response_logprobs)  # [distributed] sharded: in the root's forward
         with gathered(model):  # [distributed] sharded: full weights for the pass, so ranks need not match calls
-            return self.forward_all("log_probs", batch, lambda micro: logprobs(
-                model, micro.input_ids, micro.attention_mask, micro.response_len, temperature=temperature,
-                chunk_size=self.plan.logprob_chunk_size, position_ids=micro.position_ids,
-                check_labels=not micro.input_ids.is_cuda, compiled_head=self.plan.compile_training,
-                response_start=micro.response_start)[0])
+            return self.forward_all("log_probs", batch, lambda micro: micro_logprobs(
+                logprobs, model, micro, temperature, self.plan.logprob_chunk_size, self.plan.compile_training)[0])
 
     def values(self, critic, batch: StepBatch) -> torch.Tensor:
         with gathered(critic):  # [distributed] sharded: full weights for the pass
@@ -241,6 +238,16 @@ def training_passes(plan: Plan):
                 "results), and check `rlanywhere doctor`") from exc
 
 
+def micro_logprobs(logprobs_fn, model, micro: PackedMicroBatch, temperature: float, chunk_size: int,
+                   compiled_head: bool, with_entropy: bool = False):
+    """`logprobs_fn` (response_logprobs, or its sharded wrapper) over a micro-batch's response tokens: (log-probs,
+    entropy or None), each [rows, response_len]. Rollout tokens need no label check (a host wait on a GPU)."""
+    return logprobs_fn(model, micro.input_ids, micro.attention_mask, micro.response_len, temperature=temperature,
+                       chunk_size=chunk_size, with_entropy=with_entropy, position_ids=micro.position_ids,
+                       check_labels=not micro.input_ids.is_cuda, compiled_head=compiled_head,
+                       response_start=micro.response_start)
+
+
 def micro_values(critic, micro: PackedMicroBatch) -> torch.Tensor:
     """The critic's values of a micro-batch's response tokens [rows, response_len]."""
     return response_values(critic, micro.input_ids, micro.attention_mask, micro.response_len, micro.position_ids,
@@ -279,11 +286,8 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
 
     def loss_fn(model, rows, micro, resp_mask, scale):
         # [distributed] call_in_root_forward: a sharded model's root weights gathered around the head
-        logprob, entropy = call_in_root_forward(model, response_logprobs)(
-            model, micro.input_ids, micro.attention_mask, micro.response_len, temperature=temperature,
-            chunk_size=logprob_chunk_size, with_entropy=True, position_ids=micro.position_ids,
-            check_labels=not micro.input_ids.is_cuda,  # rollout tokens: no host wait on a GPU
-            compiled_head=compiled_head, response_start=micro.response_start)
+        logprob, entropy = micro_logprobs(call_in_root_forward(model, response_logprobs), model, micro, temperature,
+                                          logprob_chunk_size, compiled_head, with_entropy=True)
         pick = lambda t: t[rows, :micro.response_len].to(device)  # noqa: E731
         old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
         # means: pg_clipfrac, approx_kl, ratio statistics (algorithms.POLICY_LOSSES)
