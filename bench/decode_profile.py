@@ -165,12 +165,41 @@ def attention_bench(rows: int, dtype: torch.dtype, kv_heads: int, groups: int, h
             out.append(torch.bmm(s.softmax(-1, dtype=torch.float32).to(dtype), v.reshape(rows * kv_heads, span, head_dim)))
         return out
 
+    def split_span(parts: int):
+        """baddbmm scores; P.V as `parts` batched GEMMs over span chunks (more programs, shorter loops), summed."""
+        chunk = span // parts
+
+        def run():
+            out = []
+            qb = q.reshape(rows * kv_heads, groups, head_dim)
+            for k, v in zip(ks, vs):
+                s = torch.baddbmm(bias3, qb, k.reshape(rows * kv_heads, span, head_dim).transpose(1, 2), alpha=scale)
+                p = s.softmax(-1, dtype=torch.float32).to(dtype).view(rows * kv_heads, groups, parts, chunk)
+                vp = v.reshape(rows * kv_heads * parts, chunk, head_dim)
+                pv = torch.bmm(p.transpose(1, 2).reshape(rows * kv_heads * parts, groups, chunk), vp)
+                out.append(pv.view(rows * kv_heads, parts, groups, head_dim).sum(1))
+            return out
+
+        return run
+
+    def transposed():
+        """scores as K.q^T ([span, G] per row and head), softmax over the span, P.V from that layout."""
+        out = []
+        qt = q.reshape(rows * kv_heads, groups, head_dim).transpose(1, 2)
+        bias_t = bias3.transpose(1, 2)
+        for k, v in zip(ks, vs):
+            s = torch.baddbmm(bias_t, k.reshape(rows * kv_heads, span, head_dim), qt, alpha=scale)
+            p = s.softmax(1, dtype=torch.float32).to(dtype)
+            out.append(torch.bmm(p.transpose(1, 2), v.reshape(rows * kv_heads, span, head_dim)))
+        return out
+
     slot = torch.tensor([span - 1], device="cuda")
 
     def triton():  # split-K over each row's filled slots (FastEngine's decode_attention="triton")
         return [triton_decode_attention(q, k, v, start, slot, scale) for k, v in zip(ks, vs)]
 
-    formulations = [("sdpa", sdpa), ("matmul", matmul), ("baddbmm", baddbmm)]
+    formulations = [("sdpa", sdpa), ("matmul", matmul), ("baddbmm", baddbmm), ("transposed", transposed)]
+    formulations += [(f"split{parts}", split_span(parts)) for parts in (2, 4, 8) if span % parts == 0]
     if triton_usable():
         formulations.append(("triton", triton))
     ref = sdpa()[0].float()

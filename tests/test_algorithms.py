@@ -421,6 +421,29 @@ def test_ppo_policy_loss_hand_computed():
     close(logprob.grad, [[0.0, 0.0, -1.1 / 4, 0.0, 0.0]])
 
 
+def test_policy_and_value_metrics_stay_on_the_device_and_ignore_padding():
+    """Metrics are 0-d tensors (the update reads them once per optimizer step, not once per micro-batch); the
+    largest ratio is over real tokens only, even when every real ratio is below 1 and padding holds a larger one."""
+    old = torch.zeros(2, 3)
+    logprob = torch.log(torch.tensor([[0.5, 0.8, 9.0], [0.7, 9.0, 9.0]]))  # 9.0: padding positions
+    adv, mask = torch.ones(2, 3), torch.tensor([[1, 1, 0], [1, 0, 0]])
+    for loss_fn in A.POLICY_LOSSES.values():
+        _, metrics = loss_fn(old, logprob, adv, mask, 0.2, 0.2)
+        assert all(torch.is_tensor(v) and v.dim() == 0 for v in metrics.values()), metrics
+    _, metrics = A.ppo_policy_loss(old, logprob, adv, mask, 0.2, 0.2)
+    close(metrics["ratio_max"], 0.8)
+    close(metrics["ratio_mean"], (0.5 + 0.8 + 0.7) / 3)
+    _, metrics = A.gspo_policy_loss(old, logprob, adv, mask, 0.2, 0.2)
+    close(metrics["ratio_max"], 0.7)  # per sequence: row 0's geometric mean sqrt(0.5 * 0.8) = 0.632, row 1's 0.7
+    close(metrics["ratio_mean"], (math.sqrt(0.5 * 0.8) + 0.7) / 2)
+    nothing = torch.zeros(2, 3, dtype=torch.long)
+    for loss_fn in A.POLICY_LOSSES.values():  # no real token at all: the largest ratio reads 1
+        _, metrics = loss_fn(old, logprob, adv, nothing, 0.2, 0.2)
+        close(metrics["ratio_max"], 1.0)
+    _, metrics = A.value_loss(torch.ones(2, 3), torch.zeros(2, 3), torch.ones(2, 3), mask, None)
+    assert all(torch.is_tensor(v) and v.dim() == 0 for v in metrics.values())
+
+
 def test_ppo_policy_loss_without_dual_clip_and_asymmetric():
     old, logprob, adv, mask, _ = _ppo_case()
     loss, metrics = A.ppo_policy_loss(old, logprob, adv, mask, 0.2, 0.2, clip_ratio_c=None)

@@ -636,9 +636,9 @@ def ppo_policy_loss(
     ``-A * clip_ratio_c`` (dual clip, Ye et al. 2020; ``None`` disables). ``clip_ratio_high=None`` means
     ``clip_ratio_low`` (symmetric clip). Gradients flow through ``logprob`` only.
 
-    Metrics (floats): ``pg_clipfrac`` (fraction of tokens where the clipped term is active),
-    ``pg_clipfrac_lower`` (dual-clip active), ``ppo_kl`` = ``approx_kl`` (token mean of old - new log-prob),
-    ``ratio_mean``, ``ratio_max``.
+    Metrics, as 0-d tensors on the loss's device (read once per optimizer step, not once per micro-batch):
+    ``pg_clipfrac`` (fraction of tokens where the clipped term is active), ``pg_clipfrac_lower`` (dual-clip
+    active), ``ppo_kl`` = ``approx_kl`` (token mean of old - new log-prob), ``ratio_mean``, ``ratio_max``.
     """
     _check_token_tensors(mask, old_logprob=old_logprob, logprob=logprob, advantages=advantages)
     if clip_ratio_high is None:
@@ -664,21 +664,28 @@ def ppo_policy_loss(
         clipfrac_lower = masked_mean((torch.gt(clipped_loss, dual_bound) & negative).to(mask_f.dtype), mask_f)
     else:
         pg_losses = clipped_loss
-        clipfrac_lower = torch.zeros((), dtype=mask_f.dtype)
+        clipfrac_lower = torch.zeros((), dtype=mask_f.dtype, device=mask_f.device)
 
     pg_loss = aggregate_loss(pg_losses, mask_f, loss_agg_mode, scale)
     with torch.no_grad():
-        approx_kl = masked_mean(-log_ratio, mask_f).item()
-        real = mask_f.bool()
+        approx_kl = masked_mean(-log_ratio, mask_f)
         metrics = {
-            "pg_clipfrac": clipfrac.item(),
-            "pg_clipfrac_lower": clipfrac_lower.item(),
+            "pg_clipfrac": clipfrac,
+            "pg_clipfrac_lower": clipfrac_lower,
             "ppo_kl": approx_kl,
             "approx_kl": approx_kl,
-            "ratio_mean": masked_mean(ratio, mask_f).item(),
-            "ratio_max": ratio[real].max().item() if real.any() else 1.0,
+            "ratio_mean": masked_mean(ratio, mask_f),
+            "ratio_max": _masked_max(ratio, mask_f.bool()),
         }
     return pg_loss, metrics
+
+
+def _masked_max(values: torch.Tensor, real: torch.Tensor, empty: float = 1.0) -> torch.Tensor:
+    """The largest of `values` where `real`, `empty` when nothing is; a 0-d tensor computed without a host wait."""
+    if values.numel() == 0:
+        return torch.tensor(empty, dtype=values.dtype, device=values.device)
+    largest = torch.where(real, values, torch.full_like(values, float("-inf"))).amax()
+    return torch.where(real.any(), largest, torch.full_like(largest, empty))
 
 
 def value_loss(
@@ -692,8 +699,8 @@ def value_loss(
 ) -> tuple[torch.Tensor, dict]:
     """Clipped critic loss ``0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2)`` aggregated over real tokens.
 
-    ``cliprange_value=None`` disables clipping. Metrics: ``vf_clipfrac`` (fraction where the clipped term is
-    larger), ``vpred_mean``.
+    ``cliprange_value=None`` disables clipping. Metrics (0-d tensors on the loss's device): ``vf_clipfrac``
+    (fraction where the clipped term is larger), ``vpred_mean``.
     """
     _check_token_tensors(mask, values=values, old_values=old_values, returns=returns)
     mask_f = _as_float_mask(mask, values)
@@ -701,7 +708,7 @@ def value_loss(
     unclipped = (values - returns) ** 2
     if cliprange_value is None:
         losses = unclipped
-        clipfrac = torch.zeros((), dtype=mask_f.dtype)
+        clipfrac = torch.zeros((), dtype=mask_f.dtype, device=mask_f.device)
     else:
         old_values = old_values.detach()
         clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
@@ -710,7 +717,7 @@ def value_loss(
         clipfrac = masked_mean(torch.gt(clipped, unclipped).to(mask_f.dtype), mask_f)
     loss = 0.5 * aggregate_loss(losses, mask_f, loss_agg_mode, scale)
     with torch.no_grad():
-        metrics = {"vf_clipfrac": clipfrac.item(), "vpred_mean": masked_mean(values, mask_f).item()}
+        metrics = {"vf_clipfrac": clipfrac, "vpred_mean": masked_mean(values, mask_f)}
     return loss, metrics
 
 
@@ -781,16 +788,18 @@ def gspo_policy_loss(
     pg_losses = torch.maximum(unclipped, clipped)
     pg_loss = aggregate_loss(pg_losses, mask_f, loss_agg_mode, scale)
     with torch.no_grad():
-        approx_kl = masked_mean(-token_log_ratio, mask_f).item()
+        approx_kl = masked_mean(-token_log_ratio, mask_f)
         real_rows = mask_f.sum(-1) > 0
-        seq_ratio = torch.exp(seq_log_ratio.clamp(max=10.0))[real_rows]
+        seq_ratio = torch.exp(seq_log_ratio.clamp(max=10.0))
+        rows_f = real_rows.to(seq_ratio.dtype)
         metrics = {
-            "pg_clipfrac": masked_mean(torch.gt(clipped, unclipped).to(mask_f.dtype), mask_f).item(),
-            "pg_clipfrac_lower": 0.0,
+            "pg_clipfrac": masked_mean(torch.gt(clipped, unclipped).to(mask_f.dtype), mask_f),
+            "pg_clipfrac_lower": torch.zeros((), dtype=mask_f.dtype, device=mask_f.device),
             "ppo_kl": approx_kl,
             "approx_kl": approx_kl,
-            "ratio_mean": seq_ratio.mean().item() if seq_ratio.numel() else 1.0,
-            "ratio_max": seq_ratio.max().item() if seq_ratio.numel() else 1.0,
+            "ratio_mean": torch.where(real_rows.any(), (seq_ratio * rows_f).sum() / rows_f.sum().clamp(min=1.0),
+                                      torch.ones((), dtype=seq_ratio.dtype, device=seq_ratio.device)),
+            "ratio_max": _masked_max(seq_ratio, real_rows),
         }
     return pg_loss, metrics
 

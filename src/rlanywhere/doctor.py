@@ -33,7 +33,7 @@ import torch
 from .config import config_from
 from .estimator import MIB, format_bytes
 from .machine import HardwareProbe, fp16_problems, probe_machine
-from .models import compile_decoder_layers
+from .models import compile_decoder_layers, hf_attention_implementation
 from .plans import Plan, format_table
 from .planner import apply_runtime, autocast_context, make_grad_scaler, make_plan, prepare_environment
 from .update import training_passes
@@ -186,7 +186,7 @@ def _build_models(plan: Plan, device: torch.device):
 
     torch.manual_seed(0)
     reference = Qwen2ForCausalLM(tiny_qwen2_config(ATTN_SDPA)).to(REFERENCE_DTYPE)
-    planned = Qwen2ForCausalLM(tiny_qwen2_config(plan.attn_implementation))
+    planned = Qwen2ForCausalLM(tiny_qwen2_config(hf_attention_implementation(plan)))
     planned.load_state_dict({k: v.to(plan.param_dtype) for k, v in reference.state_dict().items()})
     planned.to(device=device, dtype=plan.param_dtype)
     return planned, reference

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .lora import unwrap_peft
-from .vocabulary import ACCUMULATE_DTYPE, ATTN_SDPA
+from .vocabulary import ACCUMULATE_DTYPE, ATTN_SDPA, SDPA_EXPANDED_KV
 
 
 def no_autocast(device: torch.device):
@@ -328,7 +328,8 @@ def training_attention_mask(model: nn.Module, attention_mask: torch.Tensor) -> t
     so their outputs are unchanged. Batches without left padding keep the 2D mask (and SDPA's causal fast path).
     """
     left_padded = bool((attention_mask[:, 0] == 0).any())
-    if not left_padded or getattr(unwrap_peft(model).config, "_attn_implementation", None) != ATTN_SDPA:
+    if not left_padded or getattr(unwrap_peft(model).config, "_attn_implementation", None) not in (ATTN_SDPA,
+                                                                                                   SDPA_EXPANDED_KV):
         return attention_mask
     length = attention_mask.shape[1]
     real_key = attention_mask.bool()[:, None, None, :]  # [N, 1, 1, L]

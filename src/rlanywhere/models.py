@@ -25,6 +25,7 @@ from torch import nn
 
 from .errors import UserError
 from .logprobs import decoder_hidden, default_position_ids, head_dtype, no_autocast, response_window
+from .vocabulary import SDPA_EXPANDED_KV
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,46 @@ def require_weights(source: ModelSource) -> None:
             "(a run's final_model/ or checkpoints/global_step_N/actor/ directory)")
 
 
+def sdpa_expanded_kv_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                               scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
+    """transformers' SDPA attention, with grouped-query K/V heads repeated per query head before the call.
+
+    transformers passes grouped heads with enable_gqa=True when a batch has no mask, which only SDPA's flash kernel
+    runs on CUDA; elsewhere (fp32, cards below compute capability 8.0) PyTorch then uses its math kernel. Equal head
+    counts keep the memory-efficient kernel in play. Same arguments and output ([batch, T, heads, D], None) as
+    transformers' `sdpa_attention_forward`, which still serves what this does not handle (position biases)."""
+    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    q_len = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(q_len > 1 and attention_mask is None and causal)
+    if causal and key.shape[2] > q_len:  # a prefill into an empty static cache: SDPA's causal mask is upper-left
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, is_causal=causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def hf_attention_implementation(plan) -> str:
+    """The attn_implementation name to give transformers for `plan` (registering ours when the plan uses it)."""
+    if not getattr(plan, "expand_kv_heads", False):
+        return plan.attn_implementation
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SDPA_EXPANDED_KV, sdpa_expanded_kv_attention)
+    AttentionMaskInterface.register(SDPA_EXPANDED_KV, sdpa_mask)  # the masks transformers builds for SDPA
+    return SDPA_EXPANDED_KV
+
+
 def load_causal_lm(source: ModelSource, plan, trust_remote_code: bool = False, override_config: Optional[dict] = None):
     """An HF causal LM in the plan's master-weight dtype and attention implementation, on CPU (the caller moves it)."""
     from transformers import AutoModelForCausalLM
@@ -195,7 +236,7 @@ def load_causal_lm(source: ModelSource, plan, trust_remote_code: bool = False, o
     model = AutoModelForCausalLM.from_pretrained(
         source.path,
         dtype=plan.param_dtype,
-        attn_implementation=plan.attn_implementation,
+        attn_implementation=hf_attention_implementation(plan),
         trust_remote_code=trust_remote_code,
         **dict(override_config or {}),
         **source.load_kwargs(),

@@ -846,6 +846,7 @@ def _plan_training_kernels(plan: Plan, sdpa_backends: list[str], on_cuda: bool) 
         plan.training_sdpa_backends = ()
         reasons["training_sdpa_backends"] = ("PyTorch's choice" if plan.attn_implementation == ATTN_SDPA else
                                              f"attention is {plan.attn_implementation}, not SDPA")
+    _plan_kv_head_expansion(plan, sdpa_backends, on_cuda)
     offloaded = plan.optimizer_offload or plan.param_offload
     plan.fused_optimizer = on_cuda and plan.data_parallel != "shard" and not offloaded and not plan.use_grad_scaler
     reasons["fused_optimizer"] = ("CUDA: AdamW's fused step (one kernel per parameter group)" if plan.fused_optimizer
@@ -855,6 +856,33 @@ def _plan_training_kernels(plan: Plan, sdpa_backends: list[str], on_cuda: bool) 
                                   "sharded parameters: AdamW's foreach step" if plan.data_parallel == "shard" else
                                   "offloaded weights or optimizer state: AdamW's foreach step" if offloaded else
                                   "AdamW's foreach step")
+
+
+def _plan_kv_head_expansion(plan: Plan, sdpa_backends: list[str], on_cuda: bool) -> None:
+    """Whether SDPA gets grouped-query models' K/V heads repeated per query head (models.SDPA_EXPANDED_KV).
+
+    transformers hands SDPA the grouped heads with enable_gqa=True whenever a batch needs no mask, and packed rows
+    never do. On CUDA only SDPA's flash kernel takes grouped heads; where it does not run, PyTorch falls back to
+    its math kernel, which keeps T x T scores per head for the backward (more memory than the plan counted, and
+    slower: measured in the P40-path update on an H200)."""
+    reasons = plan.reasons
+    if plan.attn_implementation != ATTN_SDPA:
+        plan.expand_kv_heads = False
+        reasons["expand_kv_heads"] = f"attention is {plan.attn_implementation}, not SDPA"
+    elif not on_cuda:
+        plan.expand_kv_heads = False
+        reasons["expand_kv_heads"] = "CPU: SDPA's flash kernel takes grouped K/V heads as they are"
+    elif "flash_attention" in sdpa_backends:
+        plan.expand_kv_heads = False
+        reasons["expand_kv_heads"] = (f"SDPA's flash kernel runs for {dtype_name(plan.compute_dtype)} here and takes "
+                                      "grouped K/V heads as they are")
+    else:
+        plan.expand_kv_heads = True
+        reasons["expand_kv_heads"] = (
+            f"SDPA's flash kernel, the only CUDA kernel that takes grouped K/V heads, does not run for "
+            f"{dtype_name(plan.compute_dtype)} on compute capability {cc_str(plan.compute_capability)} (bf16/fp16 on "
+            ">= 8.0): given grouped heads, PyTorch falls back to its math kernel (T x T scores per head kept for the "
+            "backward); repeated per query head they run in the memory-efficient kernel")
 
 
 # Training passes run their decoder layers compiled from this compute capability up (measured on an H200; Triton,

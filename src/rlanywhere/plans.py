@@ -144,6 +144,7 @@ class Plan:
     dist_backend: Optional[str] = None  # "nccl" | "gloo" when world_size > 1
     cpu_threads: Optional[int] = None  # torch threads per process when several CPU ranks share a machine
     training_sdpa_backends: tuple[str, ...] = ()  # SDPA backends training passes may use; (): PyTorch's choice
+    expand_kv_heads: bool = False  # SDPA gets grouped K/V heads repeated per query head (models.SDPA_EXPANDED_KV)
     fused_optimizer: bool = False  # AdamW's fused (one kernel) step instead of foreach
     compile_training: bool = False  # training-side passes compiled: decoder layers and the log-prob head's math
 
@@ -173,6 +174,8 @@ class Plan:
              self.reasons.get("gradient_checkpointing", "")),
             ("training attention", ", ".join(self.training_sdpa_backends) or "PyTorch's choice",
              self.reasons.get("training_sdpa_backends", "")),
+            ("grouped K/V heads", "expanded per query head" if self.expand_kv_heads else "as they are",
+             self.reasons.get("expand_kv_heads", "")),
             ("optimizer step", "AdamW fused" if self.fused_optimizer else "AdamW foreach",
              self.reasons.get("fused_optimizer", "")),
             ("training passes", "compiled" if self.compile_training else "not compiled",

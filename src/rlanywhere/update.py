@@ -74,7 +74,7 @@ class Updater:
         padding only after the longest row)."""
         r = batch.rollout
         packed = pack_rows(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, rows, self.pad_token_id)
-        return PackedMicroBatch(*(t.to(self.device) if torch.is_tensor(t) else t for t in packed))
+        return PackedMicroBatch(*(to_device(t, self.device) if torch.is_tensor(t) else t for t in packed))
 
     # ------------------------------------------------------------------------------------------ forward passes
     @torch.no_grad()
@@ -126,7 +126,7 @@ class Updater:
                                                         is_sharded(model)):
                 inputs = self.forward_rows(batch, micro)
                 host_mask = batch.mask[micro, :inputs.response_len]
-                resp_mask = host_mask.to(self.device)
+                resp_mask = to_device(host_mask, self.device)
                 with autocast_context(self.plan):
                     loss, shares, means = loss_fn(model, micro, inputs, resp_mask, scale)
                 if padding:
@@ -254,6 +254,13 @@ def micro_values(critic, micro: PackedMicroBatch) -> torch.Tensor:
                            response_start=micro.response_start)
 
 
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor copied to `device` without waiting for the GPU's queued work: a plain `.to(device)` syncs the
+    stream, which idled the GPU once per copy (several per micro-batch). From pageable memory CUDA stages the bytes
+    before returning, so the host tensor may be freed at once."""
+    return tensor.to(device, non_blocking=True)
+
+
 def _detached(value):
     """A metric term kept on its device, summed in float64 as Python floats were."""
     return value.detach().to(STATISTICS_DTYPE) if torch.is_tensor(value) else value
@@ -264,7 +271,7 @@ def critic_loss(batch: StepBatch, critic_cfg, device: str) -> LossFn:
     """The critic's loss_fn: clipped value loss against the batch's returns."""
 
     def loss_fn(model, rows, micro, resp_mask, scale):
-        pick = lambda t: t[rows, :micro.response_len].to(device)  # noqa: E731
+        pick = lambda t: to_device(t[rows, :micro.response_len], device)  # noqa: E731
         values = micro_values(model, micro)
         loss, metrics = algo.value_loss(values, pick(batch.values), pick(batch.returns), resp_mask,
                                         critic_cfg.cliprange_value, critic_cfg.loss_agg_mode, scale)
@@ -288,7 +295,7 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
         # [distributed] call_in_root_forward: a sharded model's root weights gathered around the head
         logprob, entropy = micro_logprobs(call_in_root_forward(model, response_logprobs), model, micro, temperature,
                                           logprob_chunk_size, compiled_head, with_entropy=True)
-        pick = lambda t: t[rows, :micro.response_len].to(device)  # noqa: E731
+        pick = lambda t: to_device(t[rows, :micro.response_len], device)  # noqa: E731
         old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
         # means: pg_clipfrac, approx_kl, ratio statistics (algorithms.POLICY_LOSSES)
         pg_loss, means = policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low, clip_high,

@@ -116,6 +116,9 @@ ATTN_FLASH = AttnImplementation.FLASH.value
 ATTN_SDPA = AttnImplementation.SDPA.value
 ATTN_EAGER = AttnImplementation.EAGER.value
 ATTN_IMPLEMENTATIONS = (ATTN_FLASH, ATTN_SDPA, ATTN_EAGER)
+# SDPA with grouped K/V heads repeated per query head: our attention function, registered with transformers under
+# this name when the plan expands them (models.sdpa_expanded_kv_attention, planner._plan_kv_head_expansion)
+SDPA_EXPANDED_KV = "rlanywhere_sdpa_expanded_kv"
 DECODE_SDPA = DecodeAttention.SDPA.value
 DECODE_MATMUL = DecodeAttention.MATMUL.value
 DECODE_TRITON = DecodeAttention.TRITON.value
