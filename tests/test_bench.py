@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import sides  # noqa: E402
 import time_to_accuracy as tta  # noqa: E402
+import trace_gaps  # noqa: E402
 import vs_trl  # noqa: E402
 
 from rlanywhere.cli import demo_profile  # noqa: E402
@@ -147,3 +148,28 @@ def test_rlanywhere_reward_in_trl_signature_scores_like_rewards_py():
     scores = sides.rlanywhere_reward(completions, ground_truth=["15", "15", "72"],
                                      data_source=["arithmetic", "arithmetic", "openai/gsm8k"], prompts=None)
     assert scores == [1.0, 0.0, 1.0]
+
+
+# ---------------------------------------------------------------- trace_gaps: GPU idle time of a profiled step
+def test_idle_gaps_hand_example():
+    # phase [0, 1000] us; kernels [0, 100], [400, 900] and one overlapping it [850, 950], one outside the phase
+    kernels = [(0.0, 100.0), (400.0, 900.0), (850.0, 950.0), (1200.0, 1300.0)]
+    assert trace_gaps.idle_gaps(kernels, 0.0, 1000.0) == [(100.0, 400.0), (950.0, 1000.0)]
+    assert trace_gaps.idle_gaps(kernels, 120.0, 380.0) == [(120.0, 380.0)]  # a phase with no kernel at all
+    assert trace_gaps.idle_gaps([], 0.0, 10.0) == [(0.0, 10.0)]
+
+
+def test_trace_gaps_names_the_cpu_operator_the_gpu_waited_on(tmp_path, capsys, monkeypatch):
+    events = [{"ph": "X", "cat": "user_annotation", "name": "phase/update_actor", "ts": 0, "dur": 1000},
+              {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 100},
+              {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 400, "dur": 600},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 110, "dur": 280},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 120, "dur": 260}]
+    trace = tmp_path / "step_4.trace.json"
+    trace.write_text(__import__("json").dumps({"traceEvents": events}))
+    monkeypatch.setattr(sys, "argv", ["trace_gaps.py", str(trace)])
+    trace_gaps.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "phase/update_actor: wall 1.0 ms, GPU idle 0.3 ms in 1 gaps"
+    assert out[1].split() == ["0.3", "ms", "1", "gaps", "phase/update_actor", ">", "aten::copy_", ">",
+                              "cudaStreamSynchronize"]
