@@ -83,13 +83,16 @@ class Updater:
         CPU tensor (0 at padding); micro-batched by the plan, OOM-guarded."""
 
         def run(size: int) -> torch.Tensor:
-            out = torch.zeros(batch.mask.shape, dtype=ACCUMULATE_DTYPE)
+            # gathered on the device and copied to the host once: a .cpu() per micro-batch would idle the GPU
+            # while the host prepares the next one
+            out = torch.zeros(batch.mask.shape, dtype=ACCUMULATE_DTYPE, device=self.device)
             with training_passes(self.plan):
                 for rows in self.micro_batches(batch, list(range(batch.rows)), size):
                     micro = self.forward_rows(batch, rows)
                     with autocast_context(self.plan):
-                        out[rows, :micro.response_len] = compute(micro).float().cpu()
-            return out * batch.rollout.response_mask  # every response: a loss mask only narrows the losses
+                        values = compute(micro).float()
+                    out[to_device(torch.tensor(rows), self.device), :micro.response_len] = values
+            return out.cpu() * batch.rollout.response_mask  # every response: a loss mask only narrows the losses
 
         return self.oom.run(phase, run, self.size_kind(SizeKind.LOGPROB_MICRO_BATCH))
 
