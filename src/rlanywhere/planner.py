@@ -859,7 +859,8 @@ def _plan_training_kernels(plan: Plan, sdpa_backends: list[str], on_cuda: bool) 
 
 
 def _plan_kv_head_expansion(plan: Plan, sdpa_backends: list[str], on_cuda: bool) -> None:
-    """Whether SDPA gets grouped-query models' K/V heads repeated per query head (models.SDPA_EXPANDED_KV).
+    """Whether SDPA gets grouped-query models' K/V heads repeated per query head (models.sdpa_expanded_kv_attention,
+    registered with transformers as vocabulary.SDPA_EXPANDED_KV).
 
     transformers hands SDPA the grouped heads with enable_gqa=True whenever a batch needs no mask, and packed rows
     never do. On CUDA only SDPA's flash kernel takes grouped heads; where it does not run, PyTorch falls back to

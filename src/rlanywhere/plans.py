@@ -144,7 +144,7 @@ class Plan:
     dist_backend: Optional[str] = None  # "nccl" | "gloo" when world_size > 1
     cpu_threads: Optional[int] = None  # torch threads per process when several CPU ranks share a machine
     training_sdpa_backends: tuple[str, ...] = ()  # SDPA backends training passes may use; (): PyTorch's choice
-    expand_kv_heads: bool = False  # SDPA gets grouped K/V heads repeated per query head (models.SDPA_EXPANDED_KV)
+    expand_kv_heads: bool = False  # SDPA gets grouped K/V heads repeated per query head (sdpa_expanded_kv_attention)
     fused_optimizer: bool = False  # AdamW's fused (one kernel) step instead of foreach
     compile_training: bool = False  # training-side passes compiled: decoder layers and the log-prob head's math
 
