@@ -23,6 +23,7 @@ from rlanywhere.plans import Plan
 from rlanywhere.vocabulary import SDPA_EXPANDED_KV
 
 from .test_logprobs import tiny_llama, tiny_qwen2
+from .test_rollout import tiny_model
 
 GRPO_05B = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
             "data.train_batch_size=16", "data.max_prompt_length=256", "data.max_response_length=256",
@@ -71,7 +72,7 @@ def _batch(vocab):
     return ids, mask
 
 
-@pytest.mark.parametrize("make", [tiny_qwen2, tiny_llama])
+@pytest.mark.parametrize("make", [tiny_qwen2, tiny_llama, lambda: tiny_model("qwen3")], ids=["qwen2", "llama", "qwen3"])
 def test_expanded_heads_give_transformers_log_probs_and_gradients_on_packed_rows(make):
     reference, ours = _twins(make)
     ids, mask = _batch(reference.config.vocab_size)
