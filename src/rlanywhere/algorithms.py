@@ -791,13 +791,12 @@ def gspo_policy_loss(
         approx_kl = masked_mean(-token_log_ratio, mask_f)
         real_rows = mask_f.sum(-1) > 0
         seq_ratio = torch.exp(seq_log_ratio.clamp(max=10.0))
-        rows_f = real_rows.to(seq_ratio.dtype)
         metrics = {
             "pg_clipfrac": masked_mean(torch.gt(clipped, unclipped).to(mask_f.dtype), mask_f),
             "pg_clipfrac_lower": torch.zeros((), dtype=mask_f.dtype, device=mask_f.device),
             "ppo_kl": approx_kl,
             "approx_kl": approx_kl,
-            "ratio_mean": torch.where(real_rows.any(), (seq_ratio * rows_f).sum() / rows_f.sum().clamp(min=1.0),
+            "ratio_mean": torch.where(real_rows.any(), masked_mean(seq_ratio, real_rows),
                                       torch.ones((), dtype=seq_ratio.dtype, device=seq_ratio.device)),
             "ratio_max": _masked_max(seq_ratio, real_rows),
         }
