@@ -85,6 +85,32 @@ def test_compiled_layers_give_eager_gradients(checkpointing, family, lora):
     assert counters["stats"]["unique_graphs"] >= 2  # the layers did run compiled (with and without gradients)
 
 
+def test_new_micro_batch_shapes_do_not_recompile(monkeypatch):
+    """Rows and lengths change with every micro-batch. Sizes that happen to equal one of the model's own sizes
+    (rows == hidden size, length == head size, rows == length) used to be "duck sized" into one symbol, and the
+    next micro-batch compiled again: seconds per compile on a GPU, eager after 8. Now the decoder layer and the
+    log-prob head's two chunk functions compile once each, whatever the shapes (one row is its own graph)."""
+    from rlanywhere import logprobs
+    from rlanywhere.compiling import compiles_so_far
+
+    monkeypatch.setattr(logprobs, "COMPILE_BACKEND", "eager")
+    model = tiny_qwen2()  # hidden 32, 4 heads of 8, 2 KV heads, MLP 64
+    torch._dynamo.reset()
+    compile_decoder_layers(model, backend="eager")
+    before = compiles_so_far()
+    generator = torch.Generator().manual_seed(0)
+    # (rows, columns): rows == hidden, columns == head size, rows == columns, columns == MLP width, rows == heads...
+    for rows, width in ((32, 20), (5, 8), (12, 12), (3, 64), (4, 17), (2, 32), (9, 2), (32, 32), (7, 40), (8, 8)):
+        ids = torch.randint(0, 96, (rows, width), generator=generator)
+        response_len = max(1, width // 3)
+        logprobs_, entropy = response_logprobs(
+            model, ids, torch.ones_like(ids), response_len, with_entropy=True,
+            position_ids=torch.arange(width).expand(rows, width),
+            response_start=torch.full((rows,), width - response_len), compiled_head=True)
+        (logprobs_.sum() + entropy.sum()).backward()
+    assert compiles_so_far() - before == 3  # the layer, the chunk statistics, the chunk gradient
+
+
 def test_decoder_layers_are_found_under_a_critic_and_an_adapter():
     from rlanywhere.lora import apply_lora
 

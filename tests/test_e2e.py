@@ -87,8 +87,10 @@ def test_ppo_with_critic_ref_and_kl(tiny_model_dir, gsm8k_data, tmp_path):
     for row in rows.values():
         for key in ("reward/mean", "actor/pg_loss", "critic/vf_loss", "actor/pg_clipfrac", "actor/approx_kl",
                     "actor/kl", "actor/entropy", "actor/grad_norm", "critic/grad_norm", "response_length/mean",
-                    "perf/tokens_per_s", "perf/peak_memory_gib", "timing/rollout", "timing/update_actor"):
+                    "perf/tokens_per_s", "perf/peak_memory_gib", "perf/compiles", "timing/rollout",
+                    "timing/update_actor"):
             assert key in row and row[key] == row[key], key  # present and not NaN
+        assert row["perf/compiles"] == 0  # a CPU plan compiles nothing (plan.compile_training is for CUDA)
     # Two PPO epochs: the second epoch sees a moved policy, so the ratio leaves 1 and the KL to old is non-zero.
     assert rows[1]["actor/approx_kl"] != 0.0
     # The reference starts equal to the actor: KL(actor || ref) is exactly 0 at the first step, not after.

@@ -339,6 +339,7 @@ def test_training_kernels_leave_cudnn_attention_out_and_fuse_adamw_on_cuda():
 def test_decoder_layers_compiled_where_triton_runs_and_use_torch_compile_allows():
     hopper = make_plan(cfg_of(*PPO_05B), fake("h100", triton_usable=True))
     assert hopper.compile_training and "torch.compile per decoder layer" in hopper.reasons["compile_training"]
+    assert hopper.micro_batch_width_multiple == 8 and "multiple of 8" in hopper.reasons["compile_training"]
     assert "training passes" in hopper.summary() and "compiled" in hopper.summary()
     assert make_plan(cfg_of(*PPO_05B, "hardware.precision=fp32"), fake("a100-80g", triton_usable=True)).compile_training
     refusals = {  # (card, triton, extra overrides, emulate) -> the reason names the cause
@@ -351,6 +352,7 @@ def test_decoder_layers_compiled_where_triton_runs_and_use_torch_compile_allows(
     for (card, triton, extra, emulate), why in refusals.items():
         plan = make_plan(cfg_of(*PPO_05B, *extra), fake(card, triton_usable=triton), emulate=emulate)
         assert not plan.compile_training and why in plan.reasons["compile_training"], (card, emulate, plan.reasons)
+        assert plan.micro_batch_width_multiple == 1  # eager passes: no padding beyond the longest row
         assert "not compiled" in plan.summary()
 
 

@@ -208,6 +208,13 @@ def test_pack_rows_puts_every_row_from_column_zero_hand_example():
     assert narrow.input_ids.shape == (2, 5)  # max(3 + 2, 1 + 1)
     assert compact_rows(prompt_ids, prompt_mask, response_ids, response_mask, [1, 3], pad).input_ids.shape == (2, 11)
     assert pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, [1, 3], pad).input_ids.shape == (2, 11)
+    # compiled passes: the width rounded up to a multiple of 8, the extra columns padding like the rest
+    wide = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, rows, pad_token_id=pad, width_multiple=8)
+    assert wide.input_ids.shape == (3, 16) and wide.response_len == mb.response_len
+    assert torch.equal(wide.input_ids[:, :11], mb.input_ids) and (wide.input_ids[:, 11:] == pad).all()
+    assert torch.equal(wide.attention_mask[:, :11], mb.attention_mask) and wide.attention_mask[:, 11:].sum() == 0
+    assert wide.position_ids[0].tolist() == list(range(16)) and torch.equal(wide.response_start, mb.response_start)
+    assert pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, [1], pad, 11).input_ids.shape == (1, 11)
     batch = _rollout([2, 3], [1, 1])
     batch[1][0] = 0
     with pytest.raises(ValueError, match="no prompt tokens"):
@@ -237,7 +244,7 @@ def test_packed_micro_batches_give_the_left_padded_logprobs_values_and_gradients
 
     def run(layout):
         mb = layout(*batch, rows=rows, pad_token_id=0)
-        start = mb.response_start if layout is pack_rows else None
+        start = mb.response_start if layout is not compact_rows else None
         model.zero_grad(set_to_none=True)
         if with_critic:
             out = response_values(model, mb.input_ids, mb.attention_mask, mb.response_len, mb.position_ids,
@@ -250,8 +257,10 @@ def test_packed_micro_batches_give_the_left_padded_logprobs_values_and_gradients
         ((out * weights * valid).sum() + (extra * valid).sum()).backward()
         return out.detach() * valid, extra.detach() * valid, {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    packed, padded = run(pack_rows), run(compact_rows)
-    torch.testing.assert_close(packed[0], padded[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(packed[1], padded[1], atol=1e-5, rtol=1e-5)
-    for name, grad in padded[2].items():
-        torch.testing.assert_close(packed[2][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    padded = run(compact_rows)
+    # packed, and packed to a width that is a multiple of 8 (compiled plans): the same numbers either way
+    for packed in (run(pack_rows), run(lambda *a, **k: pack_rows(*a, **k, width_multiple=8))):
+        torch.testing.assert_close(packed[0], padded[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed[1], padded[1], atol=1e-5, rtol=1e-5)
+        for name, grad in padded[2].items():
+            torch.testing.assert_close(packed[2][name], grad, atol=1e-5, rtol=1e-4, msg=name)

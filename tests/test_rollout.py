@@ -210,6 +210,32 @@ def test_waves_and_buckets_match_single_batch():
     assert responses(waves_engine.generate(PROMPTS, params)) == responses(full)
 
 
+def test_decode_buckets_hold_at_least_two_rows():
+    """A last long row decodes in a bucket of 2: compiled kernels specialize a batch of 1, and the first such tail
+    would recompile them mid-run (seconds each on a GPU)."""
+    engine = FastEngine(tiny_model("qwen2"), None, pad_token_id=PAD)
+    engine.runner.reserve(8, 32)
+    assert [engine.runner.bucket(rows) for rows in (1, 2, 3, 5, 8)] == [2, 2, 4, 8, 8]
+    single = FastEngine(tiny_model("qwen2"), None, pad_token_id=PAD)
+    single.runner.reserve(1, 32)
+    assert single.runner.bucket(1) == 1  # a one-row cache holds no bucket of 2
+
+
+@pytest.mark.slow
+def test_compiled_decode_kernels_compile_once_for_every_bucket():
+    """The compiled elementwise kernels (dynamic shapes) serve every batch bucket, span and prefill width with one
+    graph each; RoPE has two (prefill and decode: dynamo specializes the decode's single position)."""
+    from rlanywhere.compiling import compiles_so_far
+
+    engine = FastEngine(tiny_model("qwen2"), None, RolloutPlan(compile_elementwise=True), pad_token_id=PAD)
+    torch._dynamo.reset()
+    before = compiles_so_far()
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    for prompts in (PROMPTS * 2, PROMPTS[:3], PROMPTS[1:3], PROMPTS * 4):  # buckets 8, 4, 2, 16
+        engine.generate(prompts, params, generator=torch.Generator().manual_seed(0))
+    assert compiles_so_far() - before == 5
+
+
 @pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_logprobs_match_forward_pass(engine_cls, kind):

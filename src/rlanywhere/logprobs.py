@@ -29,6 +29,7 @@ import math
 import torch
 from torch import nn
 
+from .compiling import compile_dynamic
 from .lora import unwrap_peft
 from .vocabulary import ACCUMULATE_DTYPE, ATTN_SDPA, SDPA_EXPANDED_KV
 
@@ -116,7 +117,7 @@ def _compiled(fn):
     softmax statistics into one or two passes over its logits instead of one pass per eager op."""
     key = (fn, COMPILE_BACKEND)
     if key not in _COMPILED_CHUNK_MATH:
-        _COMPILED_CHUNK_MATH[key] = torch.compile(fn, dynamic=True, backend=COMPILE_BACKEND)
+        _COMPILED_CHUNK_MATH[key] = compile_dynamic(fn, COMPILE_BACKEND)
     return _COMPILED_CHUNK_MATH[key]
 
 
@@ -262,7 +263,9 @@ def chunked_logprobs_and_entropy(
     _check_inputs(hidden, lm_head_weight, labels, lm_head_bias, temperature, chunk_size, check_labels)
     batch, length, hidden_size = hidden.shape
     flat_hidden = hidden.reshape(batch * length, hidden_size)
-    flat_labels = labels.reshape(batch * length).long()
+    # a tensor of its own: the compiled chunk math gets slices of it, and slices of a view of the [N, T] labels
+    # make dynamo guard on N and T (a recompile whenever a micro-batch has one row or one response token)
+    flat_labels = labels.reshape(batch * length).to(torch.long, copy=True)
     logprobs, entropy = _ChunkedLogprobEntropy.apply(
         flat_hidden, lm_head_weight, lm_head_bias, flat_labels, float(temperature), chunk_size, with_entropy,
         compiled)

@@ -224,10 +224,12 @@ def pack_rows(
     response_mask: torch.Tensor,
     rows: Sequence[int] | torch.Tensor,
     pad_token_id: int,
+    width_multiple: int = 1,
 ) -> PackedMicroBatch:
     """Training inputs for ``rows`` of a RolloutBatch with each row's prompt and response side by side from column 0
     and the padding after them: [b, W] with W = the longest prompt + response among the rows (``compact_rows``
-    pads to the longest prompt plus the longest response, which is wider when long prompts meet long responses).
+    pads to the longest prompt plus the longest response, which is wider when long prompts meet long responses),
+    rounded up to a multiple of ``width_multiple`` (plan.micro_batch_width_multiple: compiled passes).
 
     No row has padding before a real token, so a causal mask alone is right for every real token: the model needs no
     attention mask, and SDPA can take its flash kernel (it takes none with a mask). Padding queries at the end see
@@ -238,6 +240,7 @@ def pack_rows(
     response_lens = _response_extent(response_mask[index])
     response_width = max(int(response_lens.max()), 1)
     width = int((prompt_lens + response_lens.clamp(min=1)).max())  # a response column for every row
+    width = -(-width // width_multiple) * width_multiple
     # in [left-padded prompt | response], row i's tokens are one run from column P - p_i: read W columns from there
     sequences = torch.cat([prompt_ids[index], response_ids[index]], dim=1)
     columns = prompt_ids.shape[1] - prompt_lens[:, None] + torch.arange(width, device=prompt_ids.device)

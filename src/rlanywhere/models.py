@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .compiling import compile_dynamic
 from .errors import UserError
 from .logprobs import decoder_hidden, default_position_ids, head_dtype, no_autocast, response_window
 from .vocabulary import SDPA_EXPANDED_KV
@@ -269,12 +270,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
     """Compile each decoder layer in place (nn.Module.compile): its norms, RoPE, SiLU*mul, residual adds and dtype
     casts become a few fused kernels around the matmuls and attention. Every layer runs the same code with its own
-    weights as graph inputs, so one graph serves them all; dynamic shapes, so a micro-batch of a new length does not
-    recompile. Parameters, state dicts and checkpoints are unchanged. Returns the number of layers compiled.
+    weights as graph inputs, so one graph serves them all; dynamic shapes without duck sizing (compiling.py), so a
+    micro-batch of a new row count or length does not recompile. Parameters, state dicts and checkpoints are
+    unchanged. Returns the number of layers compiled.
     `backend`: torch.compile's ("aot_eager" in CPU tests: the same tracing and autograd, no code generation)."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile(dynamic=True, backend=backend)
+        compile_dynamic(layer, backend)
     return len(layers)
 
 

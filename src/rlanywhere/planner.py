@@ -889,6 +889,7 @@ def _plan_kv_head_expansion(plan: Plan, sdpa_backends: list[str], on_cuda: bool)
 # Training passes run their decoder layers compiled from this compute capability up (measured on an H200; Triton,
 # which inductor generates its GPU kernels with, does not run below 7.0, and 7.x is not measured).
 COMPILE_TRAINING_MIN_CC = (8, 0)
+COMPILED_WIDTH_MULTIPLE = 8
 
 
 def _plan_training_compile(plan: Plan, allowed: bool, on_cuda: bool, cc: Optional[tuple[int, int]],
@@ -909,10 +910,14 @@ def _plan_training_compile(plan: Plan, allowed: bool, on_cuda: bool, cc: Optiona
     )
     why_not = next((reason for refused, reason in refusals if refused), None)
     plan.compile_training = why_not is None
+    # inductor compiles a graph for widths that are multiples of 8 and another for the rest (an alignment guard)
+    plan.micro_batch_width_multiple = COMPILED_WIDTH_MULTIPLE if plan.compile_training else 1
     plan.reasons["compile_training"] = why_not or (
         "torch.compile per decoder layer (dynamic shapes, one graph shared by every layer) and of the log-prob "
         "head's softmax math: the norms, RoPE, SiLU*mul, residual adds and casts run as fused kernels (the update "
-        "1.6-1.8x faster on an H200, docs/benchmarks.md); the first step pays the compile (~10 s, cached on disk)")
+        "1.6-1.8x faster on an H200, docs/benchmarks.md); the first step pays the compile (~10 s, cached on disk). "
+        f"Micro-batch widths are rounded up to a multiple of {COMPILED_WIDTH_MULTIPLE} (padding after every row): "
+        "inductor compiles a separate graph for other widths")
 
 
 def training_attention_context(plan: Plan) -> contextlib.AbstractContextManager:

@@ -147,6 +147,7 @@ class Plan:
     expand_kv_heads: bool = False  # SDPA gets grouped K/V heads repeated per query head (sdpa_expanded_kv_attention)
     fused_optimizer: bool = False  # AdamW's fused (one kernel) step instead of foreach
     compile_training: bool = False  # training-side passes compiled: decoder layers and the log-prob head's math
+    micro_batch_width_multiple: int = 1  # packed micro-batch widths rounded up to this (8 when compiled)
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))

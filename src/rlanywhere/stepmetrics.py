@@ -45,15 +45,16 @@ def step_metrics(dp, *, scores: torch.Tensor, mask: torch.Tensor, prompt_mask: t
                  response_length: int, actor_lr: float, step_time: float, timer: PhaseTimer, device: str,
                  old_logprobs: Optional[torch.Tensor], ref_logprobs: Optional[torch.Tensor],
                  kl_coef: Optional[float], values: Optional[torch.Tensor], returns: Optional[torch.Tensor],
-                 oom_recoveries: int, extra: dict) -> dict:
+                 oom_recoveries: int, extra: dict, compiles: int = 0) -> dict:
     """Step 7's diagnostics. `scores`, `mask` and the per-token tensors hold every rank's rows; `prompt_mask` and
-    `info` are this rank's; `extra` (KL-in-reward, dynamic sampling, truncation metrics) is merged as it is."""
+    `info` are this rank's; `extra` (KL-in-reward, dynamic sampling, truncation metrics) is merged as it is.
+    `compiles`: torch.compile compiles during this step on this rank (a slow step that compiled says why)."""
     resp_len = mask.sum(-1)
     # [distributed] every rank's share of the per-rank numbers in one exchange (one host sync, not one per metric)
     ranks = dp.gather_objects([{
         "acc": list(info["acc"]), "format": list(info["format"]), "overlong": list(info.get("overlong_penalty", [])),
         "errors": float(info["num_errors"]), "prompt_tokens": float(prompt_mask.sum()),
-        "peak": peak_memory_gib(device), "oom": float(oom_recoveries)}])
+        "peak": peak_memory_gib(device), "oom": float(oom_recoveries), "compiles": float(compiles)}])
     every = lambda key: [value for part in ranks for value in part[key]]  # noqa: E731
     total = lambda key: sum(part[key] for part in ranks)  # noqa: E731
     total_tokens = float(mask.sum()) + total("prompt_tokens")
@@ -68,6 +69,7 @@ def step_metrics(dp, *, scores: torch.Tensor, mask: torch.Tensor, prompt_mask: t
         "perf/step_time_s": step_time, "perf/tokens_per_s": total_tokens / step_time,
         "perf/rollout_tokens_per_s": float(mask.sum()) / max(timer.times.get("rollout", 1e-9), 1e-9),
         "perf/peak_memory_gib": max(part["peak"] for part in ranks),
+        "perf/compiles": max(part["compiles"] for part in ranks),
         **{f"timing/{k}": v for k, v in timer.times.items()},
         **extra,
     }

@@ -30,6 +30,7 @@ from . import builders
 from .balance import balance_rows, balance_text
 from .checkpoint import (capture_rng, export_final_model, load_checkpoint, restore_rng, resume_latest,
                          retire_later_checkpoints, save_checkpoint)
+from .compiling import compiles_so_far
 from .config import as_list, to_yaml
 from .dist_checkpoint import load_checkpoint_any, save_full_model, save_sharded
 from .distributed import DataParallel, NullTracker, check_world_config
@@ -166,7 +167,7 @@ class RLTrainer:
         timer = PhaseTimer(self.device)
         if self.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats(self.device)
-        step_start = time.perf_counter()
+        step_start, compiles_at_start = time.perf_counter(), compiles_so_far()
         items, first_prompt = self.dp.share(items)  # [distributed] this rank's block of prompts (groups whole)
 
         # 1-2. rollout (n samples per prompt from the current policy) and rule-based reward per sequence;
@@ -253,8 +254,8 @@ class RLTrainer:
             step_time=time.perf_counter() - step_start, timer=timer, device=self.device,
             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             kl_coef=self.kl_ctrl.value if algo_cfg.use_kl_in_reward else None, values=values, returns=returns,
-            oom_recoveries=len(self.oom_guard.events), extra={**kl_metrics, **sampling_metrics, **truncation_metrics,
-                                                       **balance_metrics}))
+            oom_recoveries=len(self.oom_guard.events), compiles=compiles_so_far() - compiles_at_start,
+            extra={**kl_metrics, **sampling_metrics, **truncation_metrics, **balance_metrics}))
         metrics.update(self.precision_guard.end_step(metrics))  # loss scale, skipped steps; stops on a tripped rail
         return metrics
 

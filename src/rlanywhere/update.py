@@ -73,7 +73,8 @@ class Updater:
         """A micro-batch on the device, each row's tokens from column 0 (microbatch.pack_rows: no attention mask,
         padding only after the longest row)."""
         r = batch.rollout
-        packed = pack_rows(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, rows, self.pad_token_id)
+        packed = pack_rows(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, rows, self.pad_token_id,
+                           self.plan.micro_batch_width_multiple)
         return PackedMicroBatch(*(to_device(t, self.device) if torch.is_tensor(t) else t for t in packed))
 
     # ------------------------------------------------------------------------------------------ forward passes

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..compiling import compile_dynamic
 from ..lora import unwrap_peft
 from ..vocabulary import ACCUMULATE_DTYPE, DECODE_SDPA, DECODE_TRITON, FP32
 from .decode_attention import decode_attention as triton_decode_attention
@@ -213,11 +214,12 @@ def compiled_elementwise() -> dict[str, Any]:
     """rms_norm, add_rms_norm, apply_rope and silu_mul compiled by torch.compile (inductor, Triton on a GPU), each
     one fused kernel instead of several, with eager's rounding of every intermediate (inductor's
     emulate_precision_casts, a process-wide setting): transformers' numerics, fewer kernel launches. Shapes are
-    dynamic, so every batch bucket and span shares one compiled kernel per function."""
+    dynamic without duck sizing (compiling.py), so every batch bucket, span and prefill width shares one compiled
+    kernel per function."""
     import torch._inductor.config as inductor_config
 
     inductor_config.emulate_precision_casts = True
-    return {name: torch.compile(fn, dynamic=True)
+    return {name: compile_dynamic(fn)
             for name, fn in (("rms_norm", rms_norm), ("add_rms_norm", add_rms_norm), ("apply_rope", apply_rope),
                              ("silu_mul", silu_mul))}
 
@@ -561,7 +563,8 @@ class LlamaForward:
         mask = self._decode_mask(cols, starts, slot)
         cos = rope[0][positions][:, None, None]  # [batch, 1, 1, D]
         sin = rope[1][positions][:, None, None]
-        h = F.embedding(tokens, self.weights.globals["embed"])[:, None]  # [batch, 1, hidden]
+        # [batch, 1, hidden], a tensor of its own: a view here would give the compiled add_rms_norm a second graph
+        h = F.embedding(tokens[:, None], self.weights.globals["embed"])
         if self.numerics.compile_elementwise:
             return self._decode_fused(h, cos, sin, mask, starts, slot, batch, span, cache)
         for i, w in enumerate(self.weights.layers):

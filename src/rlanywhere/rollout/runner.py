@@ -179,9 +179,10 @@ class DecodeRunner:
             self.drop_graphs()
 
     def bucket(self, rows: int) -> int:
-        """Decode batch for `rows` active rows: the smallest power of two >= rows, capped at the cache's rows
-        (few distinct shapes, so few CUDA graphs)."""
-        return min(1 << max(rows - 1, 0).bit_length(), self.cache.rows)
+        """Decode batch for `rows` active rows: the smallest power of two >= rows, at least 2 (compiled kernels
+        specialize a batch of 1: a last long row would recompile them mid-run), capped at the cache's rows (few
+        distinct shapes, so few CUDA graphs)."""
+        return min(max(2, 1 << max(rows - 1, 0).bit_length()), self.cache.rows)
 
     def span(self, slot: int) -> int:
         """Cache slots the attention reads at a step writing `slot`: slot+1 rounded up to the plan's span

@@ -1,0 +1,69 @@
+"""torch.compile for shapes that change every step, without a recompile for each new one.
+
+Our compiled code (the training passes' decoder layers, the log-prob head's chunk math, the decode step's
+elementwise kernels) sees sizes that change with every batch: rows per micro-batch, sequence length, prompts per
+engine call. It is compiled with dynamic shapes, but dynamo's "duck sizing" gives sizes that are equal at the first
+call one symbol. A micro-batch of 64 rows on a model with 64-wide heads (SmolLM2, the demo) compiles a graph for
+"rows == head size", and the next row count compiles again. On a GPU each compile is seconds of inductor work (a
+profiled two-H200 demo run had update phases of 6.5 and 13.3 s among 0.25-0.45 s ones), and after 8 of them dynamo
+stops compiling that function and it runs eager for the rest of the run.
+
+`compile_dynamic` turns duck sizing off before it compiles (a process-wide setting of torch's symbolic shapes: each
+size gets its own symbol, and a graph that needs two sizes equal still guards on it), and asks inductor not to
+guard on sizes in its fusion heuristics: its mix-order reduction (RMSNorm's backward) compiled one graph for
+micro-batches under 5 Mi elements and another for larger ones. Other guards are kept out by the callers: decode
+batches of at least 2 rows (dynamo specializes sizes 0 and 1: they change broadcasting), micro-batch widths that
+are multiples of 8 (inductor's alignment guard; plan.micro_batch_width_multiple), inputs that are not views. What
+remains is a graph per function and grad mode (the log-prob passes run without gradients).
+`compiles_so_far` counts compiles, which the trainer reports per step as `perf/compiles`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.nn as nn
+
+Compilable = TypeVar("Compilable", nn.Module, Callable[..., Any])
+
+
+def without_duck_sizing() -> None:
+    """Every dynamic size its own symbol (torch.fx.experimental._config.use_duck_shape = False)."""
+    import torch.fx.experimental._config as symbolic_shapes_config
+
+    symbolic_shapes_config.use_duck_shape = False
+
+
+def inductor_options() -> dict:
+    """Inductor settings that keep size guards out of its fusion decisions, for the options this torch has."""
+    from torch._inductor import config as inductor_config
+
+    wanted = {"triton.mix_order_reduction_non_strict_mode": True}
+    return {key: value for key, value in wanted.items()
+            if hasattr(getattr(inductor_config, key.split(".")[0], None), key.split(".")[1])}
+
+
+def compile_dynamic(target: Compilable, backend: str = "inductor") -> Compilable:
+    """`target` compiled with dynamic shapes, no duck sizing and (inductor) no size guards in fusion heuristics: a
+    function comes back compiled; a module is compiled in place (nn.Module.compile: parameters and state dicts
+    unchanged) and returned."""
+    without_duck_sizing()
+    kwargs = {"dynamic": True, "backend": backend}
+    if backend == "inductor":
+        kwargs["options"] = inductor_options()
+    if isinstance(target, nn.Module):
+        target.compile(**kwargs)
+        return target
+    return torch.compile(target, **kwargs)
+
+
+def compiles_so_far() -> int:
+    """How many frames torch.compile has compiled in this process (first compiles and recompiles); 0 when
+    nothing was compiled (dynamo not even imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["frames"]["total"]) if utils is not None else 0
+
+
+__all__ = ["compile_dynamic", "compiles_so_far", "inductor_options", "without_duck_sizing"]
