@@ -625,3 +625,38 @@ def test_update_micro_batches_grow_past_the_cap_only_with_room_to_spare():
     assert eighty.sizes.actor_micro_batch_size == capped  # a 2x micro-batch would take > 60% of 80 GB
     checkpointed = make_plan(cfg_of(*job, "actor_rollout_ref.model.enable_gradient_checkpointing=true"), fake("h100"))
     assert checkpointed.sizes.actor_micro_batch_size == 128  # the whole mini-batch: recompute keeps it small
+
+
+# ------------------------------------------------------------------------------------ host RAM, several ranks
+def test_offloaded_state_must_fit_this_machines_ram_once_per_rank():
+    """What a GPU plan offloads (here the 1.5B shape's Adam states, 11.50 GiB a rank) lives in host RAM, once per
+    rank on the machine: refused before loading when the RAM cannot hold it, with the numbers and the fixes."""
+    big = ["actor_rollout_ref.model.path=qwen2.5-1.5b", "algorithm.adv_estimator=grpo", "data.train_batch_size=16",
+           "actor_rollout_ref.rollout.n=8", "data.max_prompt_length=256", "data.max_response_length=512",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
+
+    def plan(ram_gib, *extra):
+        return make_plan(cfg_of(*big, *extra), HardwareProbe.fake("p40", ram_gib=ram_gib), for_execution=False)
+
+    roomy = plan(64)
+    assert roomy.optimizer_offload and "11.50 GiB per rank in host RAM (actor adam 11.50 GiB)" in \
+        roomy.reasons["host_memory"]
+    assert "host memory" in roomy.summary()
+    with pytest.raises(NoFitError, match=r"(?s)11.50 GiB per rank in host RAM.*of 9.60 GiB.*trainer.n_gpus_per_node"):
+        plan(12)
+    replicas = ("trainer.n_gpus_per_node=2", "hardware.data_parallel=replicate")
+    assert "x 2 ranks on this machine = 23.00 GiB" in plan(64, *replicas).reasons["host_memory"]
+    with pytest.raises(NoFitError, match="x 2 ranks on this machine = 23.00 GiB, of 19.20 GiB"):
+        plan(24, *replicas)
+    assert plan(24, "trainer.n_gpus_per_node=2").data_parallel == "shard"  # sharded: nothing offloaded
+    assert "host_memory" not in make_plan(cfg_of(*PPO_05B), fake("h100"), for_execution=False).reasons
+
+
+def test_cpu_processes_on_one_machine_share_its_ram():
+    def plan(*extra):
+        return make_plan(cfg_of("actor_rollout_ref.model.path=qwen2.5-0.5b", *SMALL, *extra),
+                         HardwareProbe.fake(None, ram_gib=32), for_execution=False)
+
+    one, two = plan(), plan("trainer.n_gpus_per_node=2")
+    assert two.memory_budget_bytes == one.memory_budget_bytes // 2
+    assert "shared by 2 processes: 16.00 GiB each" in two.reasons["memory_budget"]

@@ -425,6 +425,21 @@ def _resident(models: dict[str, _ModelMemory], placement: Placement, phase: str,
     return parts
 
 
+def host_offload_bytes(shape: ModelShape, workload: Workload, placement: Placement,
+                       critic_shape: Optional[ModelShape] = None) -> dict[str, int]:
+    """Bytes one rank keeps in host RAM for what `placement` offloads from the GPU, by component (weights of
+    offloaded models, a parked reference, Adam states); {} on a CPU run, where nothing is offloaded."""
+    if not workload.on_cuda:
+        return {}
+    parts: dict[str, int] = {}
+    for name, mem in _models(shape, workload, critic_shape).items():
+        if placement.param_offload or (name == "ref" and not placement.ref_on_device):
+            parts[f"{name}_weights"] = mem.weights
+        if mem.adam and placement.optimizer_offload:
+            parts[f"{name}_adam"] = mem.adam
+    return parts
+
+
 def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
                     critic_shape: Optional[ModelShape] = None, budget_bytes: Optional[int] = None) -> dict:
     """Predicted peak bytes per phase, with a breakdown. JSON-able.

@@ -383,9 +383,11 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     scores = attn == ATTN_EAGER or (attn == ATTN_SDPA and set(backends) <= {"math"})
     # [distributed] several ranks: replicate when a full replica fits each, else shard (distributed.plan_sharding)
     from .distributed import plan_sharding
+    # host RAM holds what a GPU plan offloads; known when the GPUs are this machine's (not a plan for another one)
+    host_ram = machine.ram_available_bytes if real is not None and machine.ram_available_bytes else None
     plan_sharding(cfg, plan, lambda shard_world: _plan_memory(cfg, plan, target, shape, critic_shape, scores,
                                                               critic_lora, use_ref and not use_lora, reasons,
-                                                              shard_world=shard_world))
+                                                              shard_world=shard_world, host_ram_bytes=host_ram))
     _ref_reason(plan, use_ref, use_lora, kl_loss, kl_reward, reasons)
     _memory_cap(plan, card, real, for_execution, reasons)
     _plan_data_parallel(cfg, plan, machine, for_execution, reasons)
@@ -399,11 +401,12 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
 
 def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, critic_shape: Optional[ModelShape],
                  scores_materialized: bool, critic_lora: int, separate_ref: bool, reasons: dict[str, str],
-                 shard_world: int = 1) -> None:
+                 shard_world: int = 1, host_ram_bytes: Optional[int] = None) -> None:
     hcfg = cfg.hardware
     arr = cfg.actor_rollout_ref
     actor, critic = arr.actor, cfg.critic
-    world = max(1, int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node))
+    per_node = max(1, int(cfg.trainer.n_gpus_per_node))  # processes on this machine, sharing its RAM
+    world = max(1, int(cfg.trainer.nnodes) * per_node)
     n = int(arr.rollout.n)
     prompts = int(cfg.data.train_batch_size)
     mini = min(int(actor.ppo_mini_batch_size), prompts)
@@ -411,6 +414,10 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
     if hcfg.memory_budget_gib:
         device_bytes = int(float(hcfg.memory_budget_gib) * est.GIB)
         source = f"hardware.memory_budget_gib={hcfg.memory_budget_gib}"
+    elif not target.is_cuda and per_node > 1:  # [distributed] CPU processes on one machine share its RAM
+        device_bytes = target.memory_bytes // per_node
+        source = (f"{target.name} {est.format_bytes(target.memory_bytes)} shared by {per_node} processes: "
+                  f"{est.format_bytes(device_bytes)} each")
     else:
         device_bytes = target.memory_bytes
         source = f"{target.name}{' (emulated)' if target.emulated else ''} {est.format_bytes(device_bytes)}"
@@ -467,6 +474,9 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
             f" ({source} per rank; each of the {world} ranks holds the full models)")
         raise NoFitError(est.explain_no_fit(shape, workload, budget, fixed, critic_shape, label))
     placement, estimate = fit.placement, fit.estimate
+    if host_ram_bytes and target.is_cuda:
+        _check_host_memory(est.host_offload_bytes(shape, workload, placement, critic_shape), per_node,
+                           host_ram_bytes, reasons)
     plan.estimate = estimate
     plan.gradient_checkpointing = placement.gradient_checkpointing
     plan.optimizer_offload = placement.optimizer_offload and target.is_cuda
@@ -734,6 +744,26 @@ def sharded_gather_dtype(plan: Plan) -> Optional[torch.dtype]:
 def _local_rank() -> int:
     """This process's GPU index under torchrun (0 alone)."""
     return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _check_host_memory(offloaded: dict[str, int], per_node: int, host_ram_bytes: int, reasons: dict[str, str]) -> None:
+    """What the plan offloads lives in this machine's RAM, once per rank on it: refuse before loading when the
+    ranks' offloaded state does not fit the RAM available (x est.CPU_RAM_FRACTION); else say how much it takes."""
+    if not offloaded:
+        return
+    per_rank = sum(offloaded.values())
+    need, budget = per_rank * per_node, int(host_ram_bytes * est.CPU_RAM_FRACTION)
+    parts = ", ".join(f"{name.replace('_', ' ')} {est.format_bytes(size)}" for name, size in offloaded.items())
+    ranks = f" x {per_node} ranks on this machine = {est.format_bytes(need)}" if per_node > 1 else ""
+    text = (f"{est.format_bytes(per_rank)} per rank in host RAM ({parts}){ranks}, of "
+            f"{est.format_bytes(budget)} (available RAM {est.format_bytes(host_ram_bytes)} x {est.CPU_RAM_FRACTION})")
+    if need > budget:
+        raise NoFitError(
+            f"the GPU memory plan offloads {text}: more than this machine's RAM holds. Fixes: fewer ranks per "
+            "machine (trainer.n_gpus_per_node), hardware.data_parallel=shard (FSDP2 divides weights and Adam states "
+            "over the ranks instead), LoRA (actor_rollout_ref.model.lora_rank), a smaller model or batch, or more "
+            "RAM")
+    reasons["host_memory"] = f"offloaded: {text}"
 
 
 def _plan_data_parallel(cfg: Any, plan: Plan, machine: HardwareProbe, for_execution: bool,

@@ -192,6 +192,8 @@ class Plan:
             ("log-prob chunk", f"{self.logprob_chunk_size} tokens", self.reasons.get("logprob_chunk_size", "")),
             ("optimizer offload", "on" if self.optimizer_offload else "off", self.reasons.get("optimizer_offload", "")),
             ("param offload", "on" if self.param_offload else "off", self.reasons.get("param_offload", "")),
+            *([("host memory", "offloaded state", self.reasons["host_memory"])] if "host_memory" in self.reasons
+              else []),
             ("memory budget", gib(self.memory_budget_bytes) if self.memory_budget_bytes else "-",
              self.reasons.get("memory_budget", "")),
             ("memory cap", f"{self.memory_fraction:.3f} of the GPU" if self.memory_fraction else "none",
