@@ -110,8 +110,13 @@ def summarize(records: list[dict], rows_per_step: int, warmup: int) -> dict:
     phases = sorted({k for r in train for k in r if k.startswith("timing/")})
     later = train[warmup:] or train
     phase_s = {k[len("timing/"):]: statistics.median([r[k] for r in later if k in r]) for k in phases}
+    # the medians hide steps that compiled (perf/compiles > 0): the whole run's time after step 1 shows them
+    after_first = [r["perf/step_time_s"] for r in train[1:]]
+    compiling = [(r["step"], round(r["perf/step_time_s"], 2), r["perf/compiles"]) for r in train[1:]
+                 if r.get("perf/compiles")]
     return {"steps": len(train), "step_time_s": step_time, "samples_per_s": rows_per_step / step_time,
-            "phase_s": phase_s,
+            "run_samples_per_s": rows_per_step * len(after_first) / sum(after_first) if after_first else None,
+            "compile_steps": compiling, "phase_s": phase_s,
             "peak_memory_gib_per_rank": max((r.get("perf/peak_memory_gib", 0.0) for r in train), default=None),
             "val_acc": {r["step"]: r["val/acc"] for r in records if "val/acc" in r}}
 
@@ -147,6 +152,9 @@ def part_scaling(args, root: str, extra: list[str]) -> dict:
               f"{args.nproc} ranks ({mode}) {many['samples_per_s']:.1f} samples/s ({many['step_time_s']:.2f} s/step): "
               f"x{results[name]['speedup']:.2f}; peak/rank {one['peak_memory_gib_per_rank']:.2f} vs "
               f"{many['peak_memory_gib_per_rank']:.2f} GiB{val}", flush=True)
+        print(f"  whole run after step 1: 1 rank {one['run_samples_per_s'] or float('nan'):.1f} samples/s, "
+              f"{args.nproc} ranks {many['run_samples_per_s'] or float('nan'):.1f}; steps that compiled (step, s, "
+              f"graphs): 1 rank {one['compile_steps']}, {args.nproc} ranks {many['compile_steps']}")
         for phase in sorted(set(one["phase_s"]) | set(many["phase_s"])):
             print(f"  {phase}: 1 rank {one['phase_s'].get(phase, float('nan')):.3f} s  {args.nproc} ranks "
                   f"{many['phase_s'].get(phase, float('nan')):.3f} s")

@@ -173,3 +173,18 @@ def test_trace_gaps_names_the_cpu_operator_the_gpu_waited_on(tmp_path, capsys, m
     assert out[0] == "phase/update_actor: wall 1.0 ms, GPU idle 0.3 ms in 1 gaps"
     assert out[1].split() == ["0.3", "ms", "1", "gaps", "phase/update_actor", ">", "aten::copy_", ">",
                               "cudaStreamSynchronize"]
+
+
+def test_scaling_summary_reports_the_whole_run_and_the_steps_that_compiled():
+    import distributed_scaling
+
+    records = [{"step": 1, "perf/step_time_s": 20.0, "perf/compiles": 9},  # the first step: compiles, left out
+               {"step": 2, "perf/step_time_s": 1.0, "perf/compiles": 0, "timing/rollout": 0.5},
+               {"step": 3, "perf/step_time_s": 7.0, "perf/compiles": 2, "timing/rollout": 0.5},
+               {"step": 4, "perf/step_time_s": 2.0, "timing/rollout": 0.7, "perf/peak_memory_gib": 3.0},
+               {"step": 4, "val/acc": 0.5}]
+    summary = distributed_scaling.summarize(records, rows_per_step=10, warmup=1)
+    assert summary["step_time_s"] == 2.0  # median of 1, 7, 2
+    assert summary["run_samples_per_s"] == pytest.approx(30 / 10.0)  # 3 steps x 10 rows in 10 s
+    assert summary["compile_steps"] == [(3, 7.0, 2)]
+    assert summary["val_acc"] == {4: 0.5} and summary["phase_s"] == {"rollout": 0.5}
