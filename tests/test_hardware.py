@@ -648,7 +648,9 @@ def test_offloaded_state_must_fit_this_machines_ram_once_per_rank():
     assert "x 2 ranks on this machine = 23.00 GiB" in plan(64, *replicas).reasons["host_memory"]
     with pytest.raises(NoFitError, match="x 2 ranks on this machine = 23.00 GiB, of 19.20 GiB"):
         plan(24, *replicas)
-    assert plan(24, "trainer.n_gpus_per_node=2").data_parallel == "shard"  # sharded: nothing offloaded
+    for ram in (24, 64):  # sharded: nothing offloaded, and no word left from the replicated attempt
+        sharded = plan(ram, "trainer.n_gpus_per_node=2")
+        assert sharded.data_parallel == "shard" and "host_memory" not in sharded.reasons
     assert "host_memory" not in make_plan(cfg_of(*PPO_05B), fake("h100"), for_execution=False).reasons
 
 

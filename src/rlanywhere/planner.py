@@ -474,6 +474,7 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
             f" ({source} per rank; each of the {world} ranks holds the full models)")
         raise NoFitError(est.explain_no_fit(shape, workload, budget, fixed, critic_shape, label))
     placement, estimate = fit.placement, fit.estimate
+    reasons.pop("host_memory", None)  # [distributed] from an earlier attempt (replicated, then sharded)
     if host_ram_bytes and target.is_cuda:
         _check_host_memory(est.host_offload_bytes(shape, workload, placement, critic_shape), per_node,
                            host_ram_bytes, reasons)
