@@ -268,14 +268,43 @@ def test_sigterm_stops_every_rank_at_one_step_and_saves_it(tiny_model_dir, arith
     assert trained == list(range(1, step + 1))  # each step once: rank 0 alone logs
 
 
-def test_dynamic_sampling_is_refused_on_several_ranks():
+def test_dynamic_sampling_on_two_ranks_matches_one_process(tiny_model_dir, arith_data, tmp_path, reward_file):
+    """DAPO's dynamic sampling over 2 ranks: every round's prompts split like a step's, the decision to draw again
+    taken on global counts, and the prompts trained on those one process picks (kept prompts of every round, then
+    dropped ones), moved into one block per rank: the same metrics, rounds and weights as one process."""
+    extra = {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "seq_reward",
+             "algorithm.filter_groups.max_num_gen_batches": 3, "data.gen_batch_size": 8,
+             "data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+             "trainer.total_training_steps": 3, "trainer.test_freq": 3, "trainer.save_freq": 3}
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra))
+    cfg = load_config(None, overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
+    plan = make_plan(cfg, for_execution=True)
+    # a round's prompts in the waves the ranks generate them in (a rank's waves follow its plan, not the round)
+    rank_plan = make_plan(load_config(None, overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra)
+                                      + ["trainer.n_gpus_per_node=2"]), for_execution=False)
+    plan.sizes.rollout_batch_size = rank_plan.sizes.rollout_batch_size
+    assert 8 // 2 * cfg.actor_rollout_ref.rollout.n % plan.sizes.rollout_batch_size == 0  # waves within a block
+    reference = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
+    reference.fit()
+    finish(proc)
+    want = read_metrics(single_dir)
+    trained = [r for r in want if "reward/mean" in r]
+    assert any(r["filter_groups/num_gen_batches"] > 1 for r in trained)  # more rounds were drawn
+    assert_same_metrics(read_metrics(dist_dir), want, steps=(1, 2, 3))
+    assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"), reference.actor)
+
+
+def test_dynamic_sampling_rounds_must_split_over_the_ranks():
     from rlanywhere.distributed import check_world_config
     from rlanywhere.errors import UserError
 
-    cfg = load_config(None, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"])
+    cfg = load_config(None, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                             "data.gen_batch_size=6"])
     check_world_config(cfg, 1)
-    with pytest.raises(UserError, match="filter_groups.enable=true .* not over 2 ranks"):
-        check_world_config(cfg, 2)
+    check_world_config(cfg, 2)
+    with pytest.raises(UserError, match="data.gen_batch_size=6 is not divisible by the 4 ranks"):
+        check_world_config(cfg, 4)
 
 
 # ------------------------------------------------------------------------------------------ pure helpers

@@ -44,7 +44,8 @@ def test_dynamic_sampling_keeps_only_informative_groups(tiny_model_dir, arith_da
         "algorithm.adv_estimator": "grpo", "algorithm.filter_groups.enable": True,
         "algorithm.filter_groups.metric": "acc", "algorithm.filter_groups.max_num_gen_batches": 20,
         "data.gen_batch_size": 3, "custom_reward_function.path": reward_file(tmp_path)}))
-    scored, metrics = trainer.rollouts.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
+    scored, metrics, first = trainer.rollouts.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
+    assert first == 0
     assert len(scored.items) == 4 and scored.rollout.response_ids.shape[0] == 8  # train_batch_size x n
     assert metrics["filter_groups/prompts_topped_up"] == 0
     for group in groups_of(scored.scores, 2):
@@ -65,7 +66,8 @@ def test_dynamic_sampling_tops_up_at_the_cap(tiny_model_dir, arith_data, tmp_pat
         "algorithm.adv_estimator": "grpo", "algorithm.filter_groups.enable": True,
         "algorithm.filter_groups.metric": "score", "algorithm.filter_groups.max_num_gen_batches": 2,
         "custom_reward_function.path": reward_file(tmp_path, constant)}))
-    scored, metrics = trainer.rollouts.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
+    scored, metrics, first = trainer.rollouts.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
+    assert first == 0
     assert metrics["filter_groups/num_gen_batches"] == 2 and trainer.loader.position == 2
     assert metrics["filter_groups/prompts_informative"] == 0
     assert metrics["filter_groups/prompts_topped_up"] == 4 and len(scored.items) == 4
@@ -102,7 +104,7 @@ def test_overlong_penalty_is_added_to_the_score(tiny_model_dir, arith_data, tmp_
     trainer = make_trainer(base_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
         "algorithm.adv_estimator": "grpo", "reward_model.overlong_buffer.enable": True,
         "reward_model.overlong_buffer.len": 4, "custom_reward_function.path": reward_file(tmp_path)}))
-    scored, _ = trainer.rollouts.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
+    scored, _, _ = trainer.rollouts.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
     lengths = scored.rollout.response_lengths().float()
     texts = scored.rollout.decode(trainer.tokenizer)
     parity = torch.tensor([float(sum(map(ord, text)) % 2) for text in texts])

@@ -80,6 +80,7 @@ def check_batch_divisible(cfg, world: int) -> None:
         return
     actor = cfg.actor_rollout_ref.actor
     for key, value in (("data.train_batch_size", cfg.data.train_batch_size),
+                       ("data.gen_batch_size", cfg.data.gen_batch_size),
                        ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
                        ("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size)):
         if value is not None and int(value) % world:
@@ -88,15 +89,10 @@ def check_batch_divisible(cfg, world: int) -> None:
 
 
 def check_world_config(cfg, world: int) -> None:
-    """What data parallelism over `world` ranks cannot run, refused before anything loads: batch sizes that do not
-    split evenly over the ranks, and DAPO's dynamic sampling (algorithm.filter_groups), whose extra generation
-    rounds and choice of kept groups are decided over the whole batch (not built across ranks yet)."""
+    """What data parallelism over `world` ranks cannot run, refused before anything loads: batch sizes (and DAPO's
+    prompts per generation round) that do not split evenly over the ranks."""
     if world <= 1:
         return
-    if cfg.algorithm.filter_groups.enable:
-        raise UserError(f"algorithm.filter_groups.enable=true (DAPO dynamic sampling) runs in one process only, not "
-                        f"over {world} ranks (trainer.nnodes x trainer.n_gpus_per_node): set "
-                        "algorithm.filter_groups.enable=false, or run it on one GPU")
     check_batch_divisible(cfg, world)
 
 

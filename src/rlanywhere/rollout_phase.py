@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 from omegaconf import DictConfig
 
 from . import algorithms as algo
 from .config import as_list
+from .distributed import DataParallel
 from .errors import UserError
 from .oom import OOMGuard
 from .plans import Plan, SizeKind
@@ -35,9 +35,10 @@ class RolloutPhase:
     """Generation and scoring for one run: the engine, the reward, the sampling settings of the config."""
 
     def __init__(self, cfg: DictConfig, plan: Plan, engine, actor, tokenizer, reward_manager, oom: OOMGuard,
-                 next_prompts: Callable[[], list[dict]], release_kv: bool):
+                 next_prompts: Callable[[], list[dict]], release_kv: bool, dp: Optional[DataParallel] = None):
         self.cfg, self.plan, self.engine, self.actor, self.tokenizer = cfg, plan, engine, actor, tokenizer
         self.reward_manager, self.oom, self.next_prompts = reward_manager, oom, next_prompts
+        self.dp = dp or DataParallel()  # [distributed] dynamic sampling decides over every rank's prompts
         self.release_kv = release_kv  # free the engine's KV cache once a step's rollouts are done
         self.n = cfg.actor_rollout_ref.rollout.n
 
@@ -113,14 +114,18 @@ class RolloutPhase:
         return torch.tensor(part.info[name], dtype=STATISTICS_DTYPE)
 
     def rollout_and_score(self, items: list[dict], timer, step: int = 0,
-                          first_prompt: int = 0) -> tuple[ScoredRollout, dict]:
-        """Steps 1-2: n samples per prompt from the current policy, scored (and length-shaped).
+                          first_prompt: int = 0) -> tuple[ScoredRollout, dict, int]:
+        """Steps 1-2: n samples per prompt from the current policy, scored (and length-shaped). Returns the scored
+        prompts to train on, the dynamic-sampling metrics and the global index of the first of those prompts.
 
         With DAPO's dynamic sampling (algorithm.filter_groups) groups whose metric is the same for every sample are
         dropped and more prompts are drawn until train_batch_size prompts are kept, at most max_num_gen_batches
-        rounds; a batch still short at the cap is topped up with dropped groups (verl stops the run there)."""
+        rounds; a batch still short at the cap is topped up with dropped groups (verl stops the run there).
+        [distributed] each round's prompts are split over the ranks like the step's; the counts that decide another
+        round are global, and the prompts trained on are those one process would pick (every round's kept
+        prompts, then every round's dropped ones, in global order), moved into even blocks, one per rank."""
         filter_cfg = self.cfg.algorithm.filter_groups
-        rounds, kept, dropped = [], [], []
+        rounds, kept, dropped, counts = [], [], [], []
         while True:
             with timer("rollout"):
                 # [distributed] draws seeded by the global index of each call's first prompt (first_prompt: this
@@ -136,29 +141,60 @@ class RolloutPhase:
                                            torch.arange(len(items)).repeat_interleave(self.n))
             kept.append(rounds[-1].select([p for p in range(len(items)) if keep[p * self.n]]))
             dropped.append(rounds[-1].select([p for p in range(len(items)) if not keep[p * self.n]]))
-            informative = sum(len(part.items) for part in kept)
+            # [distributed] every rank's (kept, dropped) prompt counts of this round, in rank order
+            counts.append(self.dp.gather_objects([(len(kept[-1].items), len(dropped[-1].items))]))
+            informative = sum(k for per_rank in counts for k, _ in per_rank)
             at_cap = 0 < filter_cfg.max_num_gen_batches <= len(rounds)
             if informative >= self.cfg.data.train_batch_size or at_cap:
                 break
-            items = self.next_prompts()
+            items, first_prompt = self.dp.share(self.next_prompts())
         if self.release_kv:
             self.engine.release_memory()
         if not filter_cfg.enable:
-            return rounds[0], {}
-        pool = ScoredRollout.concat([part for part in kept + dropped if part.items], self.tokenizer.pad_token_id)
-        batch = pool.select(list(range(min(self.cfg.data.train_batch_size, len(pool.items)))))
-        batch.info["num_errors"] = sum(part.info["num_errors"] for part in rounds)
-        topped_up = max(len(batch.items) - informative, 0)
-        if topped_up:
+            return rounds[0], {}, first_prompt
+        batch, first_prompt = self._kept_prompts(kept, dropped, counts)
+        batch.info["num_errors"] = sum(part.info["num_errors"] for part in rounds)  # this rank's (summed in metrics)
+        drawn = sum(n_kept + n_dropped for per_rank in counts for n_kept, n_dropped in per_rank)
+        topped_up = max(len(batch.items) * self.dp.world - informative, 0)
+        if topped_up and self.dp.is_main:
             log.warning("dynamic sampling: %d informative prompts after %d generation rounds "
                         "(algorithm.filter_groups.max_num_gen_batches); topped up with %d uninformative ones",
                         informative, len(rounds), topped_up)
-        drawn_acc = [acc for part in rounds for acc in part.info["acc"]]
+        acc = self.dp.sum_dict({"sum": float(sum(a for part in rounds for a in part.info["acc"])),
+                                "count": float(sum(len(part.info["acc"]) for part in rounds))})
         return batch, {"filter_groups/num_gen_batches": float(len(rounds)),
-                       "filter_groups/prompts_drawn": float(sum(len(part.items) for part in rounds)),
+                       "filter_groups/prompts_drawn": float(drawn),
                        "filter_groups/prompts_informative": float(informative),
                        "filter_groups/prompts_topped_up": float(topped_up),
-                       "filter_groups/drawn_acc": float(np.mean(drawn_acc))}
+                       "filter_groups/drawn_acc": acc["sum"] / acc["count"]}, first_prompt
+
+    def _kept_prompts(self, kept: list[ScoredRollout], dropped: list[ScoredRollout],
+                      counts: list[list[tuple[int, int]]]) -> tuple[ScoredRollout, int]:
+        """The first train_batch_size prompts of the pool one process builds (every round's kept prompts, then
+        every round's dropped ones; within a round, rank order is global prompt order) and the global index of the
+        first: this rank's even block of them. [distributed] prompts move to the rank whose block holds them."""
+        world, rank, pad = self.dp.world, self.dp.rank, self.tokenizer.pad_token_id
+        # pool offset of each (round, rank) segment: kept segments first, then dropped ones
+        segments = [(r, k, c[0]) for r, per_rank in enumerate(counts) for k, c in enumerate(per_rank)]
+        segments += [(r, k, c[1]) for r, per_rank in enumerate(counts) for k, c in enumerate(per_rank)]
+        offsets, position = {}, 0
+        for index, (r, k, size) in enumerate(segments):
+            offsets[(index >= len(segments) // 2, r, k)] = position
+            position += size
+        chosen = min(int(self.cfg.data.train_batch_size), position)
+        chosen -= chosen % world  # [distributed] even blocks (one process: all of them)
+        if chosen == 0:
+            raise UserError(f"dynamic sampling drew {position} prompts, fewer than the {world} ranks: raise "
+                            "data.gen_batch_size or algorithm.filter_groups.max_num_gen_batches")
+        block = chosen // world
+        local = [(offsets[(is_dropped, r, rank)] + j, part, j)
+                 for is_dropped, parts in ((False, kept), (True, dropped)) for r, part in enumerate(parts)
+                 for j in range(len(part.items))]
+        # [distributed] every rank's chosen prompts go to every rank (one process: its own), each keeps its block
+        pieces = self.dp.gather_objects([(p, part.select([j])) for p, part, j in local if p < chosen])
+        ordered = sorted((piece for piece in pieces if rank * block <= piece[0] < (rank + 1) * block),
+                         key=lambda piece: piece[0])
+        return ScoredRollout.concat([part for _, part in ordered], pad), rank * block
 
     def truncated_loss_mask(self, rollout: RolloutBatch) -> tuple[Optional[torch.Tensor], dict]:
         """TRL's mask_truncated_completions: the response mask without responses cut off by the length limit."""

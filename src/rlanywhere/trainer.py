@@ -109,7 +109,8 @@ class RLTrainer:
         self.engine = builders.build_engine(cfg, plan, self.actor, self.tokenizer)
         self.write_plan_record()  # after the engine is known: the record shows what runs
         self.rollouts = RolloutPhase(cfg, plan, self.engine, self.actor, self.tokenizer, self.reward_manager,
-                                     self.oom_guard, self.loader.next_batch, plan.rollout.release_kv_between_phases)
+                                     self.oom_guard, self.loader.next_batch, plan.rollout.release_kv_between_phases,
+                                     self.dp)
         self.global_step = 0
         self.tracker: Optional[Tracker] = None
 
@@ -172,8 +173,9 @@ class RLTrainer:
 
         # 1-2. rollout (n samples per prompt from the current policy) and rule-based reward per sequence;
         # DAPO's dynamic sampling may draw more prompts, and replaces `items` by the prompts trained on
-        # ([distributed] one rank: check_world_config refuses dynamic sampling with several ranks)
-        scored, sampling_metrics = self.rollouts.rollout_and_score(items, timer, self.global_step, first_prompt)
+        # ([distributed] and `first_prompt` by the global index of this rank's first one of them)
+        scored, sampling_metrics, first_prompt = self.rollouts.rollout_and_score(items, timer, self.global_step,
+                                                                                 first_prompt)
         items, rollout, scores, info = scored.items, scored.rollout, scored.scores, scored.info
         self.precision_guard.check_rollout(rollout.response_logprobs, rollout.response_mask)
         # each row's prompt by its index in the global batch: GRPO/RLOO groups, wherever balancing puts the row
