@@ -759,11 +759,11 @@ def _check_host_memory(offloaded: dict[str, int], per_node: int, host_ram_bytes:
     text = (f"{est.format_bytes(per_rank)} per rank in host RAM ({parts}){ranks}, of "
             f"{est.format_bytes(budget)} (available RAM {est.format_bytes(host_ram_bytes)} x {est.CPU_RAM_FRACTION})")
     if need > budget:
-        raise NoFitError(
-            f"the GPU memory plan offloads {text}: more than this machine's RAM holds. Fixes: fewer ranks per "
-            "machine (trainer.n_gpus_per_node), hardware.data_parallel=shard (FSDP2 divides weights and Adam states "
-            "over the ranks instead), LoRA (actor_rollout_ref.model.lora_rank), a smaller model or batch, or more "
-            "RAM")
+        spread = ("fewer ranks per machine (trainer.n_gpus_per_node), hardware.data_parallel=shard (FSDP2 divides "
+                  "weights and Adam states over the ranks instead of offloading them)" if per_node > 1 else
+                  "several GPUs (trainer.n_gpus_per_node=N shards weights and Adam states over them)")
+        raise NoFitError(f"the GPU memory plan offloads {text}: more than this machine's RAM holds. Fixes: {spread}, "
+                         "LoRA (actor_rollout_ref.model.lora_rank), a smaller model or batch, or more RAM")
     reasons["host_memory"] = f"offloaded: {text}"
 
 
