@@ -59,6 +59,25 @@ def test_grpo_sharded_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_
     assert_same_metrics(read_metrics(copy), want, steps=(3,))
 
 
+@pytest.mark.parametrize("extra", [{}, {"algorithm.adv_estimator": "gae", "critic.optim.lr": 1e-3}],
+                         ids=["grpo", "ppo-critic"])
+def test_a_replicated_checkpoint_resumes_sharded(tiny_model_dir, arith_data, tmp_path, reward_file, extra):
+    """A replicated run's checkpoint (2 replicas, killed inside step 3) resumed sharded, as when a model outgrows
+    replicas or a 1-GPU run with offload moves to GPUs that plan it sharded: every rank reads the full weights and
+    Adam state (the critic's too) and keeps its shards; step 3 and its weights equal one process's."""
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    kill_9_after_checkpoint_2(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra), dist_dir)
+    assert not (dist_dir / "checkpoints" / "global_step_2" / "dcp").exists()  # the replicated layout
+    resume = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **SHARD))
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
+    out = finish(resume)
+    assert "resumed from" in out and "global_step_2" in out
+    assert plan_record(dist_dir)["data_parallel"] == "shard"
+    assert (dist_dir / "checkpoints" / "global_step_3" / "dcp" / ".metadata").exists()  # sharded from here on
+    assert_same_metrics(read_metrics(dist_dir), read_metrics(single_dir), steps=(3,))
+    assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"), reference.actor)
+
+
 def test_ppo_sharded_with_critic_and_reference_matches_one_process(tiny_model_dir, arith_data, tmp_path, reward_file):
     """PPO: sharded actor, critic and reference, KL in the reward (adaptive), 2 epochs, gradient checkpointing,
     token-budget micro-batches (ranks may run different numbers of them: padded to match)."""

@@ -14,6 +14,7 @@ tensor with its global shape and FQN, so a checkpoint written by N ranks loads o
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -183,17 +184,93 @@ def save_full_model(dp, directory: str, model: nn.Module, tokenizer) -> None:
     dp.barrier()
 
 
+def load_replicated_into_sharded(path: str, *, actor, critic=None, optimizers: dict,
+                                 schedulers: dict) -> dict[str, Any]:
+    """A replicated run's checkpoint (one process, or rank 0 of replicas: full weights and optimizer state) into
+    sharded models: every rank reads the full state and keeps its shards (DCP's set_model_state_dict /
+    set_optimizer_state_dict with full state dicts). So a run that outgrows one GPU, or a 1-GPU run with offload
+    that two GPUs plan sharded, continues where it stopped. Full fine-tuning; a LoRA run is refused by name."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from .checkpoint import _load_safetensors_dir
+
+    problem = verify_checkpoint(path)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
+    with open(os.path.join(path, "trainer_state.json")) as handle:
+        state = json.load(handle)
+    if state.get("lora") or (critic is not None and critic.is_lora):
+        raise CheckpointError(f"checkpoint {path} holds LoRA adapters of a replicated run and this run is sharded "
+                              "(plan.data_parallel=shard): resume it with hardware.data_parallel=replicate, or start "
+                              "a sharded run from its merged HF weights (actor_rollout_ref.model.path=<it>/actor)")
+    try:
+        full = {"actor": _load_safetensors_dir(os.path.join(path, "actor"))}
+        if critic is not None:  # models.ValueModel.save: the backbone in HF files, value_head.safetensors
+            from safetensors.torch import load_file
+
+            critic_dir = os.path.join(path, "critic")
+            full["critic"] = {f"backbone.{k}": v for file in sorted(glob.glob(os.path.join(critic_dir,
+                                                                                          "model*.safetensors")))
+                              for k, v in load_file(file).items()}
+            full["critic"].update({f"value_head.{k}": v for k, v in
+                                   load_file(os.path.join(critic_dir, "value_head.safetensors")).items()})
+        saved = torch.load(os.path.join(path, "optim.pt"), map_location="cpu", weights_only=True)
+        options = StateDictOptions(full_state_dict=True, strict=False)  # tied heads are saved once
+        for name, model in (("actor", actor), ("critic", critic)):
+            if model is None:
+                continue
+            _check_keys(path, name, model, full[name])
+            set_model_state_dict(model, full[name], options=options)
+            optimizer = optimizers.get(name)
+            if optimizer is not None:
+                set_optimizer_state_dict(model, optimizer, _named_optimizer_state(saved["optimizers"][name], model,
+                                                                                  optimizer), options=options)
+        for name, scheduler in schedulers.items():
+            scheduler.load_state_dict(saved["schedulers"][name])
+        restore_rng(torch.load(os.path.join(path, "rng.pt"), weights_only=True), state["rng"])
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged file fails in many ways
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
+    return state
+
+
+def _check_keys(path: str, name: str, model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """strict=False lets a tied LM head be absent from the file; anything else missing or extra is an error."""
+    expected = {key for key, _ in model.named_parameters()}
+    tied = {key for key in expected - set(full) if key.endswith("lm_head.weight")}
+    missing, unexpected = expected - set(full) - tied, set(full) - {key for key in model.state_dict()}
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path}: the {name} weights do not match the model: missing "
+                              f"{sorted(missing)[:5]} unexpected {sorted(unexpected)[:5]}")
+
+
+def _named_optimizer_state(saved: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """A plain optimizer state dict (parameters by position, as optimizer.state_dict() writes it) keyed by parameter
+    names instead, the form DCP's set_optimizer_state_dict takes: position i is the i-th parameter of this run's
+    optimizer, built in the same order as the saving run's."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    positions = [index for group in saved["param_groups"] for index in group["params"]]
+    if len(positions) != len(order):
+        raise CheckpointError(f"the saved optimizer has {len(positions)} parameters, this run's {len(order)}")
+    by_name = dict(zip(positions, order))
+    return {"state": {by_name[index]: value for index, value in saved["state"].items()},
+            "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
+                              "params": [by_name[index] for index in group["params"]]}
+                             for group in saved["param_groups"]]}
+
+
 def load_checkpoint_any(load_replicated, path: str, *, actor, critic=None, optimizers: dict,
                         schedulers: dict) -> dict[str, Any]:
     """A sharded (DCP) checkpoint with `load_sharded`, on any world size, sharded or not; a replicated one with
-    `load_replicated` (checkpoint.load_checkpoint), which a sharded model cannot take."""
+    `load_replicated` (checkpoint.load_checkpoint), or into sharded models with `load_replicated_into_sharded`."""
     from .sharding import is_sharded
 
     kwargs = dict(actor=actor, critic=critic, optimizers=optimizers, schedulers=schedulers)
     if is_sharded_checkpoint(path):
         return load_sharded(path, **kwargs)
     if is_sharded(actor):
-        raise CheckpointError(f"checkpoint {path} was written by a replicated run and this run is sharded "
-                              "(plan.data_parallel=shard): resume it with hardware.data_parallel=replicate, or start "
-                              "a sharded run from its HF weights (actor_rollout_ref.model.path=<it>/actor)")
+        return load_replicated_into_sharded(path, **kwargs)
     return load_replicated(path, **kwargs)
