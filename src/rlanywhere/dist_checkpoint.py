@@ -14,6 +14,7 @@ tensor with its global shape and FQN, so a checkpoint written by N ranks loads o
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -149,7 +150,7 @@ def load_sharded(path: str, *, actor, critic=None, optimizers: dict, schedulers:
     problem = verify_checkpoint(path)
     if problem:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
-    try:
+    with _as_checkpoint_error(path):
         with open(os.path.join(path, "trainer_state.json")) as handle:
             state = json.load(handle)
         models = {"actor": actor, "critic": critic}
@@ -165,11 +166,19 @@ def load_sharded(path: str, *, actor, critic=None, optimizers: dict, schedulers:
         for name, scheduler in schedulers.items():
             scheduler.load_state_dict(saved[name])
         restore_rng(torch.load(os.path.join(path, "rng.pt"), weights_only=True), state["rng"])
+    return state
+
+
+@contextlib.contextmanager
+def _as_checkpoint_error(path: str):
+    """Any failure while reading `path` becomes a CheckpointError naming it (a damaged file fails in many ways), so
+    resume falls back to the previous checkpoint."""
+    try:
+        yield
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - a damaged file fails in many ways
+    except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
-    return state
 
 
 def save_full_model(dp, directory: str, model: nn.Module, tokenizer) -> None:
@@ -204,7 +213,7 @@ def load_replicated_into_sharded(path: str, *, actor, critic=None, optimizers: d
         raise CheckpointError(f"checkpoint {path} holds LoRA adapters of a replicated run and this run is sharded "
                               "(plan.data_parallel=shard): resume it with hardware.data_parallel=replicate, or start "
                               "a sharded run from its merged HF weights (actor_rollout_ref.model.path=<it>/actor)")
-    try:
+    with _as_checkpoint_error(path):
         full = {"actor": _load_safetensors_dir(os.path.join(path, "actor"))}
         if critic is not None:  # models.ValueModel.save: the backbone in HF files, value_head.safetensors
             from safetensors.torch import load_file
@@ -229,10 +238,6 @@ def load_replicated_into_sharded(path: str, *, actor, critic=None, optimizers: d
         for name, scheduler in schedulers.items():
             scheduler.load_state_dict(saved["schedulers"][name])
         restore_rng(torch.load(os.path.join(path, "rng.pt"), weights_only=True), state["rng"])
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a damaged file fails in many ways
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
     return state
 
 
