@@ -14,7 +14,8 @@ guard on sizes in its fusion heuristics: its mix-order reduction (RMSNorm's back
 micro-batches under 5 Mi elements and another for larger ones. Other guards are kept out by the callers: decode
 batches of at least 2 rows (dynamo specializes sizes 0 and 1: they change broadcasting), micro-batch widths that
 are multiples of 8 (inductor's alignment guard; plan.micro_batch_width_multiple), inputs that are not views. What
-remains is a graph per function and grad mode (the log-prob passes run without gradients).
+remains is a graph per function and per thing that does change the code: grad mode (the log-prob passes run without
+gradients), with or without entropy, RoPE over one decode position or a prefill's many.
 `compiles_so_far` counts compiles, which the trainer reports per step as `perf/compiles`.
 """
 
