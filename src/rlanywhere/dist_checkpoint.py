@@ -15,7 +15,6 @@ tensor with its global shape and FQN, so a checkpoint written by N ranks loads o
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import os
@@ -207,23 +206,17 @@ def load_replicated_into_sharded(path: str, *, actor, critic=None, optimizers: d
     problem = verify_checkpoint(path)
     if problem:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
-    with open(os.path.join(path, "trainer_state.json")) as handle:
-        state = json.load(handle)
-    if state.get("lora") or (critic is not None and critic.is_lora):
-        raise CheckpointError(f"checkpoint {path} holds LoRA adapters of a replicated run and this run is sharded "
-                              "(plan.data_parallel=shard): resume it with hardware.data_parallel=replicate, or start "
-                              "a sharded run from its merged HF weights (actor_rollout_ref.model.path=<it>/actor)")
     with _as_checkpoint_error(path):
+        with open(os.path.join(path, "trainer_state.json")) as handle:
+            state = json.load(handle)
+        if state.get("lora") or (critic is not None and critic.is_lora):
+            raise CheckpointError(f"checkpoint {path} holds LoRA adapters of a replicated run and this run is sharded "
+                                  "(plan.data_parallel=shard): resume it with hardware.data_parallel=replicate, or "
+                                  "start a sharded run from its merged HF weights "
+                                  "(actor_rollout_ref.model.path=<it>/actor)")
         full = {"actor": _load_safetensors_dir(os.path.join(path, "actor"))}
-        if critic is not None:  # models.ValueModel.save: the backbone in HF files, value_head.safetensors
-            from safetensors.torch import load_file
-
-            critic_dir = os.path.join(path, "critic")
-            full["critic"] = {f"backbone.{k}": v for file in sorted(glob.glob(os.path.join(critic_dir,
-                                                                                          "model*.safetensors")))
-                              for k, v in load_file(file).items()}
-            full["critic"].update({f"value_head.{k}": v for k, v in
-                                   load_file(os.path.join(critic_dir, "value_head.safetensors")).items()})
+        if critic is not None:
+            full["critic"] = type(critic).saved_state(os.path.join(path, "critic"))
         saved = torch.load(os.path.join(path, "optim.pt"), map_location="cpu", weights_only=True)
         options = StateDictOptions(full_state_dict=True, strict=False)  # tied heads are saved once
         for name, model in (("actor", actor), ("critic", critic)):

@@ -338,15 +338,32 @@ class ValueModel(nn.Module):
 
             set_peft_model_state_dict(self.backbone, load_file(os.path.join(directory, "adapter_model.safetensors")))
             return
+        missing, unexpected = self.backbone.load_state_dict(self.saved_backbone(directory), strict=False)
+        if unexpected or [m for m in missing if "rotary" not in m]:
+            raise RuntimeError(f"critic checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+
+    @staticmethod
+    def saved_backbone(directory: str) -> dict[str, torch.Tensor]:
+        """The full backbone weights `save` wrote to `directory` (its HF files)."""
+        from safetensors.torch import load_file
+
         backbone_files = sorted(glob.glob(os.path.join(directory, "model*.safetensors")))
         if not backbone_files:
             raise FileNotFoundError(f"no critic weights in {directory}")
         state = {}
         for file in backbone_files:
             state.update(load_file(file))
-        missing, unexpected = self.backbone.load_state_dict(state, strict=False)
-        if unexpected or [m for m in missing if "rotary" not in m]:
-            raise RuntimeError(f"critic checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+        return state
+
+    @classmethod
+    def saved_state(cls, directory: str) -> dict[str, torch.Tensor]:
+        """A full (not LoRA) critic saved by `save`, as one state dict of this module (backbone. and value_head.)."""
+        from safetensors.torch import load_file
+
+        state = {f"backbone.{key}": value for key, value in cls.saved_backbone(directory).items()}
+        state.update({f"value_head.{key}": value
+                      for key, value in load_file(os.path.join(directory, "value_head.safetensors")).items()})
+        return state
 
 
 def response_values(critic: ValueModel, input_ids, attention_mask, response_len: int, position_ids=None,

@@ -174,13 +174,13 @@ class RolloutPhase:
         every round's dropped ones; within a round, rank order is global prompt order) and the global index of the
         first: this rank's even block of them. [distributed] prompts move to the rank whose block holds them."""
         world, rank, pad = self.dp.world, self.dp.rank, self.tokenizer.pad_token_id
-        # pool offset of each (round, rank) segment: kept segments first, then dropped ones
-        segments = [(r, k, c[0]) for r, per_rank in enumerate(counts) for k, c in enumerate(per_rank)]
-        segments += [(r, k, c[1]) for r, per_rank in enumerate(counts) for k, c in enumerate(per_rank)]
+        # pool offset of each (dropped?, round, rank) segment: kept segments first, then dropped ones
         offsets, position = {}, 0
-        for index, (r, k, size) in enumerate(segments):
-            offsets[(index >= len(segments) // 2, r, k)] = position
-            position += size
+        for is_dropped in (False, True):
+            for r, per_rank in enumerate(counts):
+                for k, per_rank_counts in enumerate(per_rank):
+                    offsets[(is_dropped, r, k)] = position
+                    position += per_rank_counts[is_dropped]
         chosen = min(int(self.cfg.data.train_batch_size), position)
         chosen -= chosen % world  # [distributed] even blocks (one process: all of them)
         if chosen == 0:
