@@ -146,12 +146,7 @@ def load_sharded(path: str, *, actor, critic=None, optimizers: dict, schedulers:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    problem = verify_checkpoint(path)
-    if problem:
-        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
-    with _as_checkpoint_error(path):
-        with open(os.path.join(path, "trainer_state.json")) as handle:
-            state = json.load(handle)
+    with _reading_checkpoint(path) as state:
         models = {"actor": actor, "critic": critic}
         target = _state_dicts(models, optimizers)
         dcp.load(target, checkpoint_id=os.path.join(path, DCP_DIR))
@@ -169,11 +164,17 @@ def load_sharded(path: str, *, actor, critic=None, optimizers: dict, schedulers:
 
 
 @contextlib.contextmanager
-def _as_checkpoint_error(path: str):
-    """Any failure while reading `path` becomes a CheckpointError naming it (a damaged file fails in many ways), so
-    resume falls back to the previous checkpoint."""
+def _reading_checkpoint(path: str):
+    """Check `path` against its manifest and give its trainer_state; any failure while reading it (inside the block
+    too) becomes a CheckpointError naming it (a damaged file fails in many ways), so resume falls back to the
+    previous checkpoint."""
+    problem = verify_checkpoint(path)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     try:
-        yield
+        with open(os.path.join(path, "trainer_state.json")) as handle:
+            state = json.load(handle)
+        yield state
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -203,12 +204,7 @@ def load_replicated_into_sharded(path: str, *, actor, critic=None, optimizers: d
 
     from .checkpoint import _load_safetensors_dir
 
-    problem = verify_checkpoint(path)
-    if problem:
-        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
-    with _as_checkpoint_error(path):
-        with open(os.path.join(path, "trainer_state.json")) as handle:
-            state = json.load(handle)
+    with _reading_checkpoint(path) as state:
         if state.get("lora") or (critic is not None and critic.is_lora):
             raise CheckpointError(f"checkpoint {path} holds LoRA adapters of a replicated run and this run is sharded "
                                   "(plan.data_parallel=shard): resume it with hardware.data_parallel=replicate, or "
