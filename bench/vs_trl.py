@@ -226,6 +226,7 @@ def main() -> int:
                     "actor_micro_batch_size": sizes.get("actor_micro_batch_size"),
                     "max_token_len_per_micro_batch": sizes.get("max_token_len_per_micro_batch"),
                     "attn_implementation": plan.get("attn_implementation"),
+                    "share_prompts": plan.get("share_prompts"),
                     "rollout_engine": plan.get("rollout", {}).get("engine")}
 
     reference = None

@@ -49,6 +49,7 @@ def test_kv_heads_expanded_where_sdpa_would_fall_back_to_its_math_kernel(card, o
     reason = plan.reasons["expand_kv_heads"]
     assert ("math kernel" in reason) is expand, reason
     assert "grouped K/V heads" in plan.summary()
+    plan.share_prompts = False  # the name with shared prompts: tests/test_prompt_sharing.py
     assert hf_attention_implementation(plan) == (SDPA_EXPANDED_KV if expand else plan.attn_implementation)
 
 

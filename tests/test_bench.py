@@ -188,3 +188,14 @@ def test_scaling_summary_reports_the_whole_run_and_the_steps_that_compiled():
     assert summary["run_samples_per_s"] == pytest.approx(30 / 10.0)  # 3 steps x 10 rows in 10 s
     assert summary["compile_steps"] == [(3, 7.0, 2)]
     assert summary["val_acc"] == {4: 0.5} and summary["phase_s"] == {"rollout": 0.5}
+
+
+def test_shared_prompts_bench_runs_on_a_cpu_and_agrees_with_packed_rows(monkeypatch, capsys):
+    import shared_prompts
+
+    monkeypatch.setattr(sys, "argv", ["shared_prompts.py", "--device", "cpu", "--tiny", "--dtype", "fp32", "--rows",
+                                      "4", "--n", "2", "--prompt-len", "6", "--response-len", "5", "--repeats", "1"])
+    assert shared_prompts.main() == 0
+    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert int(lines["packed"][1]) == 4 * (6 + 5) and int(lines["sdpa_mask"][1]) == 2 * 6 + 4 * 5  # each prompt once
+    assert float(lines["sdpa_mask"][4]) < 1e-4  # the same log-probs as packed rows

@@ -77,9 +77,26 @@ def _gradient(trainer, model, loss_fn, batch, size, token_budget=False, fail_fir
     return grad.clone(), metrics
 
 
+# Splits of a shared-prompt micro-batch compute a prompt's tokens once per micro-batch: their gradient is summed over
+# the prompt's rows before transformers' RMSNorm rounds it to fp32 (it normalises in fp32 even for fp64 weights), so
+# splits agree to fp32 rounding there and to fp64 rounding with packed rows (each row has its own prompt copy)
+TOLERANCES = {"packed": dict(rtol=1e-6, atol=1e-9), "shared": dict(rtol=1e-5, atol=1e-7)}
+
+
+@pytest.fixture(params=["packed", "shared"])
+def layout(request, trainer_and_batch):
+    """Micro-batches as packed rows or as shared-prompt streams (plan.share_prompts; the model's attention function
+    serves both)."""
+    trainer, _ = trainer_and_batch
+    assert trainer.plan.share_prompts, "n = 2 samples per prompt: the planner shares prompts"
+    trainer.plan.share_prompts = request.param == "shared"
+    yield request.param
+    trainer.plan.share_prompts = True
+
+
 @pytest.mark.parametrize("mode", algo.LOSS_AGG_MODES)
 @pytest.mark.parametrize("which", ["actor", "critic"])
-def test_gradient_does_not_depend_on_the_split(trainer_and_batch, which, mode):
+def test_gradient_does_not_depend_on_the_split(trainer_and_batch, which, mode, layout):
     trainer, batch = trainer_and_batch
     section = trainer.cfg.actor_rollout_ref.actor if which == "actor" else trainer.cfg.critic
     section.loss_agg_mode = mode
@@ -95,13 +112,36 @@ def test_gradient_does_not_depend_on_the_split(trainer_and_batch, which, mode):
               "token budget, OOM halved": dict(size=4 * longest, token_budget=True, fail_first=True)}
     for name, kwargs in splits.items():
         grad, metrics = _gradient(trainer, model, loss_fn, batch, **kwargs)
-        torch.testing.assert_close(grad, reference, rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, reference, **TOLERANCES[layout], msg=lambda m: f"{name}: {m}")
         loss_key = "pg_loss" if which == "actor" else "vf_loss"
         assert metrics[loss_key] == pytest.approx(ref_metrics[loss_key], rel=1e-6, abs=1e-9), name
 
 
+@pytest.mark.parametrize("which", ["actor", "critic"])
+def test_shared_prompts_give_the_packed_rows_gradient(trainer_and_batch, which):
+    """The same mini-batch as packed rows and as shared-prompt streams (each prompt once): the same loss and
+    gradient, micro-batches of whole groups and micro-batches that split a group alike."""
+    trainer, batch = trainer_and_batch
+    section = trainer.cfg.actor_rollout_ref.actor if which == "actor" else trainer.cfg.critic
+    section.loss_agg_mode = "token-mean"
+    model = trainer.actor if which == "actor" else trainer.critic
+    loss_fn = (actor_loss(batch, section, trainer.cfg.actor_rollout_ref.rollout, trainer.plan.logprob_chunk_size, "cpu")
+               if which == "actor" else critic_loss(batch, section, "cpu"))
+    try:
+        trainer.plan.share_prompts = False
+        reference, ref_metrics = _gradient(trainer, model, loss_fn, batch, size=batch.rows)
+        trainer.plan.share_prompts = True
+        for size in (batch.rows, 3):
+            grad, metrics = _gradient(trainer, model, loss_fn, batch, size=size)
+            torch.testing.assert_close(grad, reference, **TOLERANCES["shared"], msg=lambda m: f"size {size}: {m}")
+            loss_key = "pg_loss" if which == "actor" else "vf_loss"
+            assert metrics[loss_key] == pytest.approx(ref_metrics[loss_key], rel=1e-6, abs=1e-9)
+    finally:
+        trainer.plan.share_prompts = True
+
+
 @pytest.mark.parametrize("mode", algo.LOSS_AGG_MODES)
-def test_gradient_does_not_depend_on_which_rank_holds_a_row(trainer_and_batch, mode):
+def test_gradient_does_not_depend_on_which_rank_holds_a_row(trainer_and_batch, mode, layout):
     """trainer.balance_batch moves rows between ranks: each rank's loss is its rows' share under the mini-batch's
     LossScale of all ranks' rows (DataParallel.loss_scales), and the ranks' gradients are summed. Two ranks as two
     shares: the contiguous layout and the length-balanced one give the gradient of the whole mini-batch."""
@@ -129,6 +169,6 @@ def test_gradient_does_not_depend_on_which_rank_holds_a_row(trainer_and_batch, m
     assert balanced != [every[:4], every[4:]]  # the lengths differ: balancing moves rows
     reference = summed_gradient([every])
     assert reference.abs().max() > 0
-    for layout in ([every[:4], every[4:]], balanced):
-        torch.testing.assert_close(summed_gradient(layout), reference, rtol=1e-6, atol=1e-9,
-                                   msg=lambda m, layout=layout: f"{layout}: {m}")
+    for rank_rows in ([every[:4], every[4:]], balanced):
+        torch.testing.assert_close(summed_gradient(rank_rows), reference, **TOLERANCES[layout],
+                                   msg=lambda m, rank_rows=rank_rows: f"{rank_rows}: {m}")

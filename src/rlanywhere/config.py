@@ -278,6 +278,9 @@ class HardwareConfig:
     memory_budget_gib: Optional[float] = None  # None: the card's memory
     data_parallel: str = "auto"  # several ranks: auto | replicate | shard (FSDP2); see docs/distributed.md
     logprob_chunk_size: int = 0  # 0: planner picks
+    # training passes run each distinct prompt of a micro-batch once for all its samples (prompt_sharing.py):
+    # auto (the planner: GRPO-style groups) | true | false
+    share_prompts: Any = "auto"
     oom_recovery: bool = True
     # guard rails (precision_guard.py): stop when the fp16 loss scale falls below min_loss_scale, or when the mean
     # |rollout - trainer| log-prob gap exceeds max_logprob_gap on logprob_gap_patience steps in a row (0: off)

@@ -31,7 +31,8 @@ from torch import nn
 
 from .compiling import compile_dynamic
 from .lora import unwrap_peft
-from .vocabulary import ACCUMULATE_DTYPE, ATTN_SDPA, SDPA_EXPANDED_KV
+from .prompt_sharing import SharedPromptBatch, decoder_kwargs
+from .vocabulary import ACCUMULATE_DTYPE, SDPA_NAMES
 
 
 def no_autocast(device: torch.device):
@@ -331,8 +332,7 @@ def training_attention_mask(model: nn.Module, attention_mask: torch.Tensor) -> t
     so their outputs are unchanged. Batches without left padding keep the 2D mask (and SDPA's causal fast path).
     """
     left_padded = bool((attention_mask[:, 0] == 0).any())
-    if not left_padded or getattr(unwrap_peft(model).config, "_attn_implementation", None) not in (ATTN_SDPA,
-                                                                                                   SDPA_EXPANDED_KV):
+    if not left_padded or getattr(unwrap_peft(model).config, "_attn_implementation", None) not in SDPA_NAMES:
         return attention_mask
     length = attention_mask.shape[1]
     real_key = attention_mask.bool()[:, None, None, :]  # [N, 1, 1, L]
@@ -348,12 +348,17 @@ def response_window(response_start: torch.Tensor, response_len: int, width: int,
     return (response_start.to(steps.device)[:, None] + offset + steps).clamp(0, width - 1)
 
 
-def decoder_hidden(decoder: nn.Module, input_ids, attention_mask, position_ids, packed: bool = False):
+def decoder_hidden(decoder: nn.Module, input_ids, attention_mask, position_ids, packed: bool = False,
+                   shared: "SharedPromptBatch | None" = None):
     """The decoder's last hidden states for a training micro-batch: left-padded rows with their mask
-    (``training_attention_mask``), or rows packed from column 0 (``packed``) with none: causal attention alone is
-    right for every real token there, and SDPA may take its flash kernel."""
-    mask = None if packed else training_attention_mask(decoder, attention_mask)
-    outputs = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+    (``training_attention_mask``), rows packed from column 0 (``packed``) with none: causal attention alone is
+    right for every real token there, and SDPA may take its flash kernel; or a shared-prompt stream (``shared``,
+    prompt_sharing.py: [1, N] states, the ids and positions taken from it)."""
+    if shared is not None:
+        outputs = decoder(input_ids=shared.input_ids, use_cache=False, **decoder_kwargs(shared))
+    else:
+        mask = None if packed else training_attention_mask(decoder, attention_mask)
+        outputs = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
     return outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
 
 
@@ -369,10 +374,13 @@ def response_logprobs(
     check_labels: bool = True,
     compiled_head: bool = False,
     response_start: torch.Tensor | None = None,
+    shared: "SharedPromptBatch | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of the last ``response_len`` tokens of ``input_ids`` under ``model``, or, with
     ``response_start`` [N] (rows packed from column 0, ``microbatch.pack_rows``), of the ``response_len`` tokens from
-    column ``response_start[i]`` of each row; the decoder then runs with a causal mask only.
+    column ``response_start[i]`` of each row; the decoder then runs with a causal mask only. With ``shared`` (a
+    device ``prompt_sharing.SharedPromptBatch``; input_ids, attention_mask and position_ids are then None) of each
+    row's response tokens in that stream.
 
     ``model`` is a transformers causal LM (Llama, Qwen2, ...) or a peft ``PeftModel`` around one (LoRA stays
     active; use ``lora.adapter_disabled`` for the reference policy). Runs only the decoder to get the final hidden
@@ -382,13 +390,15 @@ def response_logprobs(
     Returns (logprobs [N, R] fp32, entropy [N, R] fp32 or None); values at response padding are meaningless and
     must be masked by the caller.
     """
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+    if shared is not None:
+        input_ids, attention_mask, response_len = shared.input_ids, None, shared.response_len
+    elif input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"input_ids and attention_mask must both be [N, L]; got {tuple(input_ids.shape)} and "
             f"{tuple(attention_mask.shape)}"
         )
     seq_len = input_ids.shape[1]
-    if not (isinstance(response_len, int) and 1 <= response_len < seq_len):
+    if shared is None and not (isinstance(response_len, int) and 1 <= response_len < seq_len):
         raise ValueError(
             f"response_len must be an int in [1, {seq_len - 1}] (at least one prompt token must precede the "
             f"response), got {response_len!r}"
@@ -409,11 +419,15 @@ def response_logprobs(
     decoder = inner.get_decoder()
     if decoder is inner:
         raise TypeError(f"{type(inner).__name__}.get_decoder() returned the model itself; cannot separate the lm head")
-    if position_ids is None:
+    if position_ids is None and shared is None:
         position_ids = default_position_ids(attention_mask)
-    hidden = decoder_hidden(decoder, input_ids, attention_mask, position_ids, packed=response_start is not None)
+    hidden = decoder_hidden(decoder, input_ids, attention_mask, position_ids, packed=response_start is not None,
+                            shared=shared)
     # hidden state at position t predicts token t + 1
-    if response_start is None:
+    if shared is not None:
+        response_hidden = hidden[0].index_select(0, shared.before_index.flatten()).view(*shared.before_index.shape, -1)
+        labels = input_ids[0][shared.label_index]
+    elif response_start is None:
         response_hidden = hidden[:, -response_len - 1 : -1]
         labels = input_ids[:, -response_len:]
     else:

@@ -26,7 +26,8 @@ from torch import nn
 from .compiling import compile_dynamic
 from .errors import UserError
 from .logprobs import decoder_hidden, default_position_ids, head_dtype, no_autocast, response_window
-from .vocabulary import SDPA_EXPANDED_KV
+from .prompt_sharing import shared_prompt_attention
+from .vocabulary import SDPA_EXPANDED_KV, SDPA_EXPANDED_KV_SHARED_PROMPTS, SDPA_SHARED_PROMPTS
 
 log = logging.getLogger(__name__)
 
@@ -219,14 +220,24 @@ def sdpa_expanded_kv_attention(module: nn.Module, query: torch.Tensor, key: torc
 
 def hf_attention_implementation(plan) -> str:
     """The attn_implementation name to give transformers for `plan` (registering ours when the plan uses it)."""
-    if not getattr(plan, "expand_kv_heads", False):
+    expand, share = getattr(plan, "expand_kv_heads", False), getattr(plan, "share_prompts", False)
+    if not (expand or share):
         return plan.attn_implementation
+    from functools import partial
+
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(SDPA_EXPANDED_KV, sdpa_expanded_kv_attention)
-    AttentionMaskInterface.register(SDPA_EXPANDED_KV, sdpa_mask)  # the masks transformers builds for SDPA
-    return SDPA_EXPANDED_KV
+    sdpa = sdpa_expanded_kv_attention if expand else sdpa_attention_forward
+    if share:  # shared-prompt streams, and the planned SDPA for every other call
+        name = SDPA_EXPANDED_KV_SHARED_PROMPTS if expand else SDPA_SHARED_PROMPTS
+        sdpa = partial(shared_prompt_attention, fallback=sdpa)
+    else:
+        name = SDPA_EXPANDED_KV
+    AttentionInterface.register(name, sdpa)
+    AttentionMaskInterface.register(name, sdpa_mask)  # the masks transformers builds for SDPA
+    return name
 
 
 def load_causal_lm(source: ModelSource, plan, trust_remote_code: bool = False, override_config: Optional[dict] = None):
@@ -303,11 +314,13 @@ class ValueModel(nn.Module):
     def config(self):
         return self.backbone.config
 
-    def forward(self, input_ids, attention_mask, position_ids=None, packed: bool = False) -> torch.Tensor:
-        """Values at every position [N, L]; `packed`: rows from column 0 (microbatch.pack_rows), no mask needed."""
-        if position_ids is None:
+    def forward(self, input_ids, attention_mask, position_ids=None, packed: bool = False,
+                shared=None) -> torch.Tensor:
+        """Values at every position [N, L]; `packed`: rows from column 0 (microbatch.pack_rows), no mask needed;
+        `shared`: a shared-prompt stream (prompt_sharing.SharedPromptBatch; the other inputs are then None): [1, N]."""
+        if position_ids is None and shared is None:
             position_ids = default_position_ids(attention_mask)
-        hidden = decoder_hidden(self.backbone, input_ids, attention_mask, position_ids, packed=packed)
+        hidden = decoder_hidden(self.backbone, input_ids, attention_mask, position_ids, packed=packed, shared=shared)
         head = self.value_head
         dtype = head_dtype(head.weight)  # at least fp32, as the LM head (logprobs.py), also under fp16 autocast
         with no_autocast(hidden.device):
@@ -367,9 +380,12 @@ class ValueModel(nn.Module):
 
 
 def response_values(critic: ValueModel, input_ids, attention_mask, response_len: int, position_ids=None,
-                    response_start: Optional[torch.Tensor] = None):
+                    response_start: Optional[torch.Tensor] = None, shared=None):
     """V(s_t) for each response token t: the value at the position that predicts it (prompt end .. second-last);
-    with `response_start` (rows packed from column 0), from column response_start[i] - 1 of each row."""
+    with `response_start` (rows packed from column 0), from column response_start[i] - 1 of each row; with `shared`
+    (a shared-prompt stream, prompt_sharing.py), at its `before_index`."""
+    if shared is not None:
+        return critic(None, None, None, shared=shared)[0][shared.before_index]
     values = critic(input_ids, attention_mask, position_ids, packed=response_start is not None)
     if response_start is None:
         return values[:, -response_len - 1:-1]

@@ -148,6 +148,8 @@ class Plan:
     fused_optimizer: bool = False  # AdamW's fused (one kernel) step instead of foreach
     compile_training: bool = False  # training-side passes compiled: decoder layers and the log-prob head's math
     micro_batch_width_multiple: int = 1  # packed micro-batch widths rounded up to this (8 when compiled)
+    share_prompts: bool = False  # training micro-batches as one stream, each distinct prompt once (prompt_sharing.py)
+    shared_prompt_kernel: str = "sdpa_mask"  # its attention: "sdpa_mask" (any backend) | "flash_varlen" (no mask)
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))
@@ -181,6 +183,9 @@ class Plan:
              self.reasons.get("fused_optimizer", "")),
             ("training passes", "compiled" if self.compile_training else "not compiled",
              self.reasons.get("compile_training", "")),
+            ("shared prompts", f"each prompt once per micro-batch ({self.shared_prompt_kernel})"
+             if self.share_prompts else "off",
+             self.reasons.get("share_prompts", "")),
             ("actor micro-batch", str(self.sizes.actor_micro_batch_size), self.reasons.get("actor_micro_batch_size", "")),
             ("critic micro-batch", str(self.sizes.critic_micro_batch_size) if self.use_critic else "-",
              self.reasons.get("critic_micro_batch_size", "")),

@@ -25,6 +25,8 @@ from .models import response_values
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .sharding import call_in_root_forward, gathered, is_sharded, matched_micro_batches, needs_gradient_sum
 from .oom import OOMGuard
+from .prompt_sharing import SharedPromptBatch, pack_shared_prompts, prompt_keys, response_lengths, \
+    split_rows_keeping_prompts
 from .plans import Plan, SizeKind
 from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
 from .stepbatch import StepBatch
@@ -62,17 +64,26 @@ class Updater:
         return self.plan.sizes.max_token_len_per_micro_batch is not None
 
     def micro_batches(self, batch: StepBatch, rows: list[int], size: int) -> list[list[int]]:
-        if self.uses_token_budget:
+        r = batch.rollout
+        if self.plan.share_prompts:  # a prompt's rows together, so its tokens run once (prompt_sharing.py)
+            groups = split_rows_keeping_prompts(prompt_keys(r.prompt_ids, r.prompt_mask, rows),
+                                                response_lengths(r.response_mask[rows]), size, self.uses_token_budget)
+        elif self.uses_token_budget:
             groups = split_rows_by_token_budget(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows],
                                                 size, packed=True)  # costed as forward_rows builds them
         else:  # rows of similar length share a micro-batch: less padding, same gradient (one LossScale per mini-batch)
             groups = split_rows_by_length(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows], size)
         return [[rows[i] for i in group] for group in groups]
 
-    def forward_rows(self, batch: StepBatch, rows: list[int]) -> PackedMicroBatch:
-        """A micro-batch on the device, each row's tokens from column 0 (microbatch.pack_rows: no attention mask,
-        padding only after the longest row)."""
+    def forward_rows(self, batch: StepBatch, rows: list[int]) -> PackedMicroBatch | SharedPromptBatch:
+        """A micro-batch on the device: one token stream with each distinct prompt once (plan.share_prompts,
+        prompt_sharing.py), else each row's tokens from column 0 (microbatch.pack_rows: no attention mask, padding
+        only after the longest row)."""
         r = batch.rollout
+        if self.plan.share_prompts:
+            return pack_shared_prompts(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, rows,
+                                       self.pad_token_id, self.plan.micro_batch_width_multiple,
+                                       self.plan.shared_prompt_kernel).to(self.device)
         packed = pack_rows(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, rows, self.pad_token_id,
                            self.plan.micro_batch_width_multiple)
         return PackedMicroBatch(*(to_device(t, self.device) if torch.is_tensor(t) else t for t in packed))
@@ -242,18 +253,24 @@ def training_passes(plan: Plan):
                 "results), and check `rlanywhere doctor`") from exc
 
 
-def micro_logprobs(logprobs_fn, model, micro: PackedMicroBatch, temperature: float, chunk_size: int,
-                   compiled_head: bool, with_entropy: bool = False):
+def micro_logprobs(logprobs_fn, model, micro: PackedMicroBatch | SharedPromptBatch, temperature: float,
+                   chunk_size: int, compiled_head: bool, with_entropy: bool = False):
     """`logprobs_fn` (response_logprobs, or its sharded wrapper) over a micro-batch's response tokens: (log-probs,
     entropy or None), each [rows, response_len]. Rollout tokens need no label check (a host wait on a GPU)."""
+    if isinstance(micro, SharedPromptBatch):
+        return logprobs_fn(model, None, None, micro.response_len, temperature=temperature, chunk_size=chunk_size,
+                           with_entropy=with_entropy, check_labels=not micro.input_ids.is_cuda,
+                           compiled_head=compiled_head, shared=micro)
     return logprobs_fn(model, micro.input_ids, micro.attention_mask, micro.response_len, temperature=temperature,
                        chunk_size=chunk_size, with_entropy=with_entropy, position_ids=micro.position_ids,
                        check_labels=not micro.input_ids.is_cuda, compiled_head=compiled_head,
                        response_start=micro.response_start)
 
 
-def micro_values(critic, micro: PackedMicroBatch) -> torch.Tensor:
+def micro_values(critic, micro: PackedMicroBatch | SharedPromptBatch) -> torch.Tensor:
     """The critic's values of a micro-batch's response tokens [rows, response_len]."""
+    if isinstance(micro, SharedPromptBatch):
+        return response_values(critic, None, None, micro.response_len, shared=micro)
     return response_values(critic, micro.input_ids, micro.attention_mask, micro.response_len, micro.position_ids,
                            response_start=micro.response_start)
 

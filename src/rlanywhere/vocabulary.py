@@ -119,6 +119,12 @@ ATTN_IMPLEMENTATIONS = (ATTN_FLASH, ATTN_SDPA, ATTN_EAGER)
 # SDPA with grouped K/V heads repeated per query head: our attention function, registered with transformers under
 # this name when the plan expands them (models.sdpa_expanded_kv_attention, planner._plan_kv_head_expansion)
 SDPA_EXPANDED_KV = "rlanywhere_sdpa_expanded_kv"
+# SDPA that also runs shared-prompt streams (prompt_sharing.shared_prompt_attention), over plain SDPA or the expanded
+# one for other calls; registered when the plan shares prompts (planner._plan_prompt_sharing)
+SDPA_SHARED_PROMPTS = "rlanywhere_sdpa_shared_prompts"
+SDPA_EXPANDED_KV_SHARED_PROMPTS = "rlanywhere_sdpa_expanded_kv_shared_prompts"
+# every attention implementation name that runs PyTorch's SDPA (transformers builds SDPA masks for each)
+SDPA_NAMES = (ATTN_SDPA, SDPA_EXPANDED_KV, SDPA_SHARED_PROMPTS, SDPA_EXPANDED_KV_SHARED_PROMPTS)
 DECODE_SDPA = DecodeAttention.SDPA.value
 DECODE_MATMUL = DecodeAttention.MATMUL.value
 DECODE_TRITON = DecodeAttention.TRITON.value
