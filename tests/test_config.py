@@ -40,6 +40,18 @@ def test_verl_p40_fixture_parses_with_notices():
         assert key in joined
 
 
+@pytest.mark.parametrize("value, group", [(2, 2), (-1, 0), (0, 0)])
+def test_verl_fsdp_size_is_honoured_as_the_shard_group_size(value, group):
+    """verl's actor fsdp_size (-1: all ranks) sets the shard group (HSDP below the world size); the critic's and
+    the reference's are noticed, not applied (one group size for every model)."""
+    notices = []
+    cfg = load_config(None, [f"actor_rollout_ref.actor.fsdp_config.fsdp_size={value}",
+                             "critic.model.fsdp_config.fsdp_size=4"], notices=notices)
+    assert cfg.hardware.shard_group_size == group
+    assert any("honoured as hardware.shard_group_size" in n for n in notices) is (group > 0)
+    assert any("critic.model.fsdp_config.fsdp_size=4: verl-only key, ignored" in n for n in notices)
+
+
 @pytest.mark.parametrize("override,expected", [
     ("data.train_batch_sise=3", "did you mean 'data.train_batch_size'"),
     ("critic.optim.lrr=1", "did you mean 'critic.optim.lr'"),

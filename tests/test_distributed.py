@@ -68,8 +68,9 @@ def single_process(items: list[str], resume_from_dir: Path | None = None) -> RLT
     return trainer
 
 
-def torchrun(items: list[str], env_extra: dict | None = None, script: list[str] | None = None, **popen):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def torchrun(items: list[str], env_extra: dict | None = None, script: list[str] | None = None, nproc: int = 2,
+             **popen):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *(script or ["-m", "rlanywhere.cli"]), "train", *items]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -231,3 +231,67 @@ def test_matched_micro_batches_pad_the_shorter_rank():
     assert matched_micro_batches([[0, 1], [2]], TwoRanks(), sharded=True) == [
         ([0, 1], False), ([2], False), ([0, 1], True)]
     assert matched_micro_batches([[0, 1], [2]], TwoRanks(), sharded=False) == [([0, 1], False), ([2], False)]
+
+
+def test_planner_shards_within_a_node_across_nodes():
+    """HSDP: Qwen2.5-1.5B-shape GRPO on 2 nodes x 2 emulated P40s: a shard over one node's 2 ranks fits, so each
+    node holds the shards and the nodes replicate them (shard_group_size 2); verl's fsdp_size picks the group; a
+    group that does not divide the ranks is refused; one node shards over all its ranks."""
+    from rlanywhere.errors import UserError
+    from rlanywhere.planner import make_plan
+
+    big = ["actor_rollout_ref.model.path=qwen2.5-1.5b", "algorithm.adv_estimator=grpo", "data.train_batch_size=16",
+           "actor_rollout_ref.rollout.n=8", "data.max_prompt_length=256", "data.max_response_length=512",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "hardware.optimizer_offload=false"]
+
+    def plan(*items):
+        return make_plan(load_config(None, [*big, *items]), for_execution=False, emulate="p40")
+
+    hybrid = plan("trainer.nnodes=2", "trainer.n_gpus_per_node=2")
+    assert (hybrid.world_size, hybrid.data_parallel, hybrid.shard_group_size) == (4, "shard", 2)
+    assert "HSDP" in hybrid.reasons["data_parallel"] and "in groups of 2 (HSDP)" in hybrid.summary()
+    # the memory is planned for a shard over 2 ranks: Adam halved, not quartered
+    assert hybrid.estimate["breakdown"]["actor_update"]["actor_adam"] == pytest.approx(11.50 * 2**30 / 2, rel=0.01)
+    whole = plan("trainer.nnodes=2", "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=4")
+    assert whole.shard_group_size == 4 and "HSDP" not in whole.reasons["data_parallel"]
+    assert whole.estimate["breakdown"]["actor_update"]["actor_adam"] == pytest.approx(11.50 * 2**30 / 4, rel=0.01)
+    assert plan("trainer.n_gpus_per_node=4").shard_group_size == 4  # one node: all its ranks
+    with pytest.raises(UserError, match="shard_group_size=3 .* must divide the 4 ranks"):
+        plan("trainer.nnodes=2", "trainer.n_gpus_per_node=2", "hardware.shard_group_size=3")
+
+
+def test_hsdp_on_four_ranks_matches_one_process_and_resumes_in_one(tiny_model_dir, arith_data, tmp_path, reward_file):
+    """4 gloo ranks sharded in 2 groups of 2 (verl's fsdp_size=2: HSDP, the groups replicas of each other), GRPO, 2
+    steps: every metric and the weights equal one process on the same global batch (rolled out in 4 blocks); the
+    HSDP checkpoint (DCP) resumed by one process gives the reference's step 3."""
+    from rlanywhere.planner import make_plan
+    from rlanywhere.trainer import RLTrainer
+
+    def one_process(run_dir, steps: int) -> RLTrainer:
+        cfg = load_config(None, overrides(tiny_model_dir, arith_data, run_dir, reward_file, **{
+            "trainer.total_training_steps": steps, "trainer.test_freq": 2}))
+        plan = make_plan(cfg, for_execution=True)
+        plan.sizes.rollout_batch_size = cfg.data.train_batch_size // 4 * cfg.actor_rollout_ref.rollout.n
+        trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
+        trainer.fit()
+        return trainer
+
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD, **{
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size": 2, "trainer.total_training_steps": 2,
+        "trainer.test_freq": 2}), nproc=4)
+    reference = one_process(single_dir, steps=3)
+    out = finish(proc)
+    assert "FSDP2 device mesh (2, 2) (HSDP" in out
+    record = plan_record(dist_dir)
+    assert (record["data_parallel"], record["shard_group_size"], record["world_size"]) == ("shard", 2, 4)
+    want = read_metrics(single_dir)
+    assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2))
+    step_2 = actor_weights(single_dir / "checkpoints" / "global_step_2")
+    for name, tensor in actor_weights(dist_dir / "checkpoints" / "global_step_2").items():
+        torch.testing.assert_close(tensor, step_2[name], rtol=1e-5, atol=1e-5)  # as assert_same_weights
+    one_process(dist_dir, steps=3)  # resumes the HSDP run's DCP checkpoint of step 2 in one process
+    rows = read_metrics(dist_dir)
+    assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3]  # resumed, not started over
+    assert_same_metrics(rows, want, steps=(3,))
+    assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"), reference.actor)

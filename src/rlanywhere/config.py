@@ -277,6 +277,9 @@ class HardwareConfig:
     ref_device: str = "auto"  # auto | cpu | cuda
     memory_budget_gib: Optional[float] = None  # None: the card's memory
     data_parallel: str = "auto"  # several ranks: auto | replicate | shard (FSDP2); see docs/distributed.md
+    # sharded: ranks per shard group (0: the planner; fewer than all ranks = HSDP, replicas of the shards; verl's
+    # actor_rollout_ref.actor.fsdp_config.fsdp_size)
+    shard_group_size: int = 0
     logprob_chunk_size: int = 0  # 0: planner picks
     # training passes run each distinct prompt of a micro-batch once for all its samples (prompt_sharing.py):
     # auto (the planner: GRPO-style groups) | true | false
@@ -305,8 +308,8 @@ class RLConfig:
 # Pattern (regex over the dotted key) -> what rlanywhere does instead. Matched keys are dropped after the notice,
 # except the offload switches, which are translated into hardware.* (see _translate_verl_key).
 VERL_ONLY_KEYS: dict[str, str] = {
-    r".*\.fsdp_config(\..*)?": "single-process training; offload is planned by hardware.param_offload / "
-    "hardware.optimizer_offload",
+    r".*\.fsdp_config(\..*)?": "sharding is planned (hardware.data_parallel, hardware.shard_group_size), offload by "
+    "hardware.param_offload / hardware.optimizer_offload",
     r"actor_rollout_ref\.rollout\.(gpu_memory_utilization|max_num_batched_tokens|max_num_seqs|max_model_len"
     r"|enable_chunked_prefill|enforce_eager|free_cache_engine|load_format|disable_log_stats|mode"
     r"|tensor_model_parallel_size|calculate_log_probs|engine_kwargs(\..*)?|multi_turn(\..*)?|layered_summon"
@@ -459,6 +462,10 @@ def _vet_user_keys(user: DictConfig, notices: list[str]) -> DictConfig:
             if target is not None and bool(value):
                 OmegaConf.update(user, target, True, force_add=True)
                 notices.append(f"{key}={value}: verl-only key; honoured as {target}=true")
+            elif leaf == "fsdp_size" and key.startswith("actor_rollout_ref.actor.") and _positive_int(value):
+                OmegaConf.update(user, "hardware.shard_group_size", int(value), force_add=True)
+                notices.append(f"{key}={value}: verl-only key; honoured as hardware.shard_group_size={int(value)} "
+                               "(sharded runs: ranks per shard group)")
             else:
                 notices.append(f"{key}={value}: verl-only key, ignored ({reason})")
             continue
@@ -475,6 +482,13 @@ def _vet_user_keys(user: DictConfig, notices: list[str]) -> DictConfig:
             notices.append(f"{key}={value}: not available here; using rlanywhere's built-in engine ({mapping[value]})")
             OmegaConf.update(user, key, mapping[value])
     return user
+
+
+def _positive_int(value: Any) -> bool:
+    try:
+        return int(value) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,

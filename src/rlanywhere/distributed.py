@@ -128,9 +128,9 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
     if mode == "shard":
         plan_memory(world)
         plan.data_parallel = "shard"
+        groups = _plan_shard_groups(cfg, plan, plan_memory, world)
         _offload_reasons(cfg, plan)
-        reasons["data_parallel"] = (f"hardware.data_parallel=shard: FSDP2 over {world} ranks ({peak()}); "
-                                    + _shard_note(plan))
+        reasons["data_parallel"] = (f"hardware.data_parallel=shard: FSDP2 {groups} ({peak()}); " + _shard_note(plan))
         return
     try:
         plan_memory(1)
@@ -138,9 +138,10 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
         if mode == "auto" and offloads and _fits_sharded_without_offload(plan, plan_memory, world):
             # offload moves the optimizer state / weights over PCIe every step; sharding moves them between GPUs
             plan.data_parallel = "shard"
+            groups = _plan_shard_groups(cfg, plan, plan_memory, world)
             _offload_reasons(cfg, plan)
-            reasons["data_parallel"] = (f"shard (FSDP2) over {world} ranks: a full replica fits one rank only with "
-                                        f"offload to the CPU, sharded it fits without ({peak()}); " + _shard_note(plan))
+            reasons["data_parallel"] = (f"shard (FSDP2) {groups}: a full replica fits one rank only with offload to "
+                                        f"the CPU, sharded it fits without ({peak()}); " + _shard_note(plan))
             return
     except NoFitError as replica_error:
         if mode == "replicate":
@@ -151,9 +152,10 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
             raise NoFitError(f"{sharded_error}\n\nReplicated (each rank holding the full models) it does not fit "
                              f"either: {replica_error}") from None
         plan.data_parallel = "shard"
+        groups = _plan_shard_groups(cfg, plan, plan_memory, world)
         _offload_reasons(cfg, plan)
         first_line = str(replica_error).splitlines()[0]
-        reasons["data_parallel"] = (f"shard (FSDP2) over {world} ranks: a full replica does not fit one rank "
+        reasons["data_parallel"] = (f"shard (FSDP2) {groups}: a full replica does not fit one rank "
                                     f"({first_line[:300]}); sharded, {peak()}; " + _shard_note(plan))
         return
     plan.data_parallel = "replicate"
@@ -164,6 +166,46 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
            "every layer in every pass: Qwen2.5-0.5B sharded on 2 H200s measured x1.28 of one GPU, x1.52 replicated)")
         + "; each rank holds the full actor/critic/reference and its share of the batch "
         f"({peak()}); gradients summed over ranks once per optimizer step")
+
+
+def _plan_shard_groups(cfg, plan, plan_memory, world: int) -> str:
+    """plan.shard_group_size for a sharded plan (its memory already planned over all `world` ranks): the ranks
+    that split the weights among them; with fewer than all (HSDP), the groups hold replicas of each other and only
+    the gradient shards are all-reduced between them. Asked by hardware.shard_group_size (verl's
+    actor_rollout_ref.actor.fsdp_config.fsdp_size); auto: one group per node when the shard fits a node without
+    offload (per-layer all-gathers then stay inside a node), else one group of all ranks. Returns the text for the
+    data_parallel reason."""
+    from .vocabulary import NoFitError
+
+    asked = int(cfg.hardware.get("shard_group_size", 0) or 0)
+    per_node, nodes = int(cfg.trainer.n_gpus_per_node), int(cfg.trainer.nnodes)
+    if asked > 0:
+        if asked > world or world % asked:
+            raise UserError(f"hardware.shard_group_size={asked} (verl: fsdp_config.fsdp_size) must divide the "
+                            f"{world} ranks: use one of {[g for g in range(1, world + 1) if world % g == 0]}, or 0 "
+                            "to let the planner choose")
+        if asked < world:
+            plan_memory(asked)  # a NoFitError here names the per-rank numbers
+        plan.shard_group_size = asked
+        why = f"hardware.shard_group_size={asked}"
+    elif nodes > 1 and per_node < world and not (plan.optimizer_offload or plan.param_offload):
+        try:
+            plan_memory(per_node)
+            fits = not (plan.optimizer_offload or plan.param_offload)
+        except NoFitError:
+            fits = False
+        if not fits:
+            plan_memory(world)
+        plan.shard_group_size = per_node if fits else world
+        why = ("a shard per node fits: per-layer all-gathers stay inside a node, only gradient shards cross nodes"
+               if fits else f"a shard over one node's {per_node} ranks does not fit without offload")
+    else:
+        plan.shard_group_size = world
+        why = "one node" if nodes <= 1 else "offload planned over all ranks"
+    group = plan.shard_group_size
+    if group == world:
+        return f"over {world} ranks ({why})"
+    return f"within groups of {group} ranks, {world // group} replicas of the shards (HSDP; {why})"
 
 
 def _fits_sharded_without_offload(plan, plan_memory, world: int) -> bool:

@@ -141,6 +141,7 @@ class Plan:
     sizes: RuntimeSizes = field(default_factory=RuntimeSizes)  # batch sizes OOM recovery may lower
     world_size: int = 1  # ranks (trainer.nnodes x trainer.n_gpus_per_node); sizes above are per rank
     data_parallel: str = "none"  # "none" | "replicate" (full models per rank) | "shard" (FSDP2; sharding.py)
+    shard_group_size: int = 0  # sharded: ranks that split the weights (= world_size, or fewer: HSDP replicas of them)
     dist_backend: Optional[str] = None  # "nccl" | "gloo" when world_size > 1
     cpu_threads: Optional[int] = None  # torch threads per process when several CPU ranks share a machine
     training_sdpa_backends: tuple[str, ...] = ()  # SDPA backends training passes may use; (): PyTorch's choice
@@ -206,7 +207,9 @@ class Plan:
             ("allocator", self.alloc_conf or "default", self.reasons.get("alloc_conf", "")),
         ]
         if self.world_size > 1:
-            rows.append(("ranks", f"{self.world_size} x {self.data_parallel} ({self.dist_backend})",
+            groups = (f" in groups of {self.shard_group_size} (HSDP)"
+                      if self.data_parallel == "shard" and 0 < self.shard_group_size < self.world_size else "")
+            rows.append(("ranks", f"{self.world_size} x {self.data_parallel}{groups} ({self.dist_backend})",
                          self.reasons.get("data_parallel", "")))
         return format_table(("decision", "choice", "reason"), rows)
 

@@ -1,7 +1,10 @@
 """FSDP2 sharding of the actor, critic and reference (`plan.data_parallel == "shard"`), and the few places where
 our code must see full weights of a sharded model.
 
-How a model is sharded (`shard_model`): `fully_shard` on every decoder layer, then on the whole model (the root
+How a model is sharded (`shard_model`, `shard_for_plan`): over all ranks, or HSDP (`plan.shard_group_size` below
+the world size: a 2D mesh of replicas x shard groups of consecutive ranks, a node's; FSDP2 all-gathers and
+reduce-scatters within a group and all-reduces the gradient shards across groups). `fully_shard` on every decoder
+layer, then on the whole model (the root
 holds the embeddings, the final norm, the LM head — one parameter when tied — and a critic's value head). Mixed
 precision follows the plan: bf16 autocast plans gather bf16 weights and reduce gradients in fp32
 (`MixedPrecisionPolicy`); fp32 and fp16 plans gather the fp32 weights (fp16 keeps today's autocast + loss
@@ -29,6 +32,7 @@ Three things our code does that FSDP2 does not expect, and how they are made rig
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -38,6 +42,8 @@ from torch import nn
 from .vocabulary import ACCUMULATE_DTYPE
 
 ROOT_CALL = "rla_call_in_forward"
+
+log = logging.getLogger(__name__)
 
 
 def fsdp_api():
@@ -193,7 +199,15 @@ def shard_for_plan(plan, *models: Optional[nn.Module]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = "cuda" if str(plan.device).startswith("cuda") else "cpu"
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    group = int(getattr(plan, "shard_group_size", 0) or world)
+    if group < world:  # HSDP: consecutive ranks (a node's) shard, the groups replicate each other
+        mesh = init_device_mesh(device_type, (world // group, group), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device_type, (world,))
+    if dist.get_rank() == 0:
+        log.info("FSDP2 device mesh %s%s", tuple(mesh.shape),
+                 " (HSDP: replicas x shard group)" if mesh.ndim == 2 else "")
     for model in models:
         if model is not None:
             shard_model(model, mesh=mesh, param_dtype=sharded_gather_dtype(plan), offload=bool(plan.param_offload))
