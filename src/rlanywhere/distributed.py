@@ -114,6 +114,9 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
     mode = str(cfg.hardware.data_parallel if "data_parallel" in cfg.hardware else "auto").lower()
     if mode not in DATA_PARALLEL_MODES:
         raise UserError(f"hardware.data_parallel={mode!r}: use one of {', '.join(DATA_PARALLEL_MODES)}")
+    if _asked_shard_group(cfg) < 0:
+        raise UserError(f"hardware.shard_group_size={_asked_shard_group(cfg)}: use a number of ranks that "
+                        "divides the world size, or 0 to let the planner choose")
     reasons = plan.reasons
     if world == 1:
         plan_memory(1)
@@ -168,6 +171,11 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
         f"({peak()}); gradients summed over ranks once per optimizer step")
 
 
+def _asked_shard_group(cfg) -> int:
+    """hardware.shard_group_size (0: the planner's choice; configs from before the key have none)."""
+    return int((cfg.hardware.shard_group_size if "shard_group_size" in cfg.hardware else 0) or 0)
+
+
 def _plan_shard_groups(cfg, plan, plan_memory, world: int) -> str:
     """plan.shard_group_size for a sharded plan (its memory already planned over all `world` ranks): the ranks
     that split the weights among them; with fewer than all (HSDP), the groups hold replicas of each other and only
@@ -177,7 +185,7 @@ def _plan_shard_groups(cfg, plan, plan_memory, world: int) -> str:
     data_parallel reason."""
     from .vocabulary import NoFitError
 
-    asked = int(cfg.hardware.get("shard_group_size", 0) or 0)
+    asked = _asked_shard_group(cfg)
     per_node, nodes = int(cfg.trainer.n_gpus_per_node), int(cfg.trainer.nnodes)
     if asked > 0:
         if asked > world or world % asked:
