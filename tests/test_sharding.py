@@ -256,6 +256,10 @@ def test_planner_shards_within_a_node_across_nodes():
     assert whole.shard_group_size == 4 and "HSDP" not in whole.reasons["data_parallel"]
     assert whole.estimate["breakdown"]["actor_update"]["actor_adam"] == pytest.approx(11.50 * 2**30 / 4, rel=0.01)
     assert plan("trainer.n_gpus_per_node=4").shard_group_size == 4  # one node: all its ranks
+    small = make_plan(load_config(None, ["actor_rollout_ref.model.path=qwen2.5-0.5b", "trainer.n_gpus_per_node=2",
+                                         "actor_rollout_ref.actor.fsdp_config.fsdp_size=2"]),
+                      for_execution=False, emulate="p40")
+    assert small.data_parallel == "replicate" and "shard_group_size=2 has no effect" in small.reasons["data_parallel"]
     with pytest.raises(UserError, match="shard_group_size=3 .* must divide the 4 ranks"):
         plan("trainer.nnodes=2", "trainer.n_gpus_per_node=2", "hardware.shard_group_size=3")
 

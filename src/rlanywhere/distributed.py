@@ -168,7 +168,9 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
            "a full replica fits each rank, and replicas communicate once per optimizer step (sharding all-gathers "
            "every layer in every pass: Qwen2.5-0.5B sharded on 2 H200s measured x1.28 of one GPU, x1.52 replicated)")
         + "; each rank holds the full actor/critic/reference and its share of the batch "
-        f"({peak()}); gradients summed over ranks once per optimizer step")
+        f"({peak()}); gradients summed over ranks once per optimizer step"
+        + (f"; hardware.shard_group_size={_asked_shard_group(cfg)} has no effect on replicas (it sizes the shard "
+           "groups of hardware.data_parallel=shard)" if _asked_shard_group(cfg) else ""))
 
 
 def _asked_shard_group(cfg) -> int:
