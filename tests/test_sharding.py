@@ -59,12 +59,14 @@ def test_grpo_sharded_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_
     assert_same_metrics(read_metrics(copy), want, steps=(3,))
 
 
-@pytest.mark.parametrize("extra", [{}, {"algorithm.adv_estimator": "gae", "critic.optim.lr": 1e-3}],
-                         ids=["grpo", "ppo-critic"])
+@pytest.mark.parametrize("extra", [{}, {"algorithm.adv_estimator": "gae", "critic.optim.lr": 1e-3},
+                                   {"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 16}],
+                         ids=["grpo", "ppo-critic", "lora"])
 def test_a_replicated_checkpoint_resumes_sharded(tiny_model_dir, arith_data, tmp_path, reward_file, extra):
     """A replicated run's checkpoint (2 replicas, killed inside step 3) resumed sharded, as when a model outgrows
     replicas or a 1-GPU run with offload moves to GPUs that plan it sharded: every rank reads the full weights and
-    Adam state (the critic's too) and keeps its shards; step 3 and its weights equal one process's."""
+    Adam state (the critic's too; a LoRA run's adapters and their Adam state) and keeps its shards; step 3 and its
+    weights equal one process's."""
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     kill_9_after_checkpoint_2(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra), dist_dir)
     assert not (dist_dir / "checkpoints" / "global_step_2" / "dcp").exists()  # the replicated layout
@@ -75,7 +77,13 @@ def test_a_replicated_checkpoint_resumes_sharded(tiny_model_dir, arith_data, tmp
     assert plan_record(dist_dir)["data_parallel"] == "shard"
     assert (dist_dir / "checkpoints" / "global_step_3" / "dcp" / ".metadata").exists()  # sharded from here on
     assert_same_metrics(read_metrics(dist_dir), read_metrics(single_dir), steps=(3,))
-    assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"), reference.actor)
+    if "actor_rollout_ref.model.lora_rank" in extra:  # the checkpoint's actor/ holds the LoRA-merged weights
+        from rlanywhere.lora import merged_state_for_export
+
+        assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"),
+                            merged_state_for_export(reference.actor))
+    else:
+        assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"), reference.actor)
 
 
 def test_ppo_sharded_with_critic_and_reference_matches_one_process(tiny_model_dir, arith_data, tmp_path, reward_file):
