@@ -35,8 +35,8 @@ from . import estimator as est
 from .machine import CardSpec, DeviceInfo, HardwareProbe, card_spec, fp16_problems, predicted_sdpa_backends, \
     probe_machine, sdpa_backends_that_run, triton_usable
 from .model_shape import ModelShape, read_model_shape
-from .prompt_sharing import MASKED, VARLEN, varlen_attention_function
 from .plans import Plan, RolloutPlan
+from .prompt_sharing import MASKED, VARLEN, varlen_attention_function
 from .vocabulary import (
     ALLOC_CONF, CUDNN_SDPA, ATTN_EAGER, ATTN_FLASH, ATTN_IMPLEMENTATIONS, ATTN_SDPA, BF16, FP16, FP32,
     LOSS_SCALE_GROWTH_INTERVAL,
@@ -927,7 +927,8 @@ SHARED_PROMPT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 # Measured on one H200 (bench/vs_trl.py, Qwen2.5-0.5B shape, 16 prompts x 8 samples, ~120 + 256 tokens, one call
 # each): the update with shared prompts vs packed rows; bench/shared_prompts.py for one uncompiled micro-batch
-SHARED_PROMPTS_FP32 = "fp32 without TF32 (P40 path): update 2.73 s vs 3.17 s, peak 14.5 vs 16.7 GiB"
+SHARED_PROMPTS_FP32 = ("fp32 without TF32 (P40 path): update 2.58-2.73 s vs 3.16-3.17 s in two calls, peak 14.5 vs "
+                       "16.7 GiB")
 SHARED_PROMPTS_VARLEN = ("bf16, compiled, varlen flash: update 0.294 s vs 0.313 s, 0.318 vs 0.400 s with checkpointing, "
                          "peak 28.0 vs 33.0 GiB")
 SHARED_PROMPTS_CKPT = "bf16 with checkpointing, masked attention: update 0.37 s vs 0.41 s"

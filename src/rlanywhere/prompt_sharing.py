@@ -261,6 +261,9 @@ def shared_prompt_attention(module: nn.Module, query: torch.Tensor, key: torch.T
                                   "biases; set hardware.share_prompts=false for this model")
     window = kwargs.get("sliding_window")
     if layout.kernel == VARLEN:
+        if dropout:
+            raise NotImplementedError(f"attention dropout ({dropout}) with varlen flash shared prompts; set "
+                                      "hardware.share_prompts=false for this model")
         return _varlen_attention(query, key, value, layout, scaling, window), None
     mask = layout.mask
     if window is not None:  # transformers' sliding window: a query sees the `window` positions up to itself
