@@ -60,13 +60,15 @@ def test_grpo_sharded_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_
 
 
 @pytest.mark.parametrize("extra", [{}, {"algorithm.adv_estimator": "gae", "critic.optim.lr": 1e-3},
-                                   {"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 16}],
-                         ids=["grpo", "ppo-critic", "lora"])
+                                   {"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 16,
+                                    "algorithm.adv_estimator": "gae", "critic.optim.lr": 1e-3,
+                                    "critic.model.lora_rank": 4}],
+                         ids=["grpo", "ppo-critic", "lora-actor-and-critic"])
 def test_a_replicated_checkpoint_resumes_sharded(tiny_model_dir, arith_data, tmp_path, reward_file, extra):
     """A replicated run's checkpoint (2 replicas, killed inside step 3) resumed sharded, as when a model outgrows
     replicas or a 1-GPU run with offload moves to GPUs that plan it sharded: every rank reads the full weights and
-    Adam state (the critic's too; a LoRA run's adapters and their Adam state) and keeps its shards; step 3 and its
-    weights equal one process's."""
+    Adam state (the critic's too; LoRA runs: the actor's and the critic's adapters, the value head, their Adam
+    state) and keeps its shards; step 3 and its weights equal one process's."""
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     kill_9_after_checkpoint_2(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra), dist_dir)
     assert not (dist_dir / "checkpoints" / "global_step_2" / "dcp").exists()  # the replicated layout

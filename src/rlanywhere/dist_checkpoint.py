@@ -198,29 +198,42 @@ def load_replicated_into_sharded(path: str, *, actor, critic=None, optimizers: d
     """A replicated run's checkpoint (one process, or rank 0 of replicas: full weights and optimizer state) into
     sharded models: every rank reads the full state and keeps its shards (DCP's set_model_state_dict /
     set_optimizer_state_dict with full state dicts). So a run that outgrows one GPU, or a 1-GPU run with offload
-    that two GPUs plan sharded, continues where it stopped. A LoRA actor gets its saved adapters (the base is the
-    run's model.path, as in a replicated resume); a LoRA critic is refused by name."""
+    that two GPUs plan sharded, continues where it stopped. LoRA models get their saved adapters (and a LoRA
+    critic its value head) over the run's base weights (model.path), as a replicated resume does."""
+    from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
     from .checkpoint import _load_safetensors_dir
+    from .lora import unwrap_peft
 
     with _reading_checkpoint(path) as state:
-        if critic is not None and critic.is_lora:
-            raise CheckpointError(f"checkpoint {path} holds a LoRA critic of a replicated run and this run is sharded "
-                                  "(plan.data_parallel=shard): resume it with hardware.data_parallel=replicate")
+        full, adapters_only = {}, set()
         if state.get("lora"):
-            full = {"actor": _adapters_by_parameter(path, actor, _load_safetensors_dir(os.path.join(path, "actor_lora")))}
+            if unwrap_peft(actor) is actor:
+                raise CheckpointError(f"checkpoint {path} holds LoRA adapters and this run's actor has none: resume "
+                                      "with the same actor_rollout_ref.model.lora_rank")
+            full["actor"] = _adapters_by_parameter(path, actor, actor.active_adapter,
+                                                   _load_safetensors_dir(os.path.join(path, "actor_lora")))
+            adapters_only.add("actor")
         else:
-            full = {"actor": _load_safetensors_dir(os.path.join(path, "actor"))}
-        if critic is not None:
+            full["actor"] = _load_safetensors_dir(os.path.join(path, "actor"))
+        if critic is not None and critic.is_lora:
+            directory = os.path.join(path, "critic")
+            saved_critic = {f"backbone.{key}": value
+                            for key, value in load_file(os.path.join(directory, "adapter_model.safetensors")).items()}
+            saved_critic.update({f"value_head.{key}": value for key, value in
+                                 load_file(os.path.join(directory, "value_head.safetensors")).items()})
+            full["critic"] = _adapters_by_parameter(path, critic, critic.backbone.active_adapter, saved_critic)
+            adapters_only.add("critic")
+        elif critic is not None:
             full["critic"] = type(critic).saved_state(os.path.join(path, "critic"))
         saved = torch.load(os.path.join(path, "optim.pt"), map_location="cpu", weights_only=True)
         options = StateDictOptions(full_state_dict=True, strict=False)  # tied heads saved once; LoRA: adapters only
         for name, model in (("actor", actor), ("critic", critic)):
             if model is None:
                 continue
-            if not (name == "actor" and state.get("lora")):
+            if name not in adapters_only:
                 _check_keys(path, name, model, full[name])
             set_model_state_dict(model, full[name], options=options)
             optimizer = optimizers.get(name)
@@ -233,16 +246,14 @@ def load_replicated_into_sharded(path: str, *, actor, critic=None, optimizers: d
     return state
 
 
-def _adapters_by_parameter(path: str, model: nn.Module, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A peft adapter file (its keys carry no adapter name: `...q_proj.lora_A.weight`) keyed as the live peft model's
-    trainable parameters (`...q_proj.lora_A.default.weight`); every trainable parameter must be in the file."""
-    from .lora import unwrap_peft
-
+def _adapters_by_parameter(path: str, model: nn.Module, adapter: str,
+                           saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Saved trainable tensors keyed as peft writes adapters (no adapter name: `...q_proj.lora_A.weight`) -> the live
+    model's trainable parameters (`...q_proj.lora_A.default.weight`); every trainable parameter must be there."""
     names = [name for name, param in model.named_parameters() if param.requires_grad]
-    adapter = getattr(model, "active_adapter", "default")
-    by_parameter = {name: adapters.get(name.replace(f".{adapter}.", ".")) for name in names}
+    by_parameter = {name: saved.get(name.replace(f".{adapter}.", ".")) for name in names}
     missing = [name for name, tensor in by_parameter.items() if tensor is None]
-    if missing or not names or unwrap_peft(model) is model:
+    if missing or not names:
         raise CheckpointError(f"checkpoint {path}: the saved LoRA adapters do not match this run's trainable "
                               f"parameters (missing {missing[:5]}; same lora_rank, alpha and target modules?)")
     return by_parameter
