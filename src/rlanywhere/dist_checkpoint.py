@@ -200,7 +200,6 @@ def load_replicated_into_sharded(path: str, *, actor, critic=None, optimizers: d
     set_optimizer_state_dict with full state dicts). So a run that outgrows one GPU, or a 1-GPU run with offload
     that two GPUs plan sharded, continues where it stopped. LoRA models get their saved adapters (and a LoRA
     critic its value head) over the run's base weights (model.path), as a replicated resume does."""
-    from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
@@ -219,12 +218,8 @@ def load_replicated_into_sharded(path: str, *, actor, critic=None, optimizers: d
         else:
             full["actor"] = _load_safetensors_dir(os.path.join(path, "actor"))
         if critic is not None and critic.is_lora:
-            directory = os.path.join(path, "critic")
-            saved_critic = {f"backbone.{key}": value
-                            for key, value in load_file(os.path.join(directory, "adapter_model.safetensors")).items()}
-            saved_critic.update({f"value_head.{key}": value for key, value in
-                                 load_file(os.path.join(directory, "value_head.safetensors")).items()})
-            full["critic"] = _adapters_by_parameter(path, critic, critic.backbone.active_adapter, saved_critic)
+            full["critic"] = _adapters_by_parameter(path, critic, critic.backbone.active_adapter,
+                                                    type(critic).saved_state(os.path.join(path, "critic"), lora=True))
             adapters_only.add("critic")
         elif critic is not None:
             full["critic"] = type(critic).saved_state(os.path.join(path, "critic"))

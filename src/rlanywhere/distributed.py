@@ -114,9 +114,10 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
     mode = str(cfg.hardware.data_parallel if "data_parallel" in cfg.hardware else "auto").lower()
     if mode not in DATA_PARALLEL_MODES:
         raise UserError(f"hardware.data_parallel={mode!r}: use one of {', '.join(DATA_PARALLEL_MODES)}")
-    if _asked_shard_group(cfg) < 0:
-        raise UserError(f"hardware.shard_group_size={_asked_shard_group(cfg)}: use a number of ranks that "
-                        "divides the world size, or 0 to let the planner choose")
+    asked_group = int((cfg.hardware.shard_group_size if "shard_group_size" in cfg.hardware else 0) or 0)
+    if asked_group < 0:
+        raise UserError(f"hardware.shard_group_size={asked_group}: use a number of ranks that divides the world size, "
+                        "or 0 to let the planner choose")
     reasons = plan.reasons
     if world == 1:
         plan_memory(1)
@@ -131,7 +132,7 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
     if mode == "shard":
         plan_memory(world)
         plan.data_parallel = "shard"
-        groups = _plan_shard_groups(cfg, plan, plan_memory, world)
+        groups = _plan_shard_groups(cfg, plan, plan_memory, world, asked_group)
         _offload_reasons(cfg, plan)
         reasons["data_parallel"] = (f"hardware.data_parallel=shard: FSDP2 {groups} ({peak()}); " + _shard_note(plan))
         return
@@ -141,7 +142,7 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
         if mode == "auto" and offloads and _fits_sharded_without_offload(plan, plan_memory, world):
             # offload moves the optimizer state / weights over PCIe every step; sharding moves them between GPUs
             plan.data_parallel = "shard"
-            groups = _plan_shard_groups(cfg, plan, plan_memory, world)
+            groups = _plan_shard_groups(cfg, plan, plan_memory, world, asked_group)
             _offload_reasons(cfg, plan)
             reasons["data_parallel"] = (f"shard (FSDP2) {groups}: a full replica fits one rank only with offload to "
                                         f"the CPU, sharded it fits without ({peak()}); " + _shard_note(plan))
@@ -155,7 +156,7 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
             raise NoFitError(f"{sharded_error}\n\nReplicated (each rank holding the full models) it does not fit "
                              f"either: {replica_error}") from None
         plan.data_parallel = "shard"
-        groups = _plan_shard_groups(cfg, plan, plan_memory, world)
+        groups = _plan_shard_groups(cfg, plan, plan_memory, world, asked_group)
         _offload_reasons(cfg, plan)
         first_line = str(replica_error).splitlines()[0]
         reasons["data_parallel"] = (f"shard (FSDP2) {groups}: a full replica does not fit one rank "
@@ -169,25 +170,19 @@ def plan_sharding(cfg, plan, plan_memory) -> None:
            "every layer in every pass: Qwen2.5-0.5B sharded on 2 H200s measured x1.28 of one GPU, x1.52 replicated)")
         + "; each rank holds the full actor/critic/reference and its share of the batch "
         f"({peak()}); gradients summed over ranks once per optimizer step"
-        + (f"; hardware.shard_group_size={_asked_shard_group(cfg)} has no effect on replicas (it sizes the shard "
-           "groups of hardware.data_parallel=shard)" if _asked_shard_group(cfg) else ""))
+        + (f"; hardware.shard_group_size={asked_group} has no effect on replicas (it sizes the shard groups of "
+           "hardware.data_parallel=shard)" if asked_group else ""))
 
 
-def _asked_shard_group(cfg) -> int:
-    """hardware.shard_group_size (0: the planner's choice; configs from before the key have none)."""
-    return int((cfg.hardware.shard_group_size if "shard_group_size" in cfg.hardware else 0) or 0)
-
-
-def _plan_shard_groups(cfg, plan, plan_memory, world: int) -> str:
+def _plan_shard_groups(cfg, plan, plan_memory, world: int, asked: int) -> str:
     """plan.shard_group_size for a sharded plan (its memory already planned over all `world` ranks): the ranks
     that split the weights among them; with fewer than all (HSDP), the groups hold replicas of each other and only
     the gradient shards are all-reduced between them. Asked by hardware.shard_group_size (verl's
     actor_rollout_ref.actor.fsdp_config.fsdp_size); auto: one group per node when the shard fits a node without
     offload (per-layer all-gathers then stay inside a node), else one group of all ranks. Returns the text for the
-    data_parallel reason."""
+    data_parallel reason. asked: hardware.shard_group_size (0: the planner's choice)."""
     from .vocabulary import NoFitError
 
-    asked = _asked_shard_group(cfg)
     per_node, nodes = int(cfg.trainer.n_gpus_per_node), int(cfg.trainer.nnodes)
     if asked > 0:
         if asked > world or world % asked:

@@ -116,11 +116,21 @@ def split_rows_by_token_budget(
     """
     _check_budget(max_tokens)
     prompt_lens = _prompt_extent(prompt_mask).tolist()
-    # both layouts keep at least one response column
-    response_lens = _response_extent(response_mask).clamp(min=1).tolist()
+    response_lens = response_lengths(response_mask)
     if packed:
         return _greedy_pack([(p + r,) for p, r in zip(prompt_lens, response_lens)], max_tokens)
     return _greedy_pack(list(zip(prompt_lens, response_lens)), max_tokens)
+
+
+def response_lengths(response_mask: torch.Tensor) -> list[int]:
+    """Per row: the response columns a training micro-batch keeps, 1 + index of the last real token, at least 1
+    (every layout keeps a response column for every row)."""
+    return _response_extent(response_mask).clamp(min=1).tolist()
+
+
+def round_up(value: int, multiple: int) -> int:
+    """`value` rounded up to a multiple of `multiple` (micro-batch widths for compiled passes)."""
+    return -(-value // multiple) * multiple
 
 
 def _response_extent(response_mask: torch.Tensor) -> torch.Tensor:
@@ -240,7 +250,7 @@ def pack_rows(
     response_lens = _response_extent(response_mask[index])
     response_width = max(int(response_lens.max()), 1)
     width = int((prompt_lens + response_lens.clamp(min=1)).max())  # a response column for every row
-    width = -(-width // width_multiple) * width_multiple
+    width = round_up(width, width_multiple)
     # in [left-padded prompt | response], row i's tokens are one run from column P - p_i: read W columns from there
     sequences = torch.cat([prompt_ids[index], response_ids[index]], dim=1)
     columns = prompt_ids.shape[1] - prompt_lens[:, None] + torch.arange(width, device=prompt_ids.device)

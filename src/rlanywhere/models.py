@@ -349,7 +349,7 @@ class ValueModel(nn.Module):
         if self.is_lora:
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(self.backbone, load_file(os.path.join(directory, "adapter_model.safetensors")))
+            set_peft_model_state_dict(self.backbone, self.saved_adapter(directory))
             return
         missing, unexpected = self.backbone.load_state_dict(self.saved_backbone(directory), strict=False)
         if unexpected or [m for m in missing if "rotary" not in m]:
@@ -368,12 +368,21 @@ class ValueModel(nn.Module):
             state.update(load_file(file))
         return state
 
-    @classmethod
-    def saved_state(cls, directory: str) -> dict[str, torch.Tensor]:
-        """A full (not LoRA) critic saved by `save`, as one state dict of this module (backbone. and value_head.)."""
+    @staticmethod
+    def saved_adapter(directory: str) -> dict[str, torch.Tensor]:
+        """A LoRA critic's adapter as `save` wrote it (peft's keys, without the adapter name)."""
         from safetensors.torch import load_file
 
-        state = {f"backbone.{key}": value for key, value in cls.saved_backbone(directory).items()}
+        return load_file(os.path.join(directory, "adapter_model.safetensors"))
+
+    @classmethod
+    def saved_state(cls, directory: str, lora: bool = False) -> dict[str, torch.Tensor]:
+        """A critic saved by `save` as one state dict of this module (backbone. and value_head. keys): the full
+        backbone, or (lora) its adapter in peft's keys."""
+        from safetensors.torch import load_file
+
+        backbone = cls.saved_adapter(directory) if lora else cls.saved_backbone(directory)
+        state = {f"backbone.{key}": value for key, value in backbone.items()}
         state.update({f"value_head.{key}": value
                       for key, value in load_file(os.path.join(directory, "value_head.safetensors")).items()})
         return state

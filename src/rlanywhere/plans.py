@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from .estimator import format_bytes
+from .prompt_sharing import MASKED
 from .vocabulary import ATTN_SDPA, DECODE_SDPA, FP32, RolloutEngineName, dtype_name, to_jsonable
 
 
@@ -150,7 +151,7 @@ class Plan:
     compile_training: bool = False  # training-side passes compiled: decoder layers and the log-prob head's math
     micro_batch_width_multiple: int = 1  # packed micro-batch widths rounded up to this (8 when compiled)
     share_prompts: bool = False  # training micro-batches as one stream, each distinct prompt once (prompt_sharing.py)
-    shared_prompt_kernel: str = "sdpa_mask"  # its attention: "sdpa_mask" (any backend) | "flash_varlen" (no mask)
+    shared_prompt_kernel: str = MASKED  # its attention: MASKED (SDPA with a mask) | VARLEN (varlen flash, no mask)
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))

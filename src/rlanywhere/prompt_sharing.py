@@ -37,6 +37,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
+from .microbatch import response_lengths, round_up
+
 # kwarg name the decoder passes through its layers to the attention function (transformers forwards **kwargs)
 LAYOUT_KWARG = "shared_prompt_layout"
 
@@ -105,16 +107,6 @@ def prompt_keys(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: Seque
     return [tuple(t for t, real in zip(row_ids, row_mask) if real) for row_ids, row_mask in zip(ids, mask)]
 
 
-def response_lengths(response_mask: torch.Tensor) -> list[int]:
-    """1 + index of each row's last real response token, at least 1 (packed rows keep a response column too)."""
-    columns = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
-    return (response_mask.bool() * columns).amax(-1).clamp(min=1).tolist()
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def pack_shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                         response_mask: torch.Tensor, rows: Sequence[int], pad_token_id: int,
                         width_multiple: int = 1, kernel: str = MASKED) -> SharedPromptBatch:
@@ -166,7 +158,7 @@ def pack_shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, res
             label_index[i, r:] = response_at[-1]
             before_index[i, 0] = prompt_at[-1]
             before_index[i, 1:] = label_index[i, :-1]
-    padding = _round_up(start, width_multiple) - start
+    padding = round_up(start, width_multiple) - start
     if padding:
         pad_at = torch.arange(start, start + padding)
         stream.append(torch.full((padding,), pad_token_id, dtype=torch.long))
@@ -196,8 +188,8 @@ def _varlen_layout(sequences, tokens: int) -> SharedPromptLayout:
 
 def _masked_layout(sequences, tokens: int, width_multiple: int) -> SharedPromptLayout:
     # slot counts rounded like the stream: compiled passes see widths of one residue (no recompile per width)
-    n_queries = _round_up(max(len(q) for q, _, _ in sequences), width_multiple)
-    n_keys = _round_up(max(len(k) for _, _, k in sequences), width_multiple)
+    n_queries = round_up(max(len(q) for q, _, _ in sequences), width_multiple)
+    n_keys = round_up(max(len(k) for _, _, k in sequences), width_multiple)
     query_index = torch.zeros(len(sequences), n_queries, dtype=torch.long)
     query_positions = torch.full((len(sequences), n_queries), -1, dtype=torch.long)
     key_index = torch.zeros(len(sequences), n_keys, dtype=torch.long)
@@ -336,4 +328,4 @@ def decoder_kwargs(batch: SharedPromptBatch) -> dict:
 
 
 __all__ = ["MASKED", "VARLEN", "KERNELS", "varlen_attention_function", "SharedPromptLayout", "SharedPromptBatch", "pack_shared_prompts", "split_rows_keeping_prompts",
-           "shared_prompt_attention", "decoder_kwargs", "prompt_keys", "response_lengths", "LAYOUT_KWARG"]
+           "shared_prompt_attention", "decoder_kwargs", "prompt_keys", "LAYOUT_KWARG"]

@@ -20,13 +20,13 @@ from .distributed import DataParallel
 from .errors import UserError
 from .planner import autocast_context, training_attention_context
 from .logprobs import response_logprobs
-from .microbatch import PackedMicroBatch, pack_rows, split_rows_by_length, split_rows_by_token_budget
+from .microbatch import PackedMicroBatch, pack_rows, response_lengths, split_rows_by_length, \
+    split_rows_by_token_budget
 from .models import response_values
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .sharding import call_in_root_forward, gathered, is_sharded, matched_micro_batches, needs_gradient_sum
 from .oom import OOMGuard
-from .prompt_sharing import SharedPromptBatch, pack_shared_prompts, prompt_keys, response_lengths, \
-    split_rows_keeping_prompts
+from .prompt_sharing import SharedPromptBatch, pack_shared_prompts, prompt_keys, split_rows_keeping_prompts
 from .plans import Plan, SizeKind
 from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
 from .stepbatch import StepBatch
@@ -69,10 +69,10 @@ class Updater:
             groups = split_rows_keeping_prompts(prompt_keys(r.prompt_ids, r.prompt_mask, rows),
                                                 response_lengths(r.response_mask[rows]), size, self.uses_token_budget)
         elif self.uses_token_budget:
-            groups = split_rows_by_token_budget(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows],
+            groups = split_rows_by_token_budget(r.prompt_mask[rows], r.response_mask[rows],
                                                 size, packed=True)  # costed as forward_rows builds them
         else:  # rows of similar length share a micro-batch: less padding, same gradient (one LossScale per mini-batch)
-            groups = split_rows_by_length(batch.rollout.prompt_mask[rows], batch.rollout.response_mask[rows], size)
+            groups = split_rows_by_length(r.prompt_mask[rows], r.response_mask[rows], size)
         return [[rows[i] for i in group] for group in groups]
 
     def forward_rows(self, batch: StepBatch, rows: list[int]) -> PackedMicroBatch | SharedPromptBatch:
