@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,9 +32,6 @@ from torch import nn
 from .compiling import compile_dynamic
 from .lora import unwrap_peft
 from .vocabulary import ACCUMULATE_DTYPE, SDPA_NAMES
-
-if TYPE_CHECKING:
-    from .prompt_sharing import SharedPromptBatch
 
 
 def no_autocast(device: torch.device):
@@ -352,15 +348,13 @@ def response_window(response_start: torch.Tensor, response_len: int, width: int,
 
 
 def decoder_hidden(decoder: nn.Module, input_ids, attention_mask, position_ids, packed: bool = False,
-                   shared: SharedPromptBatch | None = None):
+                   shared=None):
     """The decoder's last hidden states for a training micro-batch: left-padded rows with their mask
     (``training_attention_mask``), rows packed from column 0 (``packed``) with none: causal attention alone is
     right for every real token there, and SDPA may take its flash kernel; or a shared-prompt stream (``shared``,
     prompt_sharing.py: [1, N] states, the ids and positions taken from it)."""
     if shared is not None:
-        from .prompt_sharing import decoder_kwargs  # here: prompt_sharing imports microbatch, which imports us
-
-        outputs = decoder(input_ids=shared.input_ids, use_cache=False, **decoder_kwargs(shared))
+        outputs = decoder(input_ids=shared.input_ids, use_cache=False, **shared.decoder_kwargs())
     else:
         mask = None if packed else training_attention_mask(decoder, attention_mask)
         outputs = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
@@ -379,7 +373,7 @@ def response_logprobs(
     check_labels: bool = True,
     compiled_head: bool = False,
     response_start: torch.Tensor | None = None,
-    shared: SharedPromptBatch | None = None,
+    shared=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of the last ``response_len`` tokens of ``input_ids`` under ``model``, or, with
     ``response_start`` [N] (rows packed from column 0, ``microbatch.pack_rows``), of the ``response_len`` tokens from

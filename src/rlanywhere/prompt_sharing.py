@@ -22,7 +22,7 @@ each sequence's queries are the last tokens of its keys: causal from the bottom 
 passes' up to float summation order (tests/test_prompt_sharing.py).
 
 Pieces: `pack_shared_prompts` (host: the stream, positions, label indices, the attention layout),
-`SharedPromptBatch.to` (device; the mask built there), `shared_prompt_attention` (the attention function, registered
+`SharedPromptBatch.to` (device; the mask built there) and `.decoder_kwargs`, `shared_prompt_attention` (the attention function, registered
 with transformers by models.hf_attention_implementation; calls without a layout fall through to the planned SDPA),
 and `split_rows_keeping_prompts` (micro-batches that keep a prompt's rows together). The planner decides where it
 runs and with which kernel (plan.share_prompts, plan.shared_prompt_kernel).
@@ -99,6 +99,15 @@ class SharedPromptBatch(NamedTuple):
             layout = layout._replace(mask=mask[:, None])
         return self._replace(input_ids=move(self.input_ids), position_ids=move(self.position_ids),
                              label_index=move(self.label_index), before_index=move(self.before_index), layout=layout)
+
+    def decoder_kwargs(self) -> dict:
+        """What a decoder call takes for this (device) stream besides its ids: a 4D attention mask, which
+        transformers passes to the attention function as it is instead of building one (the layout's mask, or a
+        placeholder for VARLEN), the stream's positions, and the layout for the attention."""
+        mask = self.layout.mask
+        if mask is None:
+            mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.input_ids.device)
+        return {"attention_mask": mask, "position_ids": self.position_ids, LAYOUT_KWARG: self.layout}
 
 
 def prompt_keys(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: Sequence[int]) -> list[tuple[int, ...]]:
@@ -317,15 +326,5 @@ def _takes_grouped_heads(attend: Callable) -> bool:
     return "enable_gqa" in inspect.signature(attend).parameters
 
 
-def decoder_kwargs(batch: SharedPromptBatch) -> dict:
-    """What a decoder call takes for a (device) shared-prompt batch: a 4D attention mask, which transformers passes
-    to the attention function as it is instead of building one (the layout's mask, or a placeholder for VARLEN),
-    the stream's positions, and the layout for the attention."""
-    mask = batch.layout.mask
-    if mask is None:
-        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=batch.input_ids.device)
-    return {"attention_mask": mask, "position_ids": batch.position_ids, LAYOUT_KWARG: batch.layout}
-
-
-__all__ = ["MASKED", "VARLEN", "KERNELS", "varlen_attention_function", "SharedPromptLayout", "SharedPromptBatch", "pack_shared_prompts", "split_rows_keeping_prompts",
-           "shared_prompt_attention", "decoder_kwargs", "prompt_keys", "LAYOUT_KWARG"]
+__all__ = ["MASKED", "VARLEN", "KERNELS", "LAYOUT_KWARG", "SharedPromptLayout", "SharedPromptBatch", "pack_shared_prompts",
+           "prompt_keys", "split_rows_keeping_prompts", "shared_prompt_attention", "varlen_attention_function"]
