@@ -227,7 +227,8 @@ def main() -> int:
                     "max_token_len_per_micro_batch": sizes.get("max_token_len_per_micro_batch"),
                     "attn_implementation": plan.get("attn_implementation"),
                     "share_prompts": plan.get("share_prompts"),
-                    "rollout_engine": plan.get("rollout", {}).get("engine")}
+                    "rollout_engine": plan.get("rollout", {}).get("engine"),
+                    "kv_cache_freed_each_step": plan.get("rollout", {}).get("release_kv_between_phases")}
 
     reference = None
     if "trl" in results:

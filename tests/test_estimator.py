@@ -3,6 +3,8 @@ KV cache against a real cache, and the fit search's promises (fits, largest powe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -272,3 +274,24 @@ def test_fused_copies_counted_only_when_small_on_cuda():
     assert est.rollout_engine_weight_bytes(QWEN_05B, wl, budget_bytes=40 * GIB) == fused
     assert est.rollout_engine_weight_bytes(QWEN_05B, wl, budget_bytes=10 * GIB) == 0  # over 5 % of the budget
     assert est.rollout_engine_weight_bytes(QWEN_05B, workload(on_cuda=False), budget_bytes=40 * GIB) == 0
+
+
+def test_shared_prompts_count_each_prompt_once_per_micro_batch():
+    # groups of 8 rows kept together: whole groups, part of one group, or a cut inside a group at either end
+    assert [est.prompts_per_micro_batch(rows, 8) for rows in (1, 2, 4, 8, 16, 64)] == [1, 1, 1, 1, 2, 8]
+    assert [est.prompts_per_micro_batch(rows, 8) for rows in (3, 6, 12, 20)] == [2, 2, 3, 4]
+    assert est.prompts_per_micro_batch(5, 1) == 5 and est.prompts_per_micro_batch(3, 0) == 3
+    packed = est.Workload(param_dtype=torch.float32, compute_dtype=torch.float32, rollout_dtype=torch.float32,
+                          use_autocast=False, prompts_per_step=16, samples_per_prompt=8, prompt_length=256,
+                          response_length=256, actor_mini_batch=128, critic_mini_batch=128, has_critic=False,
+                          has_ref=False)
+    shared = dataclasses.replace(packed, share_prompts=True)
+    assert est.micro_batch_tokens(packed, 16) == 16 * 512
+    assert est.micro_batch_tokens(shared, 16) == 2 * 256 + 16 * 256
+    shape = est.ModelShape("q", 896, 24, 14, 2, 4864, 49152, True)
+    settings = est.Placement(actor_micro_batch=16, logprob_micro_batch=16)
+    a, b = (est.estimate_memory(shape, w, settings)["breakdown"] for w in (packed, shared))
+    # activations scale with the tokens through the layers: 4608 of 8192
+    assert b["actor_update"]["activations"] * 8192 == a["actor_update"]["activations"] * 4608
+    assert b["old_log_prob"]["activations"] < a["old_log_prob"]["activations"]
+    assert b["rollout"] == a["rollout"]  # generation holds every row's prompt in its cache either way

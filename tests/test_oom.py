@@ -116,6 +116,50 @@ def test_failed_attempt_memory_is_released_before_retry():
     assert OOMGuard(plan, log_fn=lambda _: None).run("critic_update", fn, SizeKind.CRITIC_MICRO_BATCH) == 2
 
 
+def test_relief_frees_memory_held_outside_the_phase_once_before_any_halving():
+    from types import SimpleNamespace
+
+    from rlanywhere.rollout_phase import RolloutPhase
+
+    released = []
+    phase = RolloutPhase.__new__(RolloutPhase)  # only what free_kept_cache touches
+    phase.release_kv, phase.engine = False, SimpleNamespace(release_memory=lambda: released.append(True))
+    phase.plan = SimpleNamespace(device="cuda:0", rollout=SimpleNamespace(release_kv_between_phases=False, reasons={
+        "release_kv_between_phases": "kept: fits"}))
+    sizes = RuntimeSizes(actor_micro_batch_size=1, rollout_batch_size=8)
+    logs, calls = [], []
+    guard = OOMGuard(sizes, log_fn=logs.append, relieve=phase.free_kept_cache)
+
+    def rollout(size):
+        calls.append(("rollout", size))
+        if size > 4:
+            raise fake_oom(size)
+        return size
+
+    phase.plan.device = "cpu"
+    assert phase.free_kept_cache("actor_update") is None and not released  # a CPU plan keeps its cache
+    phase.plan.device = "cuda:0"
+    assert guard.run("rollout", rollout, SizeKind.ROLLOUT_BATCH) == 4  # the rollout uses the cache: no relief
+    assert not released and [e["new_size"] for e in guard.events] == [4]
+
+    def update(size):  # fits once the cache is gone, already at its minimum micro-batch
+        calls.append(("update", size))
+        if not released:
+            raise fake_oom(size)
+        return "ok"
+
+    assert guard.run("actor_update", update, SizeKind.ACTOR_MICRO_BATCH) == "ok"
+    assert calls[-2:] == [("update", 1), ("update", 1)] and released == [True] and sizes.actor_micro_batch_size == 1
+    assert guard.events[-1]["relieved"] and guard.events[-1]["old_size"] == guard.events[-1]["new_size"] == 1
+    assert "KV cache" in logs[-1] and "same size" in logs[-1]
+    assert phase.release_kv and phase.plan.rollout.release_kv_between_phases  # freed after every rollout from now
+    assert "actor_update ran out of memory" in phase.plan.rollout.reasons["release_kv_between_phases"]
+    # nothing left to free: the next OOM at the minimum size is the usual error
+    with pytest.raises(OutOfMemoryAtMinimumError):
+        guard.run("actor_update", lambda size: (_ for _ in ()).throw(fake_oom(size)), SizeKind.ACTOR_MICRO_BATCH)
+    assert released == [True]
+
+
 def test_minimum_size_reraises_with_advice():
     plan = RuntimeSizes(actor_micro_batch_size=2)
     guard = OOMGuard(plan, log_fn=lambda _: None)

@@ -145,6 +145,7 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
+    free_cache_engine: Any = "auto"  # verl's key: true frees the KV cache after each rollout, false keeps it
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
 
@@ -311,7 +312,7 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r".*\.fsdp_config(\..*)?": "sharding is planned (hardware.data_parallel, hardware.shard_group_size), offload by "
     "hardware.param_offload / hardware.optimizer_offload",
     r"actor_rollout_ref\.rollout\.(gpu_memory_utilization|max_num_batched_tokens|max_num_seqs|max_model_len"
-    r"|enable_chunked_prefill|enforce_eager|free_cache_engine|load_format|disable_log_stats|mode"
+    r"|enable_chunked_prefill|enforce_eager|load_format|disable_log_stats|mode"
     r"|tensor_model_parallel_size|calculate_log_probs|engine_kwargs(\..*)?|multi_turn(\..*)?|layered_summon"
     r"|agent(\..*)?)": "the built-in rollout engine sizes its KV cache and batches from the plan",
     r"actor_rollout_ref\.hybrid_engine": "actor and rollout always share weights here",

@@ -36,7 +36,9 @@ With gradient checkpointing each layer keeps only its input (H x residual bytes)
 time. Logits are never materialised for the whole batch: log-probs are computed in chunks of
 `logprob_chunk_size` tokens (see logprobs.py), so only a chunk x vocab buffer set is alive.
 
-Sequences are assumed to be full length (prompt_length + response_length): the estimate is a worst case.
+Sequences are assumed to be full length (prompt_length + response_length): the estimate is a worst case. With
+shared prompts (`Workload.share_prompts`, prompt_sharing.py) a micro-batch carries each distinct prompt once: its
+tokens are counted as prompts x prompt_length + rows x response_length (`micro_batch_tokens`).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ MIN_TOKENS_PER_MICRO_BATCH = 2048  # below this a GPU matmul is badly under-used
 # rollout recaptured its graphs every step: 1.70 s a step instead of 1.25 (bench/vs_trl.py --ours, 2026-11-30).
 MAX_TOKENS_PER_MICRO_BATCH = 16384
 MAX_TOKENS_PER_ROOMY_MICRO_BATCH = 65536
-ROOMY_PEAK_FRACTION = 0.6  # = planner.KV_RELEASE_PEAK_FRACTION: above it the rollout's KV cache is freed every step
+ROOMY_PEAK_FRACTION = 0.6  # growth stops here, leaving the rollout's KV cache room beside the update (planner)
 MAX_TOKENS_PER_FORWARD_MICRO_BATCH = 32768  # no-grad forwards keep far less, so they may take twice as many
 DEFAULT_LORA_RANK_SUGGESTION = 16
 
@@ -198,6 +200,7 @@ class Workload:
     # passes (the whole model, in gather_dtype), in updates two decoder layers at a time plus the root group
     shard_world: int = 1
     gather_dtype: Optional[torch.dtype] = None  # the MixedPrecisionPolicy's param_dtype; None: param_dtype
+    share_prompts: bool = False  # micro-batches carry each distinct prompt once (plan.share_prompts)
 
     @property
     def seq_len(self) -> int:
@@ -291,6 +294,27 @@ def logits_chunk_bytes(shape: ModelShape, tokens: int, chunk_size: int, compute_
     # the backward accumulates d(hidden) for the whole micro-batch, one chunk at a time
     hidden_grad = tokens * shape.hidden_size * 4 if with_grad else 0
     return buffers + hidden_grad
+
+
+def prompts_per_micro_batch(rows: int, samples_per_prompt: int) -> int:
+    """The most distinct prompts in a micro-batch of `rows` rows cut from groups of `samples_per_prompt` rows kept
+    next to each other (prompt_sharing.split_rows_keeping_prompts): whole groups when the group size divides `rows`,
+    one prompt when `rows` divides the group size; otherwise a cut can fall inside a group at either end."""
+    n = max(1, samples_per_prompt)
+    if rows % n == 0:
+        return rows // n
+    if n % rows == 0:
+        return 1
+    return min(rows, (rows - 1) // n + 2)
+
+
+def micro_batch_tokens(workload: Workload, rows: int) -> int:
+    """Tokens through the layers for a micro-batch of `rows` full-length rows: each row's prompt and response, or
+    with shared prompts each distinct prompt once."""
+    if not workload.share_prompts:
+        return rows * workload.seq_len
+    return (prompts_per_micro_batch(rows, workload.samples_per_prompt) * workload.prompt_length
+            + rows * workload.response_length)
 
 
 def kv_cache_bytes(shape: ModelShape, sequences: int, seq_len: int, rollout_bytes: int) -> int:
@@ -470,7 +494,7 @@ def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
     breakdown["rollout"] = parts
 
     # no-grad forwards
-    lp_tokens = placement.logprob_micro_batch * seq
+    lp_tokens = micro_batch_tokens(workload, placement.logprob_micro_batch)
     forward = nograd_activation_bytes(shape, lp_tokens, seq, compute_bytes, residual_bytes, scores)
     lp_logits = logits_chunk_bytes(shape, lp_tokens, placement.logprob_chunk_size, compute_bytes, False)
     parts = _resident(models, placement, "old_log_prob", on_cuda)
@@ -490,7 +514,7 @@ def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
     # updates
     def update_parts(name: str, model_shape: ModelShape, micro_batch: int, with_logits: bool) -> dict[str, int]:
         mem = models[name]
-        tokens = placement.max_token_len if placement.max_token_len else micro_batch * seq
+        tokens = placement.max_token_len if placement.max_token_len else micro_batch_tokens(workload, micro_batch)
         parts = _resident(models, placement, _UPDATE_PHASE[name], on_cuda)
         parts["autocast_cache"] = mem.autocast_cache
         parts["activations"] = training_activation_bytes(
@@ -688,7 +712,7 @@ def _levels(workload: Workload, fixed: dict[str, Any]) -> list[dict[str, bool]]:
 def _update_tokens(workload: Workload, placement: Placement, micro_key: str) -> int:
     if placement.max_token_len:
         return placement.max_token_len
-    return getattr(placement, micro_key) * workload.seq_len
+    return micro_batch_tokens(workload, getattr(placement, micro_key))
 
 
 # The costly value of each searched switch.

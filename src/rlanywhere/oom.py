@@ -4,7 +4,9 @@ The planner's memory estimate can be wrong (fragmentation, a long-response batch
 Instead of crashing hours into a run, ``OOMGuard.run(phase, fn, kind)`` calls ``fn(size)`` with the run's current
 size of that kind (``RuntimeSizes.get(kind)``: a micro-batch size or a token budget); on an out-of-memory error it
 frees what the failed attempt held, halves that size in the RuntimeSizes (so every later step of the run uses the
-smaller size), logs one line, records an event and calls ``fn`` again from the start. ``fn`` must be restartable:
+smaller size), logs one line, records an event and calls ``fn`` again from the start. Before the first halving it
+tries ``relieve(phase)`` once, when set: the trainer frees a rollout KV cache kept between phases there, and the
+phase is retried at the same size. ``fn`` must be restartable:
 it starts with ``optimizer.zero_grad()`` and recomputes everything it needs from its inputs. At the minimum size
 the error is re-raised with a message naming what to change.
 """
@@ -79,18 +81,22 @@ class OOMGuard:
     ``min_size`` is the smallest size a phase may run at: one int for all kinds, or a mapping SizeKind -> int
     (e.g. a token budget's minimum is a sequence length, not 1). ``events`` lists every recovery as a dict
     (phase, attribute, old_size, new_size, error, time). ``enabled=False`` (hardware.oom_recovery=false) runs
-    ``fn`` once at the current size. ``on_change`` is called after a phase that lowered a size (the trainer
-    rewrites plan.json there). ``sizes`` may be replaced whole (a resume restores a checkpoint's sizes).
+    ``fn`` once at the current size. ``on_change`` is called after a phase that lowered a size or was relieved
+    (the trainer rewrites plan.json there). ``relieve(phase)`` frees memory held outside the phase and says what it
+    freed, or returns None when it has nothing (more) to free there. ``sizes`` may be replaced whole (a resume
+    restores a checkpoint's sizes).
     """
 
     def __init__(self, sizes: RuntimeSizes, log_fn: Callable[[str], None] = print,
                  min_size: int | Mapping[SizeKind, int] = 1, enabled: bool = True,
-                 on_change: Optional[Callable[[], None]] = None):
+                 on_change: Optional[Callable[[], None]] = None,
+                 relieve: Optional[Callable[[str], Optional[str]]] = None):
         self.sizes = sizes
         self.log_fn = log_fn
         self.min_size = min_size
         self.enabled = enabled
         self.on_change = on_change
+        self.relieve = relieve
         self.events: list[dict] = []
 
     def _minimum(self, kind: SizeKind) -> int:
@@ -122,8 +128,9 @@ class OOMGuard:
             except Exception as exc:  # noqa: BLE001 - filtered by is_oom_error, everything else re-raised
                 if not is_oom_error(exc):
                     raise
-                new_size = size // 2
-                if size <= minimum or new_size < minimum:
+                relieved = self.relieve(phase) if self.relieve is not None else None
+                new_size = size if relieved else size // 2
+                if not relieved and (size <= minimum or new_size < minimum):
                     raise OutOfMemoryAtMinimumError(
                         f"Out of memory in phase {phase!r} even at {name}={size} (its minimum). To fit, reduce "
                         "memory another way: train LoRA adapters instead of all weights "
@@ -137,6 +144,11 @@ class OOMGuard:
                 traceback.clear_frames(exc.__traceback__)
             # outside the except block the exception itself is released too
             free_accelerator_memory()
+            if relieved:  # memory held outside the phase is gone: the same size again
+                self.events.append({"phase": phase, "attribute": name, "old_size": size, "new_size": size,
+                                    "relieved": relieved, "error": error_line, "time": time.time()})
+                self.log_fn(f"[oom] {phase}: out of memory at {name}={size}; {relieved}; retrying at the same size")
+                continue
             self.sizes.set(kind, new_size)
             self.events.append({"phase": phase, "attribute": name, "old_size": size, "new_size": new_size,
                                 "error": error_line, "time": time.time()})

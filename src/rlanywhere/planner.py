@@ -26,7 +26,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -386,9 +386,14 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     from .distributed import plan_sharding
     # host RAM holds what a GPU plan offloads; known when the GPUs are this machine's (not a plan for another one)
     host_ram = machine.ram_available_bytes if real is not None and machine.ram_available_bytes else None
-    plan_sharding(cfg, plan, lambda shard_world: _plan_memory(cfg, plan, target, shape, critic_shape, scores,
-                                                              critic_lora, use_ref and not use_lora, reasons,
-                                                              shard_world=shard_world, host_ram_bytes=host_ram))
+    memory: dict[str, _MemoryInputs] = {}  # the inputs of the memory plan that was kept (the last one made)
+
+    def plan_memory(shard_world: int) -> None:
+        memory["kept"] = _plan_memory(cfg, plan, target, shape, critic_shape, scores, critic_lora,
+                                      use_ref and not use_lora, reasons, shard_world=shard_world,
+                                      host_ram_bytes=host_ram)
+
+    plan_sharding(cfg, plan, plan_memory)
     _ref_reason(plan, use_ref, use_lora, kl_loss, kl_reward, reasons)
     _memory_cap(plan, card, real, for_execution, reasons)
     _plan_data_parallel(cfg, plan, machine, for_execution, reasons)
@@ -397,14 +402,28 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     _plan_training_compile(plan, bool(actor.use_torch_compile), target.is_cuda, target.cc, machine.triton_usable)
     _plan_prompt_sharing(plan, _auto(cfg.hardware.share_prompts), int(arr.rollout.n), shape.model_type,
                          flash_runs=target.is_cuda and "flash_attention" in backends)
+    if plan.share_prompts:
+        _count_prompts_once(plan, memory["kept"])
+    _plan_kv_release(plan, target, _auto(arr.rollout.free_cache_engine))
     if for_execution and card is not None and real is not None:
         _check_real_card_runs(plan, real, machine)
     return plan
 
 
+@dataclass
+class _MemoryInputs:
+    """What a memory plan was estimated from, to estimate it again once later decisions are known."""
+
+    shape: ModelShape
+    workload: est.Workload
+    placement: est.Placement
+    critic_shape: Optional[ModelShape]
+    budget: int
+
+
 def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, critic_shape: Optional[ModelShape],
                  scores_materialized: bool, critic_lora: int, separate_ref: bool, reasons: dict[str, str],
-                 shard_world: int = 1, host_ram_bytes: Optional[int] = None) -> None:
+                 shard_world: int = 1, host_ram_bytes: Optional[int] = None) -> _MemoryInputs:
     hcfg = cfg.hardware
     arr = cfg.actor_rollout_ref
     actor, critic = arr.actor, cfg.critic
@@ -552,13 +571,45 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
                                  "parked on CPU, moved to the device only for its log-prob pass: needed to fit"
                                  if not placement.ref_on_device else "fits beside the actor" +
                                  (" and critic" if plan.use_critic else ""))
+    return _MemoryInputs(shape, workload, placement, critic_shape, budget)
 
 
-# Free the KV cache after each rollout when the planned peak takes more than this share of the budget. The
-# estimator assumes the cache is gone during the log-prob and update phases; with this much of the budget in use,
-# a cache held beside the update's activations (plus allocator fragmentation) risks an OOM. Below it the cache stays,
-# which saves reallocating it and recapturing the CUDA graphs every step.
-KV_RELEASE_PEAK_FRACTION = est.ROOMY_PEAK_FRACTION  # 0.6; micro-batches grow past their cap only below it
+def _count_prompts_once(plan: Plan, memory: _MemoryInputs) -> None:
+    """Shared prompts: estimate the chosen settings again with each distinct prompt counted once per micro-batch.
+    The settings were searched with packed rows (sharing is decided after them, from checkpointing and compiling),
+    a bound that holds either way; the recount is what the run will hold, for the KV-cache decision and the
+    reported peaks."""
+    packed = plan.estimate or {}
+    plan.estimate = est.estimate_memory(memory.shape, replace(memory.workload, share_prompts=True), memory.placement,
+                                        memory.critic_shape, memory.budget)
+    if packed.get("peak_bytes"):
+        plan.reasons["share_prompts"] += (f"; planned peak {est.format_bytes(plan.estimate['peak_bytes'])} with each "
+                                          f"prompt once ({est.format_bytes(packed['peak_bytes'])} as packed rows, "
+                                          "which sized the micro-batches)")
+
+
+def _plan_kv_release(plan: Plan, target: _Target, requested: Optional[bool]) -> None:
+    """Whether the rollout's KV cache is freed after each rollout (verl: actor_rollout_ref.rollout.free_cache_engine).
+    The estimator counts the cache in the rollout phase only; kept, it also sits beside the log-prob and update
+    phases. It stays when it fits there: a freed cache is allocated again every step and the decode step's CUDA
+    graphs, which point into it, are captured again (0.45 s a step in a bf16 run on an H200, estimator.py). Should
+    the training phases still run out of memory, the OOM guard frees it first (Trainer)."""
+    rollout = plan.rollout
+    if not target.is_cuda:
+        rollout.release_kv_between_phases, why = False, "CPU: memory is not the limit"
+    elif requested is not None:
+        rollout.release_kv_between_phases, why = requested, f"actor_rollout_ref.rollout.free_cache_engine={requested}"
+    else:
+        estimate = plan.estimate or {}
+        phases, budget = estimate.get("phases", {}), plan.memory_budget_bytes or 0
+        training = max((v for k, v in phases.items() if k != "rollout"), default=0)
+        cache = estimate.get("breakdown", {}).get("rollout", {}).get("kv_cache", 0)
+        freed = training + cache > budget
+        rollout.release_kv_between_phases = freed
+        why = (f"{'freed' if freed else 'kept'}: the training phases' planned peak {est.format_bytes(training)} + the "
+               f"{est.format_bytes(cache)} cache {'exceed' if freed else 'fit'} the {est.format_bytes(budget)} budget"
+               + (f" of the {target.name}" if target.emulated else ""))
+    rollout.reasons["release_kv_between_phases"] = why
 
 
 # FastEngine's split-K Triton decode attention (rollout/decode_attention.py) is planned from this compute capability
@@ -685,8 +736,8 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
 
 
 def _plan_rollout(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, machine: HardwareProbe) -> None:
-    """Every RolloutPlan field with its reason: the engine's kernels for the rollout dtype, its wave size and cache
-    length from the memory plan, and whether its KV cache is freed for the training phases."""
+    """The RolloutPlan's fields with their reasons: the engine's kernels for the rollout dtype, its wave size and
+    cache length from the memory plan (whether the cache is freed for the training phases: _plan_kv_release)."""
     rollout = plan.rollout
     arr = cfg.actor_rollout_ref
     _rollout_policy(rollout, weight_dtype=plan.param_dtype, on_cuda=target.is_cuda,
@@ -698,15 +749,6 @@ def _plan_rollout(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, mach
     response = int(arr.rollout.response_length or cfg.data.max_response_length)
     rollout.max_seq_len = prompt + response
     rollout.reasons["max_seq_len"] = f"prompt {prompt} + response {response} tokens"
-    estimate = plan.estimate or {}
-    peak, budget = estimate.get("peak_bytes", 0), estimate.get("budget_bytes")
-    tight = budget is not None and peak > KV_RELEASE_PEAK_FRACTION * budget
-    rollout.release_kv_between_phases = target.is_cuda and (target.emulated is not None or tight)
-    rollout.reasons["release_kv_between_phases"] = (
-        "CPU: memory is not the limit" if not target.is_cuda else
-        f"emulating the {target.name}: its memory cap leaves no room for an idle cache" if target.emulated else
-        f"{'' if tight else 'kept: '}planned peak {est.format_bytes(peak)} is "
-        f"{'over' if tight else 'within'} {KV_RELEASE_PEAK_FRACTION:.0%} of the {est.format_bytes(budget or 0)} budget")
 
 
 def plan_rollout_for(model_or_shape: Any, device: Any = "cpu", dtype: Optional[torch.dtype] = None,

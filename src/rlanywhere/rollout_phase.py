@@ -46,6 +46,20 @@ class RolloutPhase:
     def response_length(self) -> int:
         return response_length(self.cfg)
 
+    def free_kept_cache(self, phase: str) -> Optional[str]:
+        """OOM relief for the phases after the rollout (OOMGuard.relieve): a KV cache the plan kept between phases
+        is freed now and after every rollout from here on. None when there is none to free, in the rollout (which
+        is using it), and on a CPU (the plan keeps the cache there: memory is not the limit)."""
+        if self.release_kv or phase == "rollout" or not str(self.plan.device).startswith("cuda"):
+            return None
+        self.release_kv = True
+        self.engine.release_memory()
+        rollout = self.plan.rollout
+        rollout.release_kv_between_phases = True
+        rollout.reasons["release_kv_between_phases"] = (f"freed: {phase} ran out of memory beside the kept cache ("
+                                                        f"planned: {rollout.reasons.get('release_kv_between_phases')})")
+        return "freed the rollout's KV cache (kept between phases until now; freed after every rollout from now on)"
+
     def sampling_params(self, validation: bool = False) -> SamplingParams:
         rollout_cfg = self.cfg.actor_rollout_ref.rollout
         sampling = rollout_cfg.val_kwargs if validation else rollout_cfg

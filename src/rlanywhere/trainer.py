@@ -111,6 +111,7 @@ class RLTrainer:
         self.rollouts = RolloutPhase(cfg, plan, self.engine, self.actor, self.tokenizer, self.reward_manager,
                                      self.oom_guard, self.loader.next_batch, plan.rollout.release_kv_between_phases,
                                      self.dp)
+        self.oom_guard.relieve = self.rollouts.free_kept_cache
         self.global_step = 0
         self.tracker: Optional[Tracker] = None
 
