@@ -686,3 +686,18 @@ def test_cpu_processes_on_one_machine_share_its_ram():
     one, two = plan(), plan("trainer.n_gpus_per_node=2")
     assert two.memory_budget_bytes == one.memory_budget_bytes // 2
     assert "shared by 2 processes: 16.00 GiB each" in two.reasons["memory_budget"]
+
+
+def test_planned_micro_batch_sizes_are_bounds_that_short_rows_merge_under():
+    job = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
+           "data.train_batch_size=16", "data.max_prompt_length=256", "data.max_response_length=256",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.rollout.n=8"]
+    planned = make_plan(cfg_of(*job), fake("h100"))
+    assert planned.merge_micro_batches and "512-token rows" in planned.reasons["merge_micro_batches"]
+    fixed = make_plan(cfg_of(*job, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"), fake("h100"))
+    assert not fixed.merge_micro_batches and fixed.sizes.actor_micro_batch_size == 4
+    assert "actor_micro_batch" in fixed.reasons["merge_micro_batches"]
+    logprob = make_plan(cfg_of(*job, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"), fake("h100"))
+    assert not logprob.merge_micro_batches
+    dynamic = make_plan(cfg_of(*job, "actor_rollout_ref.actor.use_dynamic_bsz=true"), fake("h100"))
+    assert not dynamic.merge_micro_batches and "use_dynamic_bsz" in dynamic.reasons["merge_micro_batches"]

@@ -53,9 +53,11 @@ def trainer_and_batch(tiny_model_dir, arith_data, tmp_path_factory):
     return trainer, batch
 
 
-def _gradient(trainer, model, loss_fn, batch, size, token_budget=False, fail_first=False):
-    """The accumulated gradient (and metrics) with micro-batches of `size` rows, or of `size` tokens."""
+def _gradient(trainer, model, loss_fn, batch, size, token_budget=False, fail_first=False, merge=False):
+    """The accumulated gradient (and metrics) with micro-batches of `size` rows, of `size` tokens, or (merge) of as
+    many rows as hold no more tokens than `size` full-length rows (plan.merge_micro_batches)."""
     trainer.plan.sizes.max_token_len_per_micro_batch = size if token_budget else None
+    trainer.plan.merge_micro_batches = merge
     rows = list(range(batch.rows))
     kind = trainer.updater.size_kind(SizeKind.ACTOR_MICRO_BATCH)
     trainer.plan.sizes.set(kind, size)
@@ -73,6 +75,7 @@ def _gradient(trainer, model, loss_fn, batch, size, token_budget=False, fail_fir
     if fail_first:
         assert trainer.plan.sizes.get(kind) == size // 2, "OOM recovery did not halve the micro-batch"
     trainer.plan.sizes.max_token_len_per_micro_batch = None
+    trainer.plan.merge_micro_batches = False
     grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     return grad.clone(), metrics
 
@@ -109,7 +112,13 @@ def test_gradient_does_not_depend_on_the_split(trainer_and_batch, which, mode, l
     splits = {"micro 1": dict(size=1), "micro 2": dict(size=2), "micro 3": dict(size=3),
               "token budget": dict(size=longest + 4, token_budget=True),
               "OOM halved": dict(size=batch.rows, fail_first=True),
-              "token budget, OOM halved": dict(size=4 * longest, token_budget=True, fail_first=True)}
+              "token budget, OOM halved": dict(size=4 * longest, token_budget=True, fail_first=True),
+              "3-row bound, short rows merged": dict(size=3, merge=True),
+              "3-row bound merged, OOM halved": dict(size=3, merge=True, fail_first=True)}
+    trainer.plan.merge_micro_batches = True
+    merged = trainer.updater.micro_batches(batch, list(range(batch.rows)), 3)
+    trainer.plan.merge_micro_batches = False
+    assert len(merged) == 2  # 4 + 4 rows where 3-row micro-batches make 3: a split of its own
     for name, kwargs in splits.items():
         grad, metrics = _gradient(trainer, model, loss_fn, batch, **kwargs)
         torch.testing.assert_close(grad, reference, **TOLERANCES[layout], msg=lambda m: f"{name}: {m}")

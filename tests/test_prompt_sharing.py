@@ -190,8 +190,15 @@ def test_micro_batches_keep_a_prompts_rows_together():
     assert split_rows_keeping_prompts(keys, [5, 3, 1, 5, 4, 2], 4) == [[0, 1, 2, 5], [3, 4]]
     # token budget: a prompt costs its length once per micro-batch (keys of length 1 here), responses their own
     assert split_rows_keeping_prompts(keys, [5, 3, 1, 5, 4, 2], 10, by_tokens=True) == [[0, 2, 5], [1, 3], [4]]
+    # and at most N tokens counted as packed rows (each row its prompt and response): 6 + 2 + 3 <= 12
+    assert split_rows_keeping_prompts(keys, [5, 3, 1, 5, 4, 2], 10, by_tokens=True, row_tokens=12) == [
+        [0, 2, 5], [1, 3], [4]]
+    assert split_rows_keeping_prompts(keys, [5, 3, 1, 5, 4, 2], 10, by_tokens=True, row_tokens=8) == [
+        [0, 2], [1, 5], [3], [4]]  # rows 0+2 hold 6 + 2; row 5 then 3 + row 1's 4; rows 3+4 would hold 6 + 5
     with pytest.raises(ValueError, match="positive"):
         split_rows_keeping_prompts(keys, [1] * 6, 0)
+    with pytest.raises(ValueError, match="by_tokens"):
+        split_rows_keeping_prompts(keys, [1] * 6, 4, row_tokens=8)
 
 
 GRPO = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",

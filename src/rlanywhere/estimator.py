@@ -308,13 +308,17 @@ def prompts_per_micro_batch(rows: int, samples_per_prompt: int) -> int:
     return min(rows, (rows - 1) // n + 2)
 
 
+def shared_stream_tokens(rows: int, samples_per_prompt: int, prompt_length: int, response_length: int) -> int:
+    """Stream tokens of a shared-prompt micro-batch of `rows` full-length rows: each distinct prompt once."""
+    return prompts_per_micro_batch(rows, samples_per_prompt) * prompt_length + rows * response_length
+
+
 def micro_batch_tokens(workload: Workload, rows: int) -> int:
     """Tokens through the layers for a micro-batch of `rows` full-length rows: each row's prompt and response, or
     with shared prompts each distinct prompt once."""
     if not workload.share_prompts:
         return rows * workload.seq_len
-    return (prompts_per_micro_batch(rows, workload.samples_per_prompt) * workload.prompt_length
-            + rows * workload.response_length)
+    return shared_stream_tokens(rows, workload.samples_per_prompt, workload.prompt_length, workload.response_length)
 
 
 def kv_cache_bytes(shape: ModelShape, sequences: int, seq_len: int, rollout_bytes: int) -> int:

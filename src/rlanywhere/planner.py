@@ -542,6 +542,15 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
                         "optimizer_offload": "hardware.optimizer_offload", "param_offload": "hardware.param_offload"}
             reasons[key] = (f"{explicit[key]}={getattr(plan, key)}" if note == "explicit" else
                             f"{'on' if getattr(plan, key) else 'off'}: {note}")
+    sized_by_config = [key for key in ("actor_micro_batch", "critic_micro_batch", "logprob_micro_batch")
+                       if fixed.get(key) is not None]
+    plan.merge_micro_batches = not workload.use_dynamic_bsz and not sized_by_config
+    reasons["merge_micro_batches"] = (
+        "off: use_dynamic_bsz cuts micro-batches by its token budget" if workload.use_dynamic_bsz else
+        f"off: micro-batch sizes set by the config ({', '.join(sized_by_config)}): exactly those rows"
+        if sized_by_config else
+        f"the planned row counts are bounds: a micro-batch takes more rows while they hold no more tokens than that "
+        f"many {seq}-token rows, so short responses run in fewer, larger micro-batches (the same planned peak)")
     if workload.use_dynamic_bsz:
         reasons["max_token_len_per_micro_batch"] = (
             f"use_dynamic_bsz: ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}"

@@ -152,6 +152,9 @@ class Plan:
     micro_batch_width_multiple: int = 1  # packed micro-batch widths rounded up to this (8 when compiled)
     share_prompts: bool = False  # training micro-batches as one stream, each distinct prompt once (prompt_sharing.py)
     shared_prompt_kernel: str = MASKED  # its attention: MASKED (SDPA with a mask) | VARLEN (varlen flash, no mask)
+    # planned row counts are bounds: a micro-batch takes more rows while they hold no more tokens than that many
+    # full-length rows (Updater.micro_batches), so short responses run in fewer, larger micro-batches
+    merge_micro_batches: bool = False
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))

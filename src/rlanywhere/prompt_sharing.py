@@ -215,30 +215,36 @@ def _masked_layout(sequences, tokens: int, width_multiple: int) -> SharedPromptL
 
 
 def split_rows_keeping_prompts(keys: Sequence[tuple[int, ...]], response_lens: Sequence[int], size: int,
-                               by_tokens: bool = False) -> list[list[int]]:
+                               by_tokens: bool = False, row_tokens: Optional[int] = None) -> list[list[int]]:
     """Micro-batches of row positions with the rows of one prompt next to each other, so they share it: `size`
-    rows each, or (by_tokens) as many rows as fit `size` stream tokens (a prompt counted once per micro-batch).
-    Indices inside a micro-batch are ascending; every row appears once."""
+    rows each, or (by_tokens) as many rows as fit `size` stream tokens (a prompt counted once per micro-batch) and,
+    when given, `row_tokens` tokens counted as packed rows (each row's prompt and response: what the gathered
+    keys of its attention hold). Indices inside a micro-batch are ascending; every row appears once."""
     if not (isinstance(size, int) and size > 0):
         raise ValueError(f"micro-batch size must be a positive int, got {size!r}")
+    if row_tokens is not None and not by_tokens:
+        raise ValueError("row_tokens bounds token-budget micro-batches: pass by_tokens=True")
     order: dict[tuple[int, ...], list[int]] = {}
     for i, key in enumerate(keys):
         order.setdefault(key, []).append(i)
     groups: list[list[int]] = []
     current: list[int] = []
     seen: set[tuple[int, ...]] = set()
-    tokens = 0
+    tokens = packed = 0
     for key, members in order.items():
         for i in members:
             cost = response_lens[i] + (0 if key in seen else len(key))
-            full = (tokens + cost > size) if by_tokens else len(current) == size
+            row = response_lens[i] + len(key)
+            full = (tokens + cost > size or (row_tokens is not None and packed + row > row_tokens)) if by_tokens \
+                else len(current) == size
             if current and full:
                 groups.append(sorted(current))
-                current, seen, tokens = [], set(), 0
-                cost = response_lens[i] + len(key)
+                current, seen, tokens, packed = [], set(), 0, 0
+                cost = row
             current.append(i)
             seen.add(key)
             tokens += cost
+            packed += row
     if current:
         groups.append(sorted(current))
     return groups

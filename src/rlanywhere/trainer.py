@@ -105,7 +105,7 @@ class RLTrainer:
         self.updater = Updater(plan, self.dp, self.oom_guard, self.grad_scaler, self.precision_guard,
                                self.tokenizer.pad_token_id, self.response_length,
                                before_weights_change=self.stops.weights_changing,
-                               after_optimizer_step=self.stops.record_update)
+                               after_optimizer_step=self.stops.record_update, samples_per_prompt=self.n)
         self.engine = builders.build_engine(cfg, plan, self.actor, self.tokenizer)
         self.write_plan_record()  # after the engine is known: the record shows what runs
         self.rollouts = RolloutPhase(cfg, plan, self.engine, self.actor, self.tokenizer, self.reward_manager,

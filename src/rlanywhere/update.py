@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from . import algorithms as algo
+from . import estimator as est
 from .distributed import DataParallel
 from .errors import UserError
 from .planner import autocast_context, training_attention_context
@@ -48,9 +49,11 @@ class Updater:
     def __init__(self, plan: Plan, dp: DataParallel, oom: OOMGuard, grad_scaler, precision_guard: PrecisionGuard,
                  pad_token_id: int, response_length: int,
                  before_weights_change: Callable[[], None] = lambda: None,
-                 after_optimizer_step: Callable[[StepOutcome], None] = lambda outcome: None):
+                 after_optimizer_step: Callable[[StepOutcome], None] = lambda outcome: None,
+                 samples_per_prompt: int = 1):
         self.plan, self.dp, self.oom, self.grad_scaler = plan, dp, oom, grad_scaler
         self.precision_guard, self.pad_token_id, self.response_length = precision_guard, pad_token_id, response_length
+        self.samples_per_prompt = samples_per_prompt  # rollout.n: the rows of a shared prompt (plan.merge_...)
         self.device = plan.device
         self.before_weights_change, self.after_optimizer_step = before_weights_change, after_optimizer_step
 
@@ -64,13 +67,25 @@ class Updater:
         return self.plan.sizes.max_token_len_per_micro_batch is not None
 
     def micro_batches(self, batch: StepBatch, rows: list[int], size: int) -> list[list[int]]:
+        """`rows` cut into micro-batches of `size` (rows, or tokens under a token budget). With
+        plan.merge_micro_batches a planned row count is a bound, not a count: a micro-batch takes more rows while
+        they hold no more tokens than `size` full-length rows would (as packed rows, and with shared prompts also
+        as a stream), so the planned peak holds and short responses run in fewer micro-batches. The gradient does
+        not depend on the split (one LossScale per mini-batch)."""
         r = batch.rollout
+        full_row = self.plan.rollout.max_seq_len  # prompt + response as planned
+        merge = self.plan.merge_micro_batches and not self.uses_token_budget and bool(full_row)
         if self.plan.share_prompts:  # a prompt's rows together, so its tokens run once (prompt_sharing.py)
-            groups = split_rows_keeping_prompts(prompt_keys(r.prompt_ids, r.prompt_mask, rows),
-                                                response_lengths(r.response_mask[rows]), size, self.uses_token_budget)
-        elif self.uses_token_budget:
-            groups = split_rows_by_token_budget(r.prompt_mask[rows], r.response_mask[rows],
-                                                size, packed=True)  # costed as forward_rows builds them
+            keys, lens = prompt_keys(r.prompt_ids, r.prompt_mask, rows), response_lengths(r.response_mask[rows])
+            if merge:
+                stream = est.shared_stream_tokens(size, self.samples_per_prompt, full_row - self.response_length,
+                                                  self.response_length)
+                groups = split_rows_keeping_prompts(keys, lens, stream, by_tokens=True, row_tokens=size * full_row)
+            else:
+                groups = split_rows_keeping_prompts(keys, lens, size, self.uses_token_budget)
+        elif self.uses_token_budget or merge:
+            groups = split_rows_by_token_budget(r.prompt_mask[rows], r.response_mask[rows], size * full_row if merge
+                                                else size, packed=True)  # costed as forward_rows builds them
         else:  # rows of similar length share a micro-batch: less padding, same gradient (one LossScale per mini-batch)
             groups = split_rows_by_length(r.prompt_mask[rows], r.response_mask[rows], size)
         return [[rows[i] for i in group] for group in groups]
