@@ -115,6 +115,52 @@ def test_activation_formula_bounds_measured_saved_tensors(attn, autocast_dtype, 
     assert measured <= predicted <= 1.25 * measured, (measured, predicted)
 
 
+def _shared_stream_saved_bytes(layers: int, rows: int, n: int, prompt: int, response: int) -> tuple[int, int]:
+    """(bytes autograd keeps after a shared-prompt stream's forward (masked kernel), the stream's tokens) for `rows`
+    full-length rows in groups of `n`."""
+    from transformers import Qwen2ForCausalLM
+
+    from rlanywhere.models import hf_attention_implementation
+    from rlanywhere.plans import Plan
+    from rlanywhere.prompt_sharing import MASKED, pack_shared_prompts
+
+    config = tiny_qwen2_config(layers, hidden=128, inter=384)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.config._attn_implementation = hf_attention_implementation(Plan(share_prompts=True))
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, config.vocab_size, (rows // n, prompt), generator=g).repeat_interleave(n, 0)
+    response_ids = torch.randint(3, config.vocab_size, (rows, response), generator=g)
+    micro = pack_shared_prompts(prompt_ids, torch.ones_like(prompt_ids), response_ids, torch.ones_like(response_ids),
+                                list(range(rows)), 0, 1, MASKED)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in params:
+            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=micro.input_ids, **micro.decoder_kwargs())
+    return sum(seen.values()), micro.input_ids.numel()
+
+
+@pytest.mark.parametrize("rows,n,prompt,response", [(8, 4, 20, 30), (8, 8, 150, 10)])
+def test_shared_prompt_formula_bounds_measured_saved_tensors(rows, n, prompt, response):
+    """A shared-prompt stream keeps the per-token tensors of a packed row and, per layer, the keys and values its
+    attention gathered for every sequence (rows and prompt chunks): estimator.shared_attention_bytes."""
+    one, tokens = _shared_stream_saved_bytes(1, rows, n, prompt, response)
+    three, _ = _shared_stream_saved_bytes(3, rows, n, prompt, response)
+    measured = (three - one) / 2
+    shape = shape_of(tiny_qwen2_config(1, hidden=128, inter=384))
+    wl = workload(samples_per_prompt=n, prompt_length=prompt, response_length=response, share_prompts=True)
+    assert tokens == est.micro_batch_tokens(wl, rows)
+    predicted = (est.layer_saved_bytes_per_token(shape, 4, 4, False) * tokens
+                 + est.shared_attention_bytes(shape, wl, rows, 4))
+    assert measured <= predicted <= 1.25 * measured, (measured, predicted)
+
+
 def test_layer_formula_closed_forms():
     # Module docstring: plain fp32 -> 44 H + 16 I bytes; bf16 autocast with fp32 residual -> 36 H + 8 I.
     h, i = QWEN_05B.hidden_size, QWEN_05B.intermediate_size
@@ -291,7 +337,10 @@ def test_shared_prompts_count_each_prompt_once_per_micro_batch():
     shape = est.ModelShape("q", 896, 24, 14, 2, 4864, 49152, True)
     settings = est.Placement(actor_micro_batch=16, logprob_micro_batch=16)
     a, b = (est.estimate_memory(shape, w, settings)["breakdown"] for w in (packed, shared))
-    # activations scale with the tokens through the layers: 4608 of 8192
-    assert b["actor_update"]["activations"] * 8192 == a["actor_update"]["activations"] * 4608
+    # activations scale with the tokens through the layers (4608 of 8192), plus what every layer's attention keeps
+    # of its gathered sequences
+    gathered = shape.num_layers * est.shared_attention_bytes(shape, shared, 16, 4)
+    assert gathered > 0
+    assert (b["actor_update"]["activations"] - gathered) * 8192 == a["actor_update"]["activations"] * 4608
     assert b["old_log_prob"]["activations"] < a["old_log_prob"]["activations"]
     assert b["rollout"] == a["rollout"]  # generation holds every row's prompt in its cache either way

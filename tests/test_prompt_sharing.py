@@ -109,6 +109,17 @@ def test_the_stream_holds_each_prompt_once_and_every_token_is_one_query():
     assert layout.key_counts.max() == 7 + 5 and 4 + 5 in layout.key_counts.tolist()
 
 
+def test_a_long_prompt_with_short_responses_is_cut_into_few_chunks():
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, 50, (1, 200), generator=g).repeat(2, 1)
+    response_ids = torch.randint(3, 50, (2, 1), generator=g)
+    ones = lambda t: torch.ones_like(t)  # noqa: E731
+    micro = pack_shared_prompts(prompt_ids, ones(prompt_ids), response_ids, ones(response_ids), [0, 1], PAD)
+    # the masked layout: the prompt's queries in 4 chunks of <= 64 (not 200 of the 1-token responses' length), and
+    # the 2 responses
+    assert micro.layout.key_counts.tolist() == [64, 128, 192, 200, 201, 201]
+
+
 @pytest.mark.parametrize("make, expand", [(tiny_qwen2, False), (tiny_llama, False), (tiny_qwen2, True)])
 def test_log_probs_entropy_and_gradients_equal_packed_rows(make, expand, kernel):
     model = with_shared_attention(make(), expand)
@@ -195,6 +206,9 @@ def test_micro_batches_keep_a_prompts_rows_together():
         [0, 2, 5], [1, 3], [4]]
     assert split_rows_keeping_prompts(keys, [5, 3, 1, 5, 4, 2], 10, by_tokens=True, row_tokens=8) == [
         [0, 2], [1, 5], [3], [4]]  # rows 0+2 hold 6 + 2; row 5 then 3 + row 1's 4; rows 3+4 would hold 6 + 5
+    # padded (the masked kernel): each row's sequence as long as the micro-batch's longest, 2 x 6 but not 3 x 6
+    assert split_rows_keeping_prompts(keys, [5, 3, 1, 5, 4, 2], 10, by_tokens=True, row_tokens=12, padded=True) == [
+        [0, 2], [1, 5], [3, 4]]
     with pytest.raises(ValueError, match="positive"):
         split_rows_keeping_prompts(keys, [1] * 6, 0)
     with pytest.raises(ValueError, match="by_tokens"):

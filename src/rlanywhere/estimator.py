@@ -38,7 +38,8 @@ time. Logits are never materialised for the whole batch: log-probs are computed 
 
 Sequences are assumed to be full length (prompt_length + response_length): the estimate is a worst case. With
 shared prompts (`Workload.share_prompts`, prompt_sharing.py) a micro-batch carries each distinct prompt once: its
-tokens are counted as prompts x prompt_length + rows x response_length (`micro_batch_tokens`).
+tokens are counted as prompts x prompt_length + rows x response_length (`micro_batch_tokens`), plus per layer what
+its attention keeps of the sequences it gathers (`shared_attention_bytes`).
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ MAX_TOKENS_PER_MICRO_BATCH = 16384
 MAX_TOKENS_PER_ROOMY_MICRO_BATCH = 65536
 ROOMY_PEAK_FRACTION = 0.6  # growth stops here, leaving the rollout's KV cache room beside the update (planner)
 MAX_TOKENS_PER_FORWARD_MICRO_BATCH = 32768  # no-grad forwards keep far less, so they may take twice as many
+# Shared prompts, masked kernel: a prompt's queries run in chunks as long as the longest response, but no shorter than
+# this (prompt_sharing.py), so very short responses do not cut a prompt into hundreds of sequences, each holding
+# keys as long as the longest (memory quadratic in the prompt)
+PROMPT_CHUNK_MIN = 64
 DEFAULT_LORA_RANK_SUGGESTION = 16
 
 PHASES = ("rollout", "old_log_prob", "ref_log_prob", "values", "actor_update", "critic_update")
@@ -321,6 +326,18 @@ def micro_batch_tokens(workload: Workload, rows: int) -> int:
     return shared_stream_tokens(rows, workload.samples_per_prompt, workload.prompt_length, workload.response_length)
 
 
+def shared_attention_bytes(shape: ModelShape, workload: Workload, rows: int, compute_bytes: int) -> int:
+    """Shared prompts, per layer: what the stream's attention keeps for the backward beyond a packed row's per-token
+    tensors: the keys and values it gathers for its sequences (repeated per query head) and the queries and outputs
+    in their padded slots. A sequence per row (its prompt and response) and per chunk of each prompt, each as long
+    as the longest: the masked kernel's layout, the larger of the two (prompt_sharing.py)."""
+    prompt, response = workload.prompt_length, workload.response_length
+    chunk = max(response, PROMPT_CHUNK_MIN)
+    sequences = rows + prompts_per_micro_batch(rows, workload.samples_per_prompt) * math.ceil(prompt / chunk)
+    queries = max(min(chunk, prompt), response)
+    return sequences * (workload.seq_len + queries) * 2 * shape.q_dim * compute_bytes
+
+
 def kv_cache_bytes(shape: ModelShape, sequences: int, seq_len: int, rollout_bytes: int) -> int:
     return KV_TENSORS * shape.num_layers * shape.kv_dim * sequences * seq_len * rollout_bytes
 
@@ -501,18 +518,24 @@ def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
     lp_tokens = micro_batch_tokens(workload, placement.logprob_micro_batch)
     forward = nograd_activation_bytes(shape, lp_tokens, seq, compute_bytes, residual_bytes, scores)
     lp_logits = logits_chunk_bytes(shape, lp_tokens, placement.logprob_chunk_size, compute_bytes, False)
+    # shared prompts: one layer's gathered keys at a time in a no-grad pass
+    gathered = (shared_attention_bytes(shape, workload, placement.logprob_micro_batch, compute_bytes)
+                if workload.share_prompts else 0)
     parts = _resident(models, placement, "old_log_prob", on_cuda)
-    parts.update(autocast_cache=models["actor"].autocast_cache, activations=forward, logits_chunks=lp_logits)
+    parts.update(autocast_cache=models["actor"].autocast_cache, activations=forward + gathered,
+                 logits_chunks=lp_logits)
     breakdown["old_log_prob"] = parts
     if "ref" in models:
         parts = _resident(models, placement, "ref_log_prob", on_cuda)
-        parts.update(activations=forward, logits_chunks=lp_logits)
+        parts.update(activations=forward + gathered, logits_chunks=lp_logits)
         breakdown["ref_log_prob"] = parts
     if "critic" in models:
         parts = _resident(models, placement, "values", on_cuda)
+        critic_gathered = (shared_attention_bytes(cshape, workload, placement.logprob_micro_batch, compute_bytes)
+                           if workload.share_prompts else 0)
         parts.update(autocast_cache=models["critic"].autocast_cache,
                      activations=nograd_activation_bytes(cshape, lp_tokens, seq, compute_bytes, residual_bytes,
-                                                         scores))
+                                                         scores) + critic_gathered)
         breakdown["values"] = parts
 
     # updates
@@ -524,6 +547,11 @@ def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
         parts["activations"] = training_activation_bytes(
             model_shape, tokens, seq, compute_bytes, residual_bytes, workload.use_autocast,
             placement.gradient_checkpointing, scores)
+        if workload.share_prompts:  # every layer's gathered keys kept for the backward (one recomputed layer's)
+            rows = placement.max_token_len // seq if placement.max_token_len else micro_batch
+            layers = 1 if placement.gradient_checkpointing else model_shape.num_layers
+            parts["activations"] += layers * shared_attention_bytes(model_shape, workload, max(rows, 1),
+                                                                    compute_bytes)
         if with_logits:
             parts["logits_chunks"] = logits_chunk_bytes(model_shape, tokens, placement.logprob_chunk_size,
                                                         compute_bytes, True)

@@ -37,6 +37,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
+from .estimator import PROMPT_CHUNK_MIN
 from .microbatch import response_lengths, round_up
 
 # kwarg name the decoder passes through its layers to the attention function (transformers forwards **kwargs)
@@ -134,8 +135,8 @@ def pack_shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, res
                          "response token needs at least one prompt token before it")
     response_lens = response_lengths(response_mask[rows])
     response_len = max(response_lens)
-    # masked: a prompt's queries in chunks no longer than the longest response (fewer empty slots); varlen: whole
-    chunk = response_len if kernel == MASKED else None
+    # masked: a prompt's queries in chunks about as long as the longest response (fewer empty slots); varlen: whole
+    chunk = max(response_len, PROMPT_CHUNK_MIN) if kernel == MASKED else None
     groups: dict[tuple[int, ...], list[int]] = {}  # prompt -> positions in `rows`
     for i, key in enumerate(keys):
         groups.setdefault(key, []).append(i)
@@ -215,11 +216,13 @@ def _masked_layout(sequences, tokens: int, width_multiple: int) -> SharedPromptL
 
 
 def split_rows_keeping_prompts(keys: Sequence[tuple[int, ...]], response_lens: Sequence[int], size: int,
-                               by_tokens: bool = False, row_tokens: Optional[int] = None) -> list[list[int]]:
+                               by_tokens: bool = False, row_tokens: Optional[int] = None,
+                               padded: bool = False) -> list[list[int]]:
     """Micro-batches of row positions with the rows of one prompt next to each other, so they share it: `size`
     rows each, or (by_tokens) as many rows as fit `size` stream tokens (a prompt counted once per micro-batch) and,
-    when given, `row_tokens` tokens counted as packed rows (each row's prompt and response: what the gathered
-    keys of its attention hold). Indices inside a micro-batch are ascending; every row appears once."""
+    when given, `row_tokens` key slots of the rows' own attention sequences (each row's prompt and response, which
+    its attention gathers; `padded`: each as long as the longest, as the masked kernel lays them out). Indices
+    inside a micro-batch are ascending; every row appears once."""
     if not (isinstance(size, int) and size > 0):
         raise ValueError(f"micro-batch size must be a positive int, got {size!r}")
     if row_tokens is not None and not by_tokens:
@@ -230,21 +233,24 @@ def split_rows_keeping_prompts(keys: Sequence[tuple[int, ...]], response_lens: S
     groups: list[list[int]] = []
     current: list[int] = []
     seen: set[tuple[int, ...]] = set()
-    tokens = packed = 0
+    tokens = slots = longest = 0
     for key, members in order.items():
         for i in members:
             cost = response_lens[i] + (0 if key in seen else len(key))
             row = response_lens[i] + len(key)
-            full = (tokens + cost > size or (row_tokens is not None and packed + row > row_tokens)) if by_tokens \
+            wider = max(longest, row)
+            grown = (len(current) + 1) * wider if padded else slots + row
+            full = (tokens + cost > size or (row_tokens is not None and grown > row_tokens)) if by_tokens \
                 else len(current) == size
             if current and full:
                 groups.append(sorted(current))
-                current, seen, tokens, packed = [], set(), 0, 0
-                cost = row
+                current, seen, tokens, slots, longest = [], set(), 0, 0, 0
+                cost, wider = row, row
+                grown = row
             current.append(i)
             seen.add(key)
             tokens += cost
-            packed += row
+            slots, longest = grown, wider
     if current:
         groups.append(sorted(current))
     return groups

@@ -27,7 +27,7 @@ from .models import response_values
 from .offload import load_optimizer_state, offload_optimizer_state, on_device
 from .sharding import call_in_root_forward, gathered, is_sharded, matched_micro_batches, needs_gradient_sum
 from .oom import OOMGuard
-from .prompt_sharing import SharedPromptBatch, pack_shared_prompts, prompt_keys, split_rows_keeping_prompts
+from .prompt_sharing import MASKED, SharedPromptBatch, pack_shared_prompts, prompt_keys, split_rows_keeping_prompts
 from .plans import Plan, SizeKind
 from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
 from .stepbatch import StepBatch
@@ -77,12 +77,17 @@ class Updater:
         merge = self.plan.merge_micro_batches and not self.uses_token_budget and bool(full_row)
         if self.plan.share_prompts:  # a prompt's rows together, so its tokens run once (prompt_sharing.py)
             keys, lens = prompt_keys(r.prompt_ids, r.prompt_mask, rows), response_lengths(r.response_mask[rows])
+            # the keys each row's attention gathers stay within what packed rows of the same budget would hold
+            padded = self.plan.shared_prompt_kernel == MASKED
             if merge:
                 stream = est.shared_stream_tokens(size, self.samples_per_prompt, full_row - self.response_length,
                                                   self.response_length)
-                groups = split_rows_keeping_prompts(keys, lens, stream, by_tokens=True, row_tokens=size * full_row)
+                groups = split_rows_keeping_prompts(keys, lens, stream, by_tokens=True, row_tokens=size * full_row,
+                                                    padded=padded)
+            elif self.uses_token_budget:
+                groups = split_rows_keeping_prompts(keys, lens, size, by_tokens=True, row_tokens=size, padded=padded)
             else:
-                groups = split_rows_keeping_prompts(keys, lens, size, self.uses_token_budget)
+                groups = split_rows_keeping_prompts(keys, lens, size)
         elif self.uses_token_budget or merge:
             groups = split_rows_by_token_budget(r.prompt_mask[rows], r.response_mask[rows], size * full_row if merge
                                                 else size, packed=True)  # costed as forward_rows builds them
