@@ -244,9 +244,8 @@ def split_rows_keeping_prompts(keys: Sequence[tuple[int, ...]], response_lens: S
                 else len(current) == size
             if current and full:
                 groups.append(sorted(current))
-                current, seen, tokens, slots, longest = [], set(), 0, 0, 0
-                cost, wider = row, row
-                grown = row
+                current, seen, tokens = [], set(), 0
+                cost = wider = grown = row  # the row opens a micro-batch of its own
             current.append(i)
             seen.add(key)
             tokens += cost
