@@ -481,6 +481,8 @@ def test_kv_cache_kept_between_phases_where_it_fits_beside_the_training_peak():
                      fake("h100"), model_shape=shape)
     assert forced.rollout.release_kv_between_phases and not kept.rollout.release_kv_between_phases
     assert "free_cache_engine" in forced.rollout.reasons["release_kv_between_phases"]
+    assert "auto would keep it" in forced.rollout.reasons["release_kv_between_phases"]  # said, since it costs time
+    assert "exceed" in kept.rollout.reasons["release_kv_between_phases"]  # and the risk of the other choice
     assert not make_plan(cfg_of(*SMALL, "actor_rollout_ref.rollout.free_cache_engine=true"),
                          fake(None)).rollout.release_kv_between_phases  # CPU: nothing to free for
 

@@ -604,20 +604,24 @@ def _plan_kv_release(plan: Plan, target: _Target, requested: Optional[bool]) -> 
     graphs, which point into it, are captured again (0.45 s a step in a bf16 run on an H200, estimator.py). Should
     the training phases still run out of memory, the OOM guard frees it first (Trainer)."""
     rollout = plan.rollout
+    estimate = plan.estimate or {}
+    phases, budget = estimate.get("phases", {}), plan.memory_budget_bytes or 0
+    training = max((v for k, v in phases.items() if k != "rollout"), default=0)
+    cache = estimate.get("breakdown", {}).get("rollout", {}).get("kv_cache", 0)
+    fits = training + cache <= budget
+    sizes = (f"the training phases' planned peak {est.format_bytes(training)} + the {est.format_bytes(cache)} cache "
+             f"{'fit' if fits else 'exceed'} the {est.format_bytes(budget)} budget"
+             + (f" of the {target.name}" if target.emulated else ""))
     if not target.is_cuda:
         rollout.release_kv_between_phases, why = False, "CPU: memory is not the limit"
     elif requested is not None:
-        rollout.release_kv_between_phases, why = requested, f"actor_rollout_ref.rollout.free_cache_engine={requested}"
+        rollout.release_kv_between_phases = requested
+        why = f"actor_rollout_ref.rollout.free_cache_engine={requested}" + (
+            f" ({sizes}: auto would keep it and save reallocating it and capturing the CUDA graphs every step)"
+            if requested and fits else f" ({sizes})" if not requested and not fits else "")
     else:
-        estimate = plan.estimate or {}
-        phases, budget = estimate.get("phases", {}), plan.memory_budget_bytes or 0
-        training = max((v for k, v in phases.items() if k != "rollout"), default=0)
-        cache = estimate.get("breakdown", {}).get("rollout", {}).get("kv_cache", 0)
-        freed = training + cache > budget
-        rollout.release_kv_between_phases = freed
-        why = (f"{'freed' if freed else 'kept'}: the training phases' planned peak {est.format_bytes(training)} + the "
-               f"{est.format_bytes(cache)} cache {'exceed' if freed else 'fit'} the {est.format_bytes(budget)} budget"
-               + (f" of the {target.name}" if target.emulated else ""))
+        rollout.release_kv_between_phases = not fits
+        why = f"{'kept' if fits else 'freed'}: {sizes}"
     rollout.reasons["release_kv_between_phases"] = why
 
 
