@@ -77,8 +77,7 @@ def torchrun(items: list[str], env_extra: dict | None = None, script: list[str] 
                             start_new_session=True, **popen)
 
 
-def descendants(pid: int) -> list[int]:
-    """pid's child processes, recursively (torchrun starts each rank in a session of its own)."""
+def _children_by_parent() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -88,9 +87,20 @@ def descendants(pid: int) -> list[int]:
             except OSError:
                 continue
             children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def children(pid: int) -> list[int]:
+    """pid's direct child processes (torchrun's: the ranks)."""
+    return _children_by_parent().get(pid, [])
+
+
+def descendants(pid: int) -> list[int]:
+    """pid's child processes, recursively (torchrun starts each rank in a session of its own)."""
+    children_of = _children_by_parent()
     found, todo = [], [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
+        for child in children_of.get(todo.pop(), []):
             found.append(child)
             todo.append(child)
     return found
@@ -257,9 +267,14 @@ def test_sigterm_stops_every_rank_at_one_step_and_saves_it(tiny_model_dir, arith
         assert time.time() < deadline, "no second step"
         time.sleep(0.1)
     os.kill(proc.pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    try:
+        out, _ = proc.communicate(timeout=20)  # torchrun kills the ranks 30 s after its SIGTERM
+    except subprocess.TimeoutExpired:  # a rank hangs: each rank prints its threads' stacks (cli: faulthandler)
+        for rank_pid in children(proc.pid):
+            os.kill(rank_pid, signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert "stopped by SIGTERM at step" in out, out[-4000:]
+    assert "stopped by SIGTERM at step" in out, out[-12000:]
     assert "error: rank" not in out, out[-4000:]
     step = int(out.split("stopped by SIGTERM at step ")[1].split(":")[0])
     assert 1 <= step < 40  # the step running when the signal came (1 when it came between steps 1 and 2)
@@ -267,6 +282,27 @@ def test_sigterm_stops_every_rank_at_one_step_and_saves_it(tiny_model_dir, arith
     assert latest.read_text().strip() == str(step)
     trained = [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r]
     assert trained == list(range(1, step + 1))  # each step once: rank 0 alone logs
+
+
+def test_sigusr1_prints_a_ranks_stacks_and_the_run_goes_on(tiny_model_dir, arith_data, tmp_path, reward_file):
+    """`kill -USR1 PID` of a rank (how to see where a hung rank waits) prints its threads' stacks; training goes on."""
+    run_dir = tmp_path / "run"
+    proc = torchrun(overrides(tiny_model_dir, arith_data, run_dir, reward_file, **{
+        "trainer.total_training_steps": 3, "trainer.test_freq": -1, "trainer.save_freq": -1}),
+        {"RLA_TEST_SLOW_REWARD": "0.05"})
+    deadline = time.time() + 240
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 1):
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.time() < deadline, "no first step"
+        time.sleep(0.1)
+    ranks = children(proc.pid)
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-4000:]
+    assert "most recent call first" in out and "rlanywhere" in out.split("most recent call first", 1)[1], out[-4000:]
+    assert [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r] == [1, 2, 3]
 
 
 def test_dynamic_sampling_on_two_ranks_matches_one_process(tiny_model_dir, arith_data, tmp_path, reward_file):

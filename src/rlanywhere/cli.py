@@ -18,9 +18,11 @@ Mistakes a user can fix print one `error: ...` line (exit 2); --verbose adds the
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from typing import Optional
@@ -104,6 +106,9 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
         print("starting torchrun: " + " ".join(command), flush=True)
         return subprocess.call(command)
     rank = distributed.env_world()[0]
+    if world > 1 and hasattr(signal, "SIGUSR1"):
+        # a rank that hangs (a collective another rank never joined): `kill -USR1 PID` prints its threads' stacks
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if rank > 0:  # one voice: rank 0 prints, logs and plots
         logging.getLogger().setLevel(logging.ERROR)
         logging.getLogger("rlanywhere").setLevel(logging.ERROR)
