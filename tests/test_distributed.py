@@ -252,20 +252,26 @@ def test_a_failing_rank_ends_the_job_with_its_message(tiny_model_dir, arith_data
     assert time.time() - start < 240
 
 
+def slow_run_until(items: list[str], run_dir: Path, steps: int, records: int) -> subprocess.Popen:
+    """torchrun `steps` steps of a run with a slow reward (no validation, no checkpoints) and return once its
+    metrics.jsonl holds `records` records."""
+    proc = torchrun(items + [f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=-1"],
+                    {"RLA_TEST_SLOW_REWARD": "0.05"})
+    deadline = time.time() + 240
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= records):
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.time() < deadline, f"fewer than {records} metrics records"
+        time.sleep(0.1)
+    return proc
+
+
 def test_sigterm_stops_every_rank_at_one_step_and_saves_it(tiny_model_dir, arith_data, tmp_path, reward_file):
     """SIGTERM to torchrun (what a scheduler or Ctrl-C does: torchrun passes it to the ranks): no rank drops its
     step (the others would wait in a collective); the ranks agree at the next step boundary, rank 0 saves that step
     and each rank stops with the faults lane's message and exit code."""
     run_dir = tmp_path / "run"
-    proc = torchrun(overrides(tiny_model_dir, arith_data, run_dir, reward_file, **{
-        "trainer.total_training_steps": 40, "trainer.test_freq": -1, "trainer.save_freq": -1}),
-        {"RLA_TEST_SLOW_REWARD": "0.05"})
-    deadline = time.time() + 240
-    metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        assert time.time() < deadline, "no second step"
-        time.sleep(0.1)
+    proc = slow_run_until(overrides(tiny_model_dir, arith_data, run_dir, reward_file), run_dir, steps=40, records=2)
     os.kill(proc.pid, signal.SIGTERM)
     try:
         out, _ = proc.communicate(timeout=20)  # torchrun kills the ranks 30 s after its SIGTERM
@@ -287,15 +293,7 @@ def test_sigterm_stops_every_rank_at_one_step_and_saves_it(tiny_model_dir, arith
 def test_sigusr1_prints_a_ranks_stacks_and_the_run_goes_on(tiny_model_dir, arith_data, tmp_path, reward_file):
     """`kill -USR1 PID` of a rank (how to see where a hung rank waits) prints its threads' stacks; training goes on."""
     run_dir = tmp_path / "run"
-    proc = torchrun(overrides(tiny_model_dir, arith_data, run_dir, reward_file, **{
-        "trainer.total_training_steps": 3, "trainer.test_freq": -1, "trainer.save_freq": -1}),
-        {"RLA_TEST_SLOW_REWARD": "0.05"})
-    deadline = time.time() + 240
-    metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 1):
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        assert time.time() < deadline, "no first step"
-        time.sleep(0.1)
+    proc = slow_run_until(overrides(tiny_model_dir, arith_data, run_dir, reward_file), run_dir, steps=3, records=1)
     ranks = children(proc.pid)
     assert len(ranks) == 2
     os.kill(ranks[1], signal.SIGUSR1)
