@@ -330,7 +330,9 @@ def shared_attention_bytes(shape: ModelShape, workload: Workload, rows: int, com
     """Shared prompts, per layer: what the stream's attention keeps for the backward beyond a packed row's per-token
     tensors: the keys and values it gathers for its sequences (repeated per query head) and the queries and outputs
     in their padded slots. A sequence per row (its prompt and response) and per chunk of each prompt, each as long
-    as the longest: the masked kernel's layout, the larger of the two (prompt_sharing.py)."""
+    as the longest: the masked kernel's layout, the larger of the two (prompt_sharing.py). 0 for packed rows."""
+    if not workload.share_prompts:
+        return 0
     prompt, response = workload.prompt_length, workload.response_length
     chunk = max(response, PROMPT_CHUNK_MIN)
     sequences = rows + prompts_per_micro_batch(rows, workload.samples_per_prompt) * math.ceil(prompt / chunk)
@@ -519,8 +521,7 @@ def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
     forward = nograd_activation_bytes(shape, lp_tokens, seq, compute_bytes, residual_bytes, scores)
     lp_logits = logits_chunk_bytes(shape, lp_tokens, placement.logprob_chunk_size, compute_bytes, False)
     # shared prompts: one layer's gathered keys at a time in a no-grad pass
-    gathered = (shared_attention_bytes(shape, workload, placement.logprob_micro_batch, compute_bytes)
-                if workload.share_prompts else 0)
+    gathered = shared_attention_bytes(shape, workload, placement.logprob_micro_batch, compute_bytes)
     parts = _resident(models, placement, "old_log_prob", on_cuda)
     parts.update(autocast_cache=models["actor"].autocast_cache, activations=forward + gathered,
                  logits_chunks=lp_logits)
@@ -531,11 +532,9 @@ def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
         breakdown["ref_log_prob"] = parts
     if "critic" in models:
         parts = _resident(models, placement, "values", on_cuda)
-        critic_gathered = (shared_attention_bytes(cshape, workload, placement.logprob_micro_batch, compute_bytes)
-                           if workload.share_prompts else 0)
         parts.update(autocast_cache=models["critic"].autocast_cache,
-                     activations=nograd_activation_bytes(cshape, lp_tokens, seq, compute_bytes, residual_bytes,
-                                                         scores) + critic_gathered)
+                     activations=nograd_activation_bytes(cshape, lp_tokens, seq, compute_bytes, residual_bytes, scores)
+                     + shared_attention_bytes(cshape, workload, placement.logprob_micro_batch, compute_bytes))
         breakdown["values"] = parts
 
     # updates
@@ -547,11 +546,10 @@ def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
         parts["activations"] = training_activation_bytes(
             model_shape, tokens, seq, compute_bytes, residual_bytes, workload.use_autocast,
             placement.gradient_checkpointing, scores)
-        if workload.share_prompts:  # every layer's gathered keys kept for the backward (one recomputed layer's)
-            rows = placement.max_token_len // seq if placement.max_token_len else micro_batch
-            layers = 1 if placement.gradient_checkpointing else model_shape.num_layers
-            parts["activations"] += layers * shared_attention_bytes(model_shape, workload, max(rows, 1),
-                                                                    compute_bytes)
+        # shared prompts: every layer's gathered keys kept for the backward (one recomputed layer's)
+        rows = max(placement.max_token_len // seq, 1) if placement.max_token_len else micro_batch
+        layers = 1 if placement.gradient_checkpointing else model_shape.num_layers
+        parts["activations"] += layers * shared_attention_bytes(model_shape, workload, rows, compute_bytes)
         if with_logits:
             parts["logits_chunks"] = logits_chunk_bytes(model_shape, tokens, placement.logprob_chunk_size,
                                                         compute_bytes, True)

@@ -144,14 +144,14 @@ class OOMGuard:
                 traceback.clear_frames(exc.__traceback__)
             # outside the except block the exception itself is released too
             free_accelerator_memory()
+            event = {"phase": phase, "attribute": name, "old_size": size, "new_size": new_size, "error": error_line,
+                     "time": time.time()}
             if relieved:  # memory held outside the phase is gone: the same size again
-                self.events.append({"phase": phase, "attribute": name, "old_size": size, "new_size": size,
-                                    "relieved": relieved, "error": error_line, "time": time.time()})
+                self.events.append({**event, "relieved": relieved})
                 self.log_fn(f"[oom] {phase}: out of memory at {name}={size}; {relieved}; retrying at the same size")
                 continue
             self.sizes.set(kind, new_size)
-            self.events.append({"phase": phase, "attribute": name, "old_size": size, "new_size": new_size,
-                                "error": error_line, "time": time.time()})
+            self.events.append(event)
             self.log_fn(f"[oom] {phase}: out of memory at {name}={size}; retrying with {name}={new_size}")
 
 
