@@ -69,9 +69,9 @@ def single_process(items: list[str], resume_from_dir: Path | None = None) -> RLT
 
 
 def torchrun(items: list[str], env_extra: dict | None = None, script: list[str] | None = None, nproc: int = 2,
-             **popen):
+             launcher: tuple[str, ...] = (), **popen):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *(script or ["-m", "rlanywhere.cli"]), "train", *items]
+               *launcher, *(script or ["-m", "rlanywhere.cli"]), "train", *items]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **popen)
@@ -383,6 +383,39 @@ def test_torchrun_launch_sets_the_verl_keys_and_a_contradiction_is_an_error(monk
     cfg = load_config(None, ["trainer.n_gpus_per_node=4"])
     with pytest.raises(UserError, match="trainer.nnodes=2 trainer.n_gpus_per_node=2"):
         reconcile_world(cfg)
+
+
+def test_a_job_stopped_by_a_sharded_oom_is_relaunched_to_resume_at_the_saved_size(tiny_model_dir, arith_data,
+                                                                                    tmp_path, reward_file,
+                                                                                    monkeypatch):
+    """`rlanywhere train trainer.n_gpus_per_node=2` starts torchrun itself; a job that ends after saving smaller
+    sizes (oom.OOMGuard.run_matched) is started again, resuming; a job that fails otherwise is not."""
+    from rlanywhere import cli
+    from rlanywhere.oom import remember_sizes
+    from rlanywhere.plans import RuntimeSizes
+
+    run_dir = tmp_path / "run"
+    items = overrides(tiny_model_dir, arith_data, run_dir, reward_file,
+                      **{"trainer.n_gpus_per_node": 2, "trainer.resume_mode": "disable"})
+    launches = []
+
+    def torchrun_job(command):
+        launches.append(command)
+        if len(launches) == 1:  # rank 1 ran out of memory in a sharded update
+            remember_sizes(str(run_dir), RuntimeSizes(actor_micro_batch_size=1), {
+                "phase": "actor_update", "attribute": "actor_micro_batch_size", "old_size": 2, "new_size": 1},
+                rank=1)
+            return 1
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", torchrun_job)
+    assert cli.main(["train", *items]) == 0
+    assert len(launches) == 2 and "torch.distributed.run" in launches[0]
+    assert "trainer.resume_mode=auto" not in launches[0] and launches[1][-1] == "trainer.resume_mode=auto"
+
+    launches.clear()
+    monkeypatch.setattr(subprocess, "call", lambda command: launches.append(command) or 1)
+    assert cli.main(["train", *items]) == 1 and len(launches) == 1  # the saved sizes did not change: no relaunch
 
 
 def test_batch_sizes_must_split_over_the_ranks():

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from rlanywhere.oom import OOMGuard, OutOfMemoryAtMinimumError, is_oom_error
+from rlanywhere.oom import (OOMGuard, OutOfMemoryAtMinimumError, OutOfMemoryRestart, is_oom_error, lowered_sizes,
+                            oom_sizes_path, remember_sizes, remembered_sizes)
 from rlanywhere.plans import RuntimeSizes, SizeKind
 
 
@@ -228,3 +229,47 @@ def test_size_kinds_name_every_runtime_size():
     from dataclasses import fields
 
     assert sorted(kind.value for kind in SizeKind) == sorted(f.name for f in fields(RuntimeSizes))
+
+
+def test_a_matched_phase_runs_once_and_stops_the_job_with_the_halved_size_saved(tmp_path):
+    """A sharded update cannot be redone on one rank: no retry; the halved size goes to the file the next launch
+    reads, and the error says so. The same sizes read back lower a fresh plan's, never raise them."""
+    sizes = RuntimeSizes(actor_micro_batch_size=8, logprob_micro_batch_size=2)
+    calls, changes = [], []
+
+    def oom(size):
+        calls.append(size)
+        raise fake_oom(size)
+
+    guard = OOMGuard(sizes, log_fn=lambda _: None, on_change=lambda: changes.append(sizes.actor_micro_batch_size),
+                     remember=lambda event: remember_sizes(str(tmp_path), sizes, event, rank=1))
+    with pytest.raises(OutOfMemoryRestart) as info:
+        guard.run_matched("actor_update", oom, SizeKind.ACTOR_MICRO_BATCH)
+    assert calls == [8] and changes == [4] and sizes.actor_micro_batch_size == 4
+    assert "actor_micro_batch_size=4" in str(info.value) and oom_sizes_path(str(tmp_path)) in str(info.value)
+    record = remembered_sizes(str(tmp_path))
+    assert record["sizes"]["actor_micro_batch_size"] == 4
+    assert {k: record["event"][k] for k in ("phase", "old_size", "new_size", "rank")} == {
+        "phase": "actor_update", "old_size": 8, "new_size": 4, "rank": 1}
+
+    fresh = RuntimeSizes(actor_micro_batch_size=16, logprob_micro_batch_size=1)
+    assert lowered_sizes(fresh, record) == [("actor_micro_batch_size", 16, 4)]
+    assert fresh.logprob_micro_batch_size == 1  # smaller than remembered: kept
+    assert lowered_sizes(fresh, None) == [] and remembered_sizes(str(tmp_path / "other")) is None
+
+
+def test_a_matched_phase_at_its_minimum_or_failing_otherwise_saves_nothing(tmp_path):
+    sizes = RuntimeSizes(actor_micro_batch_size=1)
+    remembered = []
+    guard = OOMGuard(sizes, log_fn=lambda _: None, remember=remembered.append)
+
+    def oom(size):
+        raise fake_oom(size)
+
+    with pytest.raises(OutOfMemoryAtMinimumError):
+        guard.run_matched("actor_update", oom, SizeKind.ACTOR_MICRO_BATCH)
+    with pytest.raises(ValueError, match="a real bug"):
+        guard.run_matched("actor_update", lambda size: (_ for _ in ()).throw(ValueError("a real bug")),
+                          SizeKind.ACTOR_MICRO_BATCH)
+    assert remembered == [] and guard.events == [] and sizes.actor_micro_batch_size == 1
+    assert guard.run_matched("actor_update", lambda size: size * 10, SizeKind.ACTOR_MICRO_BATCH) == 10

@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +58,30 @@ def test_grpo_sharded_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_
     copy = tmp_path / "dist_copy"
     single_process(overrides(tiny_model_dir, arith_data, copy, reward_file))
     assert_same_metrics(read_metrics(copy), want, steps=(3,))
+
+
+def test_an_oom_in_a_sharded_update_stops_the_job_and_the_restart_resumes_at_half(tiny_model_dir, arith_data,
+                                                                                   tmp_path, reward_file):
+    """Rank 1 runs out of memory in its sharded update of step 1 (tests/dist_oom_worker.py): the job stops with
+    the micro-batch size halved in checkpoints/oom_sizes.json, torchrun's restart resumes from checkpoint 1 at
+    that size, and steps 0-2 equal one process (the loss does not depend on the micro-batch split)."""
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    worker = Path(__file__).with_name("dist_oom_worker.py")
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD), script=[str(worker)],
+                    launcher=("--max-restarts=1",), cwd=str(tmp_path))
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file))
+    out = finish(proc)
+    assert "OutOfMemoryRestart" in out and "actor_micro_batch_size=1 is saved in" in out
+    assert "resumed from" in out and "global_step_1" in out
+    assert "actor_micro_batch_size 2 -> 1" in out
+    record = plan_record(dist_dir)
+    assert record["sizes"]["actor_micro_batch_size"] == 1
+    assert [(e["old_size"], e["new_size"], e["rank"]) for e in record["oom_events"]] == [(2, 1, 1)]
+    got = read_metrics(dist_dir)
+    assert [r["oom/recoveries"] for r in got if r["step"] >= 1] == [0, 1, 1]  # the stop counted from step 2 on
+    without_count = lambda rows: [{k: v for k, v in r.items() if k != "oom/recoveries"} for r in rows]  # noqa: E731
+    assert_same_metrics(without_count(got), without_count(read_metrics(single_dir)), steps=(0, 1, 2, 3))
+    assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"), reference.actor)
 
 
 @pytest.mark.parametrize("extra", [{}, {"algorithm.adv_estimator": "gae", "critic.optim.lr": 1e-3},

@@ -100,11 +100,7 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
                 f"every node yourself with torchrun --nnodes={cfg.trainer.nnodes} "
                 f"--nproc_per_node={cfg.trainer.n_gpus_per_node} --rdzv_endpoint=HOST:PORT -m rlanywhere.cli train "
                 "... (README: several GPUs, several machines)")
-        import subprocess
-
-        command = distributed.relaunch_command(int(cfg.trainer.n_gpus_per_node), relaunch_argv)
-        print("starting torchrun: " + " ".join(command), flush=True)
-        return subprocess.call(command)
+        return _torchrun_until_done(cfg, relaunch_argv)
     rank = distributed.env_world()[0]
     if world > 1 and hasattr(signal, "SIGUSR1"):
         # a rank that hangs (a collective another rank never joined): `kill -USR1 PID` prints its threads' stacks
@@ -119,6 +115,41 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
             # torchrun ends the other ranks when this one exits; say which rank failed and why
             print(f"error: rank {rank} of {world} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         raise
+
+
+# A sharded update that runs out of memory stops the job with its size halved (oom.py); at most this many relaunches
+OOM_RELAUNCHES = 8
+
+
+def _torchrun_until_done(cfg, relaunch_argv: list[str]) -> int:
+    """Run this command line as trainer.n_gpus_per_node ranks under torchrun. When the job stopped because a
+    sharded update ran out of memory (it saved smaller sizes: oom.OOMGuard.run_matched), relaunch it to resume
+    from the last checkpoint at those sizes."""
+    import subprocess
+
+    from . import distributed
+    from .checkpoint import list_checkpoints
+    from .oom import remembered_sizes
+
+    run_dir = cfg.trainer.default_local_dir
+    argv = list(relaunch_argv)
+    for _ in range(OOM_RELAUNCHES + 1):
+        before = remembered_sizes(run_dir)
+        command = distributed.relaunch_command(int(cfg.trainer.n_gpus_per_node), argv)
+        print("starting torchrun: " + " ".join(command), flush=True)
+        code = subprocess.call(command)
+        after = remembered_sizes(run_dir)
+        if code == 0 or after is None or after == before:
+            return code
+        event = after["event"]
+        print(f"rank {event['rank']} ran out of memory in {event['phase']} at {event['attribute']}="
+              f"{event['old_size']}: relaunching to resume from the last checkpoint at {event['new_size']}",
+              file=sys.stderr, flush=True)
+        # the relaunch continues this run: from its own newest checkpoint (a resume_path asked for stays the
+        # start until this run has saved one)
+        if cfg.trainer.resume_mode != "resume_path" or list_checkpoints(run_dir):
+            argv.append("trainer.resume_mode=auto")
+    return code
 
 
 def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int) -> int:
@@ -156,8 +187,8 @@ def cmd_demo(args) -> int:
         print(f"demo: a new run in {run_dir} (to continue one instead, pass trainer.default_local_dir=<its run dir>)")
         _point_latest_at(run_dir)
     # [distributed] a relaunch under torchrun keeps this run dir (the demo's name is timestamped)
-    argv = _verbose_argv(args) + ["demo", *args.items, f"trainer.default_local_dir={run_dir}"] + (
-        ["--emulate", args.emulate] if args.emulate else [])
+    argv = _verbose_argv(args) + ["demo"] + (["--emulate", args.emulate] if args.emulate else []) + [
+        *args.items, f"trainer.default_local_dir={run_dir}"]
     return _run(cfg, notices, relaunch_argv=argv)
 
 
@@ -182,7 +213,8 @@ def cmd_train(args) -> int:
     if not args.items and not args.emulate:
         return cmd_demo(args)  # `rlanywhere train` alone is the demo, as before `rlanywhere demo` existed
     cfg, notices = _load(args.items, args.emulate)
-    argv = _verbose_argv(args) + ["train", *args.items] + (["--emulate", args.emulate] if args.emulate else [])
+    # options before the overrides: a relaunch appends overrides
+    argv = _verbose_argv(args) + ["train"] + (["--emulate", args.emulate] if args.emulate else []) + args.items
     return _run(cfg, notices, relaunch_argv=argv)
 
 

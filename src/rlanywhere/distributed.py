@@ -302,7 +302,13 @@ class DataParallel:
         if not dist.is_initialized():
             if device.startswith("cuda"):
                 torch.cuda.set_device(torch.device(device))
-            dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+            # torchrun's restarts (--max-restarts, oom.py) reuse its agent's store: keys of the previous attempt's
+            # process group would pair this attempt's ranks with dead ones ("Gloo connectFullMesh failed ...
+            # Connection refused", seen with torch 2.13), so each attempt keeps its keys apart
+            store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=COLLECTIVE_TIMEOUT))
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"rlanywhere/attempt_{attempt}", store),
+                                    rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
         return cls(rank, world, local_rank, device)
 
     def close(self) -> None:

@@ -9,17 +9,27 @@ tries ``relieve(phase)`` once, when set: the trainer frees a rollout KV cache ke
 phase is retried at the same size. ``fn`` must be restartable:
 it starts with ``optimizer.zero_grad()`` and recomputes everything it needs from its inputs. At the minimum size
 the error is re-raised with a message naming what to change.
+
+A sharded update cannot be redone on one rank: its forward and backward all-gather and reduce-scatter layer by
+layer, so the other ranks wait in a collective the failed rank will not join in the same order.
+``OOMGuard.run_matched`` runs such a phase once; on an out-of-memory error it halves the size as above, writes the
+sizes to ``RUN/checkpoints/oom_sizes.json`` (``remember_sizes``) and raises ``OutOfMemoryRestart``: the job ends,
+and the next launch resumes from the last checkpoint at the smaller size (``lowered_sizes``). `rlanywhere train`
+relaunches its own torchrun for that (cli.py); under a torchrun started by hand, `--max-restarts` does the same.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import os
 import time
 import traceback
 from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
 
+from .checkpoint import checkpoint_root
 from .plans import RuntimeSizes, SizeKind
 
 T = TypeVar("T")
@@ -62,6 +72,52 @@ class OutOfMemoryAtMinimumError(RuntimeError):
     """Out of memory although the phase already runs at its minimum micro-batch size."""
 
 
+class OutOfMemoryRestart(RuntimeError):
+    """Out of memory in a phase one rank cannot redo alone; the halved size is saved for the next launch."""
+
+
+OOM_SIZES_FILE = "oom_sizes.json"
+
+
+def oom_sizes_path(run_dir: str) -> str:
+    """Where a stopped job leaves the sizes its next launch must not exceed (beside the checkpoints, so
+    trainer.overwrite_run_dir=true deletes it with them)."""
+    return os.path.join(checkpoint_root(run_dir), OOM_SIZES_FILE)
+
+
+def remember_sizes(run_dir: str, sizes: RuntimeSizes, event: dict, rank: int = 0) -> str:
+    """Write `sizes` (and the event that lowered them) for the next launch; atomic, any rank (two ranks that run
+    out of memory in the same phase write the same sizes). Returns the file's path."""
+    path = oom_sizes_path(run_dir)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{rank}"
+    with open(tmp, "w") as handle:
+        json.dump({"sizes": sizes.to_dict(), "event": {**event, "rank": rank}}, handle, indent=2)
+    os.replace(tmp, path)
+    return path
+
+
+def remembered_sizes(run_dir: str) -> Optional[dict]:
+    """The record `remember_sizes` left in this run dir, or None."""
+    try:
+        with open(oom_sizes_path(run_dir)) as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        return None
+
+
+def lowered_sizes(sizes: RuntimeSizes, record: Optional[dict]) -> list[tuple[str, int, int]]:
+    """Lower each of `sizes` to the remembered one where that is smaller; returns (name, old, new) per change."""
+    changes = []
+    for name, remembered in ((record or {}).get("sizes") or {}).items():
+        kind = SizeKind(name)
+        current = sizes.get(kind)
+        if isinstance(remembered, int) and isinstance(current, int) and remembered < current:
+            sizes.set(kind, remembered)
+            changes.append((name, current, remembered))
+    return changes
+
+
 def free_accelerator_memory() -> None:
     """Collect garbage and return cached blocks to the driver so the retry starts from a clean allocator."""
     gc.collect()
@@ -83,20 +139,23 @@ class OOMGuard:
     (phase, attribute, old_size, new_size, error, time). ``enabled=False`` (hardware.oom_recovery=false) runs
     ``fn`` once at the current size. ``on_change`` is called after a phase that lowered a size or was relieved
     (the trainer rewrites plan.json there). ``relieve(phase)`` frees memory held outside the phase and says what it
-    freed, or returns None when it has nothing (more) to free there. ``sizes`` may be replaced whole (a resume
-    restores a checkpoint's sizes).
+    freed, or returns None when it has nothing (more) to free there. ``remember(event)`` saves the sizes for the
+    next launch and returns where (``run_matched``). ``sizes`` may be replaced whole (a resume restores a
+    checkpoint's sizes).
     """
 
     def __init__(self, sizes: RuntimeSizes, log_fn: Callable[[str], None] = print,
                  min_size: int | Mapping[SizeKind, int] = 1, enabled: bool = True,
                  on_change: Optional[Callable[[], None]] = None,
-                 relieve: Optional[Callable[[str], Optional[str]]] = None):
+                 relieve: Optional[Callable[[str], Optional[str]]] = None,
+                 remember: Optional[Callable[[dict], str]] = None):
         self.sizes = sizes
         self.log_fn = log_fn
         self.min_size = min_size
         self.enabled = enabled
         self.on_change = on_change
         self.relieve = relieve
+        self.remember = remember
         self.events: list[dict] = []
 
     def _minimum(self, kind: SizeKind) -> int:
@@ -116,9 +175,58 @@ class OOMGuard:
             if len(self.events) != events and self.on_change is not None:
                 self.on_change()
 
+    def run_matched(self, phase: str, fn: Callable[[int], T], kind: SizeKind) -> T:
+        """``fn(size)`` once, for a phase every rank must run alike (a sharded update). On OOM the size is halved
+        and recorded as in ``run``, ``remember`` saves it for the next launch, and OutOfMemoryRestart ends the job:
+        redoing the phase here would pair this rank's collectives with other ones on the ranks that went on."""
+        size = self.sizes.get(kind)
+        if not self.enabled:
+            return fn(size)
+        try:
+            return fn(size)
+        except Exception as exc:  # noqa: BLE001 - filtered by is_oom_error, everything else re-raised
+            if not is_oom_error(exc):
+                raise
+            new_size = self._halved(phase, kind, size, exc)
+            error_line = _first_line(exc)
+        event = self._event(phase, kind, size, new_size, error_line)
+        self.sizes.set(kind, new_size)
+        self.events.append(event)
+        if self.on_change is not None:
+            self.on_change()
+        where = self.remember(event) if self.remember is not None else None
+        name = kind.value
+        self.log_fn(f"[oom] {phase}: out of memory at {name}={size}; the job stops, {name}={new_size} for the next "
+                    "launch")
+        raise OutOfMemoryRestart(
+            f"out of memory in phase {phase!r} at {name}={size} ({error_line}). A sharded update cannot be redone "
+            "on one rank alone, so the job stops here; "
+            + (f"{name}={new_size} is saved in {where}: the next launch resumes from the last checkpoint at that "
+               "size (`rlanywhere train` relaunches by itself; under torchrun started by hand, add "
+               "--max-restarts=3 or start it again)" if where else f"start it again with {name}={new_size}"))
+
+    def _halved(self, phase: str, kind: SizeKind, size: int, exc: BaseException) -> int:
+        """The size after an OOM at `size`; OutOfMemoryAtMinimumError when it cannot shrink."""
+        new_size, name = size // 2, kind.value
+        minimum = self._minimum(kind)
+        if size <= minimum or new_size < minimum:
+            raise OutOfMemoryAtMinimumError(
+                f"Out of memory in phase {phase!r} even at {name}={size} (its minimum). To fit, reduce "
+                "memory another way: train LoRA adapters instead of all weights "
+                "(actor_rollout_ref.model.lora_rank), offload the optimizer and/or parameters "
+                "(actor_rollout_ref.actor.fsdp_config.optimizer_offload / param_offload), shorten responses "
+                "(data.max_response_length) or prompts (data.max_prompt_length), or use a smaller batch "
+                f"(data.train_batch_size, actor_rollout_ref.rollout.n). Original error: {_first_line(exc)}"
+            ) from exc
+        return new_size
+
+    @staticmethod
+    def _event(phase: str, kind: SizeKind, size: int, new_size: int, error_line: str) -> dict:
+        return {"phase": phase, "attribute": kind.value, "old_size": size, "new_size": new_size,
+                "error": error_line, "time": time.time()}
+
     def _run(self, phase: str, fn: Callable[[int], T], kind: SizeKind) -> T:
         name = kind.value
-        minimum = self._minimum(kind)
         while True:
             size = self.sizes.get(kind)
             if not (isinstance(size, int) and size > 0):
@@ -129,23 +237,13 @@ class OOMGuard:
                 if not is_oom_error(exc):
                     raise
                 relieved = self.relieve(phase) if self.relieve is not None else None
-                new_size = size if relieved else size // 2
-                if not relieved and (size <= minimum or new_size < minimum):
-                    raise OutOfMemoryAtMinimumError(
-                        f"Out of memory in phase {phase!r} even at {name}={size} (its minimum). To fit, reduce "
-                        "memory another way: train LoRA adapters instead of all weights "
-                        "(actor_rollout_ref.model.lora_rank), offload the optimizer and/or parameters "
-                        "(actor_rollout_ref.actor.fsdp_config.optimizer_offload / param_offload), shorten responses "
-                        "(data.max_response_length) or prompts (data.max_prompt_length), or use a smaller batch "
-                        f"(data.train_batch_size, actor_rollout_ref.rollout.n). Original error: {_first_line(exc)}"
-                    ) from exc
+                new_size = size if relieved else self._halved(phase, kind, size, exc)
                 error_line = _first_line(exc)
                 # the traceback's frames still reference the failed attempt's tensors: drop them
                 traceback.clear_frames(exc.__traceback__)
             # outside the except block the exception itself is released too
             free_accelerator_memory()
-            event = {"phase": phase, "attribute": name, "old_size": size, "new_size": new_size, "error": error_line,
-                     "time": time.time()}
+            event = self._event(phase, kind, size, new_size, error_line)
             if relieved:  # memory held outside the phase is gone: the same size again
                 self.events.append({**event, "relieved": relieved})
                 self.log_fn(f"[oom] {phase}: out of memory at {name}={size}; {relieved}; retrying at the same size")

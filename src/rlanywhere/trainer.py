@@ -38,7 +38,7 @@ from .planner import make_grad_scaler
 from .plans import Plan, RuntimeSizes, SizeKind
 from .lora import adapter_disabled, merged_state_for_export
 from .offload import on_device
-from .oom import OOMGuard
+from .oom import OOMGuard, lowered_sizes, oom_sizes_path, remember_sizes, remembered_sizes
 from .precision_guard import PrecisionGuard
 from .profiling import maybe_profile, profile_step_set
 from .rollout_phase import RolloutPhase, response_length
@@ -100,7 +100,9 @@ class RLTrainer:
         # A token budget can shrink no further than one full-length sequence.
         self.oom_guard = OOMGuard(plan.sizes, log_fn=lambda msg: log.warning("%s", msg),
                                   min_size={SizeKind.TOKENS_PER_MICRO_BATCH: max_seq_len},
-                                  enabled=cfg.hardware.oom_recovery, on_change=self.write_plan_record)
+                                  enabled=cfg.hardware.oom_recovery, on_change=self.write_plan_record,
+                                  remember=lambda event: remember_sizes(run_dir, self.oom_guard.sizes, event,
+                                                                        self.dp.rank))
         self.stops = RunStops(cfg.trainer, cfg.actor_rollout_ref.actor.optim.lr, self.dp)
         self.updater = Updater(plan, self.dp, self.oom_guard, self.grad_scaler, self.precision_guard,
                                self.tokenizer.pad_token_id, self.response_length,
@@ -334,11 +336,25 @@ class RLTrainer:
         self.stops.last_good_checkpoint = path
         log.info("resumed from %s at step %d", path, self.global_step)
 
+    def apply_remembered_sizes(self) -> None:
+        """[distributed] The sizes an out-of-memory stop of this run saved for its next launch (a sharded update
+        cannot be redone on one rank: OOMGuard.run_matched), each a ceiling on what the plan or checkpoint says."""
+        record = remembered_sizes(self.run_dir)
+        changes = lowered_sizes(self.oom_guard.sizes, record)
+        if not changes:
+            return
+        if self.dp.is_main:  # plan.json keeps the history; counted once in oom/recoveries (a sum over ranks)
+            self.oom_guard.events.append({**record["event"], "stopped_the_job": True})
+        log.warning("sizes lowered by an out-of-memory stop of this run (%s): %s", oom_sizes_path(self.run_dir),
+                    ", ".join(f"{name} {old} -> {new}" for name, old, new in changes))
+        self.write_plan_record()
+
     # ------------------------------------------------------------------------------------------ the run
     def fit(self) -> dict:
         trainer_cfg = self.cfg.trainer
         try:
             self.maybe_resume()
+            self.apply_remembered_sizes()
             self.tracker = Tracker(self.run_dir, as_list(trainer_cfg.logger), trainer_cfg.project_name,
                                    trainer_cfg.experiment_name, OmegaConf.to_container(self.cfg, resolve=True),
                                    self.total_steps, resume_step=self.global_step if self.global_step > 0 else None) \

@@ -231,12 +231,11 @@ class Updater:
                 for rows, scale in zip(minis, scales):
                     accumulate = lambda size, rows=rows, scale=scale: self.accumulate(  # noqa: E731
                         model, optimizer, batch, rows, size, loss_fn, scale)
-                    if is_sharded(model):
-                        # [distributed] a sharded update communicates per layer: one rank redoing a micro-batch
-                        # alone would hang the others, so an OOM there ends the job
-                        metrics = accumulate(self.plan.sizes.get(self.size_kind(kind)))
-                    else:
-                        metrics = self.oom.run(f"{name}_update", accumulate, self.size_kind(kind))
+                    # [distributed] a sharded update communicates per layer: one rank redoing a micro-batch alone
+                    # would pair its collectives with other ones, so an OOM there ends the job, which relaunches
+                    # at the halved size (oom.py)
+                    guarded = self.oom.run_matched if is_sharded(model) else self.oom.run
+                    metrics = guarded(f"{name}_update", accumulate, self.size_kind(kind))
                     if needs_gradient_sum(model):  # [distributed] FSDP2 reduce-scatters a sharded model's itself
                         self.dp.sum_gradients(model)
                     grad_norms += self.optimizer_step(name, model, optimizer, grad_clip)
