@@ -1,6 +1,7 @@
 """FSDP2 sharding on CPU: 2 gloo ranks with hardware.data_parallel=shard train like one process on the same global
 batch (GRPO and PPO: losses, gradient norms, every metric, the weights), survive kill -9 with DCP checkpoints, and
-a 2-rank sharded checkpoint resumes on 1 rank. Plus the pieces on their own: gradients of the chunked log-probs
+a 2-rank sharded checkpoint resumes on 1 rank, an out-of-memory error in a sharded update restarts the job at half
+the micro-batch, and an fp16 plan skips a step that overflowed on one rank on every rank. Plus the pieces on their own: gradients of the chunked log-probs
 through a sharded root equal one process's, the planner's replicate/shard/refuse decision.
 """
 
@@ -82,6 +83,39 @@ def test_an_oom_in_a_sharded_update_stops_the_job_and_the_restart_resumes_at_hal
     without_count = lambda rows: [{k: v for k, v in r.items() if k != "oom/recoveries"} for r in rows]  # noqa: E731
     assert_same_metrics(without_count(got), without_count(read_metrics(single_dir)), steps=(0, 1, 2, 3))
     assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"), reference.actor)
+
+
+def test_fp16_sharded_with_one_rank_overflowing_matches_one_process(tiny_model_dir, arith_data, tmp_path,
+                                                                     reward_file, monkeypatch):
+    """fp16 plans sharded (a pair of T4s or V100s): autocast and a GradScaler over FSDP2's DTensor gradients (plan
+    made fp16 on the CPU by tests/dist_fp16_worker.py). Rank 1 alone overflows in step 2: both ranks skip it and
+    halve the loss scale (torch max-reduces the found-inf flag over the mesh), and every metric, the scale included,
+    equals one process whose step 2 overflows."""
+    from . import dist_fp16_worker
+
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    worker = Path(__file__).with_name("dist_fp16_worker.py")
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD), script=[str(worker)],
+                    cwd=str(tmp_path))
+    dist_fp16_worker.install(monkeypatch.setattr)
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file))
+    finish(proc)
+    assert reference.plan.use_grad_scaler and plan_record(dist_dir)["precision"] == "fp16"
+    want = read_metrics(single_dir)
+    scales = [(r["actor/loss_scale"], r["actor/skipped_steps"]) for r in read_metrics(dist_dir) if r["step"] >= 1]
+    assert scales[1] == (scales[0][0] / 2, 1.0) and scales[2] == (scales[1][0], 0.0), scales
+    # fp16 rounding differs with which rows share a micro-batch: the trainer's distance to the fp32 rollout's
+    # log-probs (~4e-5) at every step, and after step 3's update a greedy validation answer; so steps 0-2 (the
+    # overflow included) are compared whole, step 3 by its loss scale
+    gap = "actor/rollout_logprob_gap"
+    assert all(r[gap] < 1e-3 for r in read_metrics(dist_dir) + want if gap in r)
+    without_gap = lambda rows: [{k: v for k, v in r.items() if k != gap} for r in rows]  # noqa: E731
+    assert_same_metrics(without_gap(read_metrics(dist_dir)), without_gap(want), steps=(0, 1, 2))
+    assert [r["actor/loss_scale"] for r in want if r["step"] >= 1] == [scale for scale, _ in scales]
+    # no rank stepped on the overflowed gradient: its shard of every weight is as after step 1
+    after_overflow = actor_weights(dist_dir / "checkpoints" / "global_step_2")
+    for name, tensor in actor_weights(dist_dir / "checkpoints" / "global_step_1").items():
+        assert torch.equal(after_overflow[name], tensor), name
 
 
 @pytest.mark.parametrize("extra", [{}, {"algorithm.adv_estimator": "gae", "critic.optim.lr": 1e-3},
