@@ -1,8 +1,9 @@
 """FSDP2 sharding on CPU: 2 gloo ranks with hardware.data_parallel=shard train like one process on the same global
 batch (GRPO and PPO: losses, gradient norms, every metric, the weights), survive kill -9 with DCP checkpoints, and
-a 2-rank sharded checkpoint resumes on 1 rank, an out-of-memory error in a sharded update restarts the job at half
-the micro-batch, and an fp16 plan skips a step that overflowed on one rank on every rank. Plus the pieces on their own: gradients of the chunked log-probs
-through a sharded root equal one process's, the planner's replicate/shard/refuse decision.
+a 2-rank sharded checkpoint resumes on 1 rank; an out-of-memory error in a sharded update restarts the job at half
+the micro-batch; an fp16 plan skips, on every rank, a step that overflowed on one. Plus the pieces on their own:
+gradients of the chunked log-probs through a sharded root equal one process's, the planner's replicate/shard/refuse
+decision.
 """
 
 from __future__ import annotations
