@@ -29,13 +29,16 @@ def test_make_config_layers_dict_yaml_and_overrides(tmp_path):
         rl.make_config({"data": {"train_batch_sise": 3}})
 
 
-def test_demo_overrides_apply_on_top_and_each_demo_is_a_new_run():
+def test_demo_overrides_apply_on_top_and_each_demo_is_a_new_run(monkeypatch):
     cfg = rl.demo_config(["trainer.total_training_steps=3"], on_gpu=False)
     profile = rl.demo_profile(on_gpu=False)
     assert cfg.trainer.total_training_steps == 3  # the override
     assert cfg.data.train_batch_size == profile["data"]["train_batch_size"]  # the profile, not the full defaults
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.data.max_response_length == 12
     assert cfg.trainer.default_local_dir.startswith("runs/demo/smollm2-grpo-arith-")  # timestamped: a new run
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/7")  # every rank of one torchrun job: one run dir
+    assert rl.demo_config([], on_gpu=False).trainer.default_local_dir == "runs/demo/smollm2-grpo-arith-job_7"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     named = rl.demo_config(["trainer.experiment_name=mine"], on_gpu=False)
     assert named.trainer.default_local_dir == "runs/demo/mine"  # a named run resumes as any run does
     cpu = rl.demo_config(["hardware.device=cpu"])

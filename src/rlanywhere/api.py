@@ -88,8 +88,9 @@ def demo_config(overrides: Sequence[str] = (), on_gpu: Optional[bool] = None, ne
                 notices: Optional[list[str]] = None) -> DictConfig:
     """The demo profile with `overrides` on top. on_gpu: None decides from the machine (and hardware.device=cpu).
 
-    new_run: each call gets its own run dir (a timestamped experiment name), unless the overrides name
-    trainer.experiment_name or trainer.default_local_dir: then that run resumes as any run does."""
+    new_run: each call gets its own run dir (a timestamped experiment name; under torchrun named by the job's run
+    id, the same on every rank), unless the overrides name trainer.experiment_name or trainer.default_local_dir:
+    then that run resumes as any run does."""
     if on_gpu is None:
         import torch
 
@@ -99,7 +100,12 @@ def demo_config(overrides: Sequence[str] = (), on_gpu: Optional[bool] = None, ne
     names_run = any(item.lstrip("+").startswith(("trainer.experiment_name=", "trainer.default_local_dir="))
                     for item in overrides)
     if new_run and not names_run:
-        profile["trainer"]["experiment_name"] += time.strftime("-%Y%m%d-%H%M%S")
+        # [distributed] every rank of a torchrun job (all its nodes, its restarts too) shares the job's run id;
+        # a timestamp would differ between ranks that start a second apart
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        profile["trainer"]["experiment_name"] += (
+            "-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id) if run_id
+            else time.strftime("-%Y%m%d-%H%M%S"))
     return make_config(None, overrides, base=profile, notices=notices)
 
 
