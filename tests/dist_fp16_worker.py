@@ -1,5 +1,5 @@
 """fp16 plans sharded, on the CPU: the plan turned into fp16 autocast over fp32 weights with a GradScaler (what the
-planner picks on Volta/Turing; it refuses fp16 on a CPU), and one rank's gradient made to overflow in step 1, as
+planner picks on Volta/Turing; it refuses fp16 on a CPU), and one rank's gradient made to overflow in step 2, as
 an fp16 overflow in one rank's shard would (tests/test_sharding.py). Run as a script: `rlanywhere` under torchrun
 with both; imported: `install(setattr)` patches this process (the one-process reference)."""
 
@@ -11,7 +11,7 @@ import torch
 from rlanywhere import trainer, update
 from rlanywhere.vocabulary import FP16, Precision
 
-OVERFLOW_STEP = 1  # trainer.global_step of the step whose gradient overflows
+OVERFLOW_STEP = 1  # trainer.global_step of the step whose gradient overflows (step 2 in the metrics)
 OVERFLOW_RANK = "1"  # under torchrun; a single process (no RANK) overflows too
 
 current_step = 0

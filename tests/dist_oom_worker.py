@@ -1,5 +1,5 @@
 """`rlanywhere train` under torchrun where rank 1 runs out of memory at the start of its sharded actor update in
-step 1 while the micro-batch size is above 1 (tests/test_sharding.py): the job must stop with the halved size saved,
+step 2 (trainer.global_step 1) while the micro-batch size is above 1 (tests/test_sharding.py): the job must stop with the halved size saved,
 and torchrun's restart (--max-restarts) must resume from the last checkpoint at that size."""
 
 import os

@@ -64,9 +64,10 @@ def test_grpo_sharded_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_
 
 def test_an_oom_in_a_sharded_update_stops_the_job_and_the_restart_resumes_at_half(tiny_model_dir, arith_data,
                                                                                    tmp_path, reward_file):
-    """Rank 1 runs out of memory in its sharded update of step 1 (tests/dist_oom_worker.py): the job stops with
+    """Rank 1 runs out of memory in its sharded update of step 2 (tests/dist_oom_worker.py): the job stops with
     the micro-batch size halved in checkpoints/oom_sizes.json, torchrun's restart resumes from checkpoint 1 at
-    that size, and steps 0-2 equal one process (the loss does not depend on the micro-batch split)."""
+    that size, and steps 0-3 and the final weights equal one process (the loss does not depend on the
+    micro-batch split)."""
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     worker = Path(__file__).with_name("dist_oom_worker.py")
     proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD), script=[str(worker)],
@@ -90,8 +91,8 @@ def test_fp16_sharded_with_one_rank_overflowing_matches_one_process(tiny_model_d
                                                                      reward_file, monkeypatch):
     """fp16 plans sharded (a pair of T4s or V100s): autocast and a GradScaler over FSDP2's DTensor gradients (plan
     made fp16 on the CPU by tests/dist_fp16_worker.py). Rank 1 alone overflows in step 2: both ranks skip it and
-    halve the loss scale (torch max-reduces the found-inf flag over the mesh), and every metric, the scale included,
-    equals one process whose step 2 overflows."""
+    halve the loss scale (torch max-reduces the found-inf flag over the mesh); metrics equal one process whose step
+    2 overflows (steps 0-2 whole, the loss scale at every step)."""
     from . import dist_fp16_worker
 
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
