@@ -257,6 +257,14 @@ def test_a_matched_phase_runs_once_and_stops_the_job_with_the_halved_size_saved(
     assert fresh.logprob_micro_batch_size == 1  # smaller than remembered: kept
     assert lowered_sizes(fresh, None) == [] and remembered_sizes(str(tmp_path / "other")) is None
 
+    from rlanywhere.checkpoint import CheckpointError
+
+    for damage in ("{not json", '{"sizes": {"actor_batch": 2}, "event": {}}', "[]"):  # edited, another version's
+        with open(oom_sizes_path(str(tmp_path)), "w") as handle:
+            handle.write(damage)
+        with pytest.raises(CheckpointError, match="oom_sizes.json .*delete it to run at the planned sizes"):
+            remembered_sizes(str(tmp_path))
+
 
 def test_a_matched_phase_at_its_minimum_or_failing_otherwise_saves_nothing(tmp_path):
     sizes = RuntimeSizes(actor_micro_batch_size=1)

@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
 
-from .checkpoint import checkpoint_root
+from .checkpoint import CheckpointError, checkpoint_root
 from .plans import RuntimeSizes, SizeKind
 
 T = TypeVar("T")
@@ -98,12 +98,22 @@ def remember_sizes(run_dir: str, sizes: RuntimeSizes, event: dict, rank: int = 0
 
 
 def remembered_sizes(run_dir: str) -> Optional[dict]:
-    """The record `remember_sizes` left in this run dir, or None."""
+    """The record `remember_sizes` left in this run dir, or None; CheckpointError naming the file when it is not
+    such a record (edited by hand, another version's)."""
+    path = oom_sizes_path(run_dir)
     try:
-        with open(oom_sizes_path(run_dir)) as handle:
-            return json.load(handle)
+        with open(path) as handle:
+            record = json.load(handle)
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not readable ({exc}); delete it to run at the planned sizes") from exc
+    sizes = record.get("sizes") if isinstance(record, dict) else None
+    known = {kind.value for kind in SizeKind}
+    if not isinstance(sizes, dict) or not set(sizes) <= known or not isinstance(record.get("event"), dict):
+        raise CheckpointError(f"{path} holds no sizes this version knows ({sorted(known)}); delete it to run at the "
+                              "planned sizes")
+    return record
 
 
 def lowered_sizes(sizes: RuntimeSizes, record: Optional[dict]) -> list[tuple[str, int, int]]:
