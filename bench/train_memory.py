@@ -43,6 +43,11 @@ CONFIGS = {
     "grpo-0.5b": ("qwen2.5-0.5b", 16, 8, 256, 512, {
         "algorithm.adv_estimator": "grpo", "actor_rollout_ref.actor.use_kl_loss": True,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 16}),
+    # the same with 4x the prompts: 256 rows per rank on 2 GPUs, where a decode step's cost grows with the rows
+    # (at 64 rows per rank it is bound by reading the weights, which caps 2-GPU scaling: docs/distributed.md)
+    "grpo-0.5b-64": ("qwen2.5-0.5b", 64, 8, 256, 512, {
+        "algorithm.adv_estimator": "grpo", "actor_rollout_ref.actor.use_kl_loss": True,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 64}),
     "grpo-lora-1.5b": ("qwen2.5-1.5b", 16, 8, 256, 512, {
         "algorithm.adv_estimator": "grpo", "actor_rollout_ref.actor.use_kl_loss": True,
         "actor_rollout_ref.model.lora_rank": 32, "actor_rollout_ref.model.lora_alpha": 64,
