@@ -127,16 +127,20 @@ class TrainResult:
     """What a finished run left behind (also printed by the CLI as its closing summary)."""
 
     run_dir: str
-    steps: int
-    minutes: float
+    steps: int  # the run's, from its first launch
+    minutes: float  # this launch's
     final_model: Optional[str]
     val_before: dict = field(default_factory=dict)  # the first validation of this run dir (step 0 when asked)
     val_after: dict = field(default_factory=dict)  # the last validation
     trainer: Any = field(default=None, repr=False)  # the RLTrainer: actor, tokenizer, engine, ... for more use
+    first_step: int = 0  # the step this launch resumed at (0: it started the run)
 
     def summary_lines(self) -> list[str]:
         """A short human summary: accuracy before -> after, minutes, where the model is, what to run next."""
-        lines = [f"run dir: {self.run_dir}", f"{self.steps} steps in {self.minutes:.1f} min"]
+        done = (f"{self.steps} steps in {self.minutes:.1f} min" if not self.first_step else
+                f"{self.steps} steps, {self.steps - self.first_step} of them in {self.minutes:.1f} min (resumed at step "
+                f"{self.first_step})")
+        lines = [f"run dir: {self.run_dir}", done]
         before, after = self.val_before.get("val/acc"), self.val_after.get("val/acc")
         if before is not None and after is not None:
             count = int(self.val_after.get("val/num_samples", 0))
@@ -205,7 +209,8 @@ def train(cfg: DictConfig, run_plan=None, notices: Optional[list[str]] = None) -
             log.warning("plotting failed: %s", exc)
     before, after = first_and_last_validation(run_dir)
     return TrainResult(run_dir=run_dir, steps=trainer.global_step, minutes=(time.time() - start) / 60,
-                       final_model=final_model, val_before=before, val_after=after, trainer=trainer)
+                       final_model=final_model, val_before=before, val_after=after, trainer=trainer,
+                       first_step=trainer.first_step)
 
 
 def first_and_last_validation(run_dir: str) -> tuple[dict, dict]:

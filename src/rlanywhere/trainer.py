@@ -115,6 +115,7 @@ class RLTrainer:
                                      self.dp)
         self.oom_guard.relieve = self.rollouts.free_kept_cache
         self.global_step = 0
+        self.first_step = 0  # the step this launch starts at (a resume's)
         self.tracker: Optional[Tracker] = None
 
     def write_plan_record(self) -> None:
@@ -354,6 +355,7 @@ class RLTrainer:
         trainer_cfg = self.cfg.trainer
         try:
             self.maybe_resume()
+            self.first_step = self.global_step
             self.apply_remembered_sizes()
             self.tracker = Tracker(self.run_dir, as_list(trainer_cfg.logger), trainer_cfg.project_name,
                                    trainer_cfg.experiment_name, OmegaConf.to_container(self.cfg, resolve=True),
