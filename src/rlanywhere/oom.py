@@ -30,6 +30,7 @@ from typing import Callable, Mapping, Optional, TypeVar
 import torch
 
 from .checkpoint import CheckpointError, checkpoint_root
+from .errors import UserError
 from .plans import RuntimeSizes, SizeKind
 
 T = TypeVar("T")
@@ -72,8 +73,9 @@ class OutOfMemoryAtMinimumError(RuntimeError):
     """Out of memory although the phase already runs at its minimum micro-batch size."""
 
 
-class OutOfMemoryRestart(RuntimeError):
-    """Out of memory in a phase one rank cannot redo alone; the halved size is saved for the next launch."""
+class OutOfMemoryRestart(UserError, RuntimeError):
+    """Out of memory in a phase one rank cannot redo alone; the halved size is saved for the next launch. A run
+    that stopped itself: one line, exit code 2 (docs/reliability.md)."""
 
 
 OOM_SIZES_FILE = "oom_sizes.json"
