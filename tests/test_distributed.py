@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -69,9 +70,9 @@ def single_process(items: list[str], resume_from_dir: Path | None = None) -> RLT
 
 
 def torchrun(items: list[str], env_extra: dict | None = None, script: list[str] | None = None, nproc: int = 2,
-             launcher: tuple[str, ...] = (), **popen):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *launcher, *(script or ["-m", "rlanywhere.cli"]), "train", *items]
+             launcher: tuple[str, ...] = ("--standalone",), **popen):
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *launcher,
+               *(script or ["-m", "rlanywhere.cli"]), "train", *items]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **popen)
@@ -264,6 +265,23 @@ def slow_run_until(items: list[str], run_dir: Path, steps: int, records: int) ->
         assert time.time() < deadline, f"fewer than {records} metrics records"
         time.sleep(0.1)
     return proc
+
+
+def test_two_nodes_with_one_rendezvous_train_like_one_process(tiny_model_dir, arith_data, tmp_path, reward_file):
+    """The README's several-machines command on one host: two torchrun launches of one rank each meet at one c10d
+    rendezvous (the run dir shared) and train like one process."""
+    dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    short = {"trainer.total_training_steps": 2, "trainer.test_freq": 2}
+    nodes = [torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **short), nproc=1,
+                      launcher=("--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                                "--rdzv_id=two-nodes")) for _ in range(2)]
+    single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **short))
+    outs = [finish(node) for node in nodes]
+    assert sum("2 x replicate (gloo)" in out for out in outs) == 1  # rank 0 alone prints the plan
+    assert_same_metrics(read_metrics(dist_dir), read_metrics(single_dir), steps=(0, 1, 2))
 
 
 def test_sigterm_stops_every_rank_at_one_step_and_saves_it(tiny_model_dir, arith_data, tmp_path, reward_file):

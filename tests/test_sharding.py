@@ -71,7 +71,7 @@ def test_an_oom_in_a_sharded_update_stops_the_job_and_the_restart_resumes_at_hal
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     worker = Path(__file__).with_name("dist_oom_worker.py")
     proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD), script=[str(worker)],
-                    launcher=("--max-restarts=1",), cwd=str(tmp_path))
+                    launcher=("--standalone", "--max-restarts=1"), cwd=str(tmp_path))
     reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file))
     out = finish(proc)
     assert "OutOfMemoryRestart" in out and "actor_micro_batch_size=1 is saved in" in out
