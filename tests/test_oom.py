@@ -124,7 +124,7 @@ def test_relief_frees_memory_held_outside_the_phase_once_before_any_halving():
 
     released = []
     phase = RolloutPhase.__new__(RolloutPhase)  # only what free_kept_cache touches
-    phase.release_kv, phase.engine = False, SimpleNamespace(release_memory=lambda: released.append(True))
+    phase.engine = SimpleNamespace(release_memory=lambda: released.append(True))
     phase.plan = SimpleNamespace(device="cuda:0", rollout=SimpleNamespace(release_kv_between_phases=False, reasons={
         "release_kv_between_phases": "kept: fits"}))
     sizes = RuntimeSizes(actor_micro_batch_size=1, rollout_batch_size=8)
@@ -153,7 +153,7 @@ def test_relief_frees_memory_held_outside_the_phase_once_before_any_halving():
     assert calls[-2:] == [("update", 1), ("update", 1)] and released == [True] and sizes.actor_micro_batch_size == 1
     assert guard.events[-1]["relieved"] and guard.events[-1]["old_size"] == guard.events[-1]["new_size"] == 1
     assert "KV cache" in logs[-1] and "same size" in logs[-1]
-    assert phase.release_kv and phase.plan.rollout.release_kv_between_phases  # freed after every rollout from now
+    assert phase.plan.rollout.release_kv_between_phases  # freed after every rollout from now
     assert "actor_update ran out of memory" in phase.plan.rollout.reasons["release_kv_between_phases"]
     # nothing left to free: the next OOM at the minimum size is the usual error
     with pytest.raises(OutOfMemoryAtMinimumError):

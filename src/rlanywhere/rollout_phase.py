@@ -35,11 +35,10 @@ class RolloutPhase:
     """Generation and scoring for one run: the engine, the reward, the sampling settings of the config."""
 
     def __init__(self, cfg: DictConfig, plan: Plan, engine, actor, tokenizer, reward_manager, oom: OOMGuard,
-                 next_prompts: Callable[[], list[dict]], release_kv: bool, dp: Optional[DataParallel] = None):
+                 next_prompts: Callable[[], list[dict]], dp: Optional[DataParallel] = None):
         self.cfg, self.plan, self.engine, self.actor, self.tokenizer = cfg, plan, engine, actor, tokenizer
         self.reward_manager, self.oom, self.next_prompts = reward_manager, oom, next_prompts
         self.dp = dp or DataParallel()  # [distributed] dynamic sampling decides over every rank's prompts
-        self.release_kv = release_kv  # free the engine's KV cache once a step's rollouts are done
         self.n = cfg.actor_rollout_ref.rollout.n
 
     @property
@@ -50,12 +49,11 @@ class RolloutPhase:
         """OOM relief for the phases after the rollout (OOMGuard.relieve): a KV cache the plan kept between phases
         is freed now and after every rollout from here on. None when there is none to free, in the rollout (which
         is using it), and on a CPU (the plan keeps the cache there: memory is not the limit)."""
-        if self.release_kv or phase == "rollout" or not str(self.plan.device).startswith("cuda"):
-            return None
-        self.release_kv = True
-        self.engine.release_memory()
         rollout = self.plan.rollout
-        rollout.release_kv_between_phases = True
+        if rollout.release_kv_between_phases or phase == "rollout" or not str(self.plan.device).startswith("cuda"):
+            return None
+        self.engine.release_memory()
+        rollout.release_kv_between_phases = True  # after every rollout from now on (rollout_and_score)
         rollout.reasons["release_kv_between_phases"] = (f"freed: {phase} ran out of memory beside the kept cache ("
                                                         f"planned: {rollout.reasons.get('release_kv_between_phases')})")
         return "freed the rollout's KV cache (kept between phases until now; freed after every rollout from now on)"
@@ -162,7 +160,7 @@ class RolloutPhase:
             if informative >= self.cfg.data.train_batch_size or at_cap:
                 break
             items, first_prompt = self.dp.share(self.next_prompts())
-        if self.release_kv:
+        if self.plan.rollout.release_kv_between_phases:  # the planned peaks of the phases after it assume so
             self.engine.release_memory()
         if not filter_cfg.enable:
             return rounds[0], {}, first_prompt

@@ -111,8 +111,7 @@ class RLTrainer:
         self.engine = builders.build_engine(cfg, plan, self.actor, self.tokenizer)
         self.write_plan_record()  # after the engine is known: the record shows what runs
         self.rollouts = RolloutPhase(cfg, plan, self.engine, self.actor, self.tokenizer, self.reward_manager,
-                                     self.oom_guard, self.loader.next_batch, plan.rollout.release_kv_between_phases,
-                                     self.dp)
+                                     self.oom_guard, self.loader.next_batch, self.dp)
         self.oom_guard.relieve = self.rollouts.free_kept_cache
         self.global_step = 0
         self.first_step = 0  # the step this launch starts at (a resume's)
