@@ -386,12 +386,12 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     from .distributed import plan_sharding
     # host RAM holds what a GPU plan offloads; known when the GPUs are this machine's (not a plan for another one)
     host_ram = machine.ram_available_bytes if real is not None and machine.ram_available_bytes else None
-    memory: dict[str, _MemoryInputs] = {}  # the inputs of the memory plan that was kept (the last one made)
+    kept: Optional[_MemoryInputs] = None  # the inputs of the memory plan that was kept (the last one made)
 
     def plan_memory(shard_world: int) -> None:
-        memory["kept"] = _plan_memory(cfg, plan, target, shape, critic_shape, scores, critic_lora,
-                                      use_ref and not use_lora, reasons, shard_world=shard_world,
-                                      host_ram_bytes=host_ram)
+        nonlocal kept
+        kept = _plan_memory(cfg, plan, target, shape, critic_shape, scores, critic_lora, use_ref and not use_lora,
+                            reasons, shard_world=shard_world, host_ram_bytes=host_ram)
 
     plan_sharding(cfg, plan, plan_memory)
     _ref_reason(plan, use_ref, use_lora, kl_loss, kl_reward, reasons)
@@ -403,7 +403,7 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     _plan_prompt_sharing(plan, _auto(cfg.hardware.share_prompts), int(arr.rollout.n), shape.model_type,
                          flash_runs=target.is_cuda and "flash_attention" in backends)
     if plan.share_prompts:
-        _count_prompts_once(plan, memory["kept"])
+        _count_prompts_once(plan, kept)
     _plan_kv_release(plan, target, _auto(arr.rollout.free_cache_engine))
     if for_execution and card is not None and real is not None:
         _check_real_card_runs(plan, real, machine)
