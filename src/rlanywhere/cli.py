@@ -133,22 +133,24 @@ def _torchrun_until_done(cfg, relaunch_argv: list[str]) -> int:
 
     run_dir = cfg.trainer.default_local_dir
     argv = list(relaunch_argv)
+    resume = "trainer.resume_mode=auto"
+    before = remembered_sizes(run_dir)
     for _ in range(OOM_RELAUNCHES + 1):
-        before = remembered_sizes(run_dir)
         command = distributed.relaunch_command(int(cfg.trainer.n_gpus_per_node), argv)
         print("starting torchrun: " + " ".join(command), flush=True)
         code = subprocess.call(command)
         after = remembered_sizes(run_dir)
         if code == 0 or after is None or after == before:
             return code
+        before = after
         event = after["event"]
         print(f"rank {event['rank']} ran out of memory in {event['phase']} at {event['attribute']}="
               f"{event['old_size']}: relaunching to resume from the last checkpoint at {event['new_size']}",
               file=sys.stderr, flush=True)
         # the relaunch continues this run: from its own newest checkpoint (a resume_path asked for stays the
         # start until this run has saved one)
-        if cfg.trainer.resume_mode != "resume_path" or list_checkpoints(run_dir):
-            argv.append("trainer.resume_mode=auto")
+        if resume not in argv and (cfg.trainer.resume_mode != "resume_path" or list_checkpoints(run_dir)):
+            argv.append(resume)
     return code
 
 
