@@ -6,6 +6,8 @@ scripts/test.sh installs triton where torch brought none (a CPU build); without 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from rlanywhere.rollout import FastEngine, SamplingParams
 from rlanywhere.rollout import decode_attention as kernels
 from rlanywhere.plans import RolloutPlan
 
-from .test_rollout import PAD, PROMPTS, reference_greedy, responses, tiny_model
+from .test_rollout import PAD, PROMPTS, reference_greedy, responses, tiny_model, with_random_biases
 
 
 def interpreter_runs() -> bool:
@@ -153,6 +155,31 @@ def test_rope_and_store_rounds_like_apply_rope_and_writes_only_the_slot(dtype, m
     assert torch.equal(cache_k[~written], before_k[~written]) and torch.equal(cache_v[~written], before_v[~written])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_store_with_the_bias_left_to_it_is_rope_of_the_biased_projection(dtype):
+    """RolloutPlan.qkv_bias_apart: the QKV GEMM leaves the bias out and the kernel adds it first, one rounding
+    to the dtype, as `qkv + bias` does."""
+    from rlanywhere.rollout.llama import signed_sin
+
+    torch.manual_seed(1)
+    batch, heads, kv_heads, head_dim = 3, 4, 2, 32
+    qkv = torch.randn(batch, heads + 2 * kv_heads, head_dim).to(dtype)
+    bias = torch.randn((heads + 2 * kv_heads) * head_dim).to(dtype)
+    angles = torch.rand(batch, head_dim // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = signed_sin(torch.cat([angles.sin()] * 2, -1)).to(dtype)
+    caches = [torch.zeros(4, kv_heads, 8, head_dim, dtype=dtype) for _ in range(4)]
+    slot = torch.tensor([5])
+    q = kernels.rope_and_store(qkv, cos, sin, caches[0], caches[1], slot, heads, True, bias=bias)
+    biased = qkv + bias.view(heads + 2 * kv_heads, head_dim)
+    q_ref = kernels.rope_and_store(biased, cos, sin, caches[2], caches[3], slot, heads, True)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[1][:batch, :, 5].abs().sum() > 0  # the values (biased) were written
+    with pytest.raises(ValueError, match="bias must be contiguous with"):
+        kernels.rope_and_store(qkv, cos, sin, caches[0], caches[1], slot, heads, True, bias=bias[:-1])
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_engine_with_the_fused_kv_write_matches_transformers(kind):
     model = tiny_model(kind)
@@ -163,3 +190,8 @@ def test_engine_with_the_fused_kv_write_matches_transformers(kind):
     assert responses(engine.generate(PROMPTS, params)) == reference_greedy(model, PROMPTS, 8)
     qwen3 = FastEngine(tiny_model("qwen3"), None, plan, pad_token_id=PAD)
     assert not qwen3.forward.kv_write_kernel  # q/k norms come before RoPE: the separate kernels
+    biased = with_random_biases(tiny_model(kind))
+    expected = reference_greedy(biased, PROMPTS, 8)
+    for apart in (False, True):  # the bias in the GEMM, or added by the RoPE + K/V write kernel
+        engine = FastEngine(biased, None, dataclasses.replace(plan, qkv_bias_apart=apart), pad_token_id=PAD)
+        assert responses(engine.generate(PROMPTS, params)) == expected, apart

@@ -17,12 +17,13 @@ pytestmark = pytest.mark.skipif(not interpreter_runs(),
                                 reason="needs triton >= 3.9 and TRITON_INTERPRET=1 (scripts/test.sh, conftest.py)")
 
 
-def draw(logits, temperature, seed=1234, step=5, splits=None):
+def draw(logits, temperature, seed=1234, step=5, splits=None, row_offset=0):
     rows = logits.shape[0]
     tokens = torch.full((rows,), -1, dtype=torch.long)
     logprobs = torch.full((rows,), float("nan"))
     fused_sampling.sample_into(logits, torch.tensor([seed]), torch.tensor([step]),
-                               torch.tensor([float(temperature)]), tokens, logprobs, splits=splits)
+                               torch.tensor([float(temperature)]), tokens, logprobs, splits=splits,
+                               row_offset=row_offset)
     return tokens, logprobs
 
 
@@ -58,6 +59,20 @@ def test_sampled_log_probs_are_the_tempered_softmax_and_the_draws_do_not_depend_
         expected = torch.log_softmax(logits.double() * (1 / 0.7), -1).gather(1, tokens[:, None]).squeeze(1)
         assert torch.allclose(logprobs.double(), expected, atol=1e-5), splits
     assert not torch.equal(first, logits.argmax(-1))  # it samples
+
+
+def test_a_batch_sampled_in_two_parts_draws_what_it_draws_whole():
+    """row_offset counts the noise by batch row: the two halves of a decode step (RolloutPlan.decode_halves)
+    draw the tokens the whole batch would; without it both halves would reuse rows 0.. 's noise."""
+    torch.manual_seed(2)
+    logits = torch.zeros(8, 1500)  # equal logits: the token is the noise alone
+    whole, whole_lp = draw(logits, 1.0)
+    first, first_lp = draw(logits[:4], 1.0)
+    second, second_lp = draw(logits[4:], 1.0, row_offset=4)
+    assert torch.equal(torch.cat([first, second]), whole)
+    assert torch.equal(torch.cat([first_lp, second_lp]), whole_lp)
+    reused, _ = draw(logits[4:], 1.0)  # no offset: rows 4.. draw rows 0..'s tokens
+    assert torch.equal(reused, first) and not torch.equal(reused, second)
 
 
 def test_draws_follow_the_softmax_and_change_with_seed_and_step():
@@ -114,6 +129,22 @@ def test_engine_with_fused_sampling_log_probs_match_the_forward_pass_and_runs_re
     assert torch.equal(again.response_ids, batch.response_ids)
     other = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(4))
     assert not torch.equal(other.response_ids, batch.response_ids)
+
+
+def test_engine_sampling_in_two_halves_draws_the_whole_batchs_tokens(monkeypatch):
+    import dataclasses
+
+    from rlanywhere.rollout import runner
+
+    monkeypatch.setattr(runner, "DECODE_HALF_MIN_ROWS", 2)
+    model = tiny_model("qwen2")
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
+    whole = fused_engine(model).generate(PROMPTS, params, generator=torch.Generator().manual_seed(3))
+    engine = fused_engine(model)
+    engine = FastEngine(model, None, dataclasses.replace(engine.rollout, decode_halves=True), pad_token_id=PAD)
+    halves = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(halves.response_ids, whole.response_ids)
+    assert torch.allclose(halves.response_logprobs, whole.response_logprobs, atol=1e-5)
 
 
 def test_requests_with_top_k_or_top_p_use_the_torch_sampler():

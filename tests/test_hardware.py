@@ -309,7 +309,7 @@ def test_plan_to_dict_and_summary():
 ROLLOUT_FIELDS = ("engine", "fallback_allowed", "dtype", "decode_attention", "fuse_weights", "transpose_gate_up",
                   "fp32_logits", "match_hf_numerics", "cuda_graphs", "rows_per_wave", "max_seq_len",
                   "prefill_tokens_per_chunk", "check_every", "release_kv_between_phases", "span_granularity",
-                  "compile_elementwise", "fused_sampling", "fused_kv_write")
+                  "compile_elementwise", "fused_sampling", "fused_kv_write", "qkv_bias_apart", "decode_halves")
 
 
 def test_every_rollout_decision_has_its_reason():
@@ -414,7 +414,7 @@ def test_triton_decode_attention_needs_triton_and_a_measured_card():
     assert "7.5 < 8.0" in turing.reasons["decode_attention"]
     emulated = make_plan(cfg_of(*PPO_05B), fake("h100", triton_usable=True), emulate="p40").rollout
     assert emulated.decode_attention == "matmul"  # fp32 on the P40 it emulates: never the Triton kernels
-    assert not emulated.compile_elementwise and "float32" in emulated.reasons["compile_elementwise"]
+    assert not emulated.compile_elementwise and "6.1 < 8.0" in emulated.reasons["compile_elementwise"]
     assert not emulated.fused_sampling and "6.1 < 8.0" in emulated.reasons["fused_sampling"]  # Triton: no Pascal
     assert not turing.fused_sampling and not turing.fused_kv_write and not emulated.fused_kv_write
     cpu = make_plan(cfg_of(*SMALL), fake(None)).rollout
@@ -425,6 +425,26 @@ def test_triton_decode_attention_needs_triton_and_a_measured_card():
     assert not hf.fused_sampling and "the hf engine" in hf.reasons["fused_sampling"]
     assert "the hf engine" in hf.reasons["decode_attention"] and "the hf engine" in hf.reasons["compile_elementwise"]
     assert not cpu.fused_kv_write and not hf.fused_kv_write
+
+
+def test_fp32_rollouts_where_triton_runs_get_the_measured_fp32_decode_kernels():
+    """fp32 on an H200-class card (measured there): compiled elementwise kernels and the fused K/V write (not the
+    Triton attention), q/k/v biases added after the GEMM, and steps of >= 128 rows as two halves on two streams.
+    bf16 keeps the bias in the GEMM and one stream; an emulated P40 gets only the bias change (no Triton there)."""
+    fp32 = make_plan(cfg_of(*PPO_05B, "hardware.precision=fp32"), fake("h100", triton_usable=True)).rollout
+    assert fp32.dtype == torch.float32 and fp32.decode_attention == "matmul"
+    assert fp32.compile_elementwise and fp32.fused_kv_write
+    assert fp32.qkv_bias_apart and "30.7 instead of 14.6 us" in fp32.reasons["qkv_bias_apart"]
+    assert fp32.decode_halves and ">= 128 rows as two halves" in fp32.reasons["decode_halves"]
+    assert "QKV bias apart" in fp32.kernels_text() and "two-stream halves" in fp32.kernels_text()
+    bf16 = make_plan(cfg_of(*PPO_05B), fake("h100", triton_usable=True)).rollout
+    assert bf16.dtype == torch.bfloat16 and not bf16.qkv_bias_apart and not bf16.decode_halves
+    assert "round twice" in bf16.reasons["qkv_bias_apart"] and "slower in half" in bf16.reasons["decode_halves"]
+    emulated = make_plan(cfg_of(*PPO_05B), fake("h100", triton_usable=True), emulate="p40").rollout
+    assert emulated.qkv_bias_apart and not emulated.decode_halves and "6.1 < 8.0" in emulated.reasons["decode_halves"]
+    assert not emulated.compile_elementwise and not emulated.fused_kv_write
+    cpu = make_plan(cfg_of(*SMALL), fake(None)).rollout
+    assert not cpu.qkv_bias_apart and not cpu.decode_halves and cpu.reasons["decode_halves"] == "off: CPU"
 
 
 def test_fp32_rollout_plan_on_cpu_and_pascal():

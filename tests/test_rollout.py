@@ -49,6 +49,17 @@ def tiny_model(kind: str = "qwen2", seed: int = 0):
     return model.eval()
 
 
+def with_random_biases(model, seed: int = 1):
+    """`model` with its Linear biases (Qwen2's q/k/v) drawn at random: transformers initialises them to zero, which
+    would let a test of where the bias is added pass whatever it does."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.5)
+    return model
+
+
 def char_tokenizer():
     """Character-level tokenizer: id 0 <pad>, id 1 <eos>, other ids one printable character each."""
     from tokenizers import Tokenizer, decoders, models
@@ -219,6 +230,33 @@ def test_decode_buckets_hold_at_least_two_rows():
     single = FastEngine(tiny_model("qwen2"), None, pad_token_id=PAD)
     single.runner.reserve(1, 32)
     assert single.runner.bucket(1) == 1  # a one-row cache holds no bucket of 2
+
+
+def test_decode_halves_and_the_bias_apart_decode_like_one_batch_and_transformers(monkeypatch):
+    """RolloutPlan.decode_halves (two halves of a step, each its own stream on a GPU; one after the other here)
+    and qkv_bias_apart (q/k/v biases added after the GEMM) change where work runs, not what is computed."""
+    from rlanywhere.rollout import runner
+
+    monkeypatch.setattr(runner, "DECODE_HALF_MIN_ROWS", 2)  # halve the 4- and 8-row buckets of this tiny batch
+    model = with_random_biases(tiny_model("qwen2"))
+    greedy = SamplingParams(max_new_tokens=8, temperature=0)
+    expected = reference_greedy(model, PROMPTS, 8)
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, n=2)
+    whole = FastEngine(model, None, RolloutPlan(check_every=2), pad_token_id=PAD)
+    reference = whole.generate(PROMPTS, sampled, generator=torch.Generator().manual_seed(3))
+    for fuse in (False, True):
+        for kw in ({"decode_halves": True}, {"qkv_bias_apart": True}, {"decode_halves": True, "qkv_bias_apart": True}):
+            engine = FastEngine(model, None, RolloutPlan(check_every=2, fuse_weights=fuse, **kw), pad_token_id=PAD)
+            assert responses(engine.generate(PROMPTS, greedy)) == expected, (fuse, kw)
+            batch = engine.generate(PROMPTS, sampled, generator=torch.Generator().manual_seed(3))
+            assert torch.equal(batch.response_ids, reference.response_ids), (fuse, kw)
+            assert torch.allclose(batch.response_logprobs, reference.response_logprobs, atol=1e-5), (fuse, kw)
+    halves = FastEngine(model, None, RolloutPlan(decode_halves=True), pad_token_id=PAD)
+    calls = []
+    original = halves.forward.decode
+    monkeypatch.setattr(halves.forward, "decode", lambda tokens, *a: calls.append(len(tokens)) or original(tokens, *a))
+    halves.generate(PROMPTS, SamplingParams(max_new_tokens=2, temperature=0, n=2))  # 8 rows: two halves of 4
+    assert calls and set(calls) == {4}
 
 
 @pytest.mark.slow

@@ -41,7 +41,8 @@ from .vocabulary import (
     ALLOC_CONF, CUDNN_SDPA, ATTN_EAGER, ATTN_FLASH, ATTN_IMPLEMENTATIONS, ATTN_SDPA, BF16, FP16, FP32,
     LOSS_SCALE_GROWTH_INTERVAL,
     LOSS_SCALE_INIT, NoFitError, PlanError, cc_str, dtype_from_name, dtype_name, flash_attn_capable, has_fast_fp16,
-    has_half_gemm_fp32_output, has_native_bf16, has_tf32, is_half, DECODE_MATMUL, DECODE_SDPA, DECODE_TRITON,
+    has_half_gemm_fp32_output, has_native_bf16, has_tf32, is_half, DECODE_HALF_MIN_ROWS, DECODE_MATMUL, DECODE_SDPA,
+    DECODE_TRITON,
     AdvantageEstimator,
     AttnImplementation, Precision, RolloutEngineName,
 )
@@ -721,21 +722,44 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
                                                    "prefill forward bound its activations")
     reasons.setdefault("check_every", f"every {rollout.check_every} decode steps: finished rows and stop strings")
     rollout.span_granularity = DECODE_SPAN_GRANULARITY if on_cuda else 256
-    rollout.compile_elementwise = triton_kernels
+    # the compiled elementwise kernels and the fused RoPE + K/V write pay in fp32 too (H200, 128 rows, fp32 without
+    # TF32: 6.54 -> 6.01 ms per step); only the attention kernel stays half-precision only
+    rollout.compile_elementwise = triton_runs
     reasons["compile_elementwise"] = (
         "on: the decode step's norms, RoPE, SiLU*mul and residual adds as fused torch.compile kernels, eager's "
-        "rounding kept: 14% shorter bf16 decode steps on an H200 (a few seconds of compilation once)"
+        "rounding kept: 14% shorter bf16 decode steps and 8% shorter fp32 ones (with the fused K/V write) on an "
+        "H200 (a few seconds of compilation once)"
         if rollout.compile_elementwise else
         "off: CPU (no CUDA graphs to save launches from)" if not on_cuda else
-        f"off: {dtype_text} (measured faster in half precision only)" if not half else
         f"off: {_triton_decode_refusal(triton, cc, rollout.engine)}")
-    rollout.fused_kv_write = triton_kernels
+    rollout.fused_kv_write = triton_runs
     reasons["fused_kv_write"] = (
         "on: the decode step's RoPE and K/V cache writes as one Triton kernel per layer instead of three (models "
         "with fused QKV weights and no q/k norms; others keep the separate kernels)" if rollout.fused_kv_write else
         "off: CPU" if not on_cuda else
-        f"off: {dtype_text} (planned with the Triton attention, half precision only)" if not half else
         f"off: {_triton_decode_refusal(triton, cc, rollout.engine)}")
+    # cuBLASLt's bias epilogue picks a 2x slower fp32 GEMM at decode shapes; bf16 and training shapes are unaffected
+    rollout.qkv_bias_apart = on_cuda and not half and rollout.engine == RolloutEngineName.FAST
+    reasons["qkv_bias_apart"] = (
+        f"on: {dtype_text} decode steps add the q/k/v biases after their GEMM (inside the RoPE kernel where it "
+        "runs): with the bias in cuBLASLt's epilogue the fp32 QKV GEMM takes 30.7 instead of 14.6 us at 128 rows "
+        "on an H200 (the same sum in fp32)" if rollout.qkv_bias_apart else
+        "off: CPU" if not on_cuda else
+        f"off: the {rollout.engine} engine" if rollout.engine != RolloutEngineName.FAST else
+        f"off: {dtype_text} (the bias epilogue costs nothing there, and adding it apart would round twice)")
+    # two halves of a decode step on two streams: measured on an H200 in fp32 only (128 rows: 5.83 -> 5.48 ms);
+    # slower in bf16 (256 rows: 2.01 -> 2.49 ms) and with 32-row halves, so fp32 on cards of that class
+    rollout.decode_halves = (on_cuda and not half and cc is not None and cc >= TRITON_DECODE_MIN_CC
+                             and rollout.engine == RolloutEngineName.FAST)
+    reasons["decode_halves"] = (
+        f"on: {dtype_text} decode steps of >= {2 * DECODE_HALF_MIN_ROWS} rows as two halves on two CUDA streams, one "
+        "half's attention and norms beside the other's GEMMs (H200, 128 rows: 6% shorter steps)"
+        if rollout.decode_halves else
+        "off: CPU" if not on_cuda else
+        f"off: the {rollout.engine} engine" if rollout.engine != RolloutEngineName.FAST else
+        f"off: {dtype_text} (measured slower in half precision: its GEMMs already fill the GPU)" if half else
+        f"off: compute capability {cc_str(cc) if cc else 'unknown'} < {cc_str(TRITON_DECODE_MIN_CC)} (measured on "
+        "an H200 only)")
     rollout.fused_sampling = triton_runs  # the sampler does not depend on the model's dtype
     reasons["fused_sampling"] = (
         f"on: each decode step samples in one Triton pass over its logits inside the step's CUDA graph "

@@ -46,6 +46,8 @@ class RolloutPlan:
     compile_elementwise: bool = False  # decode norms, RoPE, SiLU*mul, residual adds as torch.compile'd kernels
     fused_sampling: bool = False  # decode steps sample in one Triton pass over the logits (no top-k / top-p)
     fused_kv_write: bool = False  # decode's RoPE and K/V cache writes as one Triton kernel (fused QKV weights)
+    qkv_bias_apart: bool = False  # decode's q/k/v biases added after their GEMM (fp32: a faster GEMM), not inside
+    decode_halves: bool = False  # decode steps of >= 128 rows as two 64+-row halves on two CUDA streams (overlapped)
     release_kv_between_phases: bool = False  # free the KV cache after each rollout for the training phases
     reasons: dict[str, str] = field(default_factory=dict)
 
@@ -59,6 +61,8 @@ class RolloutPlan:
                 f"{', compiled elementwise' if self.compile_elementwise else ''}"
                 f"{', fused sampling' if self.fused_sampling else ''}"
                 f"{', fused RoPE + KV write' if self.fused_kv_write else ''}"
+                f"{', QKV bias apart' if self.qkv_bias_apart else ''}"
+                f"{', two-stream halves' if self.decode_halves else ''}"
                 f"{', CUDA graphs' if self.cuda_graphs else ''}")
 
 

@@ -128,6 +128,9 @@ SDPA_NAMES = (ATTN_SDPA, SDPA_EXPANDED_KV, SDPA_SHARED_PROMPTS, SDPA_EXPANDED_KV
 DECODE_SDPA = DecodeAttention.SDPA.value
 DECODE_MATMUL = DecodeAttention.MATMUL.value
 DECODE_TRITON = DecodeAttention.TRITON.value
+# RolloutPlan.decode_halves splits a decode step only into halves of at least this many rows (fp32 on an H200:
+# 2 x 64 rows faster than 128 at once, 2 x 32 slower than 64)
+DECODE_HALF_MIN_ROWS = 64
 # torch SDPA backends by their SDPBackend member names, lower case (machine.sdpa_backends_that_run)
 SDPA_BACKEND_NAMES = ("flash_attention", "efficient_attention", "cudnn_attention", "math")
 CUDNN_SDPA = "cudnn_attention"

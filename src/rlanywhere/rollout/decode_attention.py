@@ -102,14 +102,16 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, cache_k: torch.Tensor,
-                   cache_v: torch.Tensor, slot: torch.Tensor, heads: int, match_hf: bool) -> torch.Tensor:
+                   cache_v: torch.Tensor, slot: torch.Tensor, heads: int, match_hf: bool,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step's RoPE and cache write in one kernel (instead of RoPE, then two index copies).
 
     qkv [B, heads + 2 KV, D]: the fused QKV projection of one token per row; cos/sin_signed [B, D] at each row's
     position (sin_signed: llama.signed_sin); cache_k/cache_v [rows >= B, KV, length, D]: one layer's cache (views,
     contiguous last dim); slot [1] long on the device. Writes the rotated keys and the values at `slot` of rows
     [:B] and returns the rotated queries [B, heads, D], rounded as llama.apply_rope rounds (match_hf: transformers'
-    order)."""
+    order). bias [(heads + 2 KV) * D]: the projection's bias when the GEMM left it out, added first (as
+    `qkv + bias` would be)."""
     _, _, rope_store_kernel = _kernels()
     batch, all_heads, head_dim = qkv.shape
     kv_heads = (all_heads - heads) // 2
@@ -117,12 +119,15 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tenso
         raise ValueError("rope_and_store: qkv, cos and the cache need a contiguous last dimension")
     if cos.stride() != sin_signed.stride():
         raise ValueError("rope_and_store: cos and sin_signed need the same layout")
+    if bias is not None and (bias.numel() != all_heads * head_dim or not bias.is_contiguous()):
+        raise ValueError(f"rope_and_store: bias must be contiguous with {all_heads * head_dim} elements, got "
+                         f"{tuple(bias.shape)}")
     q = torch.empty(batch, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     rope_store_kernel[(batch, all_heads)](
-        qkv, cos, sin_signed, q, cache_k, cache_v, slot, qkv.stride(0), qkv.stride(1), cos.stride(0),
-        q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-        cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), heads, kv_heads, head_dim,
-        BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), MATCH_HF=bool(match_hf))
+        qkv, qkv if bias is None else bias, cos, sin_signed, q, cache_k, cache_v, slot, qkv.stride(0),
+        qkv.stride(1), cos.stride(0), q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1),
+        cache_k.stride(2), cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), heads, kv_heads, head_dim,
+        BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), MATCH_HF=bool(match_hf), HAS_BIAS=bias is not None)
     return q
 
 

@@ -92,18 +92,25 @@ def merge_kernel(acc_ptr, max_ptr, sum_ptr, o_ptr, stride_ob, stride_oh, stride_
 
 
 @triton.jit
-def rope_store_kernel(y_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, stride_yb, stride_yh, stride_cb,
-                      stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                      heads, kv_heads, head_dim, BLOCK_D: tl.constexpr, MATCH_HF: tl.constexpr):
+def rope_store_kernel(y_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, stride_yb, stride_yh,
+                      stride_cb, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                      stride_vs, heads, kv_heads, head_dim, BLOCK_D: tl.constexpr, MATCH_HF: tl.constexpr,
+                      HAS_BIAS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     slot = tl.load(slot_ptr)
     x = tl.load(y_ptr + row * stride_yb + head * stride_yh + d, mask=d_ok, other=0.0)
+    rolled_d = (d + head_dim // 2) % head_dim
+    if HAS_BIAS:  # the projection's bias, added here instead of in the GEMM (rounded once to x's dtype)
+        bias = tl.load(bias_ptr + head * head_dim + d, mask=d_ok, other=0.0).to(tl.float32)
+        x = _round_to(x.to(tl.float32) + bias, x.dtype).to(x.dtype)
     if head < heads + kv_heads:  # a query or key head: rotate
-        rolled = tl.load(y_ptr + row * stride_yb + head * stride_yh + (d + head_dim // 2) % head_dim, mask=d_ok,
-                         other=0.0)
+        rolled = tl.load(y_ptr + row * stride_yb + head * stride_yh + rolled_d, mask=d_ok, other=0.0)
+        if HAS_BIAS:
+            rolled_bias = tl.load(bias_ptr + head * head_dim + rolled_d, mask=d_ok, other=0.0).to(tl.float32)
+            rolled = _round_to(rolled.to(tl.float32) + rolled_bias, x.dtype).to(x.dtype)
         cos = tl.load(cos_ptr + row * stride_cb + d, mask=d_ok, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + row * stride_cb + d, mask=d_ok, other=0.0).to(tl.float32)
         # eager's rounding (llama.apply_rope): x*cos rounded; then + rolled*sin rounded (transformers) or

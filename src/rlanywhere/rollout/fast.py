@@ -138,12 +138,14 @@ class FastEngine(RolloutEngine):
             transpose_gate_up=bool(rollout.transpose_gate_up),
             compile_elementwise=bool(rollout.compile_elementwise),
             fused_kv_write=bool(rollout.fused_kv_write),
+            qkv_bias_apart=bool(rollout.qkv_bias_apart),
         )
         self.forward = LlamaForward(self.hf_model, self.dtype, self.device, numerics)
         self.dims = self.forward.dims
         self.runner = DecodeRunner(self.forward, cuda_graphs=bool(rollout.cuda_graphs),
                                    span_granularity=rollout.span_granularity,
-                                   fused_sampling=bool(rollout.fused_sampling))
+                                   fused_sampling=bool(rollout.fused_sampling),
+                                   decode_halves=bool(rollout.decode_halves))
         self.eos_ids = collect_eos_ids(tokenizer, self.hf_model)
         self.pad_token_id = resolve_pad_token_id(pad_token_id, tokenizer, self.eos_ids)
         self.scheduler = Scheduler(self.runner, self.pad_token_id, rollout.check_every,

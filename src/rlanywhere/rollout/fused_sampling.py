@@ -6,9 +6,9 @@ step at 256 rows of a 49k vocabulary. Here the logits are read once. Each (row, 
 running max and sum of exp (the log-sum-exp) and a running winner of the Gumbel-max race, argmax(x + G) with
 G = -log(-log(U)) and x = logit * (1 / temperature) (the trainer's arithmetic, logprobs.py), which draws exactly
 from softmax(x); a second kernel merges the chunks of a row. The uniform draws come from Triton's Philox keyed by a
-seed and counted by (vocabulary position, row, decode step), so they depend on neither the chunking nor the launch,
-and the seed, step and temperature are read from device tensors: a CUDA graph captured once replays every step with
-fresh noise.
+seed and counted by (vocabulary position, batch row, decode step), so they depend on neither the chunking nor the
+launch (nor on a batch sampled in two parts: `row_offset`), and the seed, step and temperature are read from device
+tensors: a CUDA graph captured once replays every step with fresh noise.
 
     sample_into(logits, seed, step, temperature, tokens_out, logprobs_out)   # logits [rows, vocab] fp32
 
@@ -42,12 +42,14 @@ def plan_vocab_splits(rows: int, vocab: int, programs_wanted: int) -> tuple[int,
 
 
 def sample_into(logits: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, temperature: torch.Tensor,
-                tokens_out: torch.Tensor, logprobs_out: torch.Tensor, splits: int | None = None) -> None:
+                tokens_out: torch.Tensor, logprobs_out: torch.Tensor, splits: int | None = None,
+                row_offset: int = 0) -> None:
     """Draw one token per row of `logits` [rows, vocab] (fp32 or half, contiguous last dim) from
     softmax(logits / temperature) into tokens_out [rows] long and its log-prob into logprobs_out [rows] fp32.
     seed [1] int64, step [1] int64 (the noise's counter: a new value each decode step), temperature [1] fp32 (0:
     greedy) live on the device; nothing is read back, so a CUDA graph can capture the call. splits: vocabulary
-    chunks per row (default: fill the GPU); the result does not depend on it."""
+    chunks per row (default: fill the GPU); the result does not depend on it. row_offset: the batch row of
+    `logits`' first row (the noise is counted by batch row: a batch sampled in parts draws what it would whole)."""
     rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         raise ValueError("sample_into: logits need a contiguous last dimension")
@@ -69,7 +71,8 @@ def sample_into(logits: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, te
     part_col = torch.empty(rows, splits, dtype=torch.int32, **part)
     part_x, part_max, part_sum = (torch.empty(rows, splits, dtype=FP32, **part) for _ in range(3))
     split_kernel[(rows, splits)](logits, logits.stride(0), seed, step, temperature, part_key, part_col, part_x,
-                                 part_max, part_sum, vocab, chunk, SPLITS=splits, QUARTER=BLOCK_VOCAB // 4)
+                                 part_max, part_sum, vocab, chunk, row_offset, SPLITS=splits,
+                                 QUARTER=BLOCK_VOCAB // 4)
     merge_kernel[(rows,)](part_key, part_col, part_x, part_max, part_sum, tokens_out, logprobs_out,
                           SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()))
 

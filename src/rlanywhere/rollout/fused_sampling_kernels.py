@@ -30,7 +30,7 @@ def _quarter(logits_row, cols, hi, u, inv_temperature, greedy):
 
 @triton.jit
 def split_kernel(logits_ptr, stride_row, seed_ptr, step_ptr, temperature_ptr, part_key_ptr, part_col_ptr,
-                 part_x_ptr, part_max_ptr, part_sum_ptr, vocab, chunk,
+                 part_x_ptr, part_max_ptr, part_sum_ptr, vocab, chunk, row_offset,
                  SPLITS: tl.constexpr, QUARTER: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -50,8 +50,9 @@ def split_kernel(logits_ptr, stride_row, seed_ptr, step_ptr, temperature_ptr, pa
     running_max = tl.full([QUARTER], float("-inf"), tl.float32)
     running_sum = tl.full([QUARTER], 0.0, tl.float32)
     for start in range(lo, hi, 4 * QUARTER):
-        # one Philox call, four uniforms per counter: counter (position, row, step)
-        r0, r1, r2, r3 = philox(seed, (start + idx).to(tl.uint32), zero + row.to(tl.uint32), zero + step, zero)
+        # one Philox call, four uniforms per counter: counter (position, batch row, step)
+        r0, r1, r2, r3 = philox(seed, (start + idx).to(tl.uint32), zero + (row + row_offset).to(tl.uint32),
+                                zero + step, zero)
         cols = start + idx
         x, key = _quarter(logits_row, cols, hi, uint_to_uniform_float(r0), inv_temperature, greedy)
         best_key, best_col, best_x, running_max, running_sum = _visit(

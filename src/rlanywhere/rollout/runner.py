@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..vocabulary import FP32
+from ..vocabulary import DECODE_HALF_MIN_ROWS, FP32
 from .fused_sampling import sample_into
 from .llama import LlamaForward, ModelDims
 
@@ -104,6 +104,10 @@ class KVCache:
         """One layer's keys and values [rows, kv_heads, length, head_dim] (views)."""
         return self.k[layer], self.v[layer]
 
+    def rows_from(self, start: int) -> "KVCache | KVRows":
+        """The cache as seen by a decode pass over rows start.. (its row 0 is cache row `start`)."""
+        return self if start == 0 else KVRows(self, start)
+
     def compact(self, index: torch.Tensor, used_slots: int) -> None:
         """Rows `index` (long [batch], on the device) become rows [:batch], slots [:used_slots] and start offsets
         kept; the rows after them are left as they were."""
@@ -117,14 +121,36 @@ class KVCache:
         self.rows = self.length = 0
 
 
+class KVRows:
+    """The decode-step interface of a KVCache (`append`, `layer`) over its rows start..: the second half of a
+    batch decoded on its own stream (DecodeRunner.decode_halves)."""
+
+    def __init__(self, cache: KVCache, start: int):
+        self.cache, self.start = cache, start
+
+    def append(self, layer: int, batch: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k_rows = self.cache.k[layer, self.start:self.start + batch]
+        v_rows = self.cache.v[layer, self.start:self.start + batch]
+        k_rows.index_copy_(2, slot, k)
+        v_rows.index_copy_(2, slot, v)
+        return k_rows[:, :, :span], v_rows[:, :, :span]
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.k[layer, self.start:], self.cache.v[layer, self.start:]
+
+
 class DecodeRunner:
     """KV cache, static buffers and CUDA graphs around one `LlamaForward` (see the module docstring)."""
 
     def __init__(self, forward: LlamaForward, cuda_graphs: bool, span_granularity: int = 256,
-                 fused_sampling: bool = False):
+                 fused_sampling: bool = False, decode_halves: bool = False):
         self.forward = forward
         self.device, self.dtype = forward.device, forward.dtype
         self.cuda_graphs = cuda_graphs
+        # steps of >= 2 x DECODE_HALF_MIN_ROWS rows as two halves on two CUDA streams (RolloutPlan.decode_halves)
+        self.decode_halves = decode_halves
+        self._streams: list[Any] = []
         self.fused_sampling = fused_sampling  # decode_sample available (Triton runs here)
         self.span_granularity = span_granularity
         self.cache = KVCache(forward.dims, forward.dtype, forward.device)
@@ -228,14 +254,47 @@ class DecodeRunner:
         self._buffers["temperature"].fill_(temperature)
 
     def _decode_into_buffer(self, batch: int, span: int, sample: bool) -> None:
-        b = self._buffers
-        logits = self.forward.decode(b["tokens"][:batch], b["positions"][:batch], self.cache.starts[:batch],
-                                     b["slot"], b["slot_range"][:span], self._rope(), self.cache)
+        if not (self.decode_halves and batch >= 2 * DECODE_HALF_MIN_ROWS):
+            self._finish_rows(0, batch, sample, self.forward.decode(*self._step_inputs(0, batch, span)))
+            return
+        self._decode_two_halves(batch, span, sample)
+
+    def _step_inputs(self, start: int, rows: int, span: int) -> tuple:
+        """LlamaForward.decode's arguments for rows start..start+rows."""
+        b, end = self._buffers, start + rows
+        return (b["tokens"][start:end], b["positions"][start:end], self.cache.starts[start:end], b["slot"],
+                b["slot_range"][:span], self._rope(), self.cache.rows_from(start))
+
+    def _finish_rows(self, start: int, rows: int, sample: bool, logits: torch.Tensor) -> None:
+        """Rows start..start+rows' logits into the static buffers, or their sampled tokens and log-probs."""
+        b, end = self._buffers, start + rows
         if sample:  # the decode step's slot counts the noise: each step draws afresh
-            sample_into(logits, b["seed"], b["slot"], b["temperature"], b["sampled"][:batch],
-                        b["sampled_logprobs"][:batch])
+            sample_into(logits, b["seed"], b["slot"], b["temperature"], b["sampled"][start:end],
+                        b["sampled_logprobs"][start:end], row_offset=start)
         else:
-            b["logits"][:batch].copy_(logits)
+            b["logits"][start:end].copy_(logits)
+
+    def _decode_two_halves(self, batch: int, span: int, sample: bool) -> None:
+        """A decode step as two independent halves of the batch, each on its own CUDA stream: one half's
+        latency-bound kernels (attention, norms, small GEMMs) run while the other's GEMMs hold the GPU. The CUDA
+        graph captures the two streams as two branches. (Forcing turns with events, one half's attention beside
+        the other's MLP, measured slower than letting the two streams run freely.) On a CPU (tests) the halves
+        run one after the other."""
+        half = batch // 2
+        parts = ((0, half), (half, batch - half))
+        if self.device.type != "cuda":
+            for start, rows in parts:
+                self._finish_rows(start, rows, sample, self.forward.decode(*self._step_inputs(start, rows, span)))
+            return
+        main = torch.cuda.current_stream(self.device)
+        if not self._streams:
+            self._streams = [torch.cuda.Stream(self.device) for _ in parts]
+        for stream, (start, rows) in zip(self._streams, parts):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                self._finish_rows(start, rows, sample, self.forward.decode(*self._step_inputs(start, rows, span)))
+        for stream in self._streams:
+            main.wait_stream(stream)
 
     def decode_step(self, batch: int, slot: int, span: int | None = None, eager: bool = False) -> torch.Tensor:
         """Logits [batch, vocab] (a view of a static buffer) for the next token of rows [:batch], writing their
