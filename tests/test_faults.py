@@ -451,6 +451,42 @@ def test_stop_signals_drop_remember_and_a_second_signal_stops_at_once():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_ranks_stop_on_the_collectives_answer_even_when_a_signal_lands_during_it():
+    """A SIGTERM whose handler runs while signal_received's collective is in flight (this rank already sent 0,
+    the other ranks too): every rank must keep going this step and stop at the next boundary together. Answering
+    from the rank's own flag stopped this rank alone while the others trained on into a collective (the hang
+    test_distributed's SIGTERM test caught once in a while)."""
+    import signal
+    from types import SimpleNamespace
+
+    from rlanywhere.runguard import RunStops, StopSignals
+
+    cfg = SimpleNamespace(max_consecutive_nonfinite_updates=0, max_consecutive_failed_reward_steps=0)
+
+    class SignalDuringCollective:
+        enabled = True
+
+        def __init__(self):
+            self.sent = []
+
+        def max_value(self, value: float) -> float:
+            self.sent.append(value)
+            if len(self.sent) == 1:
+                stops.signals.received = signal.SIGTERM  # the handler runs before the call returns
+            return max(self.sent[-1], 0.0)  # the other ranks sent 0 as well
+
+    dp = SignalDuringCollective()
+    stops = RunStops(cfg, 1e-6, dp)
+    stops.signals = StopSignals()
+    assert stops.signal_received() is None  # what every rank agreed: go on
+    assert stops.signal_received() == signal.SIGTERM  # the next boundary: this rank's flag is in the collective
+    assert dp.sent == [0.0, float(signal.SIGTERM)]
+    single = RunStops(cfg, 1e-6, SimpleNamespace(enabled=False))
+    single.signals = StopSignals()
+    single.signals.received = signal.SIGINT
+    assert single.signal_received() == signal.SIGINT  # one process: its own flag
+
+
 @pytest.mark.slow
 def test_sigterm_during_rollout_drops_the_step_saves_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path,
                                                                          monkeypatch):

@@ -334,9 +334,14 @@ class RunStops:
             self.signals.droppable = False
 
     def signal_received(self) -> Optional[int]:
-        """The stop signal received, if any; [distributed] by any rank, so that every rank stops at the same step."""
-        if self.dp.enabled:
-            received = int(self.dp.max_value(float(self.signals.received or 0)))
-            if received and self.signals.received is None:
-                self.signals.received = received
-        return self.signals.received
+        """The stop signal received, if any; [distributed] by any rank, so that every rank stops at the same step.
+
+        With several ranks the answer is the collective's, never this rank's own flag: a signal whose handler runs
+        while the collective is in flight (after this rank sent 0) would otherwise stop this rank here and let the
+        others train on into the next step's collectives (a hang). Such a signal counts at the next boundary."""
+        if not self.dp.enabled:
+            return self.signals.received
+        agreed = int(self.dp.max_value(float(self.signals.received or 0)))
+        if agreed and self.signals.received is None:
+            self.signals.received = agreed
+        return agreed or None
