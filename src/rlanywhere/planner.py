@@ -748,7 +748,7 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
         f"off: the {rollout.engine} engine" if rollout.engine != RolloutEngineName.FAST else
         f"off: {dtype_text} (the bias epilogue costs nothing there, and adding it apart would round twice)")
     # two halves of a decode step on two streams: measured on an H200 in fp32 only (128 rows: 5.83 -> 5.48 ms);
-    # slower in bf16 (256 rows: 2.01 -> 2.49 ms) and with 32-row halves, so fp32 on cards of that class
+    # slower in bf16 (256 rows: 104k -> 99k tok/s) and with 32-row halves, so fp32 on cards of that class
     rollout.decode_halves = (on_cuda and not half and cc is not None and cc >= TRITON_DECODE_MIN_CC
                              and rollout.engine == RolloutEngineName.FAST)
     reasons["decode_halves"] = (
