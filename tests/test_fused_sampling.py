@@ -132,17 +132,14 @@ def test_engine_with_fused_sampling_log_probs_match_the_forward_pass_and_runs_re
 
 
 def test_engine_sampling_in_two_halves_draws_the_whole_batchs_tokens(monkeypatch):
-    import dataclasses
-
     from rlanywhere.rollout import runner
 
     monkeypatch.setattr(runner, "DECODE_HALF_MIN_ROWS", 2)
     model = tiny_model("qwen2")
     params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2)
     whole = fused_engine(model).generate(PROMPTS, params, generator=torch.Generator().manual_seed(3))
-    engine = fused_engine(model)
-    engine = FastEngine(model, None, dataclasses.replace(engine.rollout, decode_halves=True), pad_token_id=PAD)
-    halves = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(3))
+    halves = fused_engine(model, decode_halves=True).generate(PROMPTS, params,
+                                                              generator=torch.Generator().manual_seed(3))
     assert torch.equal(halves.response_ids, whole.response_ids)
     assert torch.allclose(halves.response_logprobs, whole.response_logprobs, atol=1e-5)
 

@@ -192,12 +192,10 @@ class OOMGuard:
         and recorded as in ``run``, ``remember`` saves it for the next launch, and OutOfMemoryRestart ends the job:
         redoing the phase here would pair this rank's collectives with other ones on the ranks that went on."""
         size = self.sizes.get(kind)
-        if not self.enabled:
-            return fn(size)
         try:
             return fn(size)
         except Exception as exc:  # noqa: BLE001 - filtered by is_oom_error, everything else re-raised
-            if not is_oom_error(exc):
+            if not self.enabled or not is_oom_error(exc):
                 raise
             new_size = self._halved(phase, kind, size, exc)
             error_line = _first_line(exc)

@@ -663,12 +663,11 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
     dtype = rollout.dtype if rollout.dtype is not None else weight_dtype
     half = dtype is not None and is_half(dtype)
     dtype_text = dtype_name(dtype) if dtype is not None else "the model's dtype"
-    # FastEngine's Triton kernels run here (measured on an H200); the attention, compiled elementwise ops and fused
-    # KV write in half precision only, the sampler in any dtype
+    # FastEngine's Triton kernels run here (measured on an H200); the attention in half precision only, the
+    # compiled elementwise ops, fused KV write and sampler in any dtype
     triton_runs = (on_cuda and triton and cc is not None and cc >= TRITON_DECODE_MIN_CC
                    and rollout.engine == RolloutEngineName.FAST)
-    triton_kernels = half and triton_runs
-    if triton_kernels:
+    if half and triton_runs:
         rollout.decode_attention = DECODE_TRITON
         reasons["decode_attention"] = f"{dtype_text}: {TRITON_DECODE_REASON}"
     elif half:

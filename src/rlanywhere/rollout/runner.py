@@ -255,19 +255,16 @@ class DecodeRunner:
 
     def _decode_into_buffer(self, batch: int, span: int, sample: bool) -> None:
         if not (self.decode_halves and batch >= 2 * DECODE_HALF_MIN_ROWS):
-            self._finish_rows(0, batch, sample, self.forward.decode(*self._step_inputs(0, batch, span)))
+            self._decode_rows(0, batch, span, sample)
             return
         self._decode_two_halves(batch, span, sample)
 
-    def _step_inputs(self, start: int, rows: int, span: int) -> tuple:
-        """LlamaForward.decode's arguments for rows start..start+rows."""
+    def _decode_rows(self, start: int, rows: int, span: int, sample: bool) -> None:
+        """One decode step of rows start..start+rows: their logits into the static buffers, or their sampled
+        tokens and log-probs."""
         b, end = self._buffers, start + rows
-        return (b["tokens"][start:end], b["positions"][start:end], self.cache.starts[start:end], b["slot"],
-                b["slot_range"][:span], self._rope(), self.cache.rows_from(start))
-
-    def _finish_rows(self, start: int, rows: int, sample: bool, logits: torch.Tensor) -> None:
-        """Rows start..start+rows' logits into the static buffers, or their sampled tokens and log-probs."""
-        b, end = self._buffers, start + rows
+        logits = self.forward.decode(b["tokens"][start:end], b["positions"][start:end], self.cache.starts[start:end],
+                                     b["slot"], b["slot_range"][:span], self._rope(), self.cache.rows_from(start))
         if sample:  # the decode step's slot counts the noise: each step draws afresh
             sample_into(logits, b["seed"], b["slot"], b["temperature"], b["sampled"][start:end],
                         b["sampled_logprobs"][start:end], row_offset=start)
@@ -284,7 +281,7 @@ class DecodeRunner:
         parts = ((0, half), (half, batch - half))
         if self.device.type != "cuda":
             for start, rows in parts:
-                self._finish_rows(start, rows, sample, self.forward.decode(*self._step_inputs(start, rows, span)))
+                self._decode_rows(start, rows, span, sample)
             return
         main = torch.cuda.current_stream(self.device)
         if not self._streams:
@@ -292,7 +289,7 @@ class DecodeRunner:
         for stream, (start, rows) in zip(self._streams, parts):
             stream.wait_stream(main)
             with torch.cuda.stream(stream):
-                self._finish_rows(start, rows, sample, self.forward.decode(*self._step_inputs(start, rows, span)))
+                self._decode_rows(start, rows, span, sample)
         for stream in self._streams:
             main.wait_stream(stream)
 
