@@ -215,6 +215,40 @@ def test_hanging_reward_times_out_scores_zero_and_the_stuck_pool_is_replaced():
         manager.close()
 
 
+def _hang_before_starting(fn):
+    """A pool worker stuck inside fork, as one forked while another thread held an interpreter lock: it never runs
+    _init_worker, keeps its parent's process group and a Python SIGTERM handler it never gets to run."""
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    while True:
+        time.sleep(3600)
+
+
+def test_closing_the_reward_pool_does_not_wait_for_a_worker_stuck_before_it_started(monkeypatch):
+    """Seen under torchrun: rank 0's RewardManager.close() waited forever in Pool.terminate() for such a worker
+    while rank 1 waited in the final model's all-gather."""
+    import threading
+
+    from rlanywhere import rewards
+
+    monkeypatch.setattr(rewards, "_init_worker", _hang_before_starting)
+    manager = rewards.RewardManager(lambda *args: 1.0, timeout_s=1.0, num_workers=2)
+    manager._get_pool()
+    workers = list(manager._workers)
+    assert len(workers) == 2
+    closer = threading.Thread(target=manager.close, daemon=True)
+    try:
+        closer.start()
+        closer.join(timeout=30)
+        assert not closer.is_alive(), "close() waited for a worker that never started"
+        assert not any(worker.is_alive() for worker in workers)
+    finally:  # a failing close() must not leave the workers to hang the test process at exit
+        for worker in workers:
+            worker.kill()
+
+
 # ------------------------------------------------------------------------------------------------ data
 def _dataset(path, tiny_model_dir):
     from transformers import AutoTokenizer

@@ -236,6 +236,14 @@ def _init_worker(fn: Callable) -> None:
     torch.set_num_threads(1)  # as DataLoader workers do: no oversubscription, no OpenMP pool inherited mid-use
 
 
+def _worker_started(pid: int) -> bool:
+    """Whether the pool worker `pid` ran `_init_worker` (it leads a process group of its own from there on)."""
+    try:
+        return os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return True  # gone already: nothing to kill
+
+
 def _score_in_worker(call: tuple, timeout_s: float) -> tuple:
     """("ok", result dict) or ("error", message, traceback) for one call, cut off after timeout_s by SIGALRM."""
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
@@ -295,6 +303,7 @@ class RewardManager:
             logger.warning("custom_reward_function.timeout_s is enforced on Linux only: here the reward function "
                            "runs in-process without a time limit")
         self._pool = None
+        self._workers: list = []  # the pool's worker processes (close() kills any that never started)
         self._logged_error = False
         self.last_error: str | None = None
         self.pools_replaced = 0
@@ -309,17 +318,28 @@ class RewardManager:
     # -------------------------------------------------------------------------------- worker pool
     def _get_pool(self):
         if self._pool is None:
+            before = set(multiprocessing.active_children())
             # fork hands the user's function (a lambda or closure included) to the workers without pickling it
             self._pool = multiprocessing.get_context("fork").Pool(self.num_workers, initializer=_init_worker,
                                                                   initargs=(self.custom_fn,))
+            self._workers = [p for p in multiprocessing.active_children() if p not in before]
         return self._pool
 
     def close(self) -> None:
-        """Stop the worker processes (a later call starts new ones)."""
+        """Stop the worker processes (a later call starts new ones).
+
+        A worker forked while another of the trainer's threads held an interpreter lock can hang inside fork,
+        before `_init_worker` runs (seen under torchrun: CPython's after-fork thread cleanup waiting on a lock).
+        It still has the trainer's Python SIGTERM handler, which it can never run, so Pool.terminate() would wait
+        for it forever. Such a worker never took a call: it is killed first."""
         if self._pool is not None:
+            for worker in self._workers:
+                if worker.is_alive() and not _worker_started(worker.pid):
+                    worker.kill()
             self._pool.terminate()
             self._pool.join()
             self._pool = None
+            self._workers = []
 
     def _outcomes_in_pool(self, calls: list[tuple]) -> list[tuple]:
         """One ("ok", dict) / ("error", message, traceback) per call, in order, from the worker pool."""
