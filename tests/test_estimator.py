@@ -283,10 +283,11 @@ def test_no_fit_returns_none_and_explains_with_numbers():
 
 
 # ------------------------------------------------------------------------------ rollout engine's own weights
-@pytest.mark.parametrize("case", ["lora", "cast", "plain"])
+@pytest.mark.parametrize("case", ["lora", "cast", "plain", "layouts", "lora+layouts"])
 def test_engine_weight_copies_match_a_real_fast_engine(case):
     """The estimate of FastEngine's own weight copies equals what a real engine allocates (CPU, so no fusing of
-    same-dtype weights), and is added to every phase."""
+    same-dtype weights), and is added to every phase. layouts: the [in, out] copies of o_proj and the (tied) LM
+    head of RolloutPlan.fp32_gemm_layouts."""
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2ForCausalLM
 
@@ -296,16 +297,22 @@ def test_engine_weight_copies_match_a_real_fast_engine(case):
     config = tiny_qwen2_config(tied=True)
     model = Qwen2ForCausalLM(config)
     rollout_dtype = torch.float64 if case == "cast" else torch.float32
-    lora_rank = 4 if case == "lora" else 0
-    if case == "lora":
+    lora_rank = 4 if "lora" in case else 0
+    layouts = "layouts" in case
+    if lora_rank:
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=8, target_modules="all-linear",
                                                  init_lora_weights=False))
-    engine = FastEngine(model, None, RolloutPlan(dtype=rollout_dtype, fuse_weights=case == "cast"), pad_token_id=0)
+    engine = FastEngine(model, None, RolloutPlan(dtype=rollout_dtype, fuse_weights=case == "cast",
+                                                 fp32_gemm_layouts=layouts), pad_token_id=0)
     wl = workload(rollout_dtype=rollout_dtype, actor_lora_rank=lora_rank, on_cuda=False, has_critic=False,
-                  has_ref=False)
+                  has_ref=False, rollout_layout_copies=layouts)
     predicted = est.rollout_engine_weight_bytes(shape_of(config), wl, budget_bytes=None)
     assert predicted == engine.owned_weight_bytes()
     assert (predicted > 0) == (case != "plain")
+    if layouts:
+        o_proj = config.num_attention_heads * (config.hidden_size // config.num_attention_heads) * config.hidden_size
+        assert est.layout_copy_bytes(shape_of(config), torch.float32) == 4 * (
+            config.num_hidden_layers * o_proj + config.vocab_size * config.hidden_size)
     estimate = est.estimate_memory(shape_of(config), wl, Placement())
     for parts in estimate["breakdown"].values():
         assert parts.get("rollout_engine_weights", 0) == predicted

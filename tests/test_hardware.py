@@ -309,7 +309,8 @@ def test_plan_to_dict_and_summary():
 ROLLOUT_FIELDS = ("engine", "fallback_allowed", "dtype", "decode_attention", "fuse_weights", "transpose_gate_up",
                   "fp32_logits", "match_hf_numerics", "cuda_graphs", "rows_per_wave", "max_seq_len",
                   "prefill_tokens_per_chunk", "check_every", "release_kv_between_phases", "span_granularity",
-                  "compile_elementwise", "fused_sampling", "fused_kv_write", "qkv_bias_apart", "decode_halves")
+                  "compile_elementwise", "fused_sampling", "fused_kv_write", "qkv_bias_apart", "decode_halves",
+                  "attention_tf32x3", "fp32_gemm_layouts")
 
 
 def test_every_rollout_decision_has_its_reason():
@@ -428,23 +429,41 @@ def test_triton_decode_attention_needs_triton_and_a_measured_card():
 
 
 def test_fp32_rollouts_where_triton_runs_get_the_measured_fp32_decode_kernels():
-    """fp32 on an H200-class card (measured there): compiled elementwise kernels and the fused K/V write (not the
-    Triton attention), q/k/v biases added after the GEMM, and steps of >= 128 rows as two halves on two streams.
+    """fp32 on an H200-class card (measured there): the Triton attention with 3xTF32 products, compiled
+    elementwise kernels and the fused K/V write, q/k/v biases added after the GEMM, steps of >= 128 rows as two
+    halves on two streams, and the faster GEMM layouts (o_proj and LM head copies, counted in the estimate).
     bf16 keeps the bias in the GEMM and one stream; an emulated P40 gets only the bias change (no Triton there)."""
-    fp32 = make_plan(cfg_of(*PPO_05B, "hardware.precision=fp32"), fake("h100", triton_usable=True)).rollout
-    assert fp32.dtype == torch.float32 and fp32.decode_attention == "matmul"
+    plan = make_plan(cfg_of(*PPO_05B, "hardware.precision=fp32"), fake("h100", triton_usable=True))
+    fp32 = plan.rollout
+    assert fp32.dtype == torch.float32 and fp32.decode_attention == "triton"
+    assert fp32.attention_tf32x3 and "three TF32 tensor-core products" in fp32.reasons["attention_tf32x3"]
+    assert "3xTF32 attention" in fp32.kernels_text() and "fp32 GEMM layouts" in fp32.kernels_text()
+    assert fp32.fp32_gemm_layouts and fp32.reasons["fp32_gemm_layouts"].startswith("on:")
+    copies = est.layout_copy_bytes(model_shape.NAMED_SHAPES["qwen2.5-0.5b"], torch.float32)
+    assert all(parts["rollout_engine_weights"] >= copies for parts in plan.estimate["breakdown"].values())
+    no_triton = make_plan(cfg_of(*PPO_05B, "hardware.precision=fp32"), fake("h100", triton_usable=False)).rollout
+    assert no_triton.decode_attention == "matmul" and not no_triton.attention_tf32x3
+    assert no_triton.fp32_gemm_layouts  # cuBLAS layouts: no Triton needed
     assert fp32.compile_elementwise and fp32.fused_kv_write
     assert fp32.qkv_bias_apart and "30.7 instead of 14.6 us" in fp32.reasons["qkv_bias_apart"]
     assert fp32.decode_halves and ">= 128 rows as two halves" in fp32.reasons["decode_halves"]
     assert "QKV bias apart" in fp32.kernels_text() and "two-stream halves" in fp32.kernels_text()
     bf16 = make_plan(cfg_of(*PPO_05B), fake("h100", triton_usable=True)).rollout
     assert bf16.dtype == torch.bfloat16 and not bf16.qkv_bias_apart and not bf16.decode_halves
+    assert not bf16.attention_tf32x3 and not bf16.fp32_gemm_layouts and "fp32 only" in bf16.reasons["fp32_gemm_layouts"]
     assert "round twice" in bf16.reasons["qkv_bias_apart"] and "slower in half" in bf16.reasons["decode_halves"]
     emulated = make_plan(cfg_of(*PPO_05B), fake("h100", triton_usable=True), emulate="p40").rollout
     assert emulated.qkv_bias_apart and not emulated.decode_halves and "6.1 < 8.0" in emulated.reasons["decode_halves"]
     assert not emulated.compile_elementwise and not emulated.fused_kv_write
+    assert emulated.decode_attention == "matmul" and not emulated.attention_tf32x3
+    assert not emulated.fp32_gemm_layouts and "6.1 < 8.0" in emulated.reasons["fp32_gemm_layouts"]
     cpu = make_plan(cfg_of(*SMALL), fake(None)).rollout
     assert not cpu.qkv_bias_apart and not cpu.decode_halves and cpu.reasons["decode_halves"] == "off: CPU"
+    assert not cpu.fp32_gemm_layouts and cpu.reasons["fp32_gemm_layouts"] == "off: CPU"
+    # the copies are planned only within the fused copies' share of the budget (5 %)
+    small, why = planner._fp32_gemm_layouts(torch.float32, True, (9, 0), "fast",
+                                            model_shape.NAMED_SHAPES["qwen2.5-0.5b"], 2 * 2**30)
+    assert not small and why.startswith("off:") and "over 5%" in why
 
 
 def test_fp32_rollout_plan_on_cpu_and_pascal():

@@ -232,9 +232,10 @@ def test_decode_buckets_hold_at_least_two_rows():
     assert single.runner.bucket(1) == 1  # a one-row cache holds no bucket of 2
 
 
-def test_decode_halves_and_the_bias_apart_decode_like_one_batch_and_transformers(monkeypatch):
-    """RolloutPlan.decode_halves (two halves of a step, each its own stream on a GPU; one after the other here)
-    and qkv_bias_apart (q/k/v biases added after the GEMM) change where work runs, not what is computed."""
+def test_decode_halves_bias_apart_and_gemm_layouts_decode_like_one_batch_and_transformers(monkeypatch):
+    """RolloutPlan.decode_halves (two halves of a step, each its own stream on a GPU; one after the other here),
+    qkv_bias_apart (q/k/v biases added after the GEMM) and fp32_gemm_layouts (o_proj and LM head from [in, out]
+    copies, down as W @ x^T) change where and how work runs, not what is computed."""
     from rlanywhere.rollout import runner
 
     monkeypatch.setattr(runner, "DECODE_HALF_MIN_ROWS", 2)  # halve the 4- and 8-row buckets of this tiny batch
@@ -245,7 +246,8 @@ def test_decode_halves_and_the_bias_apart_decode_like_one_batch_and_transformers
     whole = FastEngine(model, None, RolloutPlan(check_every=2), pad_token_id=PAD)
     reference = whole.generate(PROMPTS, sampled, generator=torch.Generator().manual_seed(3))
     for fuse in (False, True):
-        for kw in ({"decode_halves": True}, {"qkv_bias_apart": True}, {"decode_halves": True, "qkv_bias_apart": True}):
+        for kw in ({"decode_halves": True}, {"qkv_bias_apart": True}, {"decode_halves": True, "qkv_bias_apart": True},
+                   {"fp32_gemm_layouts": True}, {"decode_halves": True, "fp32_gemm_layouts": True}):
             engine = FastEngine(model, None, RolloutPlan(check_every=2, fuse_weights=fuse, **kw), pad_token_id=PAD)
             assert responses(engine.generate(PROMPTS, greedy)) == expected, (fuse, kw)
             batch = engine.generate(PROMPTS, sampled, generator=torch.Generator().manual_seed(3))
@@ -700,6 +702,8 @@ def test_rollout_plan_validation_errors():
                         (RolloutPlan(check_every=0), "check_every"),
                         (RolloutPlan(prefill_tokens_per_chunk=0), "prefill_tokens_per_chunk"),
                         (RolloutPlan(dtype=torch.long), "dtype"),
+                        (RolloutPlan(dtype=torch.bfloat16, fp32_gemm_layouts=True), "fp32_gemm_layouts=True is for fp32"),
+                        (RolloutPlan(attention_tf32x3=True), "attention_tf32x3=True is a setting of the Triton"),
                         ({"decode_attention": "sdpa"}, "RolloutPlan")):
         with pytest.raises(UserError, match=match):
             FastEngine(model, None, plan)

@@ -200,6 +200,7 @@ class Workload:
     use_dynamic_bsz: bool = False
     token_budget_cap: Optional[int] = None  # ppo_max_token_len_per_gpu when use_dynamic_bsz
     rollout_engine: str = "fast"  # "hf" owns no weight copies
+    rollout_layout_copies: bool = False  # FastEngine keeps [in, out] copies of o_proj and the LM head (fp32 decode)
     # FSDP2 sharding over this many ranks (plan.data_parallel == "shard"): weights, gradients and Adam states are
     # divided by it; the full weights exist only while gathered (sharding.py): for the rollout and the no-grad
     # passes (the whole model, in gather_dtype), in updates two decoder layers at a time plus the root group
@@ -352,22 +353,31 @@ def fused_copy_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
                                                                         "up_proj"))
 
 
+def layout_copy_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
+    """Bytes of FastEngine's [in, out] copies of every o_proj and of the LM head (RolloutPlan.fp32_gemm_layouts;
+    the planner compares them with FUSED_COPY_BUDGET_FRACTION of the budget)."""
+    o_proj = next(n_in * n_out for name, n_in, n_out in shape.linear_shapes() if name == "o_proj")
+    return _nbytes(dtype) * (shape.num_layers * o_proj + shape.embedding_params())
+
+
 def rollout_engine_weight_bytes(shape: ModelShape, workload: Workload, budget_bytes: Optional[int]) -> int:
     """Weights FastEngine owns for the whole run, next to the actor's: a cast copy of the model when rollouts run
     in another dtype; else LoRA-merged copies of the linear layers (counted for all seven); else fused QKV and
-    gate/up copies when they take <= FUSED_COPY_BUDGET_FRACTION of the budget (on CUDA). HFEngine owns none."""
+    gate/up copies when they take <= FUSED_COPY_BUDGET_FRACTION of the budget (on CUDA). Plus the o_proj and LM
+    head copies of `rollout_layout_copies` (planned within the same fraction). HFEngine owns none."""
     if workload.rollout_engine != "fast":
         return 0
+    layouts = layout_copy_bytes(shape, workload.rollout_dtype) if workload.rollout_layout_copies else 0
     rollout_bytes = _nbytes(workload.rollout_dtype)
     if workload.rollout_dtype != workload.param_dtype:
-        return shape.num_params() * rollout_bytes
+        return shape.num_params() * rollout_bytes + layouts
     linear = {name: n_in * n_out for name, n_in, n_out in shape.linear_shapes()}
     if workload.actor_lora_rank > 0:
-        return shape.num_layers * sum(linear.values()) * rollout_bytes
+        return shape.num_layers * sum(linear.values()) * rollout_bytes + layouts
     fused = fused_copy_bytes(shape, workload.rollout_dtype)
     if workload.on_cuda and (budget_bytes is None or fused <= FUSED_COPY_BUDGET_FRACTION * budget_bytes):
-        return fused
-    return 0
+        return fused + layouts
+    return layouts
 
 
 def choose_logprob_chunk_size(vocab_size: int, budget_bytes: int, compute_bytes: int = 4) -> int:

@@ -461,6 +461,8 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
         use_dynamic_bsz=bool(actor.use_dynamic_bsz),
         token_budget_cap=int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
         rollout_engine=plan.rollout.engine,
+        rollout_layout_copies=_fp32_gemm_layouts(plan.rollout.dtype or plan.param_dtype, target.is_cuda, target.cc,
+                                                 plan.rollout.engine, shape, budget)[0],
         # [distributed] FSDP2 sharding: weights/grads/Adam divided by the ranks, gathered weights counted
         shard_world=shard_world, gather_dtype=sharded_gather_dtype(plan) if shard_world > 1 else None)
 
@@ -627,12 +629,21 @@ def _plan_kv_release(plan: Plan, target: _Target, requested: Optional[bool]) -> 
 
 
 # FastEngine's split-K Triton decode attention (rollout/decode_attention.py) is planned from this compute capability
-# up, for half-precision rollouts: measured on an H200 only (Volta/Turing untested, Pascal has no fast half math).
+# up (measured on an H200 only; Volta/Turing untested, Pascal has no fast half math): in half precision, and in fp32
+# with its products as three TF32 products (TF32 tensor cores start at 8.0 too).
 TRITON_DECODE_MIN_CC = (8, 0)
 TRITON_DECODE_REASON = ("split-K Triton kernel over each row's filled cache slots: 1.4-1.8x faster per layer than "
                         "SDPA's fused kernel on an H200 (bench/decode_profile.py), which gives each (row, KV head) "
                         "one program and reads the left padding too")
 
+
+TRITON_FP32_DECODE_REASON = ("split-K Triton kernel with its fp32 products on TF32 tensor cores (attention_tf32x3): "
+                             "2x faster per layer than batched GEMMs on an H200 (384 slots: 23.7 vs 48.0 us at 128 "
+                             "rows, 14.2 vs 26.7 at 64), and as close to an fp64 reference")
+TF32X3_REASON = ("the fp32 decode attention's products as three TF32 tensor-core products each (x = big + small, "
+                 "both TF32; big*big + big*small + small*big summed in fp32): 1.7e-6 from an fp64 reference where "
+                 "exact FMA products are 1.9-2.3e-6 and batched GEMMs 2.2e-6, in about half the FMA kernel's time "
+                 "on an H200 (128 rows, 384 slots: 23.7 vs 46.3 us per layer at its best launch)")
 
 FUSED_SAMPLING_GAIN = "one pass instead of ~9 kernels over the fp32 logits"
 
@@ -645,6 +656,33 @@ def _triton_decode_refusal(triton: bool, cc: Optional[tuple[int, int]], engine: 
         return "triton is not installed, or no C compiler to build its kernels' launcher"
     return (f"compute capability {cc_str(cc) if cc else 'unknown'} < {cc_str(TRITON_DECODE_MIN_CC)} (not measured "
             "there)")
+
+
+def _fp32_gemm_layouts(dtype: Optional[torch.dtype], on_cuda: bool, cc: Optional[tuple[int, int]], engine: str,
+                       shape: Optional[ModelShape], budget_bytes: Optional[int]) -> tuple[bool, str]:
+    """(RolloutPlan.fp32_gemm_layouts, its reason): fp32 decode GEMMs in the layouts cuBLAS runs fastest at 64-128
+    rows, measured on an H200 (fp32 without TF32, inside the step's CUDA graph, Qwen2.5-0.5B shape): o_proj from an
+    [in, out] copy (64 rows: 3.220 -> 3.181 ms), down as W @ x^T (-> 3.207), the LM head from an [in, out] copy
+    (-> 3.192; 128 rows: 5.029 -> 4.920); all three 3.131 ms at 64 rows and 4.824 at 128. cuBLAS only, no Triton."""
+    if engine != RolloutEngineName.FAST:
+        return False, f"off: the {engine} engine"
+    if not on_cuda:
+        return False, "off: CPU"
+    if dtype != FP32:
+        return False, f"off: {dtype_name(dtype) if dtype is not None else 'the model dtype'} (measured in fp32 only)"
+    if cc is None or cc < TRITON_DECODE_MIN_CC:
+        return False, (f"off: compute capability {cc_str(cc) if cc else 'unknown'} < {cc_str(TRITON_DECODE_MIN_CC)} "
+                       "(measured on an H200 only)")
+    if shape is None or budget_bytes is None:
+        return False, "off: no model shape or memory budget to size the copies against"
+    copy = est.layout_copy_bytes(shape, dtype)
+    within = copy <= est.FUSED_COPY_BUDGET_FRACTION * budget_bytes
+    return within, (
+        f"{'on' if within else 'off'}: fp32 decode GEMMs in the layouts cuBLAS runs fastest at 64-128 rows: o_proj "
+        "and the LM head from [in, out] copies (x @ W), down as W @ x^T; the copies take "
+        f"{est.format_bytes(copy)}, {'within' if within else 'over'} {est.FUSED_COPY_BUDGET_FRACTION:.0%} of the "
+        f"{est.format_bytes(budget_bytes)} budget" + (" (H200, fp32: 64-row steps 3.22 -> 3.13 ms, 128-row 5.03 -> "
+                                                      "4.82)" if within else ""))
 
 
 # Decode attention on a GPU reads the cache up to the next multiple of this many slots. Attention time grows with
@@ -670,14 +708,25 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
     if half and triton_runs:
         rollout.decode_attention = DECODE_TRITON
         reasons["decode_attention"] = f"{dtype_text}: {TRITON_DECODE_REASON}"
+    elif triton_runs:
+        rollout.decode_attention = DECODE_TRITON
+        reasons["decode_attention"] = f"{dtype_text}: {TRITON_FP32_DECODE_REASON}"
     elif half:
         rollout.decode_attention = DECODE_SDPA
         reasons["decode_attention"] = f"{dtype_text}: SDPA keeps the scores in fp32 inside the kernel" + (
             "" if not on_cuda else f" (Triton's split-K kernel: {_triton_decode_refusal(triton, cc, rollout.engine)})")
     else:
         rollout.decode_attention = DECODE_MATMUL
-        reasons["decode_attention"] = (f"{dtype_text}: batched GEMMs beat the fused attention kernels for a decode "
-                                       "step's few queries (2x on an H200)")
+        refusal = "" if not on_cuda else f"; Triton's split-K kernel: {_triton_decode_refusal(triton, cc, rollout.engine)}"
+        reasons["decode_attention"] = (f"{dtype_text}: batched GEMMs beat SDPA's fused kernels for a decode step's few "
+                                       f"queries (2x on an H200){refusal}")
+    # the fp32 Triton attention's products on TF32 tensor cores, three per product: as close to an fp64 reference
+    # as exact FMA products, in half the time (bench numbers in TF32X3_REASON)
+    rollout.attention_tf32x3 = rollout.decode_attention == DECODE_TRITON and not half
+    reasons["attention_tf32x3"] = (
+        f"on: {TF32X3_REASON}" if rollout.attention_tf32x3 else
+        "off: half-precision attention runs on the tensor cores as it is" if half else
+        f"off: {dtype_text} decode attention runs as {rollout.decode_attention}, not the Triton kernel")
     rollout.match_hf_numerics = True
     reasons["match_hf_numerics"] = (
         "round like transformers in RMSNorm, RoPE and residual adds: sampling log-probs stay ~1e-4 from the "
@@ -759,6 +808,8 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
         f"off: {dtype_text} (measured slower in half precision: its GEMMs already fill the GPU)" if half else
         f"off: compute capability {cc_str(cc) if cc else 'unknown'} < {cc_str(TRITON_DECODE_MIN_CC)} (measured on "
         "an H200 only)")
+    rollout.fp32_gemm_layouts, reasons["fp32_gemm_layouts"] = _fp32_gemm_layouts(
+        dtype, on_cuda, cc, rollout.engine, shape, budget_bytes)
     rollout.fused_sampling = triton_runs  # the sampler does not depend on the model's dtype
     reasons["fused_sampling"] = (
         f"on: each decode step samples in one Triton pass over its logits inside the step's CUDA graph "

@@ -48,6 +48,8 @@ class RolloutPlan:
     fused_kv_write: bool = False  # decode's RoPE and K/V cache writes as one Triton kernel (fused QKV weights)
     qkv_bias_apart: bool = False  # decode's q/k/v biases added after their GEMM (fp32: a faster GEMM), not inside
     decode_halves: bool = False  # decode steps of >= 128 rows as two 64+-row halves on two CUDA streams (overlapped)
+    attention_tf32x3: bool = False  # fp32 Triton decode attention: each product as three TF32 tensor-core products
+    fp32_gemm_layouts: bool = False  # fp32 decode: o_proj and LM head from [in, out] copies, down as W @ x^T
     release_kv_between_phases: bool = False  # free the KV cache after each rollout for the training phases
     reasons: dict[str, str] = field(default_factory=dict)
 
@@ -63,6 +65,8 @@ class RolloutPlan:
                 f"{', fused RoPE + KV write' if self.fused_kv_write else ''}"
                 f"{', QKV bias apart' if self.qkv_bias_apart else ''}"
                 f"{', two-stream halves' if self.decode_halves else ''}"
+                f"{', 3xTF32 attention' if self.attention_tf32x3 else ''}"
+                f"{', fp32 GEMM layouts' if self.fp32_gemm_layouts else ''}"
                 f"{', CUDA graphs' if self.cuda_graphs else ''}")
 
 

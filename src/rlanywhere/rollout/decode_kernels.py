@@ -20,7 +20,7 @@ def split_kernel(q_ptr, k_ptr, v_ptr, starts_ptr, slot_ptr, acc_ptr, max_ptr, su
                  stride_qb, stride_qh, stride_qg, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
                  stride_vs, kv_heads, groups, head_dim, span, chunk, scale,
                  SPLITS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                 HALF_DOT: tl.constexpr):
+                 HALF_DOT: tl.constexpr, FP32_DOT: tl.constexpr):
     row_head = tl.program_id(0)
     split = tl.program_id(1)
     row = (row_head // kv_heads).to(tl.int64)  # 64-bit offsets: a long cache's row stride times rows > 2^31
@@ -46,8 +46,8 @@ def split_kernel(q_ptr, k_ptr, v_ptr, starts_ptr, slot_ptr, acc_ptr, max_ptr, su
         k = tl.load(k_base + s[:, None] * stride_ks + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         if HALF_DOT:
             scores = tl.dot(q, tl.trans(k))
-        else:  # exact fp32 products (no TF32)
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:  # fp32: FP32_DOT "ieee" (exact products, FMA) or "tf32x3" (three TF32 tensor-core products each)
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
         scores = tl.where(s_ok[None, :], scores * scale, float("-inf"))
         # every block holds at least one filled slot (block < hi, block >= lo >= first): the max is finite
         new_max = tl.maximum(running_max, tl.max(scores, 1))
@@ -59,7 +59,7 @@ def split_kernel(q_ptr, k_ptr, v_ptr, starts_ptr, slot_ptr, acc_ptr, max_ptr, su
         if HALF_DOT:
             acc = acc * correction[:, None] + tl.dot(p, v)
         else:
-            acc = acc * correction[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            acc = acc * correction[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=FP32_DOT)
         running_max = new_max
     out = (row_head * SPLITS + split) * G_PAD + g
     tl.store(max_ptr + out, running_max)

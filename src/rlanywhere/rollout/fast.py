@@ -25,7 +25,7 @@ import torch
 from ..errors import UserError
 from ..lora import unwrap_peft
 from ..plans import RolloutPlan
-from ..vocabulary import DECODE_TRITON, FP32, DecodeAttention
+from ..vocabulary import DECODE_TRITON, FP32, DecodeAttention, cc_str, has_tf32
 from .base import (
     GeneratorSource,
     RolloutBatch,
@@ -84,6 +84,16 @@ def _check_plan(rollout: Any, device: torch.device) -> None:
         if device.type != "cuda" and not triton_interpreting():
             raise RolloutPlanError(f"RolloutPlan.{field_text} runs on CUDA GPUs; the model is on {device.type}: "
                                    f"{instead} (or TRITON_INTERPRET=1, Triton's slow CPU interpreter, for tests)")
+    if rollout.attention_tf32x3:
+        if rollout.decode_attention != DECODE_TRITON:
+            raise RolloutPlanError("RolloutPlan.attention_tf32x3=True is a setting of the Triton decode attention; "
+                                   f"decode_attention is {rollout.decode_attention!r}: set attention_tf32x3=False or "
+                                   "decode_attention='triton'")
+        cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if cc is not None and not has_tf32(cc):
+            raise RolloutPlanError(f"RolloutPlan.attention_tf32x3=True needs TF32 tensor cores (compute capability >= "
+                                   f"8.0); {torch.cuda.get_device_name(device)} is {cc_str(cc)}: set "
+                                   "attention_tf32x3=False (exact fp32 products)")
     dtype = rollout.dtype
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise RolloutPlanError(f"RolloutPlan.dtype must be a floating torch.dtype or None (the model's), got "
@@ -127,6 +137,9 @@ class FastEngine(RolloutEngine):
         _check_plan(rollout, self.device)
         self.rollout = rollout
         self.dtype = rollout.dtype if rollout.dtype is not None else q_weight.dtype
+        if rollout.fp32_gemm_layouts and self.dtype != FP32:
+            raise RolloutPlanError(f"RolloutPlan.fp32_gemm_layouts=True is for fp32 rollouts; this engine runs in "
+                                   f"{self.dtype}: set fp32_gemm_layouts=False (or dtype=torch.float32)")
         numerics = Numerics(
             decode_attention=rollout.decode_attention,
             # fp32 rounds the same either way (up to an ulp): only half precision has transformers' rounding to copy
@@ -139,6 +152,8 @@ class FastEngine(RolloutEngine):
             compile_elementwise=bool(rollout.compile_elementwise),
             fused_kv_write=bool(rollout.fused_kv_write),
             qkv_bias_apart=bool(rollout.qkv_bias_apart),
+            attention_tf32x3=bool(rollout.attention_tf32x3),
+            fp32_gemm_layouts=bool(rollout.fp32_gemm_layouts),
         )
         self.forward = LlamaForward(self.hf_model, self.dtype, self.device, numerics)
         self.dims = self.forward.dims

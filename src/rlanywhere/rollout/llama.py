@@ -304,6 +304,8 @@ class Numerics:
     compile_elementwise: bool = False  # decode's norms, RoPE, SiLU*mul and residual adds as torch.compile kernels
     fused_kv_write: bool = False  # decode's RoPE and K/V cache writes as one Triton kernel (fused QKV weights)
     qkv_bias_apart: bool = False  # decode's q/k/v biases added after their GEMM, not in its epilogue
+    attention_tf32x3: bool = False  # fp32 Triton decode attention's products as three TF32 products each
+    fp32_gemm_layouts: bool = False  # decode: o_proj and LM head from [in, out] copies, down as W @ x^T
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -319,9 +321,10 @@ class LlamaWeights:
     the dtype and device match; other tensors (cast, fused, LoRA-merged) are engine-owned copies."""
 
     def __init__(self, hf_model: Any, dims: ModelDims, dtype: torch.dtype, device: torch.device,
-                 fuse: bool, transpose_gate_up: bool):
+                 fuse: bool, transpose_gate_up: bool, layout_copies: bool = False):
         self.hf_model, self.dims, self.dtype, self.device = hf_model, dims, dtype, device
         self.fuse, self.transpose_gate_up = fuse, transpose_gate_up
+        self.layout_copies = layout_copies  # [in, out] copies of o_proj ("o_t") and the LM head ("head_t")
         self.globals: dict[str, torch.Tensor] = {}
         self.layers: list[dict[str, torch.Tensor]] = [{} for _ in range(dims.layers)]
         self.owned: set[WeightKey] = set()
@@ -384,6 +387,8 @@ class LlamaWeights:
         )
         if not self.tied_head:
             prods[(-1, "head")] = weight_of(self.hf_model.lm_head)
+        if self.layout_copies:
+            prods[(-1, "head_t")] = fused([self.hf_model.lm_head], bias=False, transpose=True)
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             prods[(i, "ln1")] = weight_of(layer.input_layernorm)
@@ -406,6 +411,8 @@ class LlamaWeights:
                     prods[(i, name + "_b")] = bias_of(mod)
             prods[(i, "o")] = weight_of(attn.o_proj)
             prods[(i, "o_b")] = bias_of(attn.o_proj)
+            if self.layout_copies:
+                prods[(i, "o_t")] = fused([attn.o_proj], bias=False, transpose=True)
             prods[(i, "down")] = weight_of(mlp.down_proj)
             prods[(i, "down_b")] = bias_of(mlp.down_proj)
         return prods
@@ -461,7 +468,7 @@ class LlamaForward:
         self.dims = ModelDims.of(hf_model)
         self.dtype, self.device, self.numerics = dtype, device, numerics
         self.weights = LlamaWeights(hf_model, self.dims, dtype, device, numerics.fuse_weights,
-                                    numerics.transpose_gate_up)
+                                    numerics.transpose_gate_up, layout_copies=numerics.fp32_gemm_layouts)
         # the decode step's elementwise functions: compiled (fused kernels) or as written
         self.ops = compiled_elementwise() if numerics.compile_elementwise else {
             "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope, "silu_mul": silu_mul}
@@ -475,8 +482,11 @@ class LlamaForward:
         cos, sin = self.hf_model.model.rotary_emb(probe, positions)
         return cos[0].to(self.dtype).contiguous(), signed_sin(sin[0].to(self.dtype)).contiguous()
 
-    def logits(self, last: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [rows, vocab] of the final normed hidden states [rows, hidden]."""
+    def logits(self, last: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of the final normed hidden states [rows, hidden]. A decode step with
+        fp32_gemm_layouts multiplies by the LM head's [in, out] copy (the same sums, a faster cuBLAS kernel)."""
+        if decode and self.numerics.fp32_gemm_layouts:
+            return torch.mm(last, self.weights.globals["head_t"])
         head = self.weights.globals["head"]
         if self.numerics.fp32_logits:
             return fp32_logits(last, head, self.numerics.out_dtype_gemm)
@@ -497,6 +507,22 @@ class LlamaForward:
         """h + SwiGLU(x)."""
         return residual_linear(h, silu_mul(*self.gate_up(x, w)), w["down"], w.get("down_b"),
                                self.numerics.round_like_hf)
+
+    def decode_o(self, a: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A decode step's o_proj: a @ Wo^T (+ bias), from Wo's [in, out] copy with fp32_gemm_layouts."""
+        if self.numerics.fp32_gemm_layouts:
+            y = torch.matmul(a, w["o_t"])
+            return y if w.get("o_b") is None else y + w["o_b"]
+        return F.linear(a, w["o"], w.get("o_b"))
+
+    def decode_down(self, s: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A decode step's down_proj of s [rows, 1, intermediate]: with fp32_gemm_layouts as (W @ s^T)^T, a
+        transposed view (the next norm reads it as it is)."""
+        if self.numerics.fp32_gemm_layouts:
+            rows = s.shape[0]
+            y = torch.mm(w["down"], s.reshape(rows, -1).t()).t().view(rows, 1, -1)
+            return y if w.get("down_b") is None else y + w["down_b"]
+        return F.linear(s, w["down"], w.get("down_b"))
 
     def projection(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    decode: bool) -> torch.Tensor:
@@ -583,9 +609,13 @@ class LlamaForward:
             x = rms_norm(h, w["ln1"], d.eps, hf)
             q, keys, values = self._decode_qkv(i, x, w, cos, sin, cache, batch, slot, span)
             a = self._decode_attention(q, keys, values, mask, starts, slot, batch, span)
-            h = residual_linear(h, a, w["o"], w.get("o_b"), hf)
-            h = self.mlp_residual(h, rms_norm(h, w["ln2"], d.eps, hf), w)
-        return self.logits(rms_norm(h[:, 0], self.weights.globals["norm"], d.eps, hf))
+            if self.numerics.fp32_gemm_layouts:
+                h = h + self.decode_o(a, w)
+                h = h + self.decode_down(silu_mul(*self.gate_up(rms_norm(h, w["ln2"], d.eps, hf), w)), w)
+            else:
+                h = residual_linear(h, a, w["o"], w.get("o_b"), hf)
+                h = self.mlp_residual(h, rms_norm(h, w["ln2"], d.eps, hf), w)
+        return self.logits(rms_norm(h[:, 0], self.weights.globals["norm"], d.eps, hf), decode=True)
 
     def _decode_qkv(self, i: int, x, w, cos, sin, cache: Any, batch: int, slot, span: int):
         """Layer i's rotated queries [batch, heads, 1, D] and the keys/values attention reads ([batch, kv, span, D]
@@ -622,7 +652,7 @@ class LlamaForward:
         d, kind = self.dims, self.numerics.decode_attention
         if kind == DECODE_TRITON:
             a = triton_decode_attention(q.reshape(batch, d.kv_heads, d.groups, d.head_dim), keys, values, starts,
-                                        slot, d.scaling)
+                                        slot, d.scaling, tf32x3=self.numerics.attention_tf32x3)
         elif kind == DECODE_SDPA:
             q = q.reshape(batch, d.kv_heads, d.groups, d.head_dim)
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d.scaling)
@@ -649,10 +679,10 @@ class LlamaForward:
                 h, x = ops["add_rms_norm"](h, pending, w["ln1"], d.eps, hf)
             q, keys, values = self._decode_qkv(i, x, w, cos, sin, cache, batch, slot, span)
             a = self._decode_attention(q, keys, values, mask, starts, slot, batch, span)
-            h, x = ops["add_rms_norm"](h, F.linear(a, w["o"], w.get("o_b")), w["ln2"], d.eps, hf)
-            pending = F.linear(ops["silu_mul"](*self.gate_up(x, w)), w["down"], w.get("down_b"))
+            h, x = ops["add_rms_norm"](h, self.decode_o(a, w), w["ln2"], d.eps, hf)
+            pending = self.decode_down(ops["silu_mul"](*self.gate_up(x, w)), w)
         _, x = ops["add_rms_norm"](h, pending, self.weights.globals["norm"], d.eps, hf)
-        return self.logits(x[:, 0])
+        return self.logits(x[:, 0], decode=True)
 
 
 __all__ = ["LlamaForward", "LlamaWeights", "ModelDims", "Numerics", "supports", "rms_norm", "apply_rope",
