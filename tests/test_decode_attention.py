@@ -87,11 +87,15 @@ def test_kernel_refuses_keys_without_a_contiguous_last_dim():
         kernels.decode_attention(q, keys, keys, torch.zeros(2, dtype=torch.long), torch.tensor([3]), 0.25)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_engine_with_triton_attention_matches_transformers(kind):
+@pytest.mark.parametrize("kind,tf32x3", [("qwen2", False), ("qwen3", False), ("qwen2", True)])
+def test_engine_with_triton_attention_matches_transformers(kind, tf32x3):
+    """tf32x3: the fp32 plan of cc >= 8.0 cards (the interpreter multiplies exactly either way; here it checks
+    that the setting reaches the kernel's launch and the engine runs with it)."""
     model = tiny_model(kind)
     params = SamplingParams(max_new_tokens=8, temperature=0)
-    engine = FastEngine(model, None, RolloutPlan(decode_attention="triton", check_every=2), pad_token_id=PAD)
+    plan = RolloutPlan(decode_attention="triton", check_every=2, attention_tf32x3=tf32x3)
+    engine = FastEngine(model, None, plan, pad_token_id=PAD)
+    assert engine.forward.numerics.attention_tf32x3 == tf32x3
     assert responses(engine.generate(PROMPTS, params)) == reference_greedy(model, PROMPTS, 8)
 
 
