@@ -717,7 +717,8 @@ def _rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype]
             "" if not on_cuda else f" (Triton's split-K kernel: {_triton_decode_refusal(triton, cc, rollout.engine)})")
     else:
         rollout.decode_attention = DECODE_MATMUL
-        refusal = "" if not on_cuda else f"; Triton's split-K kernel: {_triton_decode_refusal(triton, cc, rollout.engine)}"
+        refusal = _triton_decode_refusal(triton, cc, rollout.engine)
+        refusal = f"; Triton's split-K kernel: {refusal}" if on_cuda else ""
         reasons["decode_attention"] = (f"{dtype_text}: batched GEMMs beat SDPA's fused kernels for a decode step's few "
                                        f"queries (2x on an H200){refusal}")
     # the fp32 Triton attention's products on TF32 tensor cores, three per product: as close to an fp64 reference
