@@ -198,10 +198,15 @@ def attention_bench(rows: int, dtype: torch.dtype, kv_heads: int, groups: int, h
     def triton():  # split-K over each row's filled slots (FastEngine's decode_attention="triton")
         return [triton_decode_attention(q, k, v, start, slot, scale) for k, v in zip(ks, vs)]
 
+    def triton_tf32x3():  # the fp32 plan on cc >= 8.0: each product as three TF32 tensor-core products
+        return [triton_decode_attention(q, k, v, start, slot, scale, tf32x3=True) for k, v in zip(ks, vs)]
+
     formulations = [("sdpa", sdpa), ("matmul", matmul), ("baddbmm", baddbmm), ("transposed", transposed)]
     formulations += [(f"split{parts}", split_span(parts)) for parts in (2, 4, 8) if span % parts == 0]
     if triton_usable():
         formulations.append(("triton", triton))
+        if dtype == torch.float32 and torch.cuda.get_device_capability() >= (8, 0):
+            formulations.append(("tf32x3", triton_tf32x3))
     ref = sdpa()[0].float()
     for name, fn in formulations:
         got = fn()[0].reshape(ref.shape).float()
