@@ -92,10 +92,11 @@ class KVCache:
         self.v[layer, row_start:end, :, :width] = v.repeat_interleave(copies, dim=0, output_size=rows)
 
     def append(self, layer: int, batch: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               span: int) -> tuple[torch.Tensor, torch.Tensor]:
+               span: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one decode step's k, v [batch, kv_heads, 1, D] at cache slot `slot` ([1] long, on the device:
-        no host read, so graph-capturable); return the keys/values of slots [:span] of rows [:batch]."""
-        k_rows, v_rows = self.k[layer, :batch], self.v[layer, :batch]
+        no host read, so graph-capturable) of rows start..start+batch; return those rows' keys/values of slots
+        [:span]."""
+        k_rows, v_rows = self.k[layer, start:start + batch], self.v[layer, start:start + batch]
         k_rows.index_copy_(2, slot, k)
         v_rows.index_copy_(2, slot, v)
         return k_rows[:, :, :span], v_rows[:, :, :span]
@@ -130,11 +131,7 @@ class KVRows:
 
     def append(self, layer: int, batch: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k_rows = self.cache.k[layer, self.start:self.start + batch]
-        v_rows = self.cache.v[layer, self.start:self.start + batch]
-        k_rows.index_copy_(2, slot, k)
-        v_rows.index_copy_(2, slot, v)
-        return k_rows[:, :, :span], v_rows[:, :, :span]
+        return self.cache.append(layer, batch, slot, k, v, span, start=self.start)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.k[layer, self.start:], self.cache.v[layer, self.start:]
