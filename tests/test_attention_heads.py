@@ -1,4 +1,4 @@
-"""Grouped-query K/V heads and SDPA's kernels (planner._plan_kv_head_expansion, models.sdpa_expanded_kv_attention).
+"""Grouped-query K/V heads and SDPA's kernels (planner/training.py, models.sdpa_expanded_kv_attention).
 
 transformers hands SDPA a grouped-query model's K/V heads as they are (enable_gqa=True) whenever a batch needs no
 mask, and packed training rows never do. On CUDA only SDPA's flash kernel takes grouped heads, so in fp32 and on

@@ -445,7 +445,7 @@ def test_fp32_rollouts_where_triton_runs_get_the_measured_fp32_decode_kernels():
     assert no_triton.decode_attention == "matmul" and not no_triton.attention_tf32x3
     assert no_triton.fp32_gemm_layouts  # cuBLAS layouts: no Triton needed
     assert fp32.compile_elementwise and fp32.fused_kv_write
-    assert fp32.qkv_bias_apart and "30.7 instead of 14.6 us" in fp32.reasons["qkv_bias_apart"]
+    assert fp32.qkv_bias_apart and "about twice as slow" in fp32.reasons["qkv_bias_apart"]
     assert fp32.decode_halves and ">= 128 rows as two halves" in fp32.reasons["decode_halves"]
     assert "QKV bias apart" in fp32.kernels_text() and "two-stream halves" in fp32.kernels_text()
     bf16 = make_plan(cfg_of(*PPO_05B), fake("h100", triton_usable=True)).rollout
@@ -461,8 +461,8 @@ def test_fp32_rollouts_where_triton_runs_get_the_measured_fp32_decode_kernels():
     assert not cpu.qkv_bias_apart and not cpu.decode_halves and cpu.reasons["decode_halves"] == "off: CPU"
     assert not cpu.fp32_gemm_layouts and cpu.reasons["fp32_gemm_layouts"] == "off: CPU"
     # the copies are planned only within the fused copies' share of the budget (5 %)
-    small, why = planner._fp32_gemm_layouts(torch.float32, True, (9, 0), "fast",
-                                            model_shape.NAMED_SHAPES["qwen2.5-0.5b"], 2 * 2**30)
+    small, why = planner.fp32_gemm_layouts(torch.float32, True, (9, 0), "fast",
+                                           model_shape.NAMED_SHAPES["qwen2.5-0.5b"], 2 * 2**30)
     assert not small and why.startswith("off:") and "over 5%" in why
 
 

@@ -1,4 +1,4 @@
-"""Shared prompts in the training passes (prompt_sharing.py, planner._plan_prompt_sharing).
+"""Shared prompts in the training passes (prompt_sharing.py, planner/training.py).
 
 A micro-batch becomes one token stream with each distinct prompt once; attention gathers each response's keys (its
 prompt and itself, never a sibling). These tests check the stream's layout, that log-probs, entropy, values and
@@ -17,7 +17,7 @@ from rlanywhere.logprobs import response_logprobs
 from rlanywhere.machine import HardwareProbe
 from rlanywhere.microbatch import pack_rows
 from rlanywhere.models import ModelSource, ValueModel, hf_attention_implementation, load_causal_lm, response_values
-from rlanywhere.planner import PlanError, _plan_prompt_sharing, make_plan
+from rlanywhere.planner import PlanError, make_plan, plan_prompt_sharing
 from rlanywhere.plans import Plan
 from rlanywhere import prompt_sharing
 from rlanywhere.prompt_sharing import MASKED, VARLEN, pack_shared_prompts, split_rows_keeping_prompts
@@ -249,7 +249,7 @@ def test_the_planner_shares_prompts_for_groups(card, overrides, expected):
 ])
 def test_the_shared_stream_attention_follows_the_flash_kernel(flash, varlen, compiled, checkpointing, expected):
     plan = Plan(gradient_checkpointing=checkpointing, compile_training=compiled)
-    _plan_prompt_sharing(plan, None, 8, "qwen2", flash_runs=flash, varlen=varlen)
+    plan_prompt_sharing(plan, None, 8, "qwen2", flash_runs=flash, varlen=varlen)
     assert (plan.share_prompts, plan.shared_prompt_kernel) == expected
     assert plan.reasons["share_prompts"] and plan.reasons["shared_prompt_kernel"]
 

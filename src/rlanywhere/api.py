@@ -113,7 +113,8 @@ def plan(cfg: DictConfig, emulate: Optional[str] = None):
     """The hardware plan `cfg` runs with (plans.Plan), applied to this process (TF32 flags, memory cap).
 
     Call before anything touches torch.cuda. Raises PlanError for a request that cannot run here."""
-    from .planner import apply_runtime, make_plan, prepare_environment
+    from .planner import make_plan
+    from .runtime import apply_runtime, prepare_environment
 
     prepare_environment(cfg)
     chosen = make_plan(cfg, for_execution=True, emulate=emulate)

@@ -327,7 +327,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .planner import prepare_environment
+    from .runtime import prepare_environment
     from .doctor import doctor_main
 
     cfg, _ = _load(args.items, args.emulate)

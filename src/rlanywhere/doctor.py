@@ -35,7 +35,8 @@ from .estimator import MIB, format_bytes
 from .machine import HardwareProbe, fp16_problems, probe_machine
 from .models import compile_decoder_layers, hf_attention_implementation
 from .plans import Plan, format_table
-from .planner import apply_runtime, autocast_context, make_grad_scaler, make_plan, prepare_environment
+from .planner import make_plan
+from .runtime import apply_runtime, autocast_context, make_grad_scaler, prepare_environment
 from .update import training_passes
 from .vocabulary import (
     ACCUMULATE_DTYPE, ATTN_FLASH, ATTN_SDPA, FP16_MATMUL_TOLERANCE, FP32, REFERENCE_DTYPE, dtype_name, precision_name,

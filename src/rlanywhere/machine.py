@@ -18,7 +18,7 @@ import shutil
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -319,6 +319,15 @@ def triton_usable() -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
     return bool(os.environ.get("CC")) or any(shutil.which(name) for name in TRITON_C_COMPILERS)
+
+
+def varlen_attention_function() -> Optional[Callable]:
+    """PyTorch's variable-length flash attention (torch.nn.attention.varlen.varlen_attn, torch >= 2.10), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
 
 def flash_attn_status() -> tuple[bool, Optional[str], Optional[str]]:

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from .estimator import format_bytes
-from .prompt_sharing import MASKED
+from .vocabulary import SHARED_PROMPTS_MASKED as MASKED
 from .vocabulary import ATTN_SDPA, DECODE_SDPA, FP32, RolloutEngineName, dtype_name, to_jsonable
 
 

@@ -37,15 +37,17 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
+from . import machine
 from .estimator import PROMPT_CHUNK_MIN
 from .microbatch import response_lengths, round_up
+from .vocabulary import SHARED_PROMPTS_MASKED, SHARED_PROMPTS_VARLEN
 
 # kwarg name the decoder passes through its layers to the attention function (transformers forwards **kwargs)
 LAYOUT_KWARG = "shared_prompt_layout"
 
 
-MASKED = "sdpa_mask"  # SDPA over [sequences, heads, slots, D] with a boolean mask: any backend, any dtype
-VARLEN = "flash_varlen"  # flash attention over variable-length sequences, causal from the bottom right: no mask
+MASKED = SHARED_PROMPTS_MASKED  # SDPA over [sequences, heads, slots, D] with a boolean mask: any backend and dtype
+VARLEN = SHARED_PROMPTS_VARLEN  # flash over variable-length sequences, causal from the bottom right: no mask
 KERNELS = (MASKED, VARLEN)
 
 
@@ -304,11 +306,7 @@ def _gather_slots(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def varlen_attention_function() -> Optional[Callable]:
     """PyTorch's variable-length flash attention (torch.nn.attention.varlen.varlen_attn, torch >= 2.10), or None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+    return machine.varlen_attention_function()
 
 
 def _varlen_attention(query, key, value, layout: SharedPromptLayout, scaling, window) -> torch.Tensor:

@@ -193,7 +193,7 @@ def shard_for_plan(plan, *models: Optional[nn.Module]) -> None:
     Call after the weights are loaded identically on every rank and before the optimizers are built."""
     if getattr(plan, "data_parallel", "none") != "shard":
         return
-    from .planner import sharded_gather_dtype
+    from .planner.memory import sharded_gather_dtype
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

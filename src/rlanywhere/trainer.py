@@ -34,7 +34,7 @@ from .compiling import compiles_so_far
 from .config import as_list, to_yaml
 from .dist_checkpoint import load_checkpoint_any, save_full_model, save_sharded
 from .distributed import DataParallel, NullTracker, check_world_config
-from .planner import make_grad_scaler
+from .runtime import make_grad_scaler
 from .plans import Plan, RuntimeSizes, SizeKind
 from .lora import adapter_disabled, merged_state_for_export
 from .offload import on_device

@@ -19,7 +19,7 @@ from . import algorithms as algo
 from . import estimator as est
 from .distributed import DataParallel
 from .errors import UserError
-from .planner import autocast_context, training_attention_context
+from .runtime import autocast_context, training_attention_context
 from .logprobs import response_logprobs
 from .microbatch import PackedMicroBatch, pack_rows, response_lengths, split_rows_by_length, \
     split_rows_by_token_budget

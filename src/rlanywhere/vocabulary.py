@@ -117,12 +117,15 @@ ATTN_SDPA = AttnImplementation.SDPA.value
 ATTN_EAGER = AttnImplementation.EAGER.value
 ATTN_IMPLEMENTATIONS = (ATTN_FLASH, ATTN_SDPA, ATTN_EAGER)
 # SDPA with grouped K/V heads repeated per query head: our attention function, registered with transformers under
-# this name when the plan expands them (models.sdpa_expanded_kv_attention, planner._plan_kv_head_expansion)
+# this name when the plan expands them (models.sdpa_expanded_kv_attention, planner/training.py)
 SDPA_EXPANDED_KV = "rlanywhere_sdpa_expanded_kv"
 # SDPA that also runs shared-prompt streams (prompt_sharing.shared_prompt_attention), over plain SDPA or the expanded
-# one for other calls; registered when the plan shares prompts (planner._plan_prompt_sharing)
+# one for other calls; registered when the plan shares prompts (planner/training.py)
 SDPA_SHARED_PROMPTS = "rlanywhere_sdpa_shared_prompts"
 SDPA_EXPANDED_KV_SHARED_PROMPTS = "rlanywhere_sdpa_expanded_kv_shared_prompts"
+# the two kernels a shared-prompt stream's attention runs as (prompt_sharing.py; plan.shared_prompt_kernel)
+SHARED_PROMPTS_MASKED = "sdpa_mask"  # SDPA over [sequences, heads, slots, D] with a boolean mask: any backend, dtype
+SHARED_PROMPTS_VARLEN = "flash_varlen"  # flash over variable-length sequences, causal from the bottom right: no mask
 # every attention implementation name that runs PyTorch's SDPA (transformers builds SDPA masks for each)
 SDPA_NAMES = (ATTN_SDPA, SDPA_EXPANDED_KV, SDPA_SHARED_PROMPTS, SDPA_EXPANDED_KV_SHARED_PROMPTS)
 DECODE_SDPA = DecodeAttention.SDPA.value

@@ -1,0 +1,151 @@
+"""The planner: every hardware decision for a run, made once, before any model loads, each with its reason.
+
+    plan = make_plan(cfg)           # raises PlanError / NoFitError for impossible requests, before any model loads
+
+One module per kind of decision, each a function from its inputs to the decision and its reason:
+  * device.py     - the device, the hardware the decisions are for (an emulated card, the GPU, the CPU), the memory
+                    cap that makes a GPU stand in for a smaller card;
+  * precision.py  - bf16 autocast where the card has native bf16, fp16 autocast with loss scaling on Volta / Turing
+                    when the fp16 checks pass, else fp32 (always on Pascal and CPU); the rollout dtype; TF32; the
+                    attention implementation (FlashAttention-2, SDPA, eager);
+  * memory.py     - the estimator's per-phase peaks against the budget decide checkpointing, micro-batch sizes,
+                    offload and where the reference lives (a `MemoryPlan` value, applied once);
+  * sharding.py   - several ranks: replicas or FSDP2 shards (and HSDP groups), with the memory plan that goes with it;
+  * rollout.py    - how the rollout engine runs (`RolloutPlan`), `plan_rollout_for` for benches without a config;
+  * training.py   - the training passes' kernels: SDPA backends, K/V head expansion, fused AdamW, compiled layers,
+                    shared prompts.
+What applies a plan to the running process (environment, TF32 flags, autocast, the loss scaler) is in runtime.py,
+outside the planner. `--emulate CARD` plans for a card from `machine.CARDS`. The inputs come from machine.py (the
+probe, the card table) and model_shape.py; the result is a plans.Plan. The planner imports nothing that runs a
+model. docs/hardware.md has the long form.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..machine import HardwareProbe, card_spec, probe_machine
+from ..model_shape import ModelShape, read_model_shape
+from ..plans import Plan, RolloutPlan
+from ..vocabulary import ALLOC_CONF, ATTN_EAGER, ATTN_SDPA, AdvantageEstimator, NoFitError, PlanError, \
+    RolloutEngineName
+from .device import Decision, Target, auto_flag, card_reason, check_real_card_runs, decide_memory_cap, make_target, \
+    resolve_device
+from .memory import MemoryPlan, apply_memory, count_prompts_once, decide_reference, plan_memory, \
+    shared_prompts_note, sharded_gather_dtype
+from .precision import decide_attention, decide_precision, decide_rollout_dtype, decide_tf32, fp16_checks, \
+    sdpa_backends
+from .rollout import DECODE_SPAN_GRANULARITY, TRITON_DECODE_MIN_CC, decide_kv_release, fp32_gemm_layouts, \
+    plan_rollout, plan_rollout_for, rollout_policy
+from .sharding import DATA_PARALLEL_MODES, ShardingDecision, apply_sharding, plan_data_parallel, plan_sharding
+from .training import SHARED_PROMPT_MODEL_TYPES, decide_prompt_sharing, plan_prompt_sharing, plan_training_compile, \
+    plan_training_kernels
+
+# Names that moved to runtime.py (they apply a plan, they decide nothing), still reachable here for callers that
+# imported them from the planner; loaded on first use, so the planner itself does not import the runtime.
+_RUNTIME_NAMES = ("prepare_environment", "apply_runtime", "autocast_context", "make_grad_scaler",
+                  "training_attention_context")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RUNTIME_NAMES:
+        from .. import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_execution: bool = True,
+              emulate: Optional[str] = None, model_shape: Optional[ModelShape] = None,
+              critic_shape: Optional[ModelShape] = None) -> Plan:
+    """Decide everything hardware-related for `cfg` on `machine` (probed now when None) or an emulated card.
+
+    for_execution=False (the `plan` command) allows planning for an emulated card on a machine without CUDA;
+    the plan's device is then "cpu" and the decisions are for the card. Raises PlanError / NoFitError."""
+    machine = machine if machine is not None else probe_machine()
+    hcfg = cfg.hardware
+    arr = cfg.actor_rollout_ref
+    reasons: dict[str, str] = {}
+    emulate_name = emulate or hcfg.emulate
+    card = card_spec(emulate_name) if emulate_name else None
+    device, real, reasons["device"] = resolve_device(cfg, machine, card, for_execution)
+    target = make_target(card, real, device, machine)
+    reasons["card"] = card_reason(card, real, target)
+
+    shape = model_shape or read_model_shape(arr.model.path, arr.model.get("gguf_file"))
+    if critic_shape is None and cfg.critic.model.path and cfg.critic.model.path != arr.model.path:
+        critic_shape = read_model_shape(cfg.critic.model.path)
+
+    precision, reasons["precision"] = decide_precision(str(hcfg.precision), target,
+                                                       fp16_checks(target, real, device, machine))
+    rollout_dtype, reasons["rollout_dtype"] = decide_rollout_dtype(str(arr.rollout.get("dtype", "auto")),
+                                                                   precision, target)
+    allow_tf32, reasons["allow_tf32"] = decide_tf32(target)
+    backends = sdpa_backends(target, precision.compute, shape.head_dim)
+    attn, reasons["attn_implementation"] = decide_attention(str(hcfg.attn_implementation), machine, target,
+                                                            precision.compute, backends, shape.head_dim)
+    engine = str(arr.rollout.name)
+    fallback_allowed = engine == RolloutEngineName.AUTO
+    if fallback_allowed:
+        engine = RolloutEngineName.FAST.value
+        reasons["rollout_engine"] = ("auto: the fast engine (static KV cache, CUDA graphs); it falls back to hf "
+                                     "for architectures it does not support")
+    else:
+        reasons["rollout_engine"] = f"actor_rollout_ref.rollout.name={engine}"
+
+    # which models exist
+    actor = arr.actor
+    use_critic = cfg.algorithm.adv_estimator == AdvantageEstimator.GAE
+    reasons["use_critic"] = ("adv_estimator=gae needs a value model" if use_critic else
+                             f"adv_estimator={cfg.algorithm.adv_estimator} needs no value model")
+    kl_loss = bool(actor.use_kl_loss) and float(actor.kl_loss_coef) > 0
+    kl_reward = bool(cfg.algorithm.use_kl_in_reward) and float(cfg.algorithm.kl_ctrl.kl_coef) > 0
+    use_ref = kl_loss or kl_reward
+    use_lora = int(arr.model.lora_rank) > 0
+    critic_lora = int(cfg.critic.model.lora_rank) if use_critic else 0
+    reasons["use_lora"] = (f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}" if use_lora
+                           else "full fine-tuning (lora_rank=0)")
+
+    plan = Plan(device=device, card=target.name, compute_capability=target.cc, precision=precision.name,
+                param_dtype=precision.param, compute_dtype=precision.compute,
+                use_autocast=precision.autocast, use_grad_scaler=precision.scaler, allow_tf32=allow_tf32,
+                attn_implementation=attn, reasons=reasons, emulated=target.emulated,
+                use_critic=use_critic, use_ref=use_ref, use_lora=use_lora,
+                alloc_conf=ALLOC_CONF if target.is_cuda else None)
+    plan.rollout = RolloutPlan(engine=engine, fallback_allowed=fallback_allowed, dtype=rollout_dtype,
+                               reasons={"engine": reasons["rollout_engine"], "dtype": reasons["rollout_dtype"],
+                                        "fallback_allowed": "automatic choice" if fallback_allowed else
+                                        f"actor_rollout_ref.rollout.name={engine} asked for this engine"})
+    reasons["alloc_conf"] = ("fewer fragmentation OOMs as phase shapes change (set before CUDA initialises)"
+                             if target.is_cuda else "CPU")
+
+    # memory, per rank: several ranks may plan it more than once (replicated, sharded); the kept plan is applied
+    scores = attn == ATTN_EAGER or (attn == ATTN_SDPA and set(backends) <= {"math"})
+    # host RAM holds what a GPU plan offloads; known when the GPUs are this machine's (not a plan for another one)
+    host_ram = machine.ram_available_bytes if real is not None and machine.ram_available_bytes else None
+    sharding = plan_sharding(cfg, lambda shard_world: plan_memory(
+        cfg, plan, target, shape, critic_shape, scores, critic_lora, use_ref and not use_lora,
+        shard_world=shard_world, host_ram_bytes=host_ram))
+    apply_memory(plan, sharding.memory)
+    apply_sharding(plan, sharding)
+    plan.ref_device, reasons["ref_device"] = decide_reference(use_ref, use_lora, kl_loss, kl_reward, sharding.memory)
+    plan.memory_fraction, reasons["memory_fraction"] = decide_memory_cap(card, real, for_execution)
+    plan_data_parallel(cfg, plan, machine, for_execution)
+    plan_rollout(cfg, plan, target, shape, machine)
+    plan_training_kernels(plan, backends, target.is_cuda)
+    plan_training_compile(plan, bool(actor.use_torch_compile), target.is_cuda, target.cc, machine.triton_usable)
+    plan_prompt_sharing(plan, auto_flag(cfg.hardware.share_prompts), int(arr.rollout.n), shape.model_type,
+                        flash_runs=target.is_cuda and "flash_attention" in backends)
+    if plan.share_prompts:
+        packed, plan.estimate = plan.estimate or {}, count_prompts_once(sharding.memory)
+        reasons["share_prompts"] += shared_prompts_note(packed, plan.estimate)
+    plan.rollout.release_kv_between_phases, plan.rollout.reasons["release_kv_between_phases"] = decide_kv_release(
+        plan, target, auto_flag(arr.rollout.free_cache_engine))
+    if for_execution and card is not None and real is not None:
+        check_real_card_runs(plan, real, machine)
+    return plan
+
+
+__all__ = ["make_plan", "plan_rollout_for", "sharded_gather_dtype", "PlanError", "NoFitError", "Decision",
+           "MemoryPlan", "ShardingDecision", "Target", "DATA_PARALLEL_MODES", "DECODE_SPAN_GRANULARITY",
+           "TRITON_DECODE_MIN_CC", "SHARED_PROMPT_MODEL_TYPES", *_RUNTIME_NAMES]
