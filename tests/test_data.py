@@ -72,7 +72,7 @@ def write_prompt_parquet(path, contents, data_source="test"):
         )
         for i, content in enumerate(contents)
     ]
-    data._write_rows(rows, Path(path))
+    data.prepare._write_rows(rows, Path(path))
     return str(path)
 
 

@@ -50,6 +50,8 @@ from typing import Any, Optional
 
 import torch
 
+from .model_shape import NORMS_PER_LAYER, ModelShape
+
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 
@@ -66,7 +68,6 @@ ADAM_STATE_BYTES = 4  # fp32
 OPTIMIZER_STEP_TEMP_COPIES = 1.0  # foreach Adam: one parameter-sized fp32 temporary list during step()
 
 # Activations (per token per layer, see the module docstring).
-NORMS_PER_LAYER = 2
 RMSNORM_SAVED_COPIES = 2
 MLP_SAVED_INTERMEDIATES = 3
 NOGRAD_RESIDUAL_COPIES = 3  # residual, normed, and the sum being formed, alive at once inside a layer
@@ -110,70 +111,6 @@ PROMPT_CHUNK_MIN = 64
 DEFAULT_LORA_RANK_SUGGESTION = 16
 
 PHASES = ("rollout", "old_log_prob", "ref_log_prob", "values", "actor_update", "critic_update")
-
-
-# ------------------------------------------------------------------------------------------- model shape
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a decoder-only transformer that memory depends on (read from config.json, never weights)."""
-
-    name: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    head_dim: int = 0  # 0: hidden_size // num_heads
-    attention_bias: bool = False  # Qwen2 has q/k/v biases
-    model_type: str = "llama"
-    max_position_embeddings: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.head_dim == 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def linear_shapes(self) -> list[tuple[str, int, int]]:
-        """(name, in_features, out_features) of the seven linear layers of one decoder block."""
-        hidden, inter = self.hidden_size, self.intermediate_size
-        return [("q_proj", hidden, self.q_dim), ("k_proj", hidden, self.kv_dim), ("v_proj", hidden, self.kv_dim),
-                ("o_proj", self.q_dim, hidden), ("gate_proj", hidden, inter), ("up_proj", hidden, inter),
-                ("down_proj", inter, hidden)]
-
-    def layer_params(self) -> int:
-        weights = sum(n_in * n_out for _, n_in, n_out in self.linear_shapes())
-        biases = (self.q_dim + 2 * self.kv_dim) if self.attention_bias else 0
-        return weights + biases + NORMS_PER_LAYER * self.hidden_size
-
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    def backbone_params(self) -> int:
-        """Embedding + decoder layers + final norm (what a critic keeps)."""
-        return self.embedding_params() + self.num_layers * self.layer_params() + self.hidden_size
-
-    def num_params(self, with_lm_head: bool = True) -> int:
-        head = self.embedding_params() if (with_lm_head and not self.tie_word_embeddings) else 0
-        return self.backbone_params() + head
-
-    def lora_params(self, rank: int) -> int:
-        """Trainable parameters of a rank-`rank` LoRA on all seven linear layers of every block."""
-        return self.num_layers * sum(rank * (n_in + n_out) for _, n_in, n_out in self.linear_shapes())
-
-    def largest_tensor_numel(self) -> int:
-        return max(self.embedding_params(), max(n_in * n_out for _, n_in, n_out in self.linear_shapes()))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # ----------------------------------------------------------------------------------------- the workload
