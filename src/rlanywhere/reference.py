@@ -125,7 +125,11 @@ def config_keys() -> list[KeyInfo]:
 
 
 def _cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """Text for a Markdown table cell: pipes escaped, and brackets outside code spans (they would be links)."""
+    parts = str(text).replace("|", "\\|").replace("\n", " ").split("`")
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("[", "\\[").replace("]", "\\]")
+    return "`".join(parts)
 
 
 def _default_text(value: Any) -> str:
