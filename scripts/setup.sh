@@ -21,4 +21,5 @@ case "$DECISION" in
     fi ;;
   *) echo "setup: ${DECISION}" ;;
 esac
-"$PY" -m pip install -q -e ".[test]"
+# EXTRAS: the optional dependency groups (scripts/test.sh adds docs: the tests build the documentation site)
+"$PY" -m pip install -q -e ".[${EXTRAS:-test}]"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The test command (README, CI): install, then run every test on the CPU. Data: ../shared when it is beside the
-# clone, else the small copies shipped in tests/data (README there).
+# The test command (README, CI): install, then run every test on the CPU, the documentation site's strict build
+# included. Data: ../shared when it is beside the clone, else the small copies shipped in tests/data (README there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+EXTRAS=test,docs bash scripts/setup.sh  # docs: mkdocs, whose strict build is one of the tests
 # FastEngine's Triton kernels are tested on Triton's CPU interpreter (tests/conftest.py); a CPU build of torch
 # brings no triton, so the tests install it (>= 3.9: older interpreters fail under numpy 2.4; a CUDA build's own
 # triton is left as it is, and those tests skip there if it is older)

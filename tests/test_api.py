@@ -91,3 +91,16 @@ def test_final_model_loads_with_transformers_and_generates(tiny_model_dir, arith
     texts = rl.generate(result.final_model, ["What is 1 + 2 ?"], max_new_tokens=4, overrides=["hardware.device=cpu"])
     assert len(texts) == 1
     assert rl.generate(result, ["What is 1 + 2 ?"], max_new_tokens=4) == texts  # same weights, greedy
+
+
+def test_evaluate_scores_with_the_custom_reward_the_overrides_name(tiny_model_dir, arith_data, tmp_path):
+    """A data_source with no built-in rule (your own task) is scored by your function, as in training."""
+    reward = tmp_path / "always_one.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return {'score': 1.0, 'acc': 1.0}\n")
+    data = str(arith_data / "test.parquet")
+    common = dict(max_samples=4, max_new_tokens=2, progress=False)
+    assert rl.evaluate(str(tiny_model_dir), data, overrides=["hardware.device=cpu"], **common)["accuracy"] < 1.0
+    custom = rl.evaluate(str(tiny_model_dir), data, overrides=[
+        "hardware.device=cpu", f"custom_reward_function.path={reward}", "custom_reward_function.name=score"], **common)
+    assert custom["accuracy"] == 1.0 and custom["num_samples"] == 4

@@ -9,7 +9,7 @@ and `rlanywhere --version` stay instant:
     print(rl.evaluate(result.final_model, "data/gsm8k/test.parquet"))
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # pyproject reads it; CHANGELOG.md has an entry for it
 
 _API = ("make_config", "demo_config", "demo_profile", "plan", "train", "TrainResult", "evaluate", "generate",
         "load_model", "LoadedModel")

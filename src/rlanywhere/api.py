@@ -269,7 +269,8 @@ def _loaded(model, **kwargs) -> LoadedModel:
 def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256, batch_size: int = 64,
              overrides: Sequence[str] = (), progress: bool = True) -> dict:
     """Greedy accuracy and format rate of `model` (a path, a LoadedModel, a TrainResult) on a verl-schema parquet
-    file, scored by the reward for each row's data_source: what `rlanywhere eval` prints."""
+    file, scored by the reward for each row's data_source, or by your function when `overrides` name one
+    (custom_reward_function.path=FILE, as in training): what `rlanywhere eval` prints."""
     import torch
     from tqdm.auto import tqdm
 
@@ -281,7 +282,7 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
     dataset = RLDataset([data], loaded.tokenizer, loaded.max_prompt_length)
     count = len(dataset) if max_samples <= 0 else min(max_samples, len(dataset))
     items = [dataset[i] for i in range(count)]
-    manager = RewardManager()
+    manager = _eval_reward_manager(overrides)
     accs, formats = [], []
     start = time.time()
     with tqdm(total=count, desc="eval", unit="prompt", disable=not progress) as bar:
@@ -298,6 +299,14 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
     return {"model": str(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__, "data": data,
             "num_samples": count, "accuracy": sum(accs) / max(count, 1), "format_rate": sum(formats) / max(count, 1),
             "seconds": round(time.time() - start, 1)}
+
+
+def _eval_reward_manager(overrides: Sequence[str]):
+    """The reward a run with these overrides would score with: the custom function they name, else the rules."""
+    from .rewards import RewardManager, load_custom_reward
+
+    custom = make_config(None, list(overrides)).custom_reward_function
+    return RewardManager(load_custom_reward(custom.path, custom.name) if custom.path else None)
 
 
 def generate(model, prompts: Iterable[Union[str, list]], max_new_tokens: int = 128, temperature: float = 0.0,
