@@ -33,6 +33,9 @@ SHAPES = {
     # Qwen2.5-0.5B's body: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, tied embeddings.
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          intermediate_size=4864, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # Qwen2.5-1.5B's body: hidden 1536, 28 layers, 12 heads, 2 KV heads, intermediate 8960, tied embeddings.
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, rope_theta=1000000.0, rms_norm_eps=1e-6),
     # SmolLM2-135M's body (Llama: hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536): the demo's model
     # with random weights, where the GGUF cannot travel
     "smollm2-135m-shape": dict(architecture="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,

@@ -18,6 +18,12 @@ temperature 1, bf16 autocast over fp32 master weights, TRL with gradient checkpo
     # develop on a CPU in about a minute: tiny random model, 4 prompts x 4 samples, 16 new tokens
     python bench/vs_trl.py --tiny
 
+TRL gets its fastest configuration: `--trl-micro-batch 16,32,64,128` runs TRL once per micro-batch (its
+per_device_train_batch_size, which is also its generation batch: TRL generates what one micro-batch trains) and the
+fastest of them is TRL's figure, the others printed beside it. rlanywhere's training phases are also given as
+model-FLOPs utilisation (MFU, flops.py: the model's own matrix products over the card's dense peak at the run's
+precision; the P40 path against the host card's plain-fp32 peak).
+
 Timing: each run does --steps optimizer steps; the first --warmup steps (CUDA graph capture, allocator and
 autotuning warm-up) are dropped, the rest give the median step time and phases, and the highest peak memory
 (torch.cuda.max_memory_allocated, reset at every step in both frameworks; the process RSS high-water mark on a
@@ -92,9 +98,45 @@ def format_table(rows: list[tuple[str, dict]]) -> str:
 
 def work_from_args(args) -> dict:
     if args.tiny:
-        return dict(shape="tiny", prompts=4, n=4, new_tokens=16, max_prompt_length=256, trl_micro_batch=8)
+        return dict(shape="tiny", prompts=4, n=4, new_tokens=16, max_prompt_length=256, trl_micro_batches=[8])
+    sizes = sorted({int(v) for v in str(args.trl_micro_batch).split(",") if v.strip()})
+    samples = args.prompts * args.n
+    usable = [v for v in sizes if v <= samples and samples % v == 0]
+    if not usable:
+        raise SystemExit(f"--trl-micro-batch {args.trl_micro_batch}: none divides {samples} samples a step")
     return dict(shape=args.model, prompts=args.prompts, n=args.n, new_tokens=args.new_tokens,
-                max_prompt_length=args.max_prompt_length, trl_micro_batch=args.trl_micro_batch)
+                max_prompt_length=args.max_prompt_length, trl_micro_batches=usable)
+
+
+def trl_runs(runs: list[str], micro_batches: list[int]) -> list[str]:
+    """Each TRL run once per micro-batch ('trl@32'); one micro-batch keeps the plain name."""
+    out = []
+    for run in runs:
+        if run.startswith("trl") and len(micro_batches) > 1:
+            out += [f"{run}@{m}" for m in micro_batches]
+        else:
+            out.append(run)
+    return out
+
+
+def fastest_trl(results: dict[str, dict], base: str) -> tuple[str, dict] | None:
+    """The fastest of a TRL run's micro-batch sweep (`base@M` or `base`), by median s/step."""
+    swept = {name: r for name, r in results.items() if name == base or name.startswith(base + "@")}
+    if not swept:
+        return None
+    name = min(swept, key=lambda n: swept[n]["s/step"])
+    return name, swept[name]
+
+
+def update_mfus(records: list[dict], warmup: int, shape, *, rows: int, groups: int | None,
+                ppo_epochs: int, peak: float | None) -> dict:
+    """Median MFU of each training phase over the steady steps (flops.phase_mfus)."""
+    from rlanywhere.flops import phase_mfus
+
+    steady = [r for r in records if "perf/step_time_s" in r][warmup:]
+    per_step = [phase_mfus(r, shape, rows=rows, groups=groups, ppo_epochs=ppo_epochs, peak=peak) for r in steady]
+    keys = sorted({k for step in per_step for k in step})
+    return {k: statistics.median(step[k] for step in per_step if k in step) for k in keys}
 
 
 def precision_overrides(args, on_gpu: bool) -> list[str]:
@@ -146,8 +188,9 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
-    parser.add_argument("--trl-micro-batch", type=int, default=16,
-                        help="TRL per_device_train_batch_size (completions per forward/backward); gradient "
+    parser.add_argument("--trl-micro-batch", default="16,32,64,128",
+                        help="TRL per_device_train_batch_size (completions per forward/backward and per generation "
+                             "call), comma list: TRL runs once per value and the fastest is its figure; gradient "
                              "accumulation makes up the rest of prompts x n")
     parser.add_argument("--tiny", action="store_true", help="tiny random model and sizes, for a CPU")
     parser.add_argument("--work-dir", default=None, help="where the model and prompts are written (kept; "
@@ -165,7 +208,7 @@ def main() -> int:
         variants[f"ours-{name}"] = [k.strip() for k in keys.split(";") if k.strip()]
         RUNS[f"ours-{name}"] = f"rlanywhere, the planner's choice + {'; '.join(variants[f'ours-{name}'])}"
     runs = [r.strip() for r in args.runs.split(",") if r.strip()] + list(variants)
-    unknown = [r for r in runs if r not in RUNS]
+    unknown = [r for r in runs if r.split("@")[0] not in RUNS]
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {sorted(RUNS)}")
     if args.steps <= args.warmup:
@@ -180,7 +223,12 @@ def main() -> int:
 
     on_gpu = torch.cuda.is_available() and not args.tiny
     work = work_from_args(args)
+    runs = trl_runs(runs, work["trl_micro_batches"])
     precision = "fp32" if args.p40_path or not on_gpu else "bf16"
+    from rlanywhere.flops import peak_flops
+
+    # the P40 path is measured against the host card's own plain-fp32 peak (TF32 off)
+    peak = peak_flops(torch.cuda.get_device_name(), precision) if on_gpu else None
     ppo_sizes = PPO_SIZES["tiny" if args.tiny else "full"]
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
         root = args.work_dir or tmp
@@ -199,8 +247,8 @@ def main() -> int:
                             steps=args.steps, prompts_per_step=work["prompts"], n=work["n"],
                             max_new_tokens=work["new_tokens"], lr=args.lr, temperature=1.0, precision=precision,
                             tf32=not args.p40_path, gradient_checkpointing=True,
-                            micro_batch=work["trl_micro_batch"], cpu=not on_gpu, seed=1,
-                            weights_dtype="bf16" if run == "trl-bf16w" else "fp32")
+                            micro_batch=int(run.split("@")[1]) if "@" in run else work["trl_micro_batches"][0],
+                            cpu=not on_gpu, seed=1, weights_dtype="bf16" if run.startswith("trl-bf16w") else "fp32")
                 records = sides.start_trl(spec, os.path.join(root, f"{run}_spec.json"))
                 columns = {name: trl_key for name, (_, trl_key) in COLUMNS.items()}
             else:
@@ -221,6 +269,14 @@ def main() -> int:
                 with open(os.path.join(run_dir, "plan.json")) as handle:
                     plan = json.load(handle)
                 sizes = plan.get("sizes", {})
+                from rlanywhere.model_shape import read_model_shape
+
+                ppo_run = run == "ppo"
+                results[run]["mfu"] = update_mfus(
+                    records, args.warmup, read_model_shape(model_dir),
+                    rows=ppo_sizes["prompts"] if ppo_run else samples,
+                    groups=None if ppo_run or not plan.get("share_prompts") else work["prompts"],
+                    ppo_epochs=1, peak=peak)
                 results[run]["plan"] = {
                     "precision": plan.get("precision"), "gradient_checkpointing": plan.get("gradient_checkpointing"),
                     "actor_micro_batch_size": sizes.get("actor_micro_batch_size"),
@@ -231,8 +287,10 @@ def main() -> int:
                     "kv_cache_freed_each_step": plan.get("rollout", {}).get("release_kv_between_phases")}
 
     reference = None
-    if "trl" in results:
-        reference = samples / results["trl"]["s/step"]
+    best = fastest_trl(results, "trl")
+    if best:
+        reference = samples / best[1]["s/step"]
+        print(f"TRL's figure: {best[0]} (the fastest of its micro-batch sweep)")
     rows = []
     for run, summary in results.items():
         per_step = ppo_sizes["prompts"] if run == "ppo" else samples
@@ -242,7 +300,12 @@ def main() -> int:
           f"{precision}; medians over steps {args.warmup + 1}..{args.steps}")
     print(format_table(rows))
     for run in results:
-        print(f"  {run}: {RUNS[run]}" + (f"; plan {results[run]['plan']}" if "plan" in results[run] else ""))
+        print(f"  {run}: {RUNS[run.split('@')[0]]}"
+              + (f" (micro-batch {run.split('@')[1]})" if "@" in run else "")
+              + (f"; plan {results[run]['plan']}" if "plan" in results[run] else ""))
+        if results[run].get("mfu"):
+            print("    MFU " + ", ".join(f"{k.split('/', 1)[1]} {v:.1%}" for k, v in results[run]["mfu"].items())
+                  + f" (of {precision} peak)")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump({"work": work, "precision": precision, "p40_path": args.p40_path, "steps": args.steps,

@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+from types import SimpleNamespace
 from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
@@ -199,3 +200,33 @@ def test_shared_prompts_bench_runs_on_a_cpu_and_agrees_with_packed_rows(monkeypa
     lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
     assert int(lines["packed"][1]) == 4 * (6 + 5) and int(lines["sdpa_mask"][1]) == 2 * 6 + 4 * 5  # each prompt once
     assert float(lines["sdpa_mask"][4]) < 1e-4  # the same log-probs as packed rows
+
+
+# ---------------------------------------------------------------- vs_trl: TRL's micro-batch sweep, MFU
+def test_trl_runs_once_per_micro_batch_and_its_figure_is_the_fastest():
+    assert vs_trl.trl_runs(["trl", "ours-plan"], [16, 32]) == ["trl@16", "trl@32", "ours-plan"]
+    assert vs_trl.trl_runs(["trl", "ours-plan"], [16]) == ["trl", "ours-plan"]
+    results = {"trl@16": {"s/step": 9.0}, "trl@32": {"s/step": 7.5}, "trl@64": {"s/step": 8.0},
+               "trl-bf16w@16": {"s/step": 1.0}, "ours-plan": {"s/step": 0.5}}
+    assert vs_trl.fastest_trl(results, "trl") == ("trl@32", {"s/step": 7.5})
+    assert vs_trl.fastest_trl({"ours-plan": {"s/step": 0.5}}, "trl") is None
+
+
+def test_the_sweep_keeps_micro_batches_that_divide_a_step():
+    args = SimpleNamespace(tiny=False, model="qwen2.5-0.5b", prompts=16, n=8, new_tokens=256,
+                           max_prompt_length=256, trl_micro_batch="16,32,64,128,256,48")
+    assert vs_trl.work_from_args(args)["trl_micro_batches"] == [16, 32, 64, 128]
+    with pytest.raises(SystemExit, match="none divides"):
+        vs_trl.work_from_args(SimpleNamespace(**{**vars(args), "trl_micro_batch": "256"}))
+
+
+def test_update_mfus_take_the_median_over_steady_steps():
+    from rlanywhere.flops import phase_mfus
+    from rlanywhere.model_shape import ModelShape
+
+    shape = ModelShape("tiny", 4, 1, 2, 1, 8, 10, True)
+    records = [{"step": i, "perf/step_time_s": 2.0, "perf/tokens_per_s": 10.0, "response_length/mean": 3.0,
+                "timing/update_actor": t} for i, t in enumerate([100.0, 1.0, 2.0, 3.0])]
+    out = vs_trl.update_mfus(records, 1, shape, rows=4, groups=None, ppo_epochs=1, peak=1e3)
+    middle = phase_mfus(records[2], shape, rows=4, groups=None, ppo_epochs=1, peak=1e3)["mfu/update_actor"]
+    assert out == {"mfu/update_actor": pytest.approx(middle)}

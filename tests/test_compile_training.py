@@ -156,3 +156,16 @@ def test_a_compile_failure_names_its_fix_and_eager_plans_pass_errors_through():
     with pytest.raises(torch._dynamo.exc.TorchDynamoException):
         with training_passes(Plan(compile_training=False)):
             raise failure
+
+
+def test_inductor_caches_go_to_rlanywheres_cache_unless_the_user_chose(monkeypatch, tmp_path):
+    from torch._inductor.runtime.runtime_utils import cache_dir
+
+    from rlanywhere.compiling import persistent_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("RLANYWHERE_CACHE", str(tmp_path / "cache"))
+    assert persistent_compile_cache() == str(tmp_path / "cache" / "compile")
+    assert cache_dir() == str(tmp_path / "cache" / "compile")  # what inductor itself will use
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert persistent_compile_cache() == str(tmp_path / "mine")

@@ -17,11 +17,18 @@ are multiples of 8 (inductor's alignment guard; plan.micro_batch_width_multiple)
 remains is a graph per function and per thing that does change the code: grad mode (the log-prob passes run without
 gradients), with or without entropy, RoPE over one decode position or a prefill's many.
 `compiles_so_far` counts compiles, which the trainer reports per step as `perf/compiles`.
+
+Compiled kernels are cached across runs: inductor's FX-graph and autograd caches are on in torch, but they live
+in /tmp by default, which many machines clear at boot (tmpfs). `compile_dynamic` points them at
+`~/.cache/rlanywhere/compile` ($RLANYWHERE_CACHE/compile) unless TORCHINDUCTOR_CACHE_DIR is set, so a second run
+of the same job on the same machine skips inductor's code generation and autotuning after a reboot too.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -46,11 +53,22 @@ def inductor_options() -> dict:
             if hasattr(getattr(inductor_config, key.split(".")[0], None), key.split(".")[1])}
 
 
+def persistent_compile_cache() -> str:
+    """Inductor's cache directory, set to rlanywhere's cache folder (same root as models.cache_dir) unless the
+    user chose one with TORCHINDUCTOR_CACHE_DIR."""
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        root = Path(os.environ.get("RLANYWHERE_CACHE", Path.home() / ".cache" / "rlanywhere"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "compile")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def compile_dynamic(target: Compilable, backend: str = "inductor") -> Compilable:
     """`target` compiled with dynamic shapes, no duck sizing and (inductor) no size guards in fusion heuristics: a
     function comes back compiled; a module is compiled in place (nn.Module.compile: parameters and state dicts
-    unchanged) and returned."""
+    unchanged) and returned. Inductor's caches go to `persistent_compile_cache()`."""
     without_duck_sizing()
+    if backend == "inductor":
+        persistent_compile_cache()
     kwargs = {"dynamic": True, "backend": backend}
     if backend == "inductor":
         kwargs["options"] = inductor_options()
@@ -67,4 +85,5 @@ def compiles_so_far() -> int:
     return int(utils.counters["frames"]["total"]) if utils is not None else 0
 
 
-__all__ = ["compile_dynamic", "compiles_so_far", "inductor_options", "without_duck_sizing"]
+__all__ = ["compile_dynamic", "compiles_so_far", "inductor_options", "persistent_compile_cache",
+           "without_duck_sizing"]
