@@ -20,10 +20,11 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_needs
 from .errors import UserError
 from .profiling import profile_step_set
 from .vocabulary import (
-    AdvantageEstimator, AttnImplementation, LossAggMode, PolicyLossMode, Precision, RolloutEngineName, Truncation,
+    AdvantageEstimator, AttnImplementation, LossAggMode, Precision, RolloutEngineName, Truncation,
 )
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class ModelConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: str = "vanilla"  # vanilla (token-level PPO clip) | gspo (sequence-level ratio)
+    loss_mode: str = "vanilla"  # vanilla | gspo | gpg | cispo | geo_mean (algorithms.POLICY_LOSSES)
 
 
 @dataclass
@@ -200,6 +201,12 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class PFPPOConfig:
+    reweight_method: str = "pow"  # pow | max_min | max_random (algorithms.pf_ppo_resample)
+    weight_pow: float = 2.0
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -210,6 +217,8 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     mask_truncated_completions: bool = False  # TRL's name (verl has none): cut-off responses leave the loss
+    use_pf_ppo: bool = False  # PF-PPO: rows redrawn by their score before the updates (verl_steps.py)
+    pf_ppo: PFPPOConfig = field(default_factory=lambda: PFPPOConfig())
 
 
 @dataclass
@@ -557,7 +566,7 @@ def check_batch_sizes(cfg: DictConfig) -> None:
     minis = [("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size,
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu,
               actor.use_dynamic_bsz)]
-    if cfg.algorithm.adv_estimator == AdvantageEstimator.GAE and cfg.critic.ppo_mini_batch_size:
+    if estimator_needs(cfg.algorithm.adv_estimator).critic and cfg.critic.ppo_mini_batch_size:
         minis.append(("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size,
                       "critic.ppo_micro_batch_size_per_gpu", cfg.critic.ppo_micro_batch_size_per_gpu,
                       cfg.critic.use_dynamic_bsz))
@@ -581,7 +590,8 @@ def _largest_divisor_at_most(number: int, limit: int) -> int:
 
 def _check_values(cfg: DictConfig) -> None:
     choices = {
-        "algorithm.adv_estimator": AdvantageEstimator.values(),
+        "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS),  # the registered estimators (algorithms.py)
+        "algorithm.pf_ppo.reweight_method": ("pow", "max_min", "max_random"),
         "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
         "actor_rollout_ref.actor.loss_agg_mode": LossAggMode.values(),
         "critic.loss_agg_mode": LossAggMode.values(),
@@ -590,7 +600,7 @@ def _check_values(cfg: DictConfig) -> None:
         "hardware.attn_implementation": AttnImplementation.values(),
         "actor_rollout_ref.rollout.name": RolloutEngineName.values(),
         "data.truncation": Truncation.values(),
-        "actor_rollout_ref.actor.policy_loss.loss_mode": PolicyLossMode.values(),
+        "actor_rollout_ref.actor.policy_loss.loss_mode": tuple(POLICY_LOSSES),
     }
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from . import estimator as est
+from .algorithms import estimator_needs
 from .machine import CardSpec, DeviceInfo, HardwareProbe, card_spec, fp16_problems, predicted_sdpa_backends, \
     probe_machine, sdpa_backends_that_run, triton_usable
 from .model_shape import ModelShape, read_model_shape
@@ -43,7 +44,6 @@ from .vocabulary import (
     LOSS_SCALE_INIT, NoFitError, PlanError, cc_str, dtype_from_name, dtype_name, flash_attn_capable, has_fast_fp16,
     has_half_gemm_fp32_output, has_native_bf16, has_tf32, is_half, DECODE_HALF_MIN_ROWS, DECODE_MATMUL, DECODE_SDPA,
     DECODE_TRITON,
-    AdvantageEstimator,
     AttnImplementation, Precision, RolloutEngineName,
 )
 
@@ -358,8 +358,8 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
 
     # which models exist
     actor = arr.actor
-    use_critic = cfg.algorithm.adv_estimator == AdvantageEstimator.GAE
-    reasons["use_critic"] = ("adv_estimator=gae needs a value model" if use_critic else
+    use_critic = estimator_needs(cfg.algorithm.adv_estimator).critic  # the estimator's registration says
+    reasons["use_critic"] = (f"adv_estimator={cfg.algorithm.adv_estimator} needs a value model" if use_critic else
                              f"adv_estimator={cfg.algorithm.adv_estimator} needs no value model")
     kl_loss = bool(actor.use_kl_loss) and float(actor.kl_loss_coef) > 0
     kl_reward = bool(cfg.algorithm.use_kl_in_reward) and float(cfg.algorithm.kl_ctrl.kl_coef) > 0
