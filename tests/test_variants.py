@@ -149,7 +149,7 @@ def test_variant_keys_in_verl_names():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], "choose one of vanilla, gspo, gpg, cispo, geo_mean"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=nope"], "choose one of vanilla, gspo, gpg, cispo, geo_mean"),
     (["data.gen_batch_size=8"], "algorithm.filter_groups.enable=true"),
     (["algorithm.filter_groups.enable=true", "data.gen_batch_size=0"], "must be positive"),
     (["reward_model.overlong_buffer.enable=true"], "reward_model.overlong_buffer.len=128"),
