@@ -22,6 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_needs
 from .errors import UserError
+from .verl_compat import (CURRENT_VERL_KEYS, REWARD_MANAGERS, reference_offload_notice, translate_verl_spellings,
+                          verl_runtime_problems)
 from .profiling import profile_step_set
 from .vocabulary import (
     AdvantageEstimator, AttnImplementation, LossAggMode, Precision, RolloutEngineName, Truncation,
@@ -345,6 +347,8 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r"reward_model\.overlong_buffer\.log": "the overlong penalty is always logged (reward/overlong_penalty)",
 }
 
+VERL_ONLY_KEYS.update(CURRENT_VERL_KEYS)  # the rest of current verl's schema (verl_compat.py)
+
 # Schema keys accepted (verl configs set them) that change nothing here: a user who sets one to a non-default value
 # is told what happens instead. tests/test_config_keys.py fails on a key that is neither read by a run nor listed.
 ACCEPTED_WITHOUT_EFFECT: dict[str, str] = {
@@ -450,8 +454,12 @@ def _pop_key(cfg: DictConfig, dotted: str) -> Any:
     return value
 
 
-def _vet_user_keys(user: DictConfig, notices: list[str]) -> DictConfig:
-    """Drop verl-only keys (with a notice), translate offload switches, reject unknown keys."""
+def _vet_user_keys(user: DictConfig, notices: list[str], problems: Optional[list[str]] = None) -> DictConfig:
+    """Drop verl-only keys (with a notice), translate offload switches and verl's other spellings, reject unknown
+    keys: each one is added to `problems` (raised at once when no list is given) and dropped."""
+    raise_now = problems is None
+    problems = [] if problems is None else problems
+    user = translate_verl_spellings(user, notices, problems)
     valid = set(schema_keys())
     defaults = OmegaConf.structured(RLConfig)
     for key in _leaf_keys(OmegaConf.to_container(user, resolve=False)):
@@ -469,7 +477,9 @@ def _vet_user_keys(user: DictConfig, notices: list[str]) -> DictConfig:
             value = _pop_key(user, key)
             leaf = key.rsplit(".", 1)[-1]
             target = OFFLOAD_TRANSLATIONS.get(leaf)
-            if target is not None and bool(value):
+            if target is not None and key.startswith("actor_rollout_ref.ref."):
+                notices.append(reference_offload_notice(user, key, value))
+            elif target is not None and bool(value):
                 OmegaConf.update(user, target, True, force_add=True)
                 notices.append(f"{key}={value}: verl-only key; honoured as {target}=true")
             elif leaf == "fsdp_size" and key.startswith("actor_rollout_ref.actor.") and _positive_int(value):
@@ -481,17 +491,30 @@ def _vet_user_keys(user: DictConfig, notices: list[str]) -> DictConfig:
             continue
         close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"unknown config key {key!r}{hint} (see the config reference in README.md)")
+        problems.append(f"unknown config key {key!r}{hint} (see the config reference in README.md)")
+        _pop_key(user, key)
     for key, mapping in VERL_VALUE_MAP.items():
         value = OmegaConf.select(user, key)
         if value is None:
             continue
         if value not in mapping:
-            raise ConfigError(f"{key}={value!r} is not supported; use one of {sorted(set(mapping))}")
+            problems.append(f"{key}={value!r} is not supported; use one of {sorted(set(mapping))}")
+            _pop_key(user, key)
+            continue
         if mapping[value] != value:
             notices.append(f"{key}={value}: not available here; using rlanywhere's built-in engine ({mapping[value]})")
             OmegaConf.update(user, key, mapping[value])
+    if raise_now and problems:
+        raise ConfigError(_problems_text(problems))
     return user
+
+
+def _problems_text(problems: list[str]) -> str:
+    """One problem as it is; several as a numbered list under one line, so a command line is fixed in one go."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems in this configuration:\n" + "\n".join(
+        f"  {i}. {problem}" for i, problem in enumerate(problems, 1))
 
 
 def _positive_int(value: Any) -> bool:
@@ -512,17 +535,34 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     if path is not None:
         layers.append(_load_yaml(path))
     layers.append(_parse_overrides(list(overrides or [])))
+    problems: list[str] = []  # every problem of the configuration, reported together
     for layer in layers:
-        layer = _vet_user_keys(OmegaConf.create(OmegaConf.to_container(layer, resolve=False)), notices)
-        try:
-            cfg = OmegaConf.merge(cfg, layer)
-        except OmegaConfBaseException as exc:
-            raise ConfigError(f"bad config value: {exc.msg if hasattr(exc, 'msg') else exc}") from exc
-    _check_values(cfg)
+        layer = _vet_user_keys(OmegaConf.create(OmegaConf.to_container(layer, resolve=False)), notices, problems)
+        cfg = _merge_each_key(cfg, layer, problems)
+    problems.extend(_value_problems(cfg))
+    problems.extend(verl_runtime_problems(cfg, notices))  # loggers, sandbox URL: checked before anything loads
+    if problems:
+        raise ConfigError(_problems_text(problems))
     notices.extend(_differences_from_verl(cfg))
     for line in notices:
         log.warning("notice: %s", line)
     OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _merge_each_key(cfg: DictConfig, layer: DictConfig, problems: list[str]) -> DictConfig:
+    """Merge `layer` into `cfg`; a value of the wrong type is a problem named by its key, the rest still merges."""
+    try:
+        return OmegaConf.merge(cfg, layer)
+    except OmegaConfBaseException:
+        pass
+    for key in _leaf_keys(OmegaConf.to_container(layer, resolve=False)):
+        single = OmegaConf.create()
+        OmegaConf.update(single, key, OmegaConf.select(layer, key), force_add=True)
+        try:
+            cfg = OmegaConf.merge(cfg, single)
+        except OmegaConfBaseException as exc:
+            problems.append(f"bad config value: {exc.msg if hasattr(exc, 'msg') else exc}")
     return cfg
 
 
@@ -589,6 +629,16 @@ def _largest_divisor_at_most(number: int, limit: int) -> int:
 
 
 def _check_values(cfg: DictConfig) -> None:
+    """Raise one ConfigError listing every problem of the values."""
+    problems = _value_problems(cfg)
+    if problems:
+        raise ConfigError(_problems_text(problems))
+
+
+def _value_problems(cfg: DictConfig) -> list[str]:
+    """Every problem of the values: the choices and positive sizes, then each later check's (those assume sane
+    sizes, so they run only when the sizes are)."""
+    problems: list[str] = []
     choices = {
         "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS),  # the registered estimators (algorithms.py)
         "algorithm.pf_ppo.reweight_method": ("pow", "max_min", "max_random"),
@@ -605,19 +655,38 @@ def _check_values(cfg: DictConfig) -> None:
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(allowed)}")
+            problems.append(f"{key}={value!r} is not valid; choose one of {', '.join(allowed)}")
     positive = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
                 "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs",
                 "actor_rollout_ref.rollout.n"]
     for key in positive:
         if OmegaConf.select(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
+            problems.append(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
+    sizes_sane = not problems
+    for check in (_check_reward_model, _check_reward_values, _check_guard_values, check_batch_sizes, _check_variant_values):
+        if check is check_batch_sizes and not sizes_sane:
+            continue
+        try:
+            check(cfg)
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems
+
+
+def _check_reward_model(cfg: DictConfig) -> None:
     if cfg.reward_model.enable:
         raise ConfigError("reward_model.enable=true asks for a learned reward model, which rlanywhere does not run; "
                           "score with rules (the default) or your own function (custom_reward_function.path)")
-    if cfg.reward_model.reward_manager not in ("naive", "batch"):
+
+
+def _check_reward_values(cfg: DictConfig) -> None:
+    if cfg.reward_model.reward_manager not in REWARD_MANAGERS:
         raise ConfigError(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r} is not available; "
-                          "'naive' (the default) scores each response with the rule or custom function")
+                          f"choose one of {', '.join(REWARD_MANAGERS)} ('naive', the default, scores each response "
+                          "with the rule or custom function)")
+
+
+def _check_guard_values(cfg: DictConfig) -> None:
     for key in ("trainer.max_consecutive_nonfinite_updates", "trainer.max_consecutive_failed_reward_steps",
                 "custom_reward_function.timeout_s"):
         if OmegaConf.select(cfg, key) < 0:
@@ -627,14 +696,12 @@ def _check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be >= 0 (0 turns the guard off), got {OmegaConf.select(cfg, key)}")
     if cfg.hardware.logprob_gap_patience < 1:
         raise ConfigError(f"hardware.logprob_gap_patience must be >= 1 steps, got {cfg.hardware.logprob_gap_patience}")
-    check_batch_sizes(cfg)
     try:
         profile_step_set(cfg.trainer.profile_steps)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
-    _check_variant_values(cfg)
 
 
 def _check_variant_values(cfg: DictConfig) -> None:
