@@ -117,7 +117,7 @@ SMALL = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size
          "critic.ppo_micro_batch_size_per_gpu=2", "critic.ppo_mini_batch_size=2",
          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2", "data.gen_batch_size=null",
-         "reward_model.overlong_buffer.len=4",
+         "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",  # the size in the spelling the script uses
          "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.save_freq=-1",
          "trainer.val_before_train=false", "hardware.device=cpu"]
 TRAINED = ["current__ppo_trainer__run_deepseek7b_llm_sp2", "current__remax_trainer__run_qwen2.5-3b_seq_balance",

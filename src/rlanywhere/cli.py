@@ -54,6 +54,7 @@ def _split_config_and_overrides(items: list[str]) -> tuple[Optional[str], list[s
 
 def _load(items: list[str], emulate: Optional[str] = None, hydra: Optional[tuple] = None):
     from .api import make_config
+    from .config import _load_yaml
     from .verl_compat import hydra_config_layer
 
     path, overrides = _split_config_and_overrides(items)
@@ -65,7 +66,7 @@ def _load(items: list[str], emulate: Optional[str] = None, hydra: Optional[tuple
             from .errors import UserError
 
             raise UserError(f"give either a config file ({path}) or --config-path/--config-name, not both")
-        path = hydra_config_layer(hydra[0] or ".", hydra[1], notices)
+        path = hydra_config_layer(hydra[0] or ".", hydra[1], notices, _load_yaml)
     cfg = make_config(path, overrides, notices=notices)
     _fit_world(cfg, notices)
     return cfg, notices

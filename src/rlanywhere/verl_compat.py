@@ -20,10 +20,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlparse
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from .errors import UserError
 
 # verl's reward managers -> what scores here. naive/batch: the rule or custom function per response; dapo: the same
 # plus the overlong penalty (reward_model.overlong_buffer); prime: verl's parallel scoring, which the reward pool
@@ -250,14 +252,14 @@ def fit_world_to_machine(cfg: DictConfig, gpus: int, cpus: int, under_torchrun: 
 VERL_TRAINER_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer")  # verl's trainer configs: our defaults are theirs
 
 
-def hydra_config_layer(config_path: str, config_name: str, notices: list[str]) -> DictConfig:
+def hydra_config_layer(config_path: str, config_name: str, notices: list[str],
+                       load_yaml: Callable[[str], DictConfig] = OmegaConf.load) -> DictConfig:
     """Hydra's `--config-path DIR --config-name NAME`: DIR/NAME.yaml, with its `defaults` list applied.
 
     verl's trainer configs (`ppo_trainer`, `ppo_megatron_trainer`, ...) are our defaults; another entry names a YAML
     beside it (merged before the file, as Hydra does when `_self_` comes last). `hydra:` settings are dropped with a
-    notice. A missing file is a ConfigError naming the path."""
-    from .config import ConfigError, _load_yaml  # config imports this module at load time
-
+    notice. A missing file is a UserError naming the path. `load_yaml` reads one file (config.py passes its own,
+    which names the line of a syntax error)."""
     name = config_name[:-5] if config_name.endswith(".yaml") else config_name
     path = os.path.join(config_path, f"{name}.yaml")
     if not os.path.isfile(path) and name in VERL_TRAINER_CONFIGS:
@@ -265,9 +267,9 @@ def hydra_config_layer(config_path: str, config_name: str, notices: list[str]) -
                        + ("" if name == "ppo_trainer" else " (Megatron settings do not apply here)"))
         return OmegaConf.create()
     if not os.path.isfile(path):
-        raise ConfigError(f"--config-path={config_path} --config-name={config_name}: {path} not found; give the "
+        raise UserError(f"--config-path={config_path} --config-name={config_name}: {path} not found; give the "
                           "directory that holds the YAML and its name without .yaml")
-    own = _load_yaml(path)
+    own = load_yaml(path)
     defaults = own.pop("defaults", None) if "defaults" in own else None
     if "hydra" in own:
         own.pop("hydra")
@@ -285,7 +287,7 @@ def hydra_config_layer(config_path: str, config_name: str, notices: list[str]) -
             continue
         beside = os.path.join(config_path, f"{label}.yaml")
         if os.path.isfile(beside):
-            layers.append(hydra_config_layer(config_path, label, notices))
+            layers.append(hydra_config_layer(config_path, label, notices, load_yaml))
         else:
             notices.append(f"{path}: defaults entry {label!r} has no file in {config_path}; rlanywhere's defaults "
                            "are used for it")
