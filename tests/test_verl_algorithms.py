@@ -49,7 +49,8 @@ def test_a_new_estimator_is_one_decorated_function():
 
 def test_the_planner_and_config_read_the_registry():
     from rlanywhere.config import load_config
-    cfg = load_config(None, ["algorithm.adv_estimator=remax", "actor_rollout_ref.actor.policy_loss.loss_mode=cispo"])
+    cfg = load_config(None, ["algorithm.adv_estimator=remax",
+                             "actor_rollout_ref.actor.policy_loss.loss_mode=cispo"])
     assert cfg.algorithm.adv_estimator == "remax"
     with pytest.raises(Exception, match="gpg"):  # the error lists the registered names
         load_config(None, ["algorithm.adv_estimator=nope"])
@@ -71,7 +72,8 @@ def test_remax_hand_computed():
 
 def _seeded_scores():
     g = torch.Generator().manual_seed(99)
-    scores = (torch.rand(6, generator=g, dtype=torch.float64) > 0.5).double() * torch.rand(6, generator=g, dtype=torch.float64)
+    nonzero = (torch.rand(6, generator=g, dtype=torch.float64) > 0.5).double()
+    scores = nonzero * torch.rand(6, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=torch.float64)
     return scores, mask, [0, 0, 0, 1, 1, 2]
 

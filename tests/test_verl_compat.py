@@ -40,7 +40,8 @@ def test_critic_fsdp_offload_is_honoured_like_the_old_spelling():
 
 
 def test_dapo_in_verls_spelling_is_our_overlong_penalty():
-    cfg, notices = loaded("reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+    cfg, notices = loaded("reward_model.reward_manager=dapo",
+                          "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
                           "+reward_model.reward_kwargs.overlong_buffer_cfg.len=64",
                           "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
                           "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",

@@ -113,7 +113,8 @@ def test_cli_exits_2_with_the_whole_list(capsys):
 
 # name of the fixture -> the sizes that keep one step to seconds on a CPU (paths are filled in by expand)
 SMALL = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_prompt_length=256",
-         "data.max_response_length=8", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+         "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
          "critic.ppo_micro_batch_size_per_gpu=2", "critic.ppo_mini_batch_size=2",
          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2", "data.gen_batch_size=null",

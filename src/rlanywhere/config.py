@@ -628,13 +628,6 @@ def _largest_divisor_at_most(number: int, limit: int) -> int:
     return max(d for d in range(1, min(number, limit) + 1) if number % d == 0)
 
 
-def _check_values(cfg: DictConfig) -> None:
-    """Raise one ConfigError listing every problem of the values."""
-    problems = _value_problems(cfg)
-    if problems:
-        raise ConfigError(_problems_text(problems))
-
-
 def _value_problems(cfg: DictConfig) -> list[str]:
     """Every problem of the values: the choices and positive sizes, then each later check's (those assume sane
     sizes, so they run only when the sizes are)."""
@@ -663,7 +656,8 @@ def _value_problems(cfg: DictConfig) -> list[str]:
         if OmegaConf.select(cfg, key) <= 0:
             problems.append(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
     sizes_sane = not problems
-    for check in (_check_reward_model, _check_reward_values, _check_guard_values, check_batch_sizes, _check_variant_values):
+    for check in (_check_reward_model, _check_reward_values, _check_guard_values, check_batch_sizes,
+                  _check_variant_values):
         if check is check_batch_sizes and not sizes_sane:
             continue
         try:

@@ -54,7 +54,8 @@ def resample_rows(batch: StepBatch, rows: torch.Tensor) -> StepBatch:
 
 def pf_ppo_batch(batch: StepBatch, pf_cfg, seed: int) -> StepBatch:
     """PF-PPO (algorithm.use_pf_ppo): the rows redrawn with replacement, weighted by their score (after the
-    advantages are computed, as verl does, by the reward scores before any KL penalty); the draw is seeded by (trainer.seed, step)."""
+    advantages are computed, as verl does, by the reward scores before any KL penalty); the draw is seeded by
+    (trainer.seed, step)."""
     generator = torch.Generator().manual_seed(seed)
     rows = algo.pf_ppo_resample(batch.scores, pf_cfg.reweight_method, pf_cfg.weight_pow, generator)
     return resample_rows(batch, rows)
