@@ -58,7 +58,8 @@ CURRENT_VERL_KEYS: dict[str, str] = {
     r"actor_rollout_ref\.actor\.optim\.(clip_grad|lr_scheduler_type|num_cycles|warmup_style_kw.*"
     r"|override_optimizer_config(\..*)?|optimizer|optimizer_impl|lr_decay_style|lr_decay_steps|min_lr"
     r"|weight_decay_incr_style|lr_warmup_init|use_checkpoint_opt_param_scheduler)":
-    "AdamW with the warm-up and schedule of optim.warmup_style / lr_warmup_steps(_ratio); gradients clipped by actor.grad_clip",
+    "AdamW with the warm-up and schedule of optim.warmup_style / lr_warmup_steps(_ratio); gradients clipped by "
+    "actor.grad_clip",
     r"critic\.optim\.(clip_grad|lr_scheduler_type|num_cycles|override_optimizer_config(\..*)?|optimizer"
     r"|optimizer_impl)": "AdamW with the warm-up and schedule of critic.optim.warmup_style; gradients clipped by "
     "critic.grad_clip",
