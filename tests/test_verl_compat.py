@@ -91,17 +91,19 @@ def test_missing_logger_is_replaced_by_local_logging():
     assert kept == ["console", "tensorboard"] and "swanlab" in notices[0]
 
 
-@pytest.mark.parametrize("asked, gpus, cpus, torchrun, expected, says", [
-    ((8, 1), 0, 2, False, (1, 1), "the CPU"),
-    ((8, 1), 1, 2, False, (1, 1), "1 GPU"),
-    ((8, 4), 8, 16, False, (8, 1), "8 GPUs"),
-    ((2, 1), 0, 2, False, (2, 1), None),  # two CPU processes fit: left as asked
-    ((4, 1), 4, 8, False, (4, 1), None),
-    ((8, 2), 0, 2, True, (8, 2), None),  # torchrun decides
+@pytest.mark.parametrize("asked, gpus, device, torchrun, expected, says", [
+    ((8, 1), 0, "auto", False, (1, 1), "the CPU"),
+    ((8, 1), 1, "auto", False, (1, 1), "1 GPU"),
+    ((8, 4), 8, "auto", False, (8, 1), "8 GPUs"),
+    ((8, 1), 4, "auto", False, (4, 1), "4 GPUs"),
+    ((2, 1), 0, "cpu", False, (2, 1), None),  # CPU processes asked for explicitly: left as asked
+    ((4, 1), 4, "auto", False, (4, 1), None),
+    ((8, 2), 0, "auto", True, (8, 2), None),  # torchrun decides
 ])
-def test_devices_are_fitted_to_the_machine(asked, gpus, cpus, torchrun, expected, says):
-    cfg = OmegaConf.create({"trainer": {"n_gpus_per_node": asked[0], "nnodes": asked[1]}})
-    notice = fit_world_to_machine(cfg, gpus, cpus, torchrun)
+def test_devices_are_fitted_to_the_machine(asked, gpus, device, torchrun, expected, says):
+    cfg = OmegaConf.create({"trainer": {"n_gpus_per_node": asked[0], "nnodes": asked[1]},
+                            "hardware": {"device": device}})
+    notice = fit_world_to_machine(cfg, gpus, torchrun)
     assert (cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes) == expected
     if says is None:
         assert notice is None

@@ -83,8 +83,7 @@ def _fit_world(cfg, notices: list[str]) -> None:
     from . import distributed
     from .verl_compat import fit_world_to_machine
 
-    notice = fit_world_to_machine(cfg, torch.cuda.device_count(), os.cpu_count() or 1,
-                                  distributed.launched_by_torchrun())
+    notice = fit_world_to_machine(cfg, torch.cuda.device_count(), distributed.launched_by_torchrun())
     if notice:
         notices.append(notice)
         logging.getLogger(__name__).warning("notice: %s", notice)

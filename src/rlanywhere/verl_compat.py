@@ -228,22 +228,28 @@ def verl_runtime_problems(cfg: DictConfig, notices: list[str]) -> list[str]:
     return problems
 
 
-def fit_world_to_machine(cfg: DictConfig, gpus: int, cpus: int, under_torchrun: bool) -> Optional[str]:
+def fit_world_to_machine(cfg: DictConfig, gpus: int, under_torchrun: bool) -> Optional[str]:
     """`trainer.n_gpus_per_node` x `trainer.nnodes` larger than this machine: plan (and run) what exists, and say so.
 
     Under torchrun the launch decides (distributed.reconcile_world). Otherwise: more nodes than this one -> this
-    node; more processes per node than GPUs (or, on a machine without a GPU, than CPU cores) -> one process on the
-    GPU, or on the CPU. A request that fits is left as it is (several CPU processes are a supported test set-up)."""
+    node; more processes per node than GPUs -> one per GPU; no GPU -> one process on the CPU, unless
+    `hardware.device=cpu` asks for CPU processes explicitly (several gloo ranks on one machine, as the tests run).
+    A request that fits is left as it is."""
     if under_torchrun:
         return None
     per_node, nodes = int(cfg.trainer.n_gpus_per_node), int(cfg.trainer.nnodes)
-    limit = gpus if gpus > 0 else cpus
-    fitted_per_node = per_node if per_node <= limit else 1
-    if fitted_per_node == per_node and nodes == 1:
+    explicit_cpu = str(OmegaConf.select(cfg, "hardware.device") or "auto").lower() == "cpu"
+    if gpus > 0:
+        fitted = min(per_node, gpus)
+    else:
+        fitted = per_node if explicit_cpu else 1
+    if fitted == per_node and nodes == 1:
         return None
-    cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes = fitted_per_node, 1
-    where = f"{fitted_per_node} GPU{'s' if fitted_per_node > 1 else ''}" if gpus > 0 else (
-        "the CPU" if fitted_per_node == 1 else f"{fitted_per_node} CPU processes")
+    cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes = fitted, 1
+    if gpus > 0:
+        where = f"{fitted} GPU{'s' if fitted > 1 else ''}"
+    else:
+        where = "the CPU" if fitted == 1 else f"{fitted} CPU processes (hardware.device=cpu)"
     have = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus > 0 else "no GPU"
     return (f"trainer.nnodes={nodes} x trainer.n_gpus_per_node={per_node} asks for {nodes * per_node} devices; this "
             f"machine has {have}, so the run plans and trains on {where} (batch sizes unchanged; start torchrun on "
