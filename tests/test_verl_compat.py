@@ -133,3 +133,15 @@ def test_cli_reads_hydra_options(tmp_path, capsys):
     assert main(["plan", f"--config-path={tmp_path}", "--config-name=run", "trainer.no_such=1"]) == 2
     err = capsys.readouterr().err
     assert "adv_estimator='nope'" in err and "trainer.no_such" in err
+
+
+def test_a_missing_logger_is_an_error_when_asked(monkeypatch):
+    import rlanywhere.verl_compat as compat
+
+    monkeypatch.setattr(compat, "resolve_loggers", lambda asked: (["console", "tensorboard"],
+                                                                  ["trainer.logger: wandb is not installed (pip install "
+                                                                   "wandb); logging to TensorBoard instead"]))
+    cfg, notices = loaded("trainer.logger=[console,wandb]")
+    assert list(cfg.trainer.logger) == ["console", "tensorboard"] and "wandb is not installed" in notices
+    with pytest.raises(ConfigError, match="require_loggers"):
+        loaded("trainer.logger=[console,wandb]", "hardware.require_loggers=true")

@@ -297,6 +297,7 @@ class HardwareConfig:
     # auto (the planner: GRPO-style groups) | true | false
     share_prompts: Any = "auto"
     oom_recovery: bool = True
+    require_loggers: bool = False  # a trainer.logger entry that cannot run is an error, not local logging instead
     # guard rails (precision_guard.py): stop when the fp16 loss scale falls below min_loss_scale, or when the mean
     # |rollout - trainer| log-prob gap exceeds max_logprob_gap on logprob_gap_patience steps in a row (0: off)
     min_loss_scale: float = 1.0

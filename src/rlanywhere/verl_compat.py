@@ -218,11 +218,16 @@ def sandbox_url_problem(url: str, timeout_s: float = 2.0) -> Optional[str]:
 
 def verl_runtime_problems(cfg: DictConfig, notices: list[str]) -> list[str]:
     """What verl finds only once its workers start, found now: loggers that are not installed (a notice, and local
-    logging instead). (A sandbox URL that does not answer is found as the keys are read.)"""
+    logging instead; a problem with hardware.require_loggers). (A sandbox URL that does not answer is found as the
+    keys are read.)"""
     problems: list[str] = []
     asked = _logger_names(cfg.trainer.logger)
     kept, logger_notices = resolve_loggers(asked)
-    if logger_notices:
+    require = bool(cfg.hardware.require_loggers) if "hardware" in cfg else False
+    if logger_notices and require:
+        problems.extend(f"{line.split(';')[0]}, and hardware.require_loggers=true asks for a hard failure: install "
+                        "it, or drop it from trainer.logger" for line in logger_notices)
+    elif logger_notices:
         notices.extend(logger_notices)
         cfg.trainer.logger = kept
     return problems
