@@ -202,3 +202,37 @@ def test_pf_ppo_batch_moves_every_row_field():
     assert moved.scores.tolist() == [2.0, 2.0, 0.0] and moved.reward_info["acc"] == [2.0, 2.0, 0.0]
     assert moved.rollout.response_ids[:, 0].tolist() == [14, 14, 10] and moved.advantages[2, 1] == 1.0
     assert moved.group_index.tolist() == [2, 2, 0] and moved.reward_info["num_errors"] == 0
+
+
+def test_remax_baseline_is_one_greedy_response_per_prompt_scored_and_shaped():
+    from types import SimpleNamespace
+
+    from rlanywhere.rollout.base import SamplingParams
+    from rlanywhere.verl_steps import row_baselines
+
+    calls = {}
+
+    class Rollouts:
+        response_length = 4
+        cfg = SimpleNamespace(reward_model=SimpleNamespace(overlong_buffer=SimpleNamespace(
+            enable=True, len=2, penalty_factor=1.0)))
+
+        def sampling_params(self):
+            return SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=5, n=4)
+
+        def step_generator(self, step, salt=0, first_prompt=0):
+            return None
+
+        def generate(self, items, params, generator, first_prompt=0):
+            calls["params"] = params
+            return SimpleNamespace(response_lengths=lambda: torch.tensor([2, 4]))
+
+        def score(self, items, rollout, n):
+            calls["n"] = n
+            return torch.tensor([1.0, 0.0]), {}, []
+
+    baselines = row_baselines(Rollouts(), [{}, {}], step=3, n=3)
+    params = calls["params"]
+    assert (params.temperature, params.top_k, params.top_p, params.n, calls["n"]) == (0.0, 0, 1.0, 1, 1)
+    # the second greedy response ran to the limit: -1 overlong penalty, as the samples get
+    assert baselines == [1.0, 1.0, 1.0, -1.0, -1.0, -1.0]
