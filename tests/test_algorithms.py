@@ -217,7 +217,8 @@ def test_compute_advantages_dispatch():
     values = torch.full((4, 3), 0.1)
     gae = A.compute_advantages("gae", token_rewards=token_rewards, values=values, mask=mask, gamma=0.9, lam=0.8)
     close(gae[1], A.compute_gae_advantages(token_rewards, values, mask, 0.9, 0.8)[1])
-    assert set(A.ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+    assert set(A.ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                           "remax", "gpg"}
 
 
 def test_compute_advantages_outcome_uses_token_rewards_when_given():

@@ -24,7 +24,8 @@ def test_overrides_yaml_and_types(tmp_path):
     cfg = load_config(str(path), ["data.train_batch_size=32", "+trainer.logger=['console','wandb']"])
     assert cfg.data.train_batch_size == 32  # overrides win over the file
     assert cfg.algorithm.adv_estimator == "grpo"
-    assert list(cfg.trainer.logger) == ["console", "wandb"]
+    # wandb where it is installed, else local logging in its place (a notice says so)
+    assert list(cfg.trainer.logger) in (["console", "wandb"], ["console", "tensorboard"])
 
 
 def test_verl_p40_fixture_parses_with_notices():

@@ -30,7 +30,7 @@ RUNS = {
     "grpo-lora": {"algorithm.adv_estimator": "grpo", "actor_rollout_ref.model.lora_rank": 4,
                   "actor_rollout_ref.actor.use_dynamic_bsz": True, "trainer.total_training_steps": 1,
                   "trainer.save_freq": 1, "trainer.test_freq": 1, "data.seed": 5,
-                  "actor_rollout_ref.model.enable_gradient_checkpointing": True},
+                  "actor_rollout_ref.model.enable_gradient_checkpointing": True, "algorithm.use_pf_ppo": True},
     "dapo-gspo": {"algorithm.adv_estimator": "grpo", "algorithm.filter_groups.enable": True,
                   "algorithm.filter_groups.max_num_gen_batches": 2, "data.gen_batch_size": 3,
                   "reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 4,
@@ -163,7 +163,7 @@ def test_ignore_eos_applies_to_training_rollouts_only(tiny_model_dir, arith_data
 
 
 @pytest.mark.parametrize("override, needle", [("reward_model.enable=true", "custom_reward_function"),
-                                              ("reward_model.reward_manager=prime", "naive")])
+                                              ("reward_model.reward_manager=limited", "naive")])
 def test_reward_model_keys_we_cannot_honour_are_refused(override, needle):
     from rlanywhere.config import ConfigError
 

@@ -81,7 +81,7 @@ def test_policy_losses_share_one_signature():
     for name, fn in A.POLICY_LOSSES.items():
         loss, metrics = fn(old, logprob, adv, mask, 0.2, 0.28, 3.0, "token-mean", scale)
         assert loss.dim() == 0 and {"pg_clipfrac", "ppo_kl", "ratio_mean"} <= set(metrics), name
-    assert set(A.POLICY_LOSSES) == {"vanilla", "gspo"}
+    assert set(A.POLICY_LOSSES) == {"vanilla", "gspo", "gpg", "cispo", "geo_mean"}
 
 
 # ---------------------------------------------------------------- DAPO dynamic sampling
@@ -149,7 +149,7 @@ def test_variant_keys_in_verl_names():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], "choose one of vanilla, gspo"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=nope"], "choose one of vanilla, gspo, gpg, cispo, geo_mean"),
     (["data.gen_batch_size=8"], "algorithm.filter_groups.enable=true"),
     (["algorithm.filter_groups.enable=true", "data.gen_batch_size=0"], "must be positive"),
     (["reward_model.overlong_buffer.enable=true"], "reward_model.overlong_buffer.len=128"),

@@ -303,38 +303,121 @@ def compute_reinforce_plus_plus_baseline_advantages(
     return advantages, advantages
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The estimator registry: one decorated function per estimator, carrying what it needs from the run
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an advantage estimator needs from the run besides the scores (the planner and trainer read these).
+
+    * ``groups``: several responses per prompt (``group_index``), compared with each other;
+    * ``critic``: a value model (``values``);
+    * ``greedy_baseline``: the score of one greedy response per prompt (``baselines``, ReMax).
+    """
+
+    groups: bool = False
+    critic: bool = False
+    greedy_baseline: bool = False
+
+
+@dataclass(frozen=True)
+class RegisteredEstimator:
+    name: str
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    needs: EstimatorNeeds
+
+    def __call__(self, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(**kwargs)
+
+
+# verl's algorithm.adv_estimator name -> estimator; every function takes the dispatcher's keyword arguments
+# (token_rewards, outcome, values, mask, group_index, baselines, gamma, lam, norm_adv_by_std_in_grpo) and ignores
+# the ones it does not use
+ADVANTAGE_ESTIMATORS: dict[str, RegisteredEstimator] = {}
+
+
+def register_adv_est(name: str, *, groups: bool = False, critic: bool = False, greedy_baseline: bool = False):
+    """Register an advantage estimator under its ``algorithm.adv_estimator`` name (verl's ``register_adv_est``),
+    with what it needs. Registering a name twice is an error."""
+
+    def decorator(fn):
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered ({ADVANTAGE_ESTIMATORS[name].fn})")
+        ADVANTAGE_ESTIMATORS[name] = RegisteredEstimator(
+            name, fn, EstimatorNeeds(groups=groups, critic=critic, greedy_baseline=greedy_baseline))
+        return fn
+
+    return decorator
+
+
+def estimator_needs(name: str) -> EstimatorNeeds:
+    """What the estimator ``name`` needs (a ValueError naming the valid ones for an unknown name)."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)} "
+                         "(set algorithm.adv_estimator)")
+    return ADVANTAGE_ESTIMATORS[name].needs
+
+
+@register_adv_est("gae", critic=True)
 def _gae_from_kwargs(*, token_rewards, values, mask, gamma, lam, **_):
     if values is None:
         raise ValueError("advantage estimator 'gae' needs critic values; enable the critic or pick grpo/rloo")
     return compute_gae_advantages(token_rewards, values, mask, gamma, lam)
 
 
+@register_adv_est("grpo", groups=True)
 def _grpo_from_kwargs(*, outcome, group_index, mask, norm_adv_by_std_in_grpo, **_):
     return compute_grpo_advantages(outcome, group_index, mask, norm_by_std=norm_adv_by_std_in_grpo)
 
 
+@register_adv_est("rloo", groups=True)
 def _rloo_from_kwargs(*, outcome, group_index, mask, **_):
     return compute_rloo_advantages(outcome, group_index, mask)
 
 
+@register_adv_est("reinforce_plus_plus")
 def _rpp_from_kwargs(*, token_rewards, mask, gamma, **_):
     return compute_reinforce_plus_plus_advantages(token_rewards, mask, gamma)
 
 
+@register_adv_est("reinforce_plus_plus_baseline", groups=True)
 def _rpp_baseline_from_kwargs(*, outcome, group_index, mask, gamma, **_):
     return compute_reinforce_plus_plus_baseline_advantages(outcome, group_index, mask, gamma)
 
 
-# name -> adapter taking the dispatcher's keyword arguments; keys are verl's algorithm.adv_estimator names
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-    "gae": _gae_from_kwargs,
-    "grpo": _grpo_from_kwargs,
-    "rloo": _rloo_from_kwargs,
-    "reinforce_plus_plus": _rpp_from_kwargs,
-    "reinforce_plus_plus_baseline": _rpp_baseline_from_kwargs,
-}
+@register_adv_est("remax", greedy_baseline=True)
+@torch.no_grad()
+def compute_remax_advantages(*, token_rewards, baselines, mask, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023; verl's ``remax``): the return-to-go (undiscounted) minus the score of a greedy
+    response to the same prompt, on every real token. ``baselines`` is ``[batch]``: each row's prompt's greedy
+    score. Returns ``(advantages, returns)``; advantages are not whitened, as in verl."""
+    if baselines is None:
+        raise ValueError("advantage estimator 'remax' needs baselines [batch]: the score of a greedy response to "
+                         "each row's prompt")
+    _check_scores(baselines, mask)
+    mask_f = _as_float_mask(mask, token_rewards)
+    returns = (token_rewards * mask_f).flip(-1).cumsum(-1).flip(-1)
+    advantages = returns - baselines.to(returns).unsqueeze(-1) * mask_f
+    return advantages, returns
 
-_NEEDS_GROUPS = {"grpo", "rloo", "reinforce_plus_plus_baseline"}
+
+@register_adv_est("gpg", groups=True)
+@torch.no_grad()
+def compute_gpg_advantages(*, outcome, group_index, mask, f_norm: float = 1.0, **_) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """GPG (Chu et al. 2025; verl's ``gpg``): ``alpha * (score - group mean) / f_norm`` on every real token, with
+    ``alpha = batch rows / rows whose score is not 0`` (a correction for the rows that carry no signal). A group of
+    one is centred on 0, as in verl. Returns ``(advantages, advantages)``."""
+    scores = outcome
+    group_ids, num_groups = _group_ids(group_index, scores.shape[0], scores.device)
+    size, total, _ = _group_stats(scores, group_ids, num_groups)
+    mean = torch.where(size > 1, total / size, torch.zeros_like(total))
+    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
+    advantage = alpha * (scores - mean) / f_norm
+    advantages = advantage.unsqueeze(-1) * mask.to(device=advantage.device, dtype=advantage.dtype)
+    return advantages, advantages
 
 
 def compute_advantages(
@@ -348,6 +431,7 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
+    baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch to an advantage estimator by its verl name; returns ``(advantages, returns)``, both ``[batch, T]``.
 
@@ -355,16 +439,13 @@ def compute_advantages(
     ``scores`` (``[batch]``). Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline) use
     ``token_rewards.sum(-1)`` when token rewards are given, as verl does, so a KL-in-reward penalty is included;
     otherwise ``scores``. Token estimators (gae, reinforce_plus_plus) use ``token_rewards``, built from
-    ``scores`` with :func:`scores_to_token_rewards` when only scores are given.
+    ``scores`` with :func:`scores_to_token_rewards` when only scores are given. ``baselines`` (``[batch]``) is
+    each row's prompt's greedy-response score, for estimators registered with ``greedy_baseline`` (remax).
     """
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)} "
-            "(set algorithm.adv_estimator)"
-        )
+    needs = estimator_needs(estimator)
     if scores is None and token_rewards is None:
         raise ValueError("compute_advantages needs scores [batch] or token_rewards [batch, T]; got neither")
-    if estimator in _NEEDS_GROUPS and group_index is None:
+    if needs.groups and group_index is None:
         raise ValueError(
             f"advantage estimator {estimator!r} compares responses to the same prompt and needs group_index "
             "(one prompt id per row)"
@@ -388,6 +469,7 @@ def compute_advantages(
         gamma=gamma,
         lam=lam,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        baselines=baselines.to(STATISTICS_DTYPE) if baselines is not None else None,
     )
     return advantages.to(out_dtype), returns.to(out_dtype)
 
@@ -618,6 +700,25 @@ def aggregate_loss(
     return (seq_sums / seq_tokens.clamp(min=_MASK_SUM_FLOOR)).sum() / sequences
 
 
+# verl's actor.policy_loss.loss_mode -> policy loss; every entry takes ppo_policy_loss's arguments
+# (old_logprob, logprob, advantages, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, scale)
+# and returns (loss, metrics) with the same metric names
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict]]] = {}
+
+
+def register_policy_loss(name: str):
+    """Register a policy loss under its ``actor.policy_loss.loss_mode`` name (verl's ``register_policy_loss``)."""
+
+    def decorator(fn):
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name]})")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+@register_policy_loss("vanilla")
 def ppo_policy_loss(
     old_logprob: torch.Tensor,
     logprob: torch.Tensor,
@@ -746,6 +847,7 @@ def kl_loss(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@register_policy_loss("gspo")
 def gspo_policy_loss(
     old_logprob: torch.Tensor,
     logprob: torch.Tensor,
@@ -803,11 +905,143 @@ def gspo_policy_loss(
     return pg_loss, metrics
 
 
-# verl's actor.policy_loss.loss_mode -> policy loss; every entry takes ppo_policy_loss's arguments
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict]]] = {
-    "vanilla": ppo_policy_loss,
-    "gspo": gspo_policy_loss,
-}
+def _token_ratio_metrics(log_ratio: torch.Tensor, mask_f: torch.Tensor, clipfrac: torch.Tensor,
+                         clipfrac_lower: torch.Tensor | None = None) -> dict:
+    """The metric dict every policy loss returns, from a token-level log-ratio (new - old)."""
+    with torch.no_grad():
+        approx_kl = masked_mean(-log_ratio, mask_f)
+        ratio = torch.exp(log_ratio.clamp(min=-20.0, max=20.0))
+        zero = torch.zeros((), dtype=mask_f.dtype, device=mask_f.device)
+        return {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": zero if clipfrac_lower is None else clipfrac_lower,
+                "ppo_kl": approx_kl, "approx_kl": approx_kl, "ratio_mean": masked_mean(ratio, mask_f),
+                "ratio_max": _masked_max(ratio, mask_f.bool())}
+
+
+@register_policy_loss("gpg")
+def gpg_policy_loss(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    scale: LossScale | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """GPG (Chu et al. 2025; verl's ``loss_mode=gpg``): plain policy gradient ``-A * logprob`` per token, no
+    ratio and no clipping, aggregated by ``loss_agg_mode``. The clip arguments are accepted and not used; the ratio
+    metrics still compare the update's policy with the one that sampled."""
+    del clip_ratio_low, clip_ratio_high, clip_ratio_c
+    _check_token_tensors(mask, old_logprob=old_logprob, logprob=logprob, advantages=advantages)
+    mask_f = _as_float_mask(mask, logprob)
+    pg_loss = aggregate_loss(-advantages.detach() * logprob, mask_f, loss_agg_mode, scale)
+    zero = torch.zeros((), dtype=mask_f.dtype, device=mask_f.device)
+    return pg_loss, _token_ratio_metrics(logprob.detach() - old_logprob.detach(), mask_f, zero)
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    scale: LossScale | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """CISPO (MiniMax-M1, 2025; verl's ``loss_mode=cispo``): ``-sg(clip(ratio, 1 - low, 1 + high)) * A * logprob``.
+
+    The importance weight is clipped and detached, so every token keeps a gradient (through its log-prob) scaled
+    by at most ``1 + high``; PPO instead drops the gradient of a clipped token. The log-ratio is clamped to
+    [-20, 20] like verl. ``pg_clipfrac`` is the fraction of tokens whose weight was clipped; no dual clip.
+    """
+    del clip_ratio_c
+    _check_token_tensors(mask, old_logprob=old_logprob, logprob=logprob, advantages=advantages)
+    if clip_ratio_high is None:
+        clip_ratio_high = clip_ratio_low
+    mask_f = _as_float_mask(mask, logprob)
+    log_ratio = torch.clamp(logprob.detach() - old_logprob.detach(), min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg_loss = aggregate_loss(-weight * advantages.detach() * logprob, mask_f, loss_agg_mode, scale)
+    clipfrac = masked_mean(torch.ne(ratio, weight).to(mask_f.dtype), mask_f)
+    return pg_loss, _token_ratio_metrics(log_ratio, mask_f, clipfrac)
+
+
+@register_policy_loss("geo_mean")
+def geo_mean_policy_loss(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 0.4,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    scale: LossScale | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """GMPO (Zhao et al. 2025; verl's ``loss_mode=geo_mean``): the geometric mean of the token ratios per sequence.
+
+    Per token the log-ratio is clipped to ``[-low, high]`` in log space on the side the advantage's sign makes
+    pessimistic (``sign(A) * min(sign(A) * r, sign(A) * clip(r))``); a sequence's ratio is ``exp`` of the mean
+    of those over its real tokens, its advantage the mean of its token advantages, its loss ``-A * ratio``; the loss
+    is the mean over sequences (``loss_agg_mode`` is not used, as in verl; the mean is over the mini-batch's
+    non-empty sequences via ``scale``, where verl averages each micro-batch's rows). Metrics as verl: clipped
+    tokens with ``A > 0`` (``pg_clipfrac``) and with ``A < 0`` (``pg_clipfrac_lower``).
+    """
+    del clip_ratio_c, loss_agg_mode
+    _check_token_tensors(mask, old_logprob=old_logprob, logprob=logprob, advantages=advantages)
+    if clip_ratio_high is None:
+        clip_ratio_high = clip_ratio_low
+    if scale is None:
+        scale = LossScale.of(mask)
+    mask_f = _as_float_mask(mask, logprob)
+    advantages = advantages.detach()
+    log_ratio = logprob - old_logprob.detach()
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -clip_ratio_low, clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    tokens = mask_f.sum(-1)
+    seq_ratio = torch.exp((pessimistic * mask_f).sum(-1) / (tokens + 1e-8))
+    seq_advantage = (advantages * mask_f).sum(-1) / (tokens + 1e-8)
+    pg_loss = (-seq_advantage * seq_ratio).sum() / max(scale.sequences, _MASK_SUM_FLOOR)
+    with torch.no_grad():
+        clipped = torch.ne(log_ratio, clamped).to(mask_f.dtype)
+        metrics = _token_ratio_metrics(log_ratio.detach(), mask_f,
+                                       masked_mean(clipped * (advantages > 0).to(mask_f.dtype), mask_f),
+                                       masked_mean(clipped * (advantages < 0).to(mask_f.dtype), mask_f))
+        real_rows = tokens > 0
+        metrics["ratio_mean"] = torch.where(real_rows.any(), masked_mean(seq_ratio.detach(), real_rows),
+                                            torch.ones((), dtype=seq_ratio.dtype, device=seq_ratio.device))
+        metrics["ratio_max"] = _masked_max(seq_ratio.detach(), real_rows)
+    return pg_loss, metrics
+
+
+def pf_ppo_resample(scores: torch.Tensor, method: str = "pow", weight_pow: float = 2.0,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """Policy Filtration for PPO (Zhang et al. 2024; verl's ``algorithm.use_pf_ppo``): row indices ``[batch]``
+    drawn with replacement, with weights from each row's score, so the update trains more on responses whose
+    reward is more reliable.
+
+    ``method``: ``pow`` (weight ``|score| ** weight_pow``), ``max_min`` (only the rows with the batch's highest or
+    lowest score), ``max_random`` (0.4 for the highest score, 0.1 for the rest). Every weight gets ``1e-8`` so a
+    batch of zero scores still draws (uniformly). ``generator`` seeds the draw.
+    """
+    scores = torch.as_tensor(scores).detach().reshape(-1).to(STATISTICS_DTYPE)
+    if method == "pow":
+        weights = scores.abs().pow(weight_pow)
+    elif method == "max_min":
+        weights = ((scores == scores.max()) | (scores == scores.min())).to(scores.dtype)
+    elif method == "max_random":
+        weights = torch.where(scores == scores.max(), 0.4, 0.1).to(scores.dtype)
+    else:
+        raise ValueError(f"algorithm.pf_ppo.reweight_method={method!r} is not valid; choose pow, max_min or "
+                         "max_random")
+    weights = torch.clamp(weights + 1e-8, min=1e-8)
+    return torch.multinomial(weights, scores.shape[0], replacement=True, generator=generator)
 
 
 def informative_groups(metric: torch.Tensor, group_index) -> torch.Tensor:
@@ -890,6 +1124,16 @@ __all__: Sequence[str] = [
     "kl_loss",
     "gspo_policy_loss",
     "POLICY_LOSSES",
+    "register_policy_loss",
+    "register_adv_est",
+    "estimator_needs",
+    "EstimatorNeeds",
+    "compute_remax_advantages",
+    "compute_gpg_advantages",
+    "gpg_policy_loss",
+    "cispo_policy_loss",
+    "geo_mean_policy_loss",
+    "pf_ppo_resample",
     "informative_groups",
     "overlong_penalty",
     "truncated_rows",

@@ -52,14 +52,41 @@ def _split_config_and_overrides(items: list[str]) -> tuple[Optional[str], list[s
     return None, items
 
 
-def _load(items: list[str], emulate: Optional[str] = None):
+def _load(items: list[str], emulate: Optional[str] = None, hydra: Optional[tuple] = None):
     from .api import make_config
+    from .config import _load_yaml
+    from .verl_compat import hydra_config_layer
 
     path, overrides = _split_config_and_overrides(items)
     if emulate:
         overrides = overrides + [f"hardware.emulate={emulate}"]
     notices: list[str] = []
-    return make_config(path, overrides, notices=notices), notices
+    if hydra and hydra[1]:  # verl's --config-path/--config-name: that YAML (its defaults applied) under the overrides
+        if path is not None:
+            from .errors import UserError
+
+            raise UserError(f"give either a config file ({path}) or --config-path/--config-name, not both")
+        path = hydra_config_layer(hydra[0] or ".", hydra[1], notices, _load_yaml)
+    cfg = make_config(path, overrides, notices=notices)
+    _fit_world(cfg, notices)
+    return cfg, notices
+
+
+def _hydra(args) -> tuple:
+    return getattr(args, "config_path", None), getattr(args, "config_name", None)
+
+
+def _fit_world(cfg, notices: list[str]) -> None:
+    """trainer.n_gpus_per_node x nnodes larger than this machine: plan and run what it has (one notice)."""
+    import torch
+
+    from . import distributed
+    from .verl_compat import fit_world_to_machine
+
+    notice = fit_world_to_machine(cfg, torch.cuda.device_count(), distributed.launched_by_torchrun())
+    if notice:
+        notices.append(notice)
+        logging.getLogger(__name__).warning("notice: %s", notice)
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -212,11 +239,13 @@ def _point_latest_at(run_dir: str) -> None:
 
 
 def cmd_train(args) -> int:
-    if not args.items and not args.emulate:
+    if not args.items and not args.emulate and not args.config_name:
         return cmd_demo(args)  # `rlanywhere train` alone is the demo, as before `rlanywhere demo` existed
-    cfg, notices = _load(args.items, args.emulate)
+    cfg, notices = _load(args.items, args.emulate, _hydra(args))
     # options before the overrides: a relaunch appends overrides
-    argv = _verbose_argv(args) + ["train"] + (["--emulate", args.emulate] if args.emulate else []) + args.items
+    argv = _verbose_argv(args) + ["train"] + (["--emulate", args.emulate] if args.emulate else []) + (
+        [f"--config-path={args.config_path or '.'}", f"--config-name={args.config_name}"] if args.config_name
+        else []) + args.items
     return _run(cfg, notices, relaunch_argv=argv)
 
 
@@ -322,7 +351,7 @@ def plan_main(config=None, overrides: Optional[list[str]] = None, emulate: Optio
 
 
 def cmd_plan(args) -> int:
-    cfg, _ = _load(args.items, args.emulate)
+    cfg, _ = _load(args.items, args.emulate, _hydra(args))
     return plan_main(cfg, json_out=args.json)
 
 
@@ -330,7 +359,7 @@ def cmd_doctor(args) -> int:
     from .runtime import prepare_environment
     from .doctor import doctor_main
 
-    cfg, _ = _load(args.items, args.emulate)
+    cfg, _ = _load(args.items, args.emulate, _hydra(args))
     prepare_environment(cfg)
     return doctor_main(cfg)
 
@@ -371,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--emulate", help="plan for (and cap the run to) a card: p40, t4, v100-16g, a100-40g, ...")
         if name == "plan":
             p.add_argument("--json", action="store_true")
+        if name != "demo":  # Hydra's spelling, as verl's scripts use it
+            p.add_argument("--config-path", help="with --config-name: a directory of YAML configs (Hydra's option)")
+            p.add_argument("--config-name", help="the YAML in --config-path to read (its defaults applied)")
 
     ev = command("eval", "greedy accuracy and format rate of a model on a parquet file", cmd_eval)
     ev.add_argument("--model", required=True, help="HF dir (a run's final_model), hub id, .gguf file")

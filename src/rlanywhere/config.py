@@ -20,10 +20,13 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_needs
 from .errors import UserError
+from .verl_compat import (CURRENT_VERL_KEYS, REWARD_MANAGERS, reference_offload_notice, translate_verl_spellings,
+                          verl_runtime_problems)
 from .profiling import profile_step_set
 from .vocabulary import (
-    AdvantageEstimator, AttnImplementation, LossAggMode, PolicyLossMode, Precision, RolloutEngineName, Truncation,
+    AdvantageEstimator, AttnImplementation, LossAggMode, Precision, RolloutEngineName, Truncation,
 )
 
 log = logging.getLogger(__name__)
@@ -83,7 +86,7 @@ class ModelConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: str = "vanilla"  # vanilla (token-level PPO clip) | gspo (sequence-level ratio)
+    loss_mode: str = "vanilla"  # vanilla | gspo | gpg | cispo | geo_mean (algorithms.POLICY_LOSSES)
 
 
 @dataclass
@@ -200,6 +203,12 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class PFPPOConfig:
+    reweight_method: str = "pow"  # pow | max_min | max_random (algorithms.pf_ppo_resample)
+    weight_pow: float = 2.0
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -210,6 +219,8 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     mask_truncated_completions: bool = False  # TRL's name (verl has none): cut-off responses leave the loss
+    use_pf_ppo: bool = False  # PF-PPO: rows redrawn by their score before the updates (verl_steps.py)
+    pf_ppo: PFPPOConfig = field(default_factory=lambda: PFPPOConfig())
 
 
 @dataclass
@@ -286,6 +297,7 @@ class HardwareConfig:
     # auto (the planner: GRPO-style groups) | true | false
     share_prompts: Any = "auto"
     oom_recovery: bool = True
+    require_loggers: bool = False  # a trainer.logger entry that cannot run is an error, not local logging instead
     # guard rails (precision_guard.py): stop when the fp16 loss scale falls below min_loss_scale, or when the mean
     # |rollout - trainer| log-prob gap exceeds max_logprob_gap on logprob_gap_patience steps in a row (0: off)
     min_loss_scale: float = 1.0
@@ -335,6 +347,8 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r"|launch_reward_fn_async|sandbox_fusion(\..*)?)": "rule rewards only (custom_reward_function for your own)",
     r"reward_model\.overlong_buffer\.log": "the overlong penalty is always logged (reward/overlong_penalty)",
 }
+
+VERL_ONLY_KEYS.update(CURRENT_VERL_KEYS)  # the rest of current verl's schema (verl_compat.py)
 
 # Schema keys accepted (verl configs set them) that change nothing here: a user who sets one to a non-default value
 # is told what happens instead. tests/test_config_keys.py fails on a key that is neither read by a run nor listed.
@@ -441,8 +455,12 @@ def _pop_key(cfg: DictConfig, dotted: str) -> Any:
     return value
 
 
-def _vet_user_keys(user: DictConfig, notices: list[str]) -> DictConfig:
-    """Drop verl-only keys (with a notice), translate offload switches, reject unknown keys."""
+def _vet_user_keys(user: DictConfig, notices: list[str], problems: Optional[list[str]] = None) -> DictConfig:
+    """Drop verl-only keys (with a notice), translate offload switches and verl's other spellings, reject unknown
+    keys: each one is added to `problems` (raised at once when no list is given) and dropped."""
+    raise_now = problems is None
+    problems = [] if problems is None else problems
+    user = translate_verl_spellings(user, notices, problems)
     valid = set(schema_keys())
     defaults = OmegaConf.structured(RLConfig)
     for key in _leaf_keys(OmegaConf.to_container(user, resolve=False)):
@@ -460,7 +478,9 @@ def _vet_user_keys(user: DictConfig, notices: list[str]) -> DictConfig:
             value = _pop_key(user, key)
             leaf = key.rsplit(".", 1)[-1]
             target = OFFLOAD_TRANSLATIONS.get(leaf)
-            if target is not None and bool(value):
+            if target is not None and key.startswith("actor_rollout_ref.ref."):
+                notices.append(reference_offload_notice(user, key, value))
+            elif target is not None and bool(value):
                 OmegaConf.update(user, target, True, force_add=True)
                 notices.append(f"{key}={value}: verl-only key; honoured as {target}=true")
             elif leaf == "fsdp_size" and key.startswith("actor_rollout_ref.actor.") and _positive_int(value):
@@ -472,17 +492,30 @@ def _vet_user_keys(user: DictConfig, notices: list[str]) -> DictConfig:
             continue
         close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"unknown config key {key!r}{hint} (see the config reference in README.md)")
+        problems.append(f"unknown config key {key!r}{hint} (see the config reference in README.md)")
+        _pop_key(user, key)
     for key, mapping in VERL_VALUE_MAP.items():
         value = OmegaConf.select(user, key)
         if value is None:
             continue
         if value not in mapping:
-            raise ConfigError(f"{key}={value!r} is not supported; use one of {sorted(set(mapping))}")
+            problems.append(f"{key}={value!r} is not supported; use one of {sorted(set(mapping))}")
+            _pop_key(user, key)
+            continue
         if mapping[value] != value:
             notices.append(f"{key}={value}: not available here; using rlanywhere's built-in engine ({mapping[value]})")
             OmegaConf.update(user, key, mapping[value])
+    if raise_now and problems:
+        raise ConfigError(_problems_text(problems))
     return user
+
+
+def _problems_text(problems: list[str]) -> str:
+    """One problem as it is; several as a numbered list under one line, so a command line is fixed in one go."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems in this configuration:\n" + "\n".join(
+        f"  {i}. {problem}" for i, problem in enumerate(problems, 1))
 
 
 def _positive_int(value: Any) -> bool:
@@ -503,17 +536,34 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     if path is not None:
         layers.append(_load_yaml(path))
     layers.append(_parse_overrides(list(overrides or [])))
+    problems: list[str] = []  # every problem of the configuration, reported together
     for layer in layers:
-        layer = _vet_user_keys(OmegaConf.create(OmegaConf.to_container(layer, resolve=False)), notices)
-        try:
-            cfg = OmegaConf.merge(cfg, layer)
-        except OmegaConfBaseException as exc:
-            raise ConfigError(f"bad config value: {exc.msg if hasattr(exc, 'msg') else exc}") from exc
-    _check_values(cfg)
+        layer = _vet_user_keys(OmegaConf.create(OmegaConf.to_container(layer, resolve=False)), notices, problems)
+        cfg = _merge_each_key(cfg, layer, problems)
+    problems.extend(_value_problems(cfg))
+    problems.extend(verl_runtime_problems(cfg, notices))  # loggers, sandbox URL: checked before anything loads
+    if problems:
+        raise ConfigError(_problems_text(problems))
     notices.extend(_differences_from_verl(cfg))
     for line in notices:
         log.warning("notice: %s", line)
     OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _merge_each_key(cfg: DictConfig, layer: DictConfig, problems: list[str]) -> DictConfig:
+    """Merge `layer` into `cfg`; a value of the wrong type is a problem named by its key, the rest still merges."""
+    try:
+        return OmegaConf.merge(cfg, layer)
+    except OmegaConfBaseException:
+        pass
+    for key in _leaf_keys(OmegaConf.to_container(layer, resolve=False)):
+        single = OmegaConf.create()
+        OmegaConf.update(single, key, OmegaConf.select(layer, key), force_add=True)
+        try:
+            cfg = OmegaConf.merge(cfg, single)
+        except OmegaConfBaseException as exc:
+            problems.append(f"bad config value: {exc.msg if hasattr(exc, 'msg') else exc}")
     return cfg
 
 
@@ -557,7 +607,7 @@ def check_batch_sizes(cfg: DictConfig) -> None:
     minis = [("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size,
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu,
               actor.use_dynamic_bsz)]
-    if cfg.algorithm.adv_estimator == AdvantageEstimator.GAE and cfg.critic.ppo_mini_batch_size:
+    if estimator_needs(cfg.algorithm.adv_estimator).critic and cfg.critic.ppo_mini_batch_size:
         minis.append(("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size,
                       "critic.ppo_micro_batch_size_per_gpu", cfg.critic.ppo_micro_batch_size_per_gpu,
                       cfg.critic.use_dynamic_bsz))
@@ -579,9 +629,13 @@ def _largest_divisor_at_most(number: int, limit: int) -> int:
     return max(d for d in range(1, min(number, limit) + 1) if number % d == 0)
 
 
-def _check_values(cfg: DictConfig) -> None:
+def _value_problems(cfg: DictConfig) -> list[str]:
+    """Every problem of the values: the choices and positive sizes, then each later check's (those assume sane
+    sizes, so they run only when the sizes are)."""
+    problems: list[str] = []
     choices = {
-        "algorithm.adv_estimator": AdvantageEstimator.values(),
+        "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS),  # the registered estimators (algorithms.py)
+        "algorithm.pf_ppo.reweight_method": ("pow", "max_min", "max_random"),
         "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
         "actor_rollout_ref.actor.loss_agg_mode": LossAggMode.values(),
         "critic.loss_agg_mode": LossAggMode.values(),
@@ -590,24 +644,44 @@ def _check_values(cfg: DictConfig) -> None:
         "hardware.attn_implementation": AttnImplementation.values(),
         "actor_rollout_ref.rollout.name": RolloutEngineName.values(),
         "data.truncation": Truncation.values(),
-        "actor_rollout_ref.actor.policy_loss.loss_mode": PolicyLossMode.values(),
+        "actor_rollout_ref.actor.policy_loss.loss_mode": tuple(POLICY_LOSSES),
     }
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(allowed)}")
+            problems.append(f"{key}={value!r} is not valid; choose one of {', '.join(allowed)}")
     positive = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
                 "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs",
                 "actor_rollout_ref.rollout.n"]
     for key in positive:
         if OmegaConf.select(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
+            problems.append(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
+    sizes_sane = not problems
+    for check in (_check_reward_model, _check_reward_values, _check_guard_values, check_batch_sizes,
+                  _check_variant_values):
+        if check is check_batch_sizes and not sizes_sane:
+            continue
+        try:
+            check(cfg)
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems
+
+
+def _check_reward_model(cfg: DictConfig) -> None:
     if cfg.reward_model.enable:
         raise ConfigError("reward_model.enable=true asks for a learned reward model, which rlanywhere does not run; "
                           "score with rules (the default) or your own function (custom_reward_function.path)")
-    if cfg.reward_model.reward_manager not in ("naive", "batch"):
+
+
+def _check_reward_values(cfg: DictConfig) -> None:
+    if cfg.reward_model.reward_manager not in REWARD_MANAGERS:
         raise ConfigError(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r} is not available; "
-                          "'naive' (the default) scores each response with the rule or custom function")
+                          f"choose one of {', '.join(REWARD_MANAGERS)} ('naive', the default, scores each response "
+                          "with the rule or custom function)")
+
+
+def _check_guard_values(cfg: DictConfig) -> None:
     for key in ("trainer.max_consecutive_nonfinite_updates", "trainer.max_consecutive_failed_reward_steps",
                 "custom_reward_function.timeout_s"):
         if OmegaConf.select(cfg, key) < 0:
@@ -617,14 +691,12 @@ def _check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be >= 0 (0 turns the guard off), got {OmegaConf.select(cfg, key)}")
     if cfg.hardware.logprob_gap_patience < 1:
         raise ConfigError(f"hardware.logprob_gap_patience must be >= 1 steps, got {cfg.hardware.logprob_gap_patience}")
-    check_batch_sizes(cfg)
     try:
         profile_step_set(cfg.trainer.profile_steps)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
-    _check_variant_values(cfg)
 
 
 def _check_variant_values(cfg: DictConfig) -> None:

@@ -49,6 +49,7 @@ from .stepmetrics import PhaseTimer, step_metrics
 from .tracking import Tracker
 from .update import Updater, actor_loss, critic_loss
 from .validation import validate
+from .verl_steps import BASELINE_KEY, pf_ppo_batch, row_baselines
 from .vocabulary import precision_name
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,9 @@ class RLTrainer:
         scored, sampling_metrics, first_prompt = self.rollouts.rollout_and_score(items, timer, self.global_step,
                                                                                  first_prompt)
         items, rollout, scores, info = scored.items, scored.rollout, scored.scores, scored.info
+        if algo.estimator_needs(algo_cfg.adv_estimator).greedy_baseline:  # ReMax: a greedy response per prompt
+            with timer("greedy_baseline"):
+                info[BASELINE_KEY] = row_baselines(self.rollouts, items, self.global_step, self.n)
         self.precision_guard.check_rollout(rollout.response_logprobs, rollout.response_mask)
         # each row's prompt by its index in the global batch: GRPO/RLOO groups, wherever balancing puts the row
         group_index = (first_prompt + torch.arange(len(items))).repeat_interleave(self.n)
@@ -235,10 +239,13 @@ class RLTrainer:
             advantages, returns = algo.compute_advantages(
                 algo_cfg.adv_estimator, scores=scores, token_rewards=token_rewards, values=values, mask=mask,
                 group_index=group_index, gamma=algo_cfg.gamma, lam=algo_cfg.lam,
-                norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo)
+                norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo,
+                baselines=whole(torch.tensor(info[BASELINE_KEY])) if BASELINE_KEY in info else None)
             batch.token_rewards = self.dp.local_rows(token_rewards, local_mask)
             batch.advantages = self.dp.local_rows(advantages, local_mask)
             batch.returns = self.dp.local_rows(returns, local_mask)
+        if algo_cfg.use_pf_ppo:  # PF-PPO: the rows redrawn by their score before the updates
+            batch = pf_ppo_batch(batch, algo_cfg.pf_ppo, self.cfg.trainer.seed * 1_000_003 + self.global_step)
 
         # 6. updates: critic first (it is trained on the same returns), then the actor after the warm-up
         metrics: dict[str, float] = {}

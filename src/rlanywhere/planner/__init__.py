@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..algorithms import estimator_needs
 from ..machine import HardwareProbe, card_spec, probe_machine
 from ..model_shape import ModelShape, read_model_shape
 from ..plans import Plan, RolloutPlan
-from ..vocabulary import ALLOC_CONF, ATTN_EAGER, ATTN_SDPA, AdvantageEstimator, NoFitError, PlanError, \
+from ..vocabulary import ALLOC_CONF, ATTN_EAGER, ATTN_SDPA, NoFitError, PlanError, \
     RolloutEngineName
 from .device import Decision, Target, auto_flag, card_reason, check_real_card_runs, decide_memory_cap, make_target, \
     resolve_device
@@ -95,8 +96,8 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
 
     # which models exist
     actor = arr.actor
-    use_critic = cfg.algorithm.adv_estimator == AdvantageEstimator.GAE
-    reasons["use_critic"] = ("adv_estimator=gae needs a value model" if use_critic else
+    use_critic = estimator_needs(cfg.algorithm.adv_estimator).critic  # the estimator's registration says
+    reasons["use_critic"] = (f"adv_estimator={cfg.algorithm.adv_estimator} needs a value model" if use_critic else
                              f"adv_estimator={cfg.algorithm.adv_estimator} needs no value model")
     kl_loss = bool(actor.use_kl_loss) and float(actor.kl_loss_coef) > 0
     kl_reward = bool(cfg.algorithm.use_kl_in_reward) and float(cfg.algorithm.kl_ctrl.kl_coef) > 0
