@@ -1,8 +1,9 @@
 """Data parallelism on CPU: 2 ranks with gloo under torchrun train like one process on the same global batch.
 
-The reference is a single process whose rollout is generated in the same two blocks of prompts the ranks hold
-(plan.sizes.rollout_batch_size = half the batch), so the samples are the same draws; then losses, gradient norms, every
-metric and the final weights must agree to float round-off. A 2-rank run killed with SIGKILL after its step-2
+The reference is a single process with its default settings: each response row samples from its own random stream,
+keyed by its global prompt and sample index (rollout.base.RowStreams), so one process, two ranks and a halved rollout
+batch draw the same samples; then losses, gradient norms, every metric and the final weights must agree to float
+round-off. A 2-rank run killed with SIGKILL after its step-2
 checkpoint and resumed (on 2 ranks, and on 1) reproduces step 3; a rank that raises ends the job with its message.
 The 2-rank runs balance their rows (trainer.balance_batch, on by default): rows move between the ranks after each
 rollout, and the results still equal one process's.
@@ -59,11 +60,12 @@ def overrides(model_dir, data_dir, run_dir, reward_file, **extra) -> list[str]:
         **extra})
 
 
-def single_process(items: list[str], resume_from_dir: Path | None = None) -> RLTrainer:
-    """One process, rollout generated in the ranks' two blocks of prompts."""
+def single_process(items: list[str], rollout_batch_size: int | None = None) -> RLTrainer:
+    """One process, its plan's rollout batch (or `rollout_batch_size` sequences at a time, as an OOM halving sets)."""
     cfg = load_config(None, items)
     plan = make_plan(cfg, for_execution=True)
-    plan.sizes.rollout_batch_size = cfg.data.train_batch_size // 2 * cfg.actor_rollout_ref.rollout.n
+    if rollout_batch_size is not None:
+        plan.sizes.rollout_batch_size = rollout_batch_size
     trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
     trainer.fit()
     return trainer
@@ -214,6 +216,24 @@ def test_grpo_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_model_di
     assert_same_metrics(read_metrics(copy), want, steps=(3,))
 
 
+def test_samples_do_not_depend_on_the_rollout_batch(tiny_model_dir, arith_data, tmp_path, reward_file):
+    """One process generating its rollout whole, and in waves of a half and a quarter of it (what OOM recovery's
+    halving does): each row draws from its own stream, so the samples, every metric and the weights are the same.
+    (Two ranks against one process with default settings: the tests above.)"""
+    items = lambda name: overrides(tiny_model_dir, arith_data, tmp_path / name, reward_file,  # noqa: E731
+                                   **{"trainer.total_training_steps": 2, "trainer.save_freq": 2})
+    whole = single_process(items("whole"))
+    rows = whole.plan.sizes.rollout_batch_size
+    assert rows == 4 * 2  # the plan's default: the whole step's rollout at once
+    want = read_metrics(tmp_path / "whole")
+    assert any(abs(r.get("actor/pg_loss", 0.0)) > 1e-4 for r in want)
+    for name, size in (("half", rows // 2), ("quarter", rows // 4)):
+        part = single_process(items(name), rollout_batch_size=size)
+        assert_same_metrics(read_metrics(tmp_path / name), want, steps=(0, 1, 2))
+        for key, value in whole.actor.state_dict().items():
+            torch.testing.assert_close(part.actor.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+
+
 def test_ppo_with_critic_and_adaptive_kl_on_two_ranks_matches_one_process(tiny_model_dir, arith_data, tmp_path,
                                                                           reward_file):
     """PPO + critic + reference with the KL penalty in the reward (adaptive controller), 2 epochs; launched the
@@ -331,15 +351,7 @@ def test_dynamic_sampling_on_two_ranks_matches_one_process(tiny_model_dir, arith
              "trainer.total_training_steps": 3, "trainer.test_freq": 3, "trainer.save_freq": 3}
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra))
-    cfg = load_config(None, overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
-    plan = make_plan(cfg, for_execution=True)
-    # a round's prompts in the waves the ranks generate them in (a rank's waves follow its plan, not the round)
-    rank_plan = make_plan(load_config(None, overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra)
-                                      + ["trainer.n_gpus_per_node=2"]), for_execution=False)
-    plan.sizes.rollout_batch_size = rank_plan.sizes.rollout_batch_size
-    assert 8 // 2 * cfg.actor_rollout_ref.rollout.n % plan.sizes.rollout_batch_size == 0  # waves within a block
-    reference = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
-    reference.fit()
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
     finish(proc)
     want = read_metrics(single_dir)
     trained = [r for r in want if "reward/mean" in r]

@@ -337,7 +337,7 @@ def test_planner_shards_within_a_node_across_nodes():
 
 def test_hsdp_on_four_ranks_matches_one_process_and_resumes_in_one(tiny_model_dir, arith_data, tmp_path, reward_file):
     """4 gloo ranks sharded in 2 groups of 2 (verl's fsdp_size=2: HSDP, the groups replicas of each other), GRPO, 2
-    steps: every metric and the weights equal one process on the same global batch (rolled out in 4 blocks); the
+    steps: every metric and the weights equal one process on the same global batch (default settings); the
     HSDP checkpoint (DCP) resumed by one process gives the reference's step 3."""
     from rlanywhere.planner import make_plan
     from rlanywhere.trainer import RLTrainer
@@ -346,7 +346,6 @@ def test_hsdp_on_four_ranks_matches_one_process_and_resumes_in_one(tiny_model_di
         cfg = load_config(None, overrides(tiny_model_dir, arith_data, run_dir, reward_file, **{
             "trainer.total_training_steps": steps, "trainer.test_freq": 2}))
         plan = make_plan(cfg, for_execution=True)
-        plan.sizes.rollout_batch_size = cfg.data.train_batch_size // 4 * cfg.actor_rollout_ref.rollout.n
         trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
         trainer.fit()
         return trainer

@@ -18,7 +18,7 @@ from .distributed import DataParallel
 from .errors import UserError
 from .oom import OOMGuard
 from .plans import Plan, SizeKind
-from .rollout.base import RolloutBatch, SamplingParams, StopStringMatcher, collect_eos_ids
+from .rollout.base import RolloutBatch, RowStreams, SamplingParams, StopStringMatcher, collect_eos_ids
 from .sharding import weights_for_rollout
 from .stepbatch import ScoredRollout
 from .vocabulary import STATISTICS_DTYPE
@@ -76,17 +76,24 @@ class RolloutPhase:
         gen.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 7919 + salt + first_prompt * 104_729)
         return gen
 
+    def row_streams(self, step: int, salt: int = 0) -> RowStreams:
+        """The training rollout's randomness: one stream per row, keyed by (seed, step, global prompt index, sample
+        index), so a resumed run draws exactly what it would have, and the samples are the same whatever the
+        world size, the rollout batch size or an OOM halving of it (rows draw the same in any wave)."""
+        return RowStreams(self.cfg.trainer.seed * 1_000_003 + step * 7919 + salt)
+
     def generate(self, items: list[dict], params: SamplingParams, generator, first_prompt: int = 0) -> RolloutBatch:
         """Sample params.n responses per prompt, plan.sizes.rollout_batch_size sequences at a time (OOM-guarded).
 
-        `generator` is a torch.Generator for all calls, or a function of the global index of each call's first
-        prompt (`first_prompt` + offset) returning one: then the draws do not depend on how prompts are split."""
+        `generator` is RowStreams (item i is global prompt `first_prompt` + i), a torch.Generator for all calls,
+        or a function of the global index of each call's first prompt (`first_prompt` + offset) returning one."""
         self.actor.eval()
         prompts = [item["input_ids"] for item in items]
         if self.plan.sizes.rollout_batch_size is None:
             self.plan.sizes.rollout_batch_size = len(prompts) * params.n
         # the engine splits the request into waves itself; a callable generator gets global prompt indices
-        source = (lambda offset: generator(first_prompt + offset)) if callable(generator) else generator
+        source = (generator.offset(first_prompt) if isinstance(generator, RowStreams) else
+                  (lambda offset: generator(first_prompt + offset)) if callable(generator) else generator)
 
         def run(rows: int) -> RolloutBatch:
             with torch.no_grad():  # step-level tensors live on the CPU; micro-batches visit the device
@@ -140,11 +147,10 @@ class RolloutPhase:
         rounds, kept, dropped, counts = [], [], [], []
         while True:
             with timer("rollout"):
-                # [distributed] draws seeded by the global index of each call's first prompt (first_prompt: this
-                # rank's first), so N ranks sample what one process would
-                salt = -len(rounds)
-                rollout = self.generate(items, self.sampling_params(), lambda first: self.step_generator(
-                    step, salt=salt, first_prompt=first), first_prompt)
+                # [distributed] each row's stream is keyed by its global prompt index (first_prompt: this rank's
+                # first), so N ranks sample what one process would, in waves of any size
+                rollout = self.generate(items, self.sampling_params(), self.row_streams(step, salt=-len(rounds)),
+                                        first_prompt)
             with timer("reward"):
                 rounds.append(self.shaped_scores(items, rollout))
             if not filter_cfg.enable:

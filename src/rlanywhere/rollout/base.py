@@ -140,9 +140,69 @@ class RolloutBatch:
         return input_ids, attention_mask, position_ids
 
 
-# A torch.Generator (one random stream through the whole request), or a function of the index of a wave's first
-# prompt returning one (a fresh stream per wave: the trainer seeds it from (seed, step, global prompt index)).
-GeneratorSource = Union[torch.Generator, Callable[[int], torch.Generator], None]
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _splitmix64(value: int) -> int:
+    """A 64-bit integer hash (SplitMix64's finaliser), in Python integers: the same on every machine."""
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@dataclass(frozen=True)
+class RowStreams:
+    """One random stream per response row, keyed by (seed, global prompt index, sample index): a row draws the same
+    noise at each response position whatever wave, rank or batch it is generated in, so the samples of a step do
+    not depend on how the rollout is split (world size, rollout batch size, an OOM halving). `seed` already holds
+    the run's seed and step (the trainer's `RolloutPhase.row_streams`); `first_prompt` is the global index of the
+    request's prompt 0."""
+
+    seed: int
+    first_prompt: int = 0
+
+    def offset(self, prompts: int) -> "RowStreams":
+        """The streams of a request that starts `prompts` prompts later."""
+        return RowStreams(self.seed, self.first_prompt + prompts)
+
+    def row_key(self, prompt: int, sample: int) -> int:
+        """The 64-bit key of sample `sample` of the request's prompt `prompt`."""
+        return _splitmix64(_splitmix64(_splitmix64(self.seed) ^ (self.first_prompt + prompt)) ^ sample)
+
+    def keys(self, num_prompts: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int64 [num_prompts * n + 1]: the key of each request row (row p * n + j is sample j of prompt p), and a
+        last one for the scratch row that filler rows of a batch bucket write to."""
+        keys = [self.row_key(p, j) for p in range(num_prompts) for j in range(n)] + [0]
+        return torch.tensor([k - (1 << 64) if k >= (1 << 63) else k for k in keys], dtype=torch.long, device=device)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2**32): wrapping products kept to
+    32 bits, so the result is the same on every device."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def keyed_exponential(keys: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] fp32 for response position `position`: entry (r, v) is a function of (keys[r],
+    position, v) only, so a row draws the same noise in any batch."""
+    low, high = (keys & _MASK32)[:, None], ((keys >> 32) & _MASK32)[:, None]
+    at_position = _mix32(low ^ (_splitmix64(position) & _MASK32))  # the row's stream at this position
+    token = torch.arange(vocab, device=keys.device, dtype=torch.long)[None, :]
+    bits = _mix32((_mix32(token ^ at_position) + high) & _MASK32)
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits, in (0, 1): never 0
+    return -torch.log(uniform)
+
+
+# A torch.Generator (one random stream through the whole request), a function of the index of a wave's first
+# prompt returning one (a fresh stream per wave), or RowStreams (one stream per row, keyed by its global prompt
+# and sample index: the trainer's, so that the samples do not depend on how the rollout is split).
+GeneratorSource = Union[torch.Generator, Callable[[int], torch.Generator], RowStreams, None]
 
 
 class RolloutEngine(abc.ABC):
@@ -263,7 +323,10 @@ def prompt_chunks(num_prompts: int, n: int, rows_per_wave: int | None) -> list[r
 
 
 def chunk_generator(generator: GeneratorSource, first_prompt: int) -> torch.Generator | None:
-    """The generator a chunk starting at prompt `first_prompt` draws from (see GeneratorSource)."""
+    """The generator a chunk starting at prompt `first_prompt` draws from (see GeneratorSource; RowStreams: none,
+    the rows draw from their own streams)."""
+    if isinstance(generator, RowStreams):
+        return None
     if generator is None or isinstance(generator, torch.Generator):
         return generator
     if callable(generator):
@@ -296,12 +359,14 @@ def apply_temperature_top_k_top_p(
 
 
 def sample_from_logits(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    row_keys: torch.Tensor | None = None, position: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of float logits [N, V]; return (tokens [N] long, log-probs [N] float32).
 
     Sampling uses the exponential race (argmax of p / E, E ~ Exp(1)), which draws exactly from the softmax
-    distribution and needs no host synchronisation.
+    distribution and needs no host synchronisation. row_keys (int64 [N], `RowStreams.keys`): each row's noise
+    comes from its own stream at response position `position` (`keyed_exponential`), not from `generator`.
     """
     logits = logits.float()
     if params.greedy:
@@ -310,7 +375,10 @@ def sample_from_logits(
         return tokens, chosen - torch.logsumexp(logits, dim=-1)
     scores = apply_temperature_top_k_top_p(logits, params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(scores, dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    if row_keys is not None:
+        noise = keyed_exponential(row_keys.to(probs.device), position, probs.shape[-1])
+    else:
+        noise = torch.empty_like(probs).exponential_(generator=generator)
     if noise.device.type != "cuda":
         # The CPU sampler can draw exactly 0 (CUDA's never does); p/0 would win the race regardless of p.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
@@ -409,6 +477,8 @@ __all__ = [
     "RolloutBatch",
     "RolloutEngine",
     "GeneratorSource",
+    "RowStreams",
+    "keyed_exponential",
     "prompt_chunks",
     "chunk_generator",
     "apply_temperature_top_k_top_p",

@@ -28,6 +28,7 @@ from ..plans import RolloutPlan
 from ..vocabulary import DECODE_TRITON, FP32, DecodeAttention, cc_str, has_tf32
 from .base import (
     GeneratorSource,
+    RowStreams,
     RolloutBatch,
     RolloutEngine,
     SamplingParams,
@@ -224,13 +225,15 @@ class FastEngine(RolloutEngine):
         # One generator per chunk of prompts, as one engine call per chunk resolved it: the caller's generator
         # (or generator(first prompt)) when it lives on this device, else one seeded from it; without a
         # generator one stream from params.seed for the whole request.
-        shared = resolve_generator(None, params.seed, self.device) if generator is None else None
+        # RowStreams: every row draws from its own stream (its key), whatever wave it runs in.
+        keys = generator.keys(len(prompts), n, self.device) if isinstance(generator, RowStreams) else None
+        shared = resolve_generator(None, params.seed, self.device) if generator is None or keys is not None else None
         for chunk, chunk_waves in waves:
             gen = shared
             if gen is None:
                 gen = resolve_generator(chunk_generator(generator, chunk.start), params.seed, self.device)
             for wave in chunk_waves:
-                self.scheduler.run_wave(wave, prompts, params, gen, out, stop)
+                self.scheduler.run_wave(wave, prompts, params, gen, out, stop, row_keys=keys)
 
         tokens = out.tokens[:, :total_rows].T
         logprobs = out.logprobs[:, :total_rows].T

@@ -43,13 +43,16 @@ def plan_vocab_splits(rows: int, vocab: int, programs_wanted: int) -> tuple[int,
 
 def sample_into(logits: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, temperature: torch.Tensor,
                 tokens_out: torch.Tensor, logprobs_out: torch.Tensor, splits: int | None = None,
-                row_offset: int = 0) -> None:
+                row_offset: int = 0, row_keys: torch.Tensor | None = None) -> None:
     """Draw one token per row of `logits` [rows, vocab] (fp32 or half, contiguous last dim) from
     softmax(logits / temperature) into tokens_out [rows] long and its log-prob into logprobs_out [rows] fp32.
     seed [1] int64, step [1] int64 (the noise's counter: a new value each decode step), temperature [1] fp32 (0:
     greedy) live on the device; nothing is read back, so a CUDA graph can capture the call. splits: vocabulary
     chunks per row (default: fill the GPU); the result does not depend on it. row_offset: the batch row of
-    `logits`' first row (the noise is counted by batch row: a batch sampled in parts draws what it would whole)."""
+    `logits`' first row (the noise is counted by batch row: a batch sampled in parts draws what it would whole).
+    row_keys: int64 [row_offset + rows] on the device (`RowStreams.keys` of the batch's rows): each row's noise is
+    counted by its key instead of its batch row, so a row draws the same in any batch (`step` is then the response
+    position)."""
     rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         raise ValueError("sample_into: logits need a contiguous last dimension")
@@ -70,9 +73,10 @@ def sample_into(logits: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, te
     part_key = torch.empty(rows, splits, dtype=FP32, **part)
     part_col = torch.empty(rows, splits, dtype=torch.int32, **part)
     part_x, part_max, part_sum = (torch.empty(rows, splits, dtype=FP32, **part) for _ in range(3))
+    keyed = row_keys is not None
     split_kernel[(rows, splits)](logits, logits.stride(0), seed, step, temperature, part_key, part_col, part_x,
-                                 part_max, part_sum, vocab, chunk, row_offset, SPLITS=splits,
-                                 QUARTER=BLOCK_VOCAB // 4)
+                                 part_max, part_sum, vocab, chunk, row_offset, row_keys if keyed else seed,
+                                 SPLITS=splits, QUARTER=BLOCK_VOCAB // 4, KEYED=keyed)
     merge_kernel[(rows,)](part_key, part_col, part_x, part_max, part_sum, tokens_out, logprobs_out,
                           SPLITS=splits, SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()))
 

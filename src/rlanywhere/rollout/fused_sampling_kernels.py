@@ -30,8 +30,8 @@ def _quarter(logits_row, cols, hi, u, inv_temperature, greedy):
 
 @triton.jit
 def split_kernel(logits_ptr, stride_row, seed_ptr, step_ptr, temperature_ptr, part_key_ptr, part_col_ptr,
-                 part_x_ptr, part_max_ptr, part_sum_ptr, vocab, chunk, row_offset,
-                 SPLITS: tl.constexpr, QUARTER: tl.constexpr):
+                 part_x_ptr, part_max_ptr, part_sum_ptr, vocab, chunk, row_offset, row_key_ptr,
+                 SPLITS: tl.constexpr, QUARTER: tl.constexpr, KEYED: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     lo = split * chunk
@@ -44,15 +44,21 @@ def split_kernel(logits_ptr, stride_row, seed_ptr, step_ptr, temperature_ptr, pa
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
     idx = tl.arange(0, QUARTER)
     zero = (idx * 0).to(tl.uint32)
+    if KEYED:  # the row's own stream: its 64-bit key as two counter words (rollout.base.RowStreams)
+        row_key = tl.load(row_key_ptr + row + row_offset)
+        counter_row = zero + (row_key & 0xFFFFFFFF).to(tl.uint32)
+        counter_key = zero + ((row_key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    else:
+        counter_row = zero + (row + row_offset).to(tl.uint32)
+        counter_key = zero
     best_key = tl.full([QUARTER], float("-inf"), tl.float32)
     best_col = tl.full([QUARTER], 2147483647, tl.int32)
     best_x = tl.full([QUARTER], 0.0, tl.float32)
     running_max = tl.full([QUARTER], float("-inf"), tl.float32)
     running_sum = tl.full([QUARTER], 0.0, tl.float32)
     for start in range(lo, hi, 4 * QUARTER):
-        # one Philox call, four uniforms per counter: counter (position, batch row, step)
-        r0, r1, r2, r3 = philox(seed, (start + idx).to(tl.uint32), zero + (row + row_offset).to(tl.uint32),
-                                zero + step, zero)
+        # one Philox call, four uniforms per counter: counter (vocabulary position, batch row or row key, step)
+        r0, r1, r2, r3 = philox(seed, (start + idx).to(tl.uint32), counter_row, zero + step, counter_key)
         cols = start + idx
         x, key = _quarter(logits_row, cols, hi, uint_to_uniform_float(r0), inv_temperature, greedy)
         best_key, best_col, best_x, running_max, running_sum = _visit(

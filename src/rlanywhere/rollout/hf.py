@@ -22,6 +22,7 @@ from ..lora import unwrap_peft
 from .base import (
     GeneratorSource,
     RolloutBatch,
+    RowStreams,
     RolloutEngine,
     SamplingParams,
     StopStringMatcher,
@@ -29,6 +30,7 @@ from .base import (
     chunk_generator,
     collect_eos_ids,
     eos_lengths,
+    keyed_exponential,
     left_pad,
     prompt_chunks,
     resolve_pad_token_id,
@@ -57,6 +59,23 @@ class _SampledLogprobRecorder(LogitsProcessor):
         self._collect(last_tokens)
         self._previous = None
         return torch.stack(self.logprobs, dim=1)
+
+
+class _KeyedSampler(LogitsProcessor):
+    """After the recorder: draws each row's token from its own stream (`keyed_exponential`: the row's key and
+    response position) and leaves only that token finite, so generate's greedy step picks it."""
+
+    def __init__(self, row_keys: torch.Tensor, prompt_width: int):
+        self.row_keys, self.prompt_width = row_keys, prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = torch.softmax(scores.float(), dim=-1)
+        noise = keyed_exponential(self.row_keys.to(scores.device), input_ids.shape[1] - self.prompt_width,
+                                  scores.shape[-1])
+        if noise.device.type != "cuda":
+            noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        tokens = (probs / noise).argmax(dim=-1, keepdim=True)
+        return torch.full_like(scores, float("-inf")).scatter(-1, tokens, 0.0)
 
 
 class _StopStringCriteria(StoppingCriteria):
@@ -141,16 +160,19 @@ class HFEngine(RolloutEngine):
         if generator is None and params.seed is not None and len(chunks) > 1:
             generator = torch.Generator().manual_seed(params.seed)  # one stream: waves draw different seeds
         for chunk in chunks:
-            # Seed transformers' sampling (global RNG, forked) from the chunk's generator, else from params.seed.
+            # Seed transformers' sampling (global RNG, forked) from the chunk's generator, else from params.seed;
+            # RowStreams: each row samples from its own stream (_KeyedSampler).
             gen = chunk_generator(generator, chunk.start)
             seed = params.seed
             if gen is not None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device).item())
-            parts.append(self._generate_wave([prompts[i] for i in chunk], params, seed, matcher))
+            keys = (generator.offset(chunk.start).keys(len(chunk), params.n)[:-1]
+                    if isinstance(generator, RowStreams) and not params.greedy else None)
+            parts.append(self._generate_wave([prompts[i] for i in chunk], params, seed, matcher, keys))
         return RolloutBatch.concat(parts, self.pad_token_id)
 
     def _generate_wave(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
-                       matcher: StopStringMatcher) -> RolloutBatch:
+                       matcher: StopStringMatcher, row_keys: torch.Tensor | None = None) -> RolloutBatch:
         device = self.device
         eos_ids = [] if params.ignore_eos else list(self.eos_ids)
 
@@ -168,6 +190,8 @@ class HFEngine(RolloutEngine):
                 processors.append(TopPLogitsWarper(top_p=params.top_p))
         recorder = _SampledLogprobRecorder()
         processors.append(recorder)
+        if row_keys is not None:
+            processors.append(_KeyedSampler(row_keys, prompt_width))
         criteria = StoppingCriteriaList()
         stop_criteria = None
         if matcher:
@@ -176,10 +200,11 @@ class HFEngine(RolloutEngine):
 
         # Temperature / top-k / top-p are applied by our own warpers above (so they run before the recorder);
         # the config's own are set to "off", since unset values would take transformers' defaults (top_k=50).
-        sampling_off = {} if params.greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        sampling_off = ({} if params.greedy or row_keys is not None else
+                        {"temperature": 1.0, "top_k": 0, "top_p": 1.0})
         generation_config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
-            do_sample=not params.greedy,
+            do_sample=not params.greedy and row_keys is None,
             **sampling_off,
             num_beams=1,
             num_return_sequences=1,

@@ -149,6 +149,7 @@ class DecodeRunner:
         self.decode_halves = decode_halves
         self._streams: list[Any] = []
         self.fused_sampling = fused_sampling  # decode_sample available (Triton runs here)
+        self._keyed = False  # decode_sample draws from each row's stream (set_sampling's row_keys)
         self.span_granularity = span_granularity
         self.cache = KVCache(forward.dims, forward.dtype, forward.device)
         self._graphs: dict[tuple[int, int, bool], Any] = {}
@@ -181,6 +182,8 @@ class DecodeRunner:
             "sin": sin,
             # the fused sampler's inputs (set per wave) and outputs
             "seed": torch.zeros(1, **long),
+            "row_keys": torch.zeros(rows, **long),  # each row's stream key (keyed sampling), compacted with it
+            "position": torch.zeros(1, **long),  # the response position a keyed step samples
             "temperature": torch.ones(1, dtype=FP32, device=self.device),
             "sampled": torch.zeros(rows, **long),
             "sampled_logprobs": torch.zeros(rows, dtype=FP32, device=self.device),
@@ -240,15 +243,22 @@ class DecodeRunner:
         count = active.numel()
         index = torch.cat([active, active[:1].expand(batch - count)]) if batch > count else active
         self.cache.compact(index, used_slots)
-        for name in ("tokens", "positions"):
+        for name in ("tokens", "positions", "row_keys"):
             buf = self._buffers[name]
             buf[:batch] = buf[index]
 
-    def set_sampling(self, seed: torch.Tensor, temperature: float) -> None:
+    def set_sampling(self, seed: torch.Tensor, temperature: float, row_keys: torch.Tensor | None = None) -> None:
         """The fused sampler's seed ([1] int64 on the device: drawn from the wave's generator, no host read) and
-        temperature (0: greedy) for the following `decode_sample` steps."""
-        self._buffers["seed"].copy_(seed)
+        temperature (0: greedy) for the following `decode_sample` steps. row_keys (int64 [batch] on the device,
+        `RowStreams.keys` of the batch's rows): each row samples from its own stream at the response position
+        `decode_sample` is given, and the seed is not used."""
+        self._keyed = row_keys is not None
         self._buffers["temperature"].fill_(temperature)
+        if self._keyed:  # the keys are the whole stream: no seed of the wave's
+            self._buffers["seed"].zero_()
+            self._buffers["row_keys"][:row_keys.numel()].copy_(row_keys)
+        else:
+            self._buffers["seed"].copy_(seed)
 
     def _decode_into_buffer(self, batch: int, span: int, sample: bool) -> None:
         if not (self.decode_halves and batch >= 2 * DECODE_HALF_MIN_ROWS):
@@ -262,7 +272,10 @@ class DecodeRunner:
         b, end = self._buffers, start + rows
         logits = self.forward.decode(b["tokens"][start:end], b["positions"][start:end], self.cache.starts[start:end],
                                      b["slot"], b["slot_range"][:span], self._rope(), self.cache.rows_from(start))
-        if sample:  # the decode step's slot counts the noise: each step draws afresh
+        if sample and self._keyed:  # each row's stream, counted by the response position
+            sample_into(logits, b["seed"], b["position"], b["temperature"], b["sampled"][start:end],
+                        b["sampled_logprobs"][start:end], row_offset=start, row_keys=b["row_keys"])
+        elif sample:  # the decode step's slot counts the noise: each step draws afresh
             sample_into(logits, b["seed"], b["slot"], b["temperature"], b["sampled"][start:end],
                         b["sampled_logprobs"][start:end], row_offset=start)
         else:
@@ -297,12 +310,14 @@ class DecodeRunner:
         self._run_step(batch, slot, span, eager, sample=False)
         return self._buffers["logits"][:batch]
 
-    def decode_sample(self, batch: int, slot: int, span: int | None = None,
-                      eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_sample(self, batch: int, slot: int, span: int | None = None, eager: bool = False,
+                      position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode_step` with the next token drawn inside the step (the fused sampler, `set_sampling` first):
-        (tokens [batch] long, log-probs [batch] fp32), views of static buffers."""
+        (tokens [batch] long, log-probs [batch] fp32), views of static buffers. position: the response position
+        (keyed sampling counts each row's noise by it)."""
         if not self.fused_sampling:
             raise RuntimeError("decode_sample needs a runner built with fused_sampling=True (Triton)")
+        self._buffers["position"].fill_(position)
         self._run_step(batch, slot, span, eager, sample=True)
         return self._buffers["sampled"][:batch], self._buffers["sampled_logprobs"][:batch]
 
@@ -312,7 +327,8 @@ class DecodeRunner:
         if eager or not self.cuda_graphs:
             self._decode_into_buffer(batch, span, sample)
             return
-        graph = self._graphs.get((batch, span, sample))
+        key = (batch, span, sample, sample and self._keyed)
+        graph = self._graphs.get(key)
         if graph is None:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
@@ -326,7 +342,7 @@ class DecodeRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool):
                 self._decode_into_buffer(batch, span, sample)
-            self._graphs[(batch, span, sample)] = graph
+            self._graphs[key] = graph
         graph.replay()
 
 

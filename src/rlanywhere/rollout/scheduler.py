@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -105,20 +106,26 @@ class Scheduler:
         self.prefill_tokens_per_chunk = prefill_tokens_per_chunk
 
     def run_wave(self, wave: list[WaveUnit], prompts: list[list[int]], params: SamplingParams,
-                 gen: torch.Generator, out: RequestOutputs, stop: StopRule) -> None:
-        """Generate every row of `wave` into `out`."""
-        state = self._prefill(wave, prompts, params, gen, out, stop)
+                 gen: torch.Generator, out: RequestOutputs, stop: StopRule,
+                 row_keys: Optional[torch.Tensor] = None) -> None:
+        """Generate every row of `wave` into `out`. row_keys (`RowStreams.keys`, indexed by request row): each row
+        samples from its own stream instead of `gen` (the fused sampler keeps the keys of the batch's rows beside
+        them, compacted with them)."""
+        state = self._prefill(wave, prompts, params, gen, out, stop, row_keys)
         fused = self.fused_sampling_for(params)
-        if fused:  # one seed per wave from its generator; the decode step counts the draws after it
+        if fused:  # one seed per wave from its generator (or the rows' keys); the decode step counts the draws after it
             seed = torch.randint(0, 2**62, (1,), generator=gen, device=gen.device, dtype=torch.long)
-            self.runner.set_sampling(seed.to(self.runner.device), params.temperature)
+            self.runner.set_sampling(seed.to(self.runner.device), params.temperature,
+                                     None if row_keys is None else row_keys[state.row_map])
         for t in range(1, params.max_new_tokens):
             if t % self.check_every == 0 and not self.check_rows(state, out, stop, t):
                 break
             if fused:
-                tok, logp = self.runner.decode_sample(state.batch, state.slot(t))
+                tok, logp = self.runner.decode_sample(state.batch, state.slot(t), position=t)
             else:
-                tok, logp = sample_from_logits(self.runner.decode_step(state.batch, state.slot(t)), params, gen)
+                keys = None if row_keys is None else row_keys[state.row_map]
+                tok, logp = sample_from_logits(self.runner.decode_step(state.batch, state.slot(t)), params, gen,
+                                               keys, position=t)
             out.tokens[t].index_copy_(0, state.row_map, tok)
             out.logprobs[t].index_copy_(0, state.row_map, logp)
             if stop.use_eos:
@@ -133,7 +140,8 @@ class Scheduler:
         return self.runner.fused_sampling and (params.top_k == 0 or params.top_k >= vocab) and params.top_p == 1.0
 
     def _prefill(self, wave: list[WaveUnit], prompts: list[list[int]], params: SamplingParams,
-                 gen: torch.Generator, out: RequestOutputs, stop: StopRule) -> WaveState:
+                 gen: torch.Generator, out: RequestOutputs, stop: StopRule,
+                 row_keys: Optional[torch.Tensor] = None) -> WaveState:
         """Shared prefill (each unit's prompt once, its K/V copied to its rows), the first token of every row, and
         the decode state of the wave's batch bucket."""
         n, device, runner = params.n, self.runner.device, self.runner
@@ -155,7 +163,8 @@ class Scheduler:
         row_ids = torch.tensor([u.prompt * n + u.first_sample + j for u in wave for j in range(u.count)],
                                device=device)
         prompt_len = torch.tensor([len(prompts[u.prompt]) for u in wave for _ in range(u.count)], device=device)
-        tok, logp = sample_from_logits(torch.cat(first_logits), params, gen)
+        tok, logp = sample_from_logits(torch.cat(first_logits), params, gen,
+                                       None if row_keys is None else row_keys[row_ids], position=0)
         out.tokens[0].index_copy_(0, row_ids, tok)
         out.logprobs[0].index_copy_(0, row_ids, logp)
 
