@@ -64,7 +64,7 @@ class Updater:
 
     @property
     def uses_token_budget(self) -> bool:
-        return self.plan.sizes.max_token_len_per_micro_batch is not None
+        return self.oom.sizes.max_token_len_per_micro_batch is not None  # the run state's sizes
 
     def micro_batches(self, batch: StepBatch, rows: list[int], size: int) -> list[list[int]]:
         """`rows` cut into micro-batches of `size` (rows, or tokens under a token budget). With
