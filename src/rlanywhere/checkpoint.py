@@ -327,20 +327,20 @@ def resume_latest(run_dir: str, load: Callable[[str], dict], dp=None) -> Optiona
         try:
             state = load(path)
         except CheckpointError as exc:
-            damaged.append((path, str(exc)))
+            damaged.append((path, str(exc), getattr(exc, "aside_suffix", "damaged")))
             log.warning("%s; trying the previous checkpoint", exc)
             continue
         if dp is None or dp.is_main:
-            for bad_path, _ in damaged:
-                shutil.rmtree(f"{bad_path}.damaged", ignore_errors=True)
-                os.replace(bad_path, f"{bad_path}.damaged")
-                log.warning("moved the damaged %s aside to %s.damaged", bad_path, bad_path)
+            for bad_path, _, suffix in damaged:
+                shutil.rmtree(f"{bad_path}.{suffix}", ignore_errors=True)
+                os.replace(bad_path, f"{bad_path}.{suffix}")
+                log.warning("moved the %s %s aside to %s.%s", suffix, bad_path, bad_path, suffix)
         if dp is not None:
             dp.barrier()
         return path, state
     if damaged:
         raise CheckpointError(
-            f"no usable checkpoint in {checkpoint_root(run_dir)}: " + "; ".join(msg for _, msg in damaged) +
+            f"no usable checkpoint in {checkpoint_root(run_dir)}: " + "; ".join(msg for _, msg, _ in damaged) +
             ". Start over with trainer.resume_mode=disable trainer.overwrite_run_dir=true, or use another "
             "trainer.default_local_dir")
     return None

@@ -88,9 +88,9 @@ class Checkpointer:
         bad = self.nonfinite(actor, critic)
         if bad is not None:
             raise CheckpointError(
-                f"not saving global_step_{step}: parameter {bad} holds NaN/inf. The last checkpoint is {previous}"
-                + (earlier_hint or "; resume from it with a lower learning rate (trainer.resume_mode=resume_path "
-                   "trainer.resume_from_path=<it>)"))
+                f"not saving global_step_{step}: parameter {bad} holds NaN/inf. " + (earlier_hint or (
+                    f"The last checkpoint is {previous}; resume from it with a lower learning rate "
+                    "(trainer.resume_mode=resume_path trainer.resume_from_path=<it>)")))
         sharded = is_sharded(actor)
         # [distributed] sharded: a collective every rank joins before anything is written; rank 0 holds the tensors
         actor_full = replicated_full = None
@@ -189,9 +189,16 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} holds NaN/inf weights (first: {bad})")
         return state
 
-    def resume(self, **models) -> Optional[tuple[str, dict]]:
-        """The newest usable checkpoint loaded into `models`; damaged newer ones moved aside by rank 0."""
-        return replicated.resume_latest(self.run_dir, lambda path: self.load(path, **models), dp=self.dp)
+    def resume(self, check: Optional[Callable[[str, dict], None]] = None, **models) -> Optional[tuple[str, dict]]:
+        """The newest usable checkpoint loaded into `models`; damaged newer ones moved aside by rank 0.
+        `check(path, state)` may refuse a loaded one with CheckpointError (a run's unhealthy checkpoint)."""
+        def load(path: str) -> dict:
+            state = self.load(path, **models)
+            if check is not None:
+                check(path, state)
+            return state
+
+        return replicated.resume_latest(self.run_dir, load, dp=self.dp)
 
     def retire_later(self, step: int) -> None:
         """Checkpoints later than the resumed `step` moved aside (rank 0; the others wait)."""

@@ -29,6 +29,8 @@ from typing import Optional
 
 from .api import DEMO_DATA_DIR, demo_profile  # noqa: F401  (their home before api.py; kept for callers)
 
+from .runfaults import guard_output_streams
+
 log = logging.getLogger("rlanywhere")
 
 
@@ -420,6 +422,7 @@ def user_error_message(exc: BaseException) -> Optional[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     verbose = getattr(args, "verbose", False)
+    guard_output_streams()  # before logging and progress bars take the streams: a reader gone never stops a save
     _configure_logging(verbose)
     try:
         return args.func(args)

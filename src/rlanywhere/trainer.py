@@ -7,7 +7,9 @@ Read `RLTrainer.train_step` top to bottom; it is the whole algorithm:
 
 The parts live in their own modules: builders.py (models, optimizers, data, engine), rollout_phase.py (steps 1-2),
 balance.py (rows moved between ranks after them: trainer.balance_batch), update.py (micro-batches, accumulation,
-optimizer steps), stepmetrics.py (step 7), validation.py, runguard.py (signals, divergence stops), checkpoint.py.
+optimizer steps), stepmetrics.py (step 7), validation.py, runguard.py (signals, divergence stops),
+trainer_checkpoints.py (save, export, resume through the one checkpointer of checkpointer.py), runstate.py (what
+changes while the run goes: sizes, KV release, the engine running).
 Every hardware choice comes from the Plan made by the planner (planner.py) before anything was loaded; this file
 only follows it.
 """
@@ -28,26 +30,27 @@ from omegaconf import DictConfig, OmegaConf
 from . import algorithms as algo
 from . import builders
 from .balance import balance_rows, balance_text
-from .checkpoint import capture_rng, export_final_model, restore_rng
+from .checkpoint import capture_rng, restore_rng
 from .checkpointer import Checkpointer
 from .compiling import compiles_so_far
 from .config import as_list, to_yaml
-from .dist_checkpoint import save_full_model
 from .distributed import DataParallel, NullTracker, check_world_config
 from .planner import make_grad_scaler
 from .plans import Plan, SizeKind
-from .lora import adapter_disabled, merged_state_for_export
+from .lora import adapter_disabled
 from .offload import on_device
-from .oom import OOMGuard, oom_sizes_path, remembered_sizes
+from .oom import OOMGuard
 from .precision_guard import PrecisionGuard
 from .profiling import maybe_profile, profile_step_set
 from .rollout_phase import RolloutPhase, response_length
-from .sharding import is_sharded, sync_engine
+from .sharding import sync_engine
+from .runfaults import RunDirWatch
 from .runguard import RunInterrupted, RunStops, StopSignals, prepare_run_dir
 from .runstate import RunState
 from .stepbatch import StepBatch
 from .stepmetrics import PhaseTimer, step_metrics
 from .tracking import Tracker
+from .trainer_checkpoints import TrainerCheckpoints
 from .update import Updater, actor_loss, critic_loss
 from .validation import validate
 from .vocabulary import precision_name
@@ -61,7 +64,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class RLTrainer:
+class RLTrainer(TrainerCheckpoints):
     def __init__(self, cfg: DictConfig, plan: Plan, run_dir: str, notices: Optional[list[str]] = None):
         self.cfg, self.plan, self.run_dir, self.device = cfg, plan, run_dir, plan.device
         self.notices = list(notices or [])
@@ -273,74 +276,6 @@ class RLTrainer:
     def validate(self) -> dict:
         return validate(self.rollouts, self.val_set, self.dp, self.run_dir, self.global_step)
 
-    # ------------------------------------------------------------------------------------------ checkpoints
-    def trainer_state(self) -> dict:
-        return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,  # fp16 loss scale
-                "run_state": self.run.checkpoint_record()}
-
-    def save(self) -> str:
-        sharded = is_sharded(self.actor)
-        path = self.checkpointer.save(
-            self.global_step, actor=self.actor, tokenizer=self.tokenizer, critic=self.critic,
-            optimizers=self.optimizers, schedulers=self.schedulers, trainer_state=self.trainer_state(),
-            export_actor=(lambda: merged_state_for_export(self.actor)) if self.plan.use_lora and not sharded else None)
-        log.info("checkpoint saved: %s", path)
-        self.stops.checkpoint_saved(path)
-        return path
-
-    def save_final_model(self) -> str:
-        """The trained actor in HF format at the end of a run: the last checkpoint's actor/ when one was written at
-        this step (save_freq > 0), else RUN_DIR/final_model/ (model + tokenizer, LoRA merged, no optimizer)."""
-        if is_sharded(self.actor):  # [distributed] gathered full weights, written by rank 0
-            final = os.path.join(self.run_dir, "final_model")
-            save_full_model(self.dp, final, self.actor, self.tokenizer)
-            return final
-        return export_final_model(self.run_dir, self.global_step, lambda: merged_state_for_export(self.actor)
-                                  if self.plan.use_lora else self.actor, self.tokenizer, self.dp)
-
-    def maybe_resume(self) -> None:
-        """Continue from the newest usable checkpoint (a damaged one is named and skipped), or the given path."""
-        trainer_cfg = self.cfg.trainer
-        if trainer_cfg.resume_mode == "disable":
-            return
-        models = dict(actor=self.actor, critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers)
-        if trainer_cfg.resume_mode == "resume_path":  # asked for by name: no fallback
-            path = trainer_cfg.resume_from_path
-            state = self.checkpointer.load(path, **models)
-        else:
-            found = self.checkpointer.resume(**models)
-            if found is None:
-                return
-            path, state = found
-        self.global_step = state["global_step"]
-        self.loader.load_state_dict(state["loader"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        if self.grad_scaler is not None and state.get("grad_scaler"):
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
-        for name, old, new in self.run.restore(state.get("run_state")):  # what OOM recovery learned, as ceilings
-            log.warning("%s %s -> %s: lowered by an out-of-memory event before this checkpoint", name, old, new)
-        self.write_plan_record()
-        builders.apply_optim_config(self.cfg, self.optimizers, self.schedulers)
-        sync_engine(self.engine, self.actor)  # [distributed]
-        self.checkpointer.retire_later(self.global_step)  # never a mix of two timelines
-        self.stops.last_good_checkpoint = path
-        log.info("resumed from %s at step %d", path, self.global_step)
-
-    def apply_remembered_sizes(self) -> None:
-        """[distributed] The sizes an out-of-memory stop of this run saved for its next launch (a sharded update
-        cannot be redone on one rank: OOMGuard.run_matched), each a ceiling on what the plan or checkpoint says."""
-        record = remembered_sizes(self.run_dir)
-        changes = self.run.lower_to({name: size for name, size in ((record or {}).get("sizes") or {}).items()
-                                     if isinstance(size, int)})
-        if not changes:
-            return
-        if self.dp.is_main:  # plan.json keeps the history; counted once in oom/recoveries (a sum over ranks)
-            self.run.oom_events.append({**record["event"], "stopped_the_job": True})
-        log.warning("sizes lowered by an out-of-memory stop of this run (%s): %s", oom_sizes_path(self.run_dir),
-                    ", ".join(f"{name} {old} -> {new}" for name, old, new in changes))
-        self.write_plan_record()
-
     # ------------------------------------------------------------------------------------------ the run
     def fit(self) -> dict:
         trainer_cfg = self.cfg.trainer
@@ -352,6 +287,7 @@ class RLTrainer:
                                    trainer_cfg.experiment_name, OmegaConf.to_container(self.cfg, resolve=True),
                                    self.total_steps, resume_step=self.global_step if self.global_step > 0 else None) \
                 if self.dp.is_main else NullTracker()  # [distributed] metrics, progress and plots from rank 0 alone
+            self.run_dir_watch = RunDirWatch(self.run_dir)
             with StopSignals() as self.stops.signals:
                 return self._loop()
         finally:
@@ -388,8 +324,11 @@ class RLTrainer:
                 last_val = stops.droppable(self.validate) or {}
                 metrics.update(last_val)
             self.tracker.log(metrics, step=self.global_step)
+            stops.check_step(metrics)
             if self._recorded_changes != self.run.changes:  # OOM recovery lowered a size, a cache was freed
                 self.write_plan_record()
+            if self.dp.is_main:
+                self.run_dir_watch.check(self.global_step)  # the folder deleted: its metrics are lost, stop
             stops.record_rewards(metrics["reward/errors"], self.loader.batch_size * self.n,
                                  self.reward_manager.last_error)
             if trainer_cfg.save_freq > 0 and (self.global_step % trainer_cfg.save_freq == 0 or is_last):
