@@ -307,3 +307,47 @@ def test_a_sharded_rank_with_an_empty_mini_batch_pads_and_a_non_finite_loss_adds
     finally:
         batch.returns = returns
         trainer.optimizers["critic"].zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------------------------------------ launch layouts
+def _ppo_plan_args():
+    return ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=gae",
+            "data.train_batch_size=64", "data.max_prompt_length=256", "data.max_response_length=256",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=64", "trainer.n_gpus_per_node=4"]
+
+
+def test_slurm_layout_one_gpu_per_task_is_planned_on_that_gpu(monkeypatch):
+    """srun --gpus-per-task=1: every task sees one GPU (its own CUDA_VISIBLE_DEVICES) and LOCAL_RANK counts 0..3."""
+    from rlanywhere.config import load_config
+    from rlanywhere.machine import HardwareProbe
+    from rlanywhere.planner import make_plan
+    from rlanywhere.rank_layout import rank_gpu_index
+    from rlanywhere.vocabulary import PlanError
+
+    probe = HardwareProbe.fake("h100")  # one visible device
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    plan = make_plan(load_config(None, _ppo_plan_args()), probe, for_execution=True)
+    assert plan.device == "cuda:0" and plan.world_size == 4
+    assert "CUDA_VISIBLE_DEVICES" in plan.reasons["device"]
+    # one GPU on the machine and 4 ranks started on it by mistake: still refused, naming both fixes
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(PlanError, match="LOCAL_RANK=3 but only 1 CUDA device.*CUDA_VISIBLE_DEVICES"):
+        make_plan(load_config(None, _ppo_plan_args()), probe, for_execution=True)
+    assert rank_gpu_index(1, 4, {}) == (1, "this rank's GPU (LOCAL_RANK=1 of 4 visible)")
+    assert rank_gpu_index(1, 2, {"CUDA_VISIBLE_DEVICES": "0,1"})[0] == 1
+
+
+def test_api_plan_under_torchrun_plans_for_the_launch_world(monkeypatch):
+    """`rlanywhere.plan(cfg)` inside a script started by torchrun plans every rank's share, like the CLI."""
+    import rlanywhere
+    from rlanywhere.config import load_config
+
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    cfg = load_config(None, ["hardware.device=cpu", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    plan = rlanywhere.plan(cfg)
+    assert plan.world_size == 2 and plan.data_parallel == "replicate" and plan.dist_backend == "gloo"
+    assert cfg.trainer.n_gpus_per_node == 2

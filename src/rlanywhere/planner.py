@@ -37,6 +37,7 @@ from .machine import CardSpec, DeviceInfo, HardwareProbe, card_spec, fp16_proble
 from .model_shape import ModelShape, read_model_shape
 from .plans import Plan, RolloutPlan
 from .prompt_sharing import MASKED, VARLEN, varlen_attention_function
+from .rank_layout import one_gpu_per_task, rank_gpu_index
 from .vocabulary import (
     ALLOC_CONF, CUDNN_SDPA, ATTN_EAGER, ATTN_FLASH, ATTN_IMPLEMENTATIONS, ATTN_SDPA, BF16, FP16, FP32,
     LOSS_SCALE_GROWTH_INTERVAL,
@@ -115,13 +116,10 @@ def _resolve_device(cfg: Any, machine: HardwareProbe, card: Optional[CardSpec], 
             else:
                 reasons["device"] = "no CUDA device visible: training on CPU"
             return "cpu", None
-        index = _local_rank()
-        reasons["device"] = (f"auto: this rank's GPU (LOCAL_RANK={index})" if "LOCAL_RANK" in os.environ
-                             else "auto: first CUDA device")
-        if index >= len(machine.devices):
-            raise PlanError(f"rank with LOCAL_RANK={index} but only {len(machine.devices)} CUDA device(s) are visible: "
-                            f"start at most {len(machine.devices)} processes per node (--nproc_per_node / "
-                            "trainer.n_gpus_per_node)")
+        index, why = rank_gpu_index(_local_rank(), len(machine.devices))  # torchrun's layout, or SLURM's
+        reasons["device"] = f"auto: {why}" if "LOCAL_RANK" in os.environ else "auto: first CUDA device"
+        if index is None:
+            raise PlanError(why)
     else:
         match = re.fullmatch(r"cuda(?::(\d+))?", requested)
         if match is None:
@@ -131,7 +129,8 @@ def _resolve_device(cfg: Any, machine: HardwareProbe, card: Optional[CardSpec], 
             if match.group(1) is not None:
                 raise PlanError(f"hardware.device={requested} under torchrun would put every rank on one GPU: use "
                                 "hardware.device=cuda (or auto); each rank takes cuda:LOCAL_RANK")
-            index = _local_rank()
+            index = rank_gpu_index(_local_rank(), len(machine.devices))[0]
+            index = _local_rank() if index is None else index  # none fits: the error below names the index
         if not machine.devices:
             if card is not None and not for_execution:
                 reasons["device"] = f"planning only (no CUDA device here): the decisions are for the {card.name}"
@@ -910,7 +909,7 @@ def _plan_data_parallel(cfg: Any, plan: Plan, machine: HardwareProbe, for_execut
         reasons["data_parallel"] = "one process (trainer.nnodes x trainer.n_gpus_per_node = 1)"
         return
     on_gpu = plan.device.startswith("cuda")
-    if for_execution and on_gpu and per_node > len(machine.devices):
+    if for_execution and on_gpu and per_node > len(machine.devices) and not one_gpu_per_task(len(machine.devices)):
         raise PlanError(f"trainer.n_gpus_per_node={per_node} but this node has {len(machine.devices)} CUDA device(s): "
                         f"use trainer.n_gpus_per_node<={len(machine.devices)} (or hardware.device=cpu for CPU "
                         "processes)")
