@@ -351,3 +351,30 @@ def test_api_plan_under_torchrun_plans_for_the_launch_world(monkeypatch):
     plan = rlanywhere.plan(cfg)
     assert plan.world_size == 2 and plan.data_parallel == "replicate" and plan.dist_backend == "gloo"
     assert cfg.trainer.n_gpus_per_node == 2
+
+
+# ------------------------------------------------------------------------------------------------ reward workers
+@pytest.mark.slow
+def test_reward_workers_start_from_a_fresh_server_not_a_fork_of_the_trainer(tmp_path):
+    """A fork of a process running CUDA/NCCL/gloo threads can inherit a held lock and hang: the pool's workers are
+    children of a fresh server process (forkserver), and a function from a file is loaded again there."""
+    from rlanywhere.rewards import RewardManager, load_custom_reward
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("import os\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return {'score': float(len(solution_str)), 'parent': float(os.getppid())}\n")
+    manager = RewardManager(load_custom_reward(reward), timeout_s=5, num_workers=1)
+    try:
+        scores, info = manager(["ab", "abcd"], ["1", "2"], ["x", "x"])
+        assert scores.tolist() == [2.0, 4.0] and info["num_errors"] == 0
+        assert all(parent != os.getpid() for parent in info["parent"])  # not forked from this (the trainer) process
+    finally:
+        manager.close()
+    # a function that cannot be pickled (a closure) still runs: its workers are forked, as before
+    offset = 1.0
+    closure = RewardManager(lambda data_source, text, truth, extra=None: len(text) + offset, timeout_s=5,
+                            num_workers=1)
+    try:
+        assert closure(["abc"], ["1"], ["x"])[0].tolist() == [4.0]
+    finally:
+        closure.close()
