@@ -378,3 +378,81 @@ def test_reward_workers_start_from_a_fresh_server_not_a_fork_of_the_trainer(tmp_
         assert closure(["abc"], ["1"], ["x"])[0].tolist() == [4.0]
     finally:
         closure.close()
+
+
+# ------------------------------------------------------------------------------------------------ several ranks
+@pytest.mark.slow
+def test_two_ranks_resume_from_a_folder_with_damaged_and_later_checkpoints(tiny_model_dir, arith_data, tmp_path):
+    """Both ranks share the run folder: rank 0 alone moves checkpoints aside (damaged, then later than the resumed
+    step), the other waits for it; no rank deletes or renames what the other just moved."""
+    from .test_distributed import REWARD, finish, overrides, torchrun
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    run = tmp_path / "run"
+    finish(torchrun(overrides(tiny_model_dir, arith_data, run, reward, **{"trainer.test_freq": -1})))
+    checkpoints = run / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("global_step_")) == [
+        "global_step_1", "global_step_2", "global_step_3"]
+    weights = checkpoints / "global_step_3" / "actor" / "model.safetensors"
+    with open(weights, "r+b") as handle:
+        handle.truncate(weights.stat().st_size // 2)
+
+    # the damaged newest one is named and moved aside; both ranks resume from step 2 and train step 3 again
+    out = finish(torchrun(overrides(tiny_model_dir, arith_data, run, reward, **{"trainer.test_freq": -1})))
+    assert "resumed from" in out and "global_step_2" in out and "Traceback" not in out
+    assert (checkpoints / "global_step_3.damaged").is_dir() and (checkpoints / "global_step_3").is_dir()
+    assert verify_checkpoint(str(checkpoints / "global_step_3")) is None
+
+    # resumed by name from step 1: the later checkpoints (2 and 3) are moved aside once, by rank 0
+    out = finish(torchrun(overrides(tiny_model_dir, arith_data, run, reward, **{
+        "trainer.test_freq": -1, "trainer.total_training_steps": 1, "trainer.resume_mode": "resume_path",
+        "trainer.resume_from_path": str(checkpoints / "global_step_1")})))
+    assert "Traceback" not in out
+    assert (checkpoints / "global_step_2.stale").is_dir() and (checkpoints / "global_step_3.stale").is_dir()
+    assert [os.path.basename(p) for p in list_checkpoints(str(run))] == ["global_step_1"]
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of torchrun's worker with RANK=`rank` among the launcher's descendants."""
+    from .test_distributed import descendants
+
+    for pid in descendants(launcher_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                env = dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode() and b"TORCHELASTIC_RUN_ID" in env and \
+                b"rlanywhere.cli" in open(f"/proc/{pid}/cmdline", "rb").read():
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_in_one_line_by_the_survivor(tiny_model_dir, arith_data, tmp_path):
+    """torchrun, 2 ranks, rank 1 killed with SIGKILL mid-run: rank 0's collective fails; it prints one line naming
+    rank 1 instead of its gloo traceback."""
+    from .test_distributed import REWARD, overrides, torchrun
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    run = tmp_path / "run"
+    proc = torchrun(overrides(tiny_model_dir, arith_data, run, reward, **{
+        "trainer.test_freq": -1, "trainer.save_freq": -1, "trainer.total_training_steps": 200}),
+        {"RLA_TEST_SLOW_REWARD": "0.05"})
+    try:
+        deadline = time.monotonic() + 240
+        while not ((run / "metrics.jsonl").exists() and _train_rows(run)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        victim = _rank_pid(proc.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    named = [line for line in out.splitlines() if line.startswith("error: rank 1 of 2 stopped")]
+    assert len(named) == 1, out[-3000:]
+    assert "error: rank 0 of 2 failed" not in out and "rlanywhere/trainer.py" not in out  # no rank-0 traceback

@@ -44,6 +44,7 @@ from .precision_guard import PrecisionGuard
 from .profiling import maybe_profile, profile_step_set
 from .rollout_phase import RolloutPhase, response_length
 from .sharding import sync_engine
+from .rank_layout import register_ranks
 from .runfaults import RunDirWatch
 from .runguard import RunInterrupted, RunStops, StopSignals, prepare_run_dir
 from .runstate import RunState
@@ -71,6 +72,7 @@ class RLTrainer(TrainerCheckpoints):
         # [distributed] this process's rank among torchrun's (alone: world 1, every collective a no-op)
         self.dp = DataParallel.from_env(self.device, plan.dist_backend)
         check_world_config(cfg, self.dp.world)  # before any model loads: what data parallelism cannot run
+        register_ranks(self.dp)  # [distributed] so that a survivor can name a rank that died
         # first of all: the run dir's lock and every check that must fail before a model loads. [distributed] The
         # ranks of one job share the run dir: rank 0 takes the lock, checks and writes; the others wait for it
         self.run_lock = prepare_run_dir(run_dir, cfg) if self.dp.is_main else None
