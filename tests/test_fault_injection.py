@@ -432,7 +432,8 @@ def _rank_pid(launcher_pid: int, rank: int) -> int | None:
 @pytest.mark.slow
 def test_a_killed_rank_is_named_in_one_line_by_the_survivor(tiny_model_dir, arith_data, tmp_path):
     """torchrun, 2 ranks, rank 1 killed with SIGKILL mid-run: rank 0's collective fails; it prints one line naming
-    rank 1 instead of its gloo traceback."""
+    rank 1 instead of its gloo traceback. (torchrun checks its workers every 5 s here, so rank 0's collective fails
+    before torchrun stops it; torchrun's own report of the killed worker follows, as torchrun prints it.)"""
     from .test_distributed import REWARD, overrides, torchrun
 
     reward = tmp_path / "reward.py"
@@ -440,7 +441,7 @@ def test_a_killed_rank_is_named_in_one_line_by_the_survivor(tiny_model_dir, arit
     run = tmp_path / "run"
     proc = torchrun(overrides(tiny_model_dir, arith_data, run, reward, **{
         "trainer.test_freq": -1, "trainer.save_freq": -1, "trainer.total_training_steps": 200}),
-        {"RLA_TEST_SLOW_REWARD": "0.05"})
+        {"RLA_TEST_SLOW_REWARD": "0.05"}, launcher=("--standalone", "--monitor-interval=5"))
     try:
         deadline = time.monotonic() + 240
         while not ((run / "metrics.jsonl").exists() and _train_rows(run)):
