@@ -1,10 +1,14 @@
 """What the reward timeout costs: a user reward function scored in-process (custom_reward_function.timeout_s=0)
-versus in the forked worker pool that enforces the per-call limit (the default, 30 s).
+versus in the worker pool that enforces the per-call limit (the default, 30 s), for each way the pool's workers
+can start: "forkserver" (the default: a fresh server process forks them, so they never inherit the trainer's
+CUDA/NCCL threads), "spawn" (a fresh interpreter each) and "fork" (a copy of the trainer, the fallback for a
+function that cannot be pickled).
 
     python bench/reward_pool_overhead.py --calls 512 --repeats 5
 
 CPU only. The function is the GSM8K rule on a 500-character response, as cheap as reward functions get, so the
-difference is the pool's per-call cost (pickling the call and its result, the round trip to a worker).
+difference is the pool's per-call cost (pickling the call and its result, the round trip to a worker). "start" is
+the first batch of 8 calls, which starts the workers (paid once per run, and again after a stuck pool is replaced).
 """
 
 from __future__ import annotations
@@ -26,19 +30,21 @@ def main() -> None:
     args = parser.parse_args()
     texts = [f"step by step ... so the answer is #### {i} " * 12 for i in range(args.calls)]
     truths, sources = [str(i) for i in range(args.calls)], ["x"] * args.calls
-    for timeout_s in (0.0, 30.0):
-        manager = RewardManager(score, timeout_s=timeout_s)
+    for timeout_s, method in ((0.0, None), (30.0, "forkserver"), (30.0, "spawn"), (30.0, "fork")):
+        manager = RewardManager(score, timeout_s=timeout_s, start_method=method)
         try:
-            manager(texts[:8], truths[:8], sources[:8])  # start the workers outside the timing
+            start = time.perf_counter()
+            manager(texts[:8], truths[:8], sources[:8])  # starts the workers
+            started = time.perf_counter() - start
             start = time.perf_counter()
             for _ in range(args.repeats):
                 manager(texts, truths, sources)
             per_batch = (time.perf_counter() - start) / args.repeats
         finally:
             manager.close()
-        where = "in-process" if timeout_s == 0 else f"{manager.num_workers} workers"
-        print(f"timeout_s={timeout_s:g} ({where}): {per_batch * 1e3:.1f} ms per {args.calls} calls, "
-              f"{per_batch / args.calls * 1e6:.0f} us per call")
+        where = "in-process" if timeout_s == 0 else f"{manager.num_workers} workers, {method}"
+        print(f"timeout_s={timeout_s:g} ({where}): start {started * 1e3:.0f} ms; {per_batch * 1e3:.1f} ms per "
+              f"{args.calls} calls, {per_batch / args.calls * 1e6:.0f} us per call")
 
 
 if __name__ == "__main__":

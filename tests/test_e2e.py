@@ -190,14 +190,14 @@ def test_unknown_key_is_rejected_before_loading(tmp_path, capsys):
 
 
 def test_rollout_in_chunks_equals_one_call_and_survives_oom(tiny_model_dir, arith_data, tmp_path, monkeypatch):
-    """plan.sizes.rollout_batch_size splits generation; a simulated OOM in rollout halves it and the step goes on."""
+    """The run's rollout_batch_size splits generation; a simulated OOM in rollout halves it and the step goes on."""
     cfg = load_config(None, base_overrides(tiny_model_dir, arith_data, tmp_path / "run",
                                            **{"algorithm.adv_estimator": "grpo"}))
     plan = make_plan(cfg, for_execution=True)
     trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
     items = trainer.loader.next_batch()
     params = trainer.rollouts.sampling_params()
-    plan.sizes.rollout_batch_size = 8
+    trainer.run.sizes.rollout_batch_size = 8
     whole = trainer.rollouts.generate(items, params, trainer.rollouts.step_generator(0))
     calls = []
     original = trainer.engine.generate
@@ -212,9 +212,12 @@ def test_rollout_in_chunks_equals_one_call_and_survives_oom(tiny_model_dir, arit
     params = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=params.n)
     greedy_whole = original([it["input_ids"] for it in items], params)
     chunked = trainer.rollouts.generate(items, params, None)
-    assert plan.sizes.rollout_batch_size == 2 and len(trainer.oom_guard.events) == 2  # 8 -> 4 -> 2
+    assert trainer.run.sizes.rollout_batch_size == 2 and len(trainer.run.oom_events) == 2  # 8 -> 4 -> 2
+    assert plan.sizes.rollout_batch_size == make_plan(cfg, for_execution=True).sizes.rollout_batch_size  # unchanged
+    trainer.write_plan_record()  # (the loop rewrites it after the step)
     record = json.loads((tmp_path / "run" / "plan.json").read_text())
-    assert record["sizes"]["rollout_batch_size"] == 2 and len(record["oom_events"]) == 2  # the record follows the run
+    assert record["run_state"]["sizes"]["rollout_batch_size"] == 2 and len(record["oom_events"]) == 2
+    assert record["run_state"]["oom_ceilings"] == {"rollout_batch_size": 2}
     assert calls == [8, 4, 2]  # the engine waves the request itself, 2 sequences (1 prompt x n) at a time
     # Greedy: the same tokens whether generated at once or one prompt at a time.
     for row in range(whole.response_ids.shape[0]):
@@ -250,8 +253,8 @@ def test_token_budget_micro_batches_give_the_same_training(tiny_model_dir, arith
     dynamic_trainer, dynamic = run_training(base_overrides(
         tiny_model_dir, arith_data, tmp_path / "dyn", **extra,
         **{"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 80}))
-    assert dynamic_trainer.plan.sizes.max_token_len_per_micro_batch is not None
-    assert fixed_trainer.plan.sizes.max_token_len_per_micro_batch is None
+    assert dynamic_trainer.run.sizes.max_token_len_per_micro_batch is not None
+    assert fixed_trainer.run.sizes.max_token_len_per_micro_batch is None
     a, b = train_rows(fixed), train_rows(dynamic)
     for step in (1, 2):
         for key in ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
@@ -286,22 +289,47 @@ def test_plan_record_shows_an_engine_fallback(tiny_model_dir, arith_data, tmp_pa
     trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
     assert isinstance(trainer.engine, HFEngine)
     record = json.loads((tmp_path / "plan.json").read_text())
-    assert record["rollout"]["engine"] == "hf" and "no kernel for this model" in record["reasons"]["rollout_engine"]
+    assert record["rollout"]["engine"] == "fast" and plan.rollout.engine == "fast"  # what was decided, unchanged
+    assert record["run_state"]["engine"] == "hf"  # what runs, and why
+    assert "no kernel for this model" in record["run_state"]["fallbacks"]["rollout_engine"]
 
 
-def test_sizes_lowered_by_oom_recovery_survive_a_resume(tiny_model_dir, arith_data, tmp_path):
+def test_resume_keeps_only_sizes_an_oom_lowered_and_only_as_ceilings(tiny_model_dir, arith_data, tmp_path):
+    """A checkpoint carries the sizes out-of-memory events lowered, not the whole plan's: a resumed run keeps its
+    new plan's other sizes (another card, world size or sharding), and a lowered one never rises above the new
+    plan's own choice."""
+    from rlanywhere.plans import SizeKind
+
     cfg = load_config(None, base_overrides(tiny_model_dir, arith_data, tmp_path, **{"algorithm.adv_estimator": "grpo"}))
     trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
-    trainer.plan.sizes.rollout_batch_size, trainer.plan.sizes.actor_micro_batch_size = 3, 1  # as OOM recovery would leave them
+    planned = trainer.plan.sizes.to_dict()
+    trainer.run.sizes.logprob_micro_batch_size = 1  # changed without an OOM event: not carried over
+    event = {"phase": "actor_update", "attribute": "actor_micro_batch_size", "old_size": 2, "new_size": 1}
+    trainer.run.record_oom(SizeKind.ACTOR_MICRO_BATCH, 1, event)
     trainer.global_step = 1
     trainer.save()
-    resumed = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
-    assert resumed.plan.sizes.actor_micro_batch_size != 1
+    assert trainer.plan.sizes.to_dict() == planned  # the plan is never changed
+
+    bigger = make_plan(cfg, for_execution=True)
+    bigger.sizes.logprob_micro_batch_size, bigger.sizes.actor_micro_batch_size = 16, 8  # e.g. a bigger card
+    resumed = RLTrainer(cfg, bigger, cfg.trainer.default_local_dir)
     resumed.maybe_resume()
-    assert (resumed.plan.sizes.rollout_batch_size, resumed.plan.sizes.actor_micro_batch_size) == (3, 1)
-    assert resumed.oom_guard.sizes is resumed.plan.sizes  # OOM recovery goes on lowering the restored sizes
+    assert resumed.run.sizes.logprob_micro_batch_size == 16  # the new plan's: no OOM lowered it
+    assert resumed.run.sizes.actor_micro_batch_size == 1  # lowered by an OOM: a ceiling on the new plan's 8
+    assert resumed.oom_guard.sizes is resumed.run.sizes  # OOM recovery goes on lowering the run's sizes
     record = json.loads((tmp_path / "plan.json").read_text())
-    assert (record["sizes"]["rollout_batch_size"], record["sizes"]["actor_micro_batch_size"]) == (3, 1)
+    assert record["sizes"]["actor_micro_batch_size"] == 8  # what was decided
+    assert record["run_state"]["sizes"]["actor_micro_batch_size"] == 1  # what runs
+    resumed.global_step = 2
+    resumed.save()  # the ceiling is carried on by later checkpoints of the resumed run
+
+    smaller = make_plan(cfg, for_execution=True)
+    smaller.sizes.actor_micro_batch_size = 1
+    smaller.sizes.logprob_micro_batch_size = 2
+    again = RLTrainer(cfg, smaller, cfg.trainer.default_local_dir)
+    again.maybe_resume()
+    assert again.global_step == 2 and again.run.sizes.actor_micro_batch_size == 1  # never raised by a ceiling
+    assert again.run.sizes.logprob_micro_batch_size == 2
 
 
 def test_profile_steps_writes_a_trace_and_a_table_of_the_listed_step(tiny_model_dir, arith_data, tmp_path):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rlanywhere.checkpoint import (MANIFEST_FILE, CheckpointError, CheckpointWriteError, list_checkpoints,
-                                   load_checkpoint, resume_latest, save_checkpoint, verify_checkpoint)
+                                   load_checkpoint, resume_latest, save_checkpoint, verify_checkpoint,
+                                   write_manifest)
 
 from .test_checkpoint import FakeTokenizer, tiny_lm
 
@@ -73,7 +74,7 @@ def test_damaged_latest_checkpoint_is_named_skipped_and_previous_used(tmp_path, 
 
 
 def test_damage_without_a_manifest_is_still_caught_at_load(tmp_path):
-    """Checkpoints written before manifests existed: a truncated file fails the load, named, and is skipped."""
+    """A checkpoint without its manifest: a truncated file fails the load, named, and is skipped."""
     _three_checkpoints(tmp_path)
     os.remove(tmp_path / "checkpoints" / "global_step_3" / MANIFEST_FILE)
     weights = _weights_file(tmp_path, 3)
@@ -92,7 +93,7 @@ def test_nan_weights_in_a_checkpoint_are_detected_at_load(tmp_path):
     name = next(iter(tensors))
     tensors[name][0] = float("nan")
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    os.remove(weights.parent.parent / MANIFEST_FILE)  # as if the NaN had been saved by the run itself
+    write_manifest(str(weights.parent.parent))  # as if the NaN had been saved by the run itself
     (path, _), actor = _resume(tmp_path)
     assert path.endswith("global_step_2")
     assert all(torch.isfinite(p).all() for p in actor.parameters())

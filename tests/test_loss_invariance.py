@@ -56,11 +56,11 @@ def trainer_and_batch(tiny_model_dir, arith_data, tmp_path_factory):
 def _gradient(trainer, model, loss_fn, batch, size, token_budget=False, fail_first=False, merge=False):
     """The accumulated gradient (and metrics) with micro-batches of `size` rows, of `size` tokens, or (merge) of as
     many rows as hold no more tokens than `size` full-length rows (plan.merge_micro_batches)."""
-    trainer.plan.sizes.max_token_len_per_micro_batch = size if token_budget else None
+    trainer.run.sizes.max_token_len_per_micro_batch = size if token_budget else None
     trainer.plan.merge_micro_batches = merge
     rows = list(range(batch.rows))
     kind = trainer.updater.size_kind(SizeKind.ACTOR_MICRO_BATCH)
-    trainer.plan.sizes.set(kind, size)
+    trainer.run.sizes.set(kind, size)
     calls = {"n": 0}
 
     def flaky(*args):
@@ -73,8 +73,8 @@ def _gradient(trainer, model, loss_fn, batch, size, token_budget=False, fail_fir
     metrics = trainer.oom_guard.run("update", lambda s: trainer.updater.accumulate(model, optimizer, batch, rows, s,
                                                                                    flaky), kind)
     if fail_first:
-        assert trainer.plan.sizes.get(kind) == size // 2, "OOM recovery did not halve the micro-batch"
-    trainer.plan.sizes.max_token_len_per_micro_batch = None
+        assert trainer.run.sizes.get(kind) == size // 2, "OOM recovery did not halve the micro-batch"
+    trainer.run.sizes.max_token_len_per_micro_batch = None
     trainer.plan.merge_micro_batches = False
     grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     return grad.clone(), metrics
@@ -161,7 +161,7 @@ def test_gradient_does_not_depend_on_which_rank_holds_a_row(trainer_and_batch, m
     model, optimizer = trainer.actor, trainer.optimizers["actor"]
     loss_fn = actor_loss(batch, trainer.cfg.actor_rollout_ref.actor, trainer.cfg.actor_rollout_ref.rollout,
                          trainer.plan.logprob_chunk_size, "cpu")
-    trainer.plan.sizes.set(SizeKind.ACTOR_MICRO_BATCH, 2)
+    trainer.run.sizes.set(SizeKind.ACTOR_MICRO_BATCH, 2)
     every = list(range(batch.rows))
     whole_scale = algo.LossScale.of(batch.mask, norm_length=trainer.response_length)
 

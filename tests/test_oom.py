@@ -1,3 +1,4 @@
+import os
 import weakref
 
 import pytest
@@ -5,8 +6,9 @@ import torch
 from torch import nn
 
 from rlanywhere.oom import (OOMGuard, OutOfMemoryAtMinimumError, OutOfMemoryRestart, is_oom_error, lowered_sizes,
-                            oom_sizes_path, remember_sizes, remembered_sizes)
+                            oom_sizes_path, remembered_sizes)
 from rlanywhere.plans import RuntimeSizes, SizeKind
+from rlanywhere.runstate import RunState
 
 
 def fake_oom(size):
@@ -120,16 +122,12 @@ def test_failed_attempt_memory_is_released_before_retry():
 def test_relief_frees_memory_held_outside_the_phase_once_before_any_halving():
     from types import SimpleNamespace
 
-    from rlanywhere.rollout_phase import RolloutPhase
-
     released = []
-    phase = RolloutPhase.__new__(RolloutPhase)  # only what free_kept_cache touches
-    phase.engine = SimpleNamespace(release_memory=lambda: released.append(True))
-    phase.plan = SimpleNamespace(device="cuda:0", rollout=SimpleNamespace(release_kv_between_phases=False, reasons={
-        "release_kv_between_phases": "kept: fits"}))
     sizes = RuntimeSizes(actor_micro_batch_size=1, rollout_batch_size=8)
+    run = RunState(sizes, release_kv_between_phases=False, device="cpu")
+    run.engine = SimpleNamespace(release_memory=lambda: released.append(True))
     logs, calls = [], []
-    guard = OOMGuard(sizes, log_fn=logs.append, relieve=phase.free_kept_cache)
+    guard = OOMGuard(run, log_fn=logs.append)
 
     def rollout(size):
         calls.append(("rollout", size))
@@ -137,9 +135,8 @@ def test_relief_frees_memory_held_outside_the_phase_once_before_any_halving():
             raise fake_oom(size)
         return size
 
-    phase.plan.device = "cpu"
-    assert phase.free_kept_cache("actor_update") is None and not released  # a CPU plan keeps its cache
-    phase.plan.device = "cuda:0"
+    assert run.relieve("actor_update") is None and not released  # a CPU run keeps its cache
+    run.device = "cuda:0"
     assert guard.run("rollout", rollout, SizeKind.ROLLOUT_BATCH) == 4  # the rollout uses the cache: no relief
     assert not released and [e["new_size"] for e in guard.events] == [4]
 
@@ -153,8 +150,10 @@ def test_relief_frees_memory_held_outside_the_phase_once_before_any_halving():
     assert calls[-2:] == [("update", 1), ("update", 1)] and released == [True] and sizes.actor_micro_batch_size == 1
     assert guard.events[-1]["relieved"] and guard.events[-1]["old_size"] == guard.events[-1]["new_size"] == 1
     assert "KV cache" in logs[-1] and "same size" in logs[-1]
-    assert phase.plan.rollout.release_kv_between_phases  # freed after every rollout from now
-    assert "actor_update ran out of memory" in phase.plan.rollout.reasons["release_kv_between_phases"]
+    assert run.release_kv_between_phases  # freed after every rollout from now
+    assert "actor_update ran out of memory" in run.fallbacks["release_kv_between_phases"]
+    assert run.ceilings() == {"rollout_batch_size": 4}  # a relief lowered nothing
+    assert run.checkpoint_record()["release_kv_between_phases"]
     # nothing left to free: the next OOM at the minimum size is the usual error
     with pytest.raises(OutOfMemoryAtMinimumError):
         guard.run("actor_update", lambda size: (_ for _ in ()).throw(fake_oom(size)), SizeKind.ACTOR_MICRO_BATCH)
@@ -206,23 +205,23 @@ def test_other_errors_are_not_retried_and_bad_kinds_are_explained():
         guard.run("logprobs", broken, SizeKind.TOKENS_PER_MICRO_BATCH)
 
 
-def test_disabled_guard_runs_once_and_on_change_follows_every_lowering():
+def test_disabled_guard_runs_once_and_the_run_state_counts_every_lowering():
     sizes = RuntimeSizes(logprob_micro_batch_size=8)
-    changes = []
+    run = RunState(sizes)
 
     def oom_above_2(size):
         if size > 2:
             raise fake_oom(size)
         return size
 
-    off = OOMGuard(sizes, log_fn=lambda _: None, enabled=False, on_change=lambda: changes.append("off"))
+    off = OOMGuard(run, log_fn=lambda _: None, enabled=False)
     with pytest.raises(torch.OutOfMemoryError):
         off.run("log_probs", oom_above_2, SizeKind.LOGPROB_MICRO_BATCH)
-    assert sizes.logprob_micro_batch_size == 8 and off.events == [] and changes == []
-    on = OOMGuard(sizes, log_fn=lambda _: None, on_change=lambda: changes.append(sizes.to_dict()))
+    assert sizes.logprob_micro_batch_size == 8 and off.events == [] and run.changes == 0
+    on = OOMGuard(run, log_fn=lambda _: None)
     assert on.run("log_probs", oom_above_2, SizeKind.LOGPROB_MICRO_BATCH) == 2
-    assert [c["logprob_micro_batch_size"] for c in changes] == [2]  # once per phase, after the last halving
-    assert on.run("log_probs", oom_above_2, SizeKind.LOGPROB_MICRO_BATCH) == 2 and len(changes) == 1
+    assert run.changes == 2 and run.ceilings() == {"logprob_micro_batch_size": 2}  # 8 -> 4 -> 2
+    assert on.run("log_probs", oom_above_2, SizeKind.LOGPROB_MICRO_BATCH) == 2 and run.changes == 2
 
 
 def test_size_kinds_name_every_runtime_size():
@@ -235,17 +234,17 @@ def test_a_matched_phase_runs_once_and_stops_the_job_with_the_halved_size_saved(
     """A sharded update cannot be redone on one rank: no retry; the halved size goes to the file the next launch
     reads, and the error says so. The same sizes read back lower a fresh plan's, never raise them."""
     sizes = RuntimeSizes(actor_micro_batch_size=8, logprob_micro_batch_size=2)
-    calls, changes = [], []
+    calls = []
 
     def oom(size):
         calls.append(size)
         raise fake_oom(size)
 
-    guard = OOMGuard(sizes, log_fn=lambda _: None, on_change=lambda: changes.append(sizes.actor_micro_batch_size),
-                     remember=lambda event: remember_sizes(str(tmp_path), sizes, event, rank=1))
+    run = RunState(sizes, run_dir=str(tmp_path), rank=1)
+    guard = OOMGuard(run, log_fn=lambda _: None)
     with pytest.raises(OutOfMemoryRestart) as info:
         guard.run_matched("actor_update", oom, SizeKind.ACTOR_MICRO_BATCH)
-    assert calls == [8] and changes == [4] and sizes.actor_micro_batch_size == 4
+    assert calls == [8] and run.changes == 1 and sizes.actor_micro_batch_size == 4
     assert "actor_micro_batch_size=4" in str(info.value) and oom_sizes_path(str(tmp_path)) in str(info.value)
     record = remembered_sizes(str(tmp_path))
     assert record["sizes"]["actor_micro_batch_size"] == 4
@@ -267,9 +266,10 @@ def test_a_matched_phase_runs_once_and_stops_the_job_with_the_halved_size_saved(
 
 
 def test_a_matched_phase_at_its_minimum_or_failing_otherwise_saves_nothing(tmp_path):
+    from rlanywhere.oom import oom_sizes_path
+
     sizes = RuntimeSizes(actor_micro_batch_size=1)
-    remembered = []
-    guard = OOMGuard(sizes, log_fn=lambda _: None, remember=remembered.append)
+    guard = OOMGuard(RunState(sizes, run_dir=str(tmp_path)), log_fn=lambda _: None)
 
     def oom(size):
         raise fake_oom(size)
@@ -279,5 +279,6 @@ def test_a_matched_phase_at_its_minimum_or_failing_otherwise_saves_nothing(tmp_p
     with pytest.raises(ValueError, match="a real bug"):
         guard.run_matched("actor_update", lambda size: (_ for _ in ()).throw(ValueError("a real bug")),
                           SizeKind.ACTOR_MICRO_BATCH)
-    assert remembered == [] and guard.events == [] and sizes.actor_micro_batch_size == 1
+    assert not os.path.exists(oom_sizes_path(str(tmp_path))) and guard.events == []
+    assert sizes.actor_micro_batch_size == 1
     assert guard.run_matched("actor_update", lambda size: size * 10, SizeKind.ACTOR_MICRO_BATCH) == 10

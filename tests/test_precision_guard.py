@@ -65,7 +65,8 @@ def test_nonfinite_gradient_without_a_scaler_is_a_failure_not_a_scaler_skip():
     assert outcome.loss_scale is None and torch.equal(before, model.weight)
     guard = PrecisionGuard()
     guard.record("actor", outcome)
-    assert guard.end_step({}) == {"actor/skipped_steps": 0.0, "actor/skipped_steps_total": 0.0}
+    # the weights did not move: a skipped step, counted (the run's stop rule counts it as a failure too)
+    assert guard.end_step({}) == {"actor/skipped_steps": 1.0, "actor/skipped_steps_total": 1.0}
 
 
 def test_a_collapsing_loss_scale_stops_the_run_with_the_fix():

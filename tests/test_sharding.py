@@ -78,7 +78,7 @@ def test_an_oom_in_a_sharded_update_stops_the_job_and_the_restart_resumes_at_hal
     assert "resumed from" in out and "global_step_1" in out
     assert "actor_micro_batch_size 2 -> 1" in out and "3 steps, 2 of them in" in out
     record = plan_record(dist_dir)
-    assert record["sizes"]["actor_micro_batch_size"] == 1
+    assert record["run_state"]["sizes"]["actor_micro_batch_size"] == 1
     assert [(e["old_size"], e["new_size"], e["rank"]) for e in record["oom_events"]] == [(2, 1, 1)]
     got = read_metrics(dist_dir)
     assert [r["oom/recoveries"] for r in got if r["step"] >= 1] == [0, 1, 1]  # the stop counted from step 2 on

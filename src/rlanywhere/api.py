@@ -113,9 +113,11 @@ def plan(cfg: DictConfig, emulate: Optional[str] = None):
     """The hardware plan `cfg` runs with (plans.Plan), applied to this process (TF32 flags, memory cap).
 
     Call before anything touches torch.cuda. Raises PlanError for a request that cannot run here."""
+    from . import distributed
     from .planner import make_plan
     from .runtime import apply_runtime, prepare_environment
 
+    distributed.reconcile_world(cfg)  # under torchrun: plan for the launch's world, as the CLI does
     prepare_environment(cfg)
     chosen = make_plan(cfg, for_execution=True, emulate=emulate)
     apply_runtime(chosen)
@@ -186,8 +188,10 @@ def ensure_demo_data(cfg: DictConfig) -> None:
 def train(cfg: DictConfig, run_plan=None, notices: Optional[list[str]] = None) -> TrainResult:
     """Run `cfg` to the end (resuming its run dir when trainer.resume_mode allows), save the final model, draw the
     plots; returns a TrainResult. run_plan: from `plan(cfg)` (made here when None)."""
+    from . import distributed
     from .trainer import RLTrainer
 
+    distributed.reconcile_world(cfg)  # under torchrun: the launch's world (plan() does the same)
     run_plan = run_plan if run_plan is not None else plan(cfg)
     ensure_demo_data(cfg)
     run_dir = os.path.abspath(cfg.trainer.default_local_dir)

@@ -164,13 +164,8 @@ def apply_optim_config(cfg: DictConfig, optimizers: dict, schedulers: dict) -> N
 
 # ---------------------------------------------------------------------------------------------- rollout engine
 def build_engine(cfg: DictConfig, plan: Plan, actor, tokenizer):
-    """The rollout engine, sharing the actor's weights, sized by plan.rollout. A fast engine that fell back to HF is
-    recorded in the plan (engine and reason), so plan.json shows what runs."""
+    """The rollout engine, sharing the actor's weights, sized by plan.rollout. A fast engine that fell back to HF
+    says why in its `fallback_reason` (the trainer's RunState records it: plan.json shows what runs)."""
     with gathered(actor):  # [distributed] a sharded actor: the engine is built on its full weights
-        engine = make_engine(actor, tokenizer, plan, engine=cfg.actor_rollout_ref.rollout.name)
-    fallback = getattr(engine, "fallback_reason", None)
-    if fallback and plan.rollout.engine != "hf":
-        plan.rollout.engine = "hf"
-        plan.reasons["rollout_engine"] = f"{plan.reasons.get('rollout_engine', '')}; fell back to hf: {fallback}"
-    return engine
+        return make_engine(actor, tokenizer, plan, engine=cfg.actor_rollout_ref.rollout.name)
 

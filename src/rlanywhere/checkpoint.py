@@ -14,6 +14,8 @@
 Each checkpoint is written into `global_step_N.tmp`, every file fsynced, and renamed into place, so a run killed
 mid-save leaves the previous checkpoint intact and never a half-written one. A write that fails (disk full, no
 permission) removes the `.tmp` and raises `CheckpointWriteError`; weights that are NaN/inf are never saved.
+Saving, verifying and resuming are driven by the one checkpointer (checkpointer.py) for this layout and the
+sharded one (dist_checkpoint.py); this module is the replicated layout's files and the shared helpers.
 On resume (`resume_latest`) each checkpoint is verified against its manifest and checked for non-finite weights;
 a damaged one is named, moved aside to `global_step_N.damaged`, and the previous one is used; checkpoints later
 than the resumed step (another timeline) are moved aside to `global_step_N.stale`.
@@ -129,10 +131,12 @@ def write_manifest(directory: str) -> dict:
 def verify_checkpoint(path: str) -> Optional[str]:
     """None when every file matches manifest.json, else what is wrong (naming the file).
 
-    A checkpoint from before manifests existed has none: it is accepted unverified (loading still checks it)."""
+    A checkpoint without one cannot be verified (its manifest deleted, or a save that never finished writing it):
+    it is damaged, and the message says so."""
     manifest_path = os.path.join(path, MANIFEST_FILE)
     if not os.path.exists(manifest_path):
-        return None
+        return (f"it has no {MANIFEST_FILE}, so its files cannot be verified (deleted, or written by a save that "
+                "did not finish)")
     try:
         with open(manifest_path) as handle:
             files = json.load(handle)["files"]
@@ -161,54 +165,39 @@ def first_nonfinite_parameter(*models) -> Optional[str]:
     return None
 
 
-def _is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC, directly or as the cause of torch.save's "unexpected pos" / "file write failed" RuntimeError."""
-    while exc is not None:
+_DISK_FULL_TEXTS = ("unexpected pos", "file write failed", "no space left on device", "os error 28",
+                    "disk quota exceeded", "os error 122")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC, directly or as the cause of torch.save's "unexpected pos" / "file write failed" RuntimeError or of
+    a safetensors error ("No space left on device (os error 28)")."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(exc, RuntimeError) and ("unexpected pos" in str(exc) or "file write failed" in str(exc)):
+        if any(text in str(exc).lower() for text in _DISK_FULL_TEXTS):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
 
 
+_is_disk_full = is_disk_full
+
+
 def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, critic=None, optimizers: dict, schedulers: dict,
                     trainer_state: dict, export_actor=None, keep: Optional[int] = None,
-                    config_yaml: Optional[str] = None) -> str:
-    """Write checkpoint `step`; returns its directory. `export_actor` is a merged plain HF model for LoRA runs.
+                    config_yaml: Optional[str] = None, dp=None) -> str:
+    """Write checkpoint `step` in the replicated layout; returns its directory. `export_actor` is a merged plain HF
+    model for LoRA runs. The one checkpointer (checkpointer.py) does it: refuses (CheckpointError) weights holding
+    NaN/inf; a failed write raises CheckpointWriteError after removing the partial `.tmp` directory."""
+    from .checkpointer import Checkpointer
+    from .distributed import DataParallel
 
-    Refuses (CheckpointError) weights holding NaN/inf; a failed write raises CheckpointWriteError after removing
-    the partial `.tmp` directory, leaving earlier checkpoints as they were."""
-    bad = first_nonfinite_parameter(actor, critic)
-    if bad is not None:
-        earlier = list_checkpoints(run_dir)
-        raise CheckpointError(
-            f"not saving global_step_{step}: parameter {bad} holds NaN/inf. The last checkpoint is "
-            f"{earlier[-1] if earlier else '(none)'}; resume from it with a lower learning rate "
-            "(trainer.resume_mode=resume_path trainer.resume_from_path=<it>)")
-    root = checkpoint_root(run_dir)
-    final = os.path.join(root, f"global_step_{step}")
-    tmp = final + ".tmp"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        _write_checkpoint_files(tmp, step, actor=actor, tokenizer=tokenizer, critic=critic, optimizers=optimizers,
-                                schedulers=schedulers, trainer_state=trainer_state, export_actor=export_actor,
-                                config_yaml=config_yaml)
-        write_manifest(tmp)
-    except (OSError, RuntimeError) as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (isinstance(exc, OSError) or _is_disk_full(exc)):
-            raise
-        earlier = list_checkpoints(run_dir)
-        reason = "no space left on device" if _is_disk_full(exc) else f"{type(exc).__name__}: {exc}"
-        free = shutil.disk_usage(root).free / 2**20 if os.path.isdir(root) else float("nan")
-        raise CheckpointWriteError(
-            f"could not write checkpoint {final}: {reason} ({free:.0f} MiB free). The partial write was removed; "
-            f"the previous checkpoint {earlier[-1] if earlier else '(none)'} is intact. Free space (or point "
-            "trainer.default_local_dir elsewhere) and re-run the same command to resume from it") from exc
-
-    return publish_checkpoint(run_dir, tmp, step, keep)
+    return Checkpointer(run_dir, dp or DataParallel(), keep, config_yaml).save(
+        step, actor=actor, tokenizer=tokenizer, critic=critic, optimizers=optimizers, schedulers=schedulers,
+        trainer_state=trainer_state, export_actor=(lambda: export_actor) if export_actor is not None else None)
 
 
 def publish_checkpoint(run_dir: str, tmp: str, step: int, keep: Optional[int]) -> str:
@@ -226,7 +215,7 @@ def publish_checkpoint(run_dir: str, tmp: str, step: int, keep: Optional[int]) -
     return final
 
 
-def _write_checkpoint_files(tmp: str, step: int, *, actor, tokenizer, critic, optimizers: dict, schedulers: dict,
+def write_checkpoint_files(tmp: str, step: int, *, actor, tokenizer, critic, optimizers: dict, schedulers: dict,
                             trainer_state: dict, export_actor, config_yaml: Optional[str]) -> None:
     is_lora = export_actor is not None
     (export_actor if is_lora else actor).save_pretrained(os.path.join(tmp, "actor"), safe_serialization=True)
@@ -326,28 +315,32 @@ def _load_checkpoint_files(path: str, *, actor, critic, optimizers: dict, schedu
     return state
 
 
-def resume_latest(run_dir: str, load: Callable[[str], dict]) -> Optional[tuple[str, dict]]:
+def resume_latest(run_dir: str, load: Callable[[str], dict], dp=None) -> Optional[tuple[str, dict]]:
     """Load the newest usable checkpoint of `run_dir` with `load(path) -> state`; (path, state), or None if none.
 
     A checkpoint that `load` rejects with CheckpointError is logged by name and the next older one is tried; once
     one loads, the damaged newer ones are moved aside to `global_step_N.damaged` (kept for inspection, never picked
-    again). When every checkpoint is damaged, nothing is moved and CheckpointError lists them."""
+    again). When every checkpoint is damaged, nothing is moved and CheckpointError lists them. [distributed] Every
+    rank loads (and so judges alike); rank 0 alone moves the damaged ones, the others wait for it."""
     damaged: list[tuple[str, str]] = []
     for path in reversed(list_checkpoints(run_dir)):
         try:
             state = load(path)
         except CheckpointError as exc:
-            damaged.append((path, str(exc)))
+            damaged.append((path, str(exc), getattr(exc, "aside_suffix", "damaged")))
             log.warning("%s; trying the previous checkpoint", exc)
             continue
-        for bad_path, _ in damaged:
-            shutil.rmtree(f"{bad_path}.damaged", ignore_errors=True)
-            os.replace(bad_path, f"{bad_path}.damaged")
-            log.warning("moved the damaged %s aside to %s.damaged", bad_path, bad_path)
+        if dp is None or dp.is_main:
+            for bad_path, _, suffix in damaged:
+                shutil.rmtree(f"{bad_path}.{suffix}", ignore_errors=True)
+                os.replace(bad_path, f"{bad_path}.{suffix}")
+                log.warning("moved the %s %s aside to %s.%s", suffix, bad_path, bad_path, suffix)
+        if dp is not None:
+            dp.barrier()
         return path, state
     if damaged:
         raise CheckpointError(
-            f"no usable checkpoint in {checkpoint_root(run_dir)}: " + "; ".join(msg for _, msg in damaged) +
+            f"no usable checkpoint in {checkpoint_root(run_dir)}: " + "; ".join(msg for _, msg, _ in damaged) +
             ". Start over with trainer.resume_mode=disable trainer.overwrite_run_dir=true, or use another "
             "trainer.default_local_dir")
     return None

@@ -29,6 +29,9 @@ from typing import Optional
 
 from .api import DEMO_DATA_DIR, demo_profile  # noqa: F401  (their home before api.py; kept for callers)
 
+from .rank_layout import failed_rank_line
+from .runfaults import guard_output_streams
+
 log = logging.getLogger("rlanywhere")
 
 
@@ -139,6 +142,11 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
         return _run_rank(cfg, notices, emulate, rank)
     except BaseException as exc:
         if world > 1 and not isinstance(exc, SystemExit):
+            # another rank died (killed, crashed): one line naming it, no traceback of this rank's collective
+            lost = failed_rank_line(exc, rank, world)
+            if lost is not None:
+                print(lost, file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
             # torchrun ends the other ranks when this one exits; say which rank failed and why
             print(f"error: rank {rank} of {world} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         raise
@@ -452,6 +460,7 @@ def user_error_message(exc: BaseException) -> Optional[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     verbose = getattr(args, "verbose", False)
+    guard_output_streams()  # before logging and progress bars take the streams: a reader gone never stops a save
     _configure_logging(verbose)
     try:
         return args.func(args)

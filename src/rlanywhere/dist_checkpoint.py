@@ -6,8 +6,8 @@ same atomic, manifest-checked layout as checkpoint.py, plus the HF-format actor 
         actor/                  HF model (safetensors + config + tokenizer) from the gathered full weights; LoRA merged
         schedulers.pt, rng.pt, trainer_state.json ("sharded": true), config.yaml, manifest.json
 
-Every rank writes its own shards into `global_step_N.tmp/dcp`; rank 0 writes the rest, the manifest last, and
-renames the directory into place (a kill before that leaves the previous checkpoint as it was). DCP stores each
+Every rank writes its own shards into `global_step_N.tmp/dcp`; rank 0 writes the rest; the one checkpointer
+(checkpointer.py) checks the weights before, writes the manifest last and renames the directory into place (a kill before that leaves the previous checkpoint as it was). DCP stores each
 tensor with its global shape and FQN, so a checkpoint written by N ranks loads on M ranks, sharded or not
 (`load_sharded`: on one process the models are plain modules and DCP reads the shards into full tensors).
 """
@@ -24,8 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .checkpoint import (CheckpointError, checkpoint_root, list_checkpoints, publish_checkpoint, restore_rng,
-                         verify_checkpoint, write_manifest, write_run_state)
+from .checkpoint import CheckpointError, restore_rng, verify_checkpoint, write_run_state
 
 log = logging.getLogger(__name__)
 
@@ -109,35 +108,30 @@ def write_hf_model(directory: str, model: nn.Module, state: dict[str, torch.Tens
 
 def save_sharded(dp, run_dir: str, step: int, *, actor, tokenizer, critic, optimizers: dict, schedulers: dict,
                  trainer_state: dict, keep: Optional[int] = None, config_yaml: Optional[str] = None) -> str:
-    """Write checkpoint `step` of a sharded run (every rank calls it); returns its directory."""
+    """Write checkpoint `step` of a sharded run (every rank calls it) with the one checkpointer; its directory."""
+    from .checkpointer import Checkpointer
+
+    return Checkpointer(run_dir, dp, keep, config_yaml).save(
+        step, actor=actor, tokenizer=tokenizer, critic=critic, optimizers=optimizers, schedulers=schedulers,
+        trainer_state=trainer_state)
+
+
+def write_sharded_files(dp, tmp: str, step: int, *, actor, actor_full: dict, tokenizer, critic, optimizers: dict,
+                        schedulers: dict, trainer_state: dict, config_yaml: Optional[str], marker: str) -> None:
+    """The sharded layout's files in `tmp`: every rank its DCP shards and a marker file named by its rank under
+    `marker` (rank 0 checks it sees them all: one shared filesystem); rank 0 the HF actor from `actor_full` (the
+    gathered full weights), schedulers, RNG and trainer state. Manifest and publishing: checkpointer.py."""
     import torch.distributed.checkpoint as dcp
 
-    root = checkpoint_root(run_dir)
-    final = os.path.join(root, f"global_step_{step}")
-    tmp = final + ".tmp"
-    actor_full = full_model_state(actor)  # collective; rank 0 holds the tensors
-    bad = next((k for k, v in actor_full.items() if not bool(torch.isfinite(v).all())), None)
-    bad = dp.gather_objects([bad])
-    if any(bad):
-        earlier = list_checkpoints(run_dir)
-        raise CheckpointError(
-            f"not saving global_step_{step}: parameter {next(b for b in bad if b)} holds NaN/inf. The last "
-            f"checkpoint is {earlier[-1] if earlier else '(none)'}; resume from it with a lower learning rate "
-            "(trainer.resume_mode=resume_path trainer.resume_from_path=<it>)")
-    if dp.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dp.barrier()
+    os.makedirs(marker, exist_ok=True)
+    with open(os.path.join(marker, str(dp.rank)), "w"):
+        pass
     dcp.save(_state_dicts({"actor": actor, "critic": critic}, optimizers),
              checkpoint_id=os.path.join(tmp, DCP_DIR))
     if dp.is_main:
         write_hf_model(os.path.join(tmp, "actor"), actor, actor_full, tokenizer)
         torch.save({k: v.state_dict() for k, v in schedulers.items()}, os.path.join(tmp, "schedulers.pt"))
         write_run_state(tmp, step, trainer_state, config_yaml, sharded=True, world_size=dp.world)
-        write_manifest(tmp)
-        publish_checkpoint(run_dir, tmp, step, keep)
-    dp.barrier()
-    return final
 
 
 def load_sharded(path: str, *, actor, critic=None, optimizers: dict, schedulers: dict) -> dict[str, Any]:

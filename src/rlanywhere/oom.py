@@ -4,9 +4,9 @@ The planner's memory estimate can be wrong (fragmentation, a long-response batch
 Instead of crashing hours into a run, ``OOMGuard.run(phase, fn, kind)`` calls ``fn(size)`` with the run's current
 size of that kind (``RuntimeSizes.get(kind)``: a micro-batch size or a token budget); on an out-of-memory error it
 frees what the failed attempt held, halves that size in the RuntimeSizes (so every later step of the run uses the
-smaller size), logs one line, records an event and calls ``fn`` again from the start. Before the first halving it
-tries ``relieve(phase)`` once, when set: the trainer frees a rollout KV cache kept between phases there, and the
-phase is retried at the same size. ``fn`` must be restartable:
+smaller size), logs one line, records an event and calls ``fn`` again from the start. The sizes and events live in
+the run's RunState (runstate.py), never in the Plan. Before the first halving it tries ``RunState.relieve(phase)``
+once: a rollout KV cache kept between phases is freed there, and the phase is retried at the same size. ``fn`` must be restartable:
 it starts with ``optimizer.zero_grad()`` and recomputes everything it needs from its inputs. At the minimum size
 the error is re-raised with a message naming what to change.
 
@@ -32,6 +32,7 @@ import torch
 from .checkpoint import CheckpointError, checkpoint_root
 from .errors import UserError
 from .plans import RuntimeSizes, SizeKind
+from .runstate import RunState
 
 T = TypeVar("T")
 
@@ -144,31 +145,30 @@ def free_accelerator_memory() -> None:
 
 
 class OOMGuard:
-    """Run phases under out-of-memory recovery; halves ``sizes.get(kind)`` on each OOM.
+    """Run phases under out-of-memory recovery; halves ``run.sizes.get(kind)`` on each OOM.
 
-    ``min_size`` is the smallest size a phase may run at: one int for all kinds, or a mapping SizeKind -> int
-    (e.g. a token budget's minimum is a sequence length, not 1). ``events`` lists every recovery as a dict
-    (phase, attribute, old_size, new_size, error, time). ``enabled=False`` (hardware.oom_recovery=false) runs
-    ``fn`` once at the current size. ``on_change`` is called after a phase that lowered a size or was relieved
-    (the trainer rewrites plan.json there). ``relieve(phase)`` frees memory held outside the phase and says what it
-    freed, or returns None when it has nothing (more) to free there. ``remember(event)`` saves the sizes for the
-    next launch and returns where (``run_matched``). ``sizes`` may be replaced whole (a resume restores a
-    checkpoint's sizes).
+    ``run`` is the run's RunState (runstate.py): the sizes the phases run at, where every recovery is recorded
+    (``run.oom_events``: phase, attribute, old_size, new_size, error, time), what can be freed before a halving
+    (``run.relieve``) and where a size is saved for the next launch (``run.remember_for_next_launch``). A bare
+    RuntimeSizes is accepted (a RunState around it: nothing to relieve, nothing remembered). ``min_size`` is the
+    smallest size a phase may run at: one int for all kinds, or a mapping SizeKind -> int (e.g. a token budget's
+    minimum is a sequence length, not 1). ``enabled=False`` (hardware.oom_recovery=false) runs ``fn`` once.
     """
 
-    def __init__(self, sizes: RuntimeSizes, log_fn: Callable[[str], None] = print,
-                 min_size: int | Mapping[SizeKind, int] = 1, enabled: bool = True,
-                 on_change: Optional[Callable[[], None]] = None,
-                 relieve: Optional[Callable[[str], Optional[str]]] = None,
-                 remember: Optional[Callable[[dict], str]] = None):
-        self.sizes = sizes
+    def __init__(self, run, log_fn: Callable[[str], None] = print,
+                 min_size: int | Mapping[SizeKind, int] = 1, enabled: bool = True):
+        self.run_state = run if isinstance(run, RunState) else RunState(run)
         self.log_fn = log_fn
         self.min_size = min_size
         self.enabled = enabled
-        self.on_change = on_change
-        self.relieve = relieve
-        self.remember = remember
-        self.events: list[dict] = []
+
+    @property
+    def sizes(self) -> RuntimeSizes:
+        return self.run_state.sizes
+
+    @property
+    def events(self) -> list[dict]:
+        return self.run_state.oom_events
 
     def _minimum(self, kind: SizeKind) -> int:
         if isinstance(self.min_size, Mapping):
@@ -180,16 +180,11 @@ class OOMGuard:
         size = self.sizes.get(kind)  # a TypeError unless kind is a SizeKind
         if not self.enabled:
             return fn(size)
-        events = len(self.events)
-        try:
-            return self._run(phase, fn, kind)
-        finally:
-            if len(self.events) != events and self.on_change is not None:
-                self.on_change()
+        return self._run(phase, fn, kind)
 
     def run_matched(self, phase: str, fn: Callable[[int], T], kind: SizeKind) -> T:
         """``fn(size)`` once, for a phase every rank must run alike (a sharded update). On OOM the size is halved
-        and recorded as in ``run``, ``remember`` saves it for the next launch, and OutOfMemoryRestart ends the job:
+        and recorded as in ``run``, the run state saves it for the next launch, and OutOfMemoryRestart ends the job:
         redoing the phase here would pair this rank's collectives with other ones on the ranks that went on."""
         size = self.sizes.get(kind)
         try:
@@ -200,11 +195,8 @@ class OOMGuard:
             new_size = self._halved(phase, kind, size, exc)
             error_line = _first_line(exc)
         event = self._event(phase, kind, size, new_size, error_line)
-        self.sizes.set(kind, new_size)
-        self.events.append(event)
-        if self.on_change is not None:
-            self.on_change()
-        where = self.remember(event) if self.remember is not None else None
+        self.run_state.record_oom(kind, new_size, event)
+        where = self.run_state.remember_for_next_launch(event)
         name = kind.value
         self.log_fn(f"[oom] {phase}: out of memory at {name}={size}; the job stops, {name}={new_size} for the next "
                     "launch")
@@ -246,7 +238,7 @@ class OOMGuard:
             except Exception as exc:  # noqa: BLE001 - filtered by is_oom_error, everything else re-raised
                 if not is_oom_error(exc):
                     raise
-                relieved = self.relieve(phase) if self.relieve is not None else None
+                relieved = self.run_state.relieve(phase)
                 new_size = size if relieved else self._halved(phase, kind, size, exc)
                 error_line = _first_line(exc)
                 # the traceback's frames still reference the failed attempt's tensors: drop them
@@ -255,11 +247,10 @@ class OOMGuard:
             free_accelerator_memory()
             event = self._event(phase, kind, size, new_size, error_line)
             if relieved:  # memory held outside the phase is gone: the same size again
-                self.events.append({**event, "relieved": relieved})
+                self.run_state.record_oom(kind, size, {**event, "relieved": relieved})
                 self.log_fn(f"[oom] {phase}: out of memory at {name}={size}; {relieved}; retrying at the same size")
                 continue
-            self.sizes.set(kind, new_size)
-            self.events.append(event)
+            self.run_state.record_oom(kind, new_size, event)
             self.log_fn(f"[oom] {phase}: out of memory at {name}={size}; retrying with {name}={new_size}")
 
 

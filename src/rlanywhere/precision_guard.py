@@ -122,9 +122,10 @@ class PrecisionGuard:
         """One optimizer step of `model_name` ("actor", "critic")."""
         self.step_skips.setdefault(model_name, 0)
         self.total_skips.setdefault(model_name, 0)
-        if outcome.scaler_overflow:
+        if not outcome.applied:  # a scaler overflow, or a non-finite gradient: the weights did not move
             self.step_skips[model_name] += 1
             self.total_skips[model_name] += 1
+        if outcome.scaler_overflow:
             log.info("%s: fp16 gradients overflowed at loss scale %.0f; step skipped, scale halved to %.0f",
                      model_name, 2 * (outcome.loss_scale or 0.0), outcome.loss_scale or 0.0)
         if outcome.loss_scale is not None:

@@ -13,14 +13,19 @@
   returns something that is not a number (``"1.0"``, ``True``, NaN, a dict without ``score``) or runs longer than
   ``timeout_s`` gives that sample 0, is counted in ``num_errors`` and its first message is logged once, so one
   bad sample never stops a run.
-* A user function with ``timeout_s > 0`` runs in a small pool of forked worker processes (Linux): each call is
+* A user function with ``timeout_s > 0`` runs in a small pool of worker processes (Linux): each call is
   interrupted after ``timeout_s`` (SIGALRM in the worker), and when no call finishes within ``timeout_s`` plus a
   grace period (a call stuck in C code, a dead worker) the pool is terminated and replaced. Built-in scorers are
-  ours, fast and cannot hang: they run in-process.
+  ours, fast and cannot hang: they run in-process. The workers start from a fresh server process (multiprocessing's
+  "forkserver"), never by forking the trainer: a fork of a process that runs CUDA, NCCL and gloo threads can
+  inherit a lock one of them held and hang. A function loaded from a file is loaded again in each worker; any other
+  picklable function is sent to them; one that cannot be pickled (a lambda, a closure) makes the pool fork, as
+  before, and says so once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -28,6 +33,7 @@ import math
 import multiprocessing
 import numbers
 import os
+import pickle
 import re
 import signal
 import sys
@@ -209,7 +215,10 @@ def load_custom_reward(path: str | Path, name: str = "compute_score", reward_kwa
         )
     if not callable(fn):
         raise TypeError(f"{name!r} in {str(file)!r} is a {type(fn).__name__}, not a function")
-    return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
+    loaded = functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
+    with contextlib.suppress(AttributeError, TypeError):  # how a worker process loads it again (RewardManager)
+        loaded.reward_source = (str(file), name, dict(reward_kwargs or {}))
+    return loaded
 
 
 class _CallTimedOut(Exception):
@@ -223,9 +232,9 @@ def _raise_timeout(signum, frame):
 _worker_fn: Callable | None = None  # the user's function inside a pool worker (handed over by fork, never pickled)
 
 
-def _init_worker(fn: Callable) -> None:
+def _init_worker(fn: Callable | None, source: tuple | None = None) -> None:
     global _worker_fn
-    _worker_fn = fn
+    _worker_fn = load_custom_reward(*source) if source is not None else fn
     # A process group of its own: a signal to the trainer's group (torchrun stops a rank with killpg(SIGTERM), a
     # terminal's Ctrl-C) is the trainer's to handle; a worker killed by it would leave the pool waiting forever
     # for its result, and the trainer could never save. Pool.terminate() still ends the worker by its pid.
@@ -294,8 +303,10 @@ class RewardManager:
     per-call limit (see the module docstring); call ``close()`` to stop them.
     """
 
-    def __init__(self, custom_fn: Callable | None = None, timeout_s: float = 0.0, num_workers: int | None = None):
+    def __init__(self, custom_fn: Callable | None = None, timeout_s: float = 0.0, num_workers: int | None = None,
+                 start_method: str | None = None):
         self.custom_fn = custom_fn
+        self.start_method = start_method  # the pool's; None: forkserver when the function can be sent, else fork
         self.timeout_s = float(timeout_s or 0.0)
         self.num_workers = num_workers or min(4, os.cpu_count() or 1)
         self.use_pool = custom_fn is not None and self.timeout_s > 0 and sys.platform.startswith("linux")
@@ -318,12 +329,31 @@ class RewardManager:
     # -------------------------------------------------------------------------------- worker pool
     def _get_pool(self):
         if self._pool is None:
+            method, initargs = self._pool_start()
+            context = multiprocessing.get_context(method)
+            if method == "forkserver":  # the server imports this module (torch with it) once, not every worker
+                context.set_forkserver_preload(["rlanywhere.rewards"])
             before = set(multiprocessing.active_children())
-            # fork hands the user's function (a lambda or closure included) to the workers without pickling it
-            self._pool = multiprocessing.get_context("fork").Pool(self.num_workers, initializer=_init_worker,
-                                                                  initargs=(self.custom_fn,))
+            self._pool = context.Pool(self.num_workers, initializer=_init_worker, initargs=initargs)
             self._workers = [p for p in multiprocessing.active_children() if p not in before]
         return self._pool
+
+    def _pool_start(self) -> tuple[str, tuple]:
+        """How the workers start and get the function: from a fresh server (forkserver) with the function's file
+        to load again, or the function pickled; fork only for a function that cannot be pickled."""
+        source = getattr(self.custom_fn, "reward_source", None)
+        method = self.start_method
+        if source is not None:
+            return method or "forkserver", (None, source)
+        try:
+            pickle.dumps(self.custom_fn)
+        except Exception:  # noqa: BLE001 - a lambda, a closure, a local function: only fork can hand it over
+            if method not in (None, "fork"):
+                raise
+            logger.info("the reward function cannot be pickled (a lambda or a closure?): its worker processes are "
+                        "forked from the trainer; define it at the top level of a module to avoid that")
+            return "fork", (self.custom_fn, None)
+        return method or "forkserver", (self.custom_fn, None)
 
     def close(self) -> None:
         """Stop the worker processes (a later call starts new ones).

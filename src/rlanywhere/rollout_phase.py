@@ -38,25 +38,13 @@ class RolloutPhase:
                  next_prompts: Callable[[], list[dict]], dp: Optional[DataParallel] = None):
         self.cfg, self.plan, self.engine, self.actor, self.tokenizer = cfg, plan, engine, actor, tokenizer
         self.reward_manager, self.oom, self.next_prompts = reward_manager, oom, next_prompts
+        self.run = oom.run_state  # the sizes and the KV-release flag as they are now (the plan is never changed)
         self.dp = dp or DataParallel()  # [distributed] dynamic sampling decides over every rank's prompts
         self.n = cfg.actor_rollout_ref.rollout.n
 
     @property
     def response_length(self) -> int:
         return response_length(self.cfg)
-
-    def free_kept_cache(self, phase: str) -> Optional[str]:
-        """OOM relief for the phases after the rollout (OOMGuard.relieve): a KV cache the plan kept between phases
-        is freed now and after every rollout from here on. None when there is none to free, in the rollout (which
-        is using it), and on a CPU (the plan keeps the cache there: memory is not the limit)."""
-        rollout = self.plan.rollout
-        if rollout.release_kv_between_phases or phase == "rollout" or not str(self.plan.device).startswith("cuda"):
-            return None
-        self.engine.release_memory()
-        rollout.release_kv_between_phases = True  # after every rollout from now on (rollout_and_score)
-        rollout.reasons["release_kv_between_phases"] = (f"freed: {phase} ran out of memory beside the kept cache ("
-                                                        f"planned: {rollout.reasons.get('release_kv_between_phases')})")
-        return "freed the rollout's KV cache (kept between phases until now; freed after every rollout from now on)"
 
     def sampling_params(self, validation: bool = False) -> SamplingParams:
         rollout_cfg = self.cfg.actor_rollout_ref.rollout
@@ -83,14 +71,14 @@ class RolloutPhase:
         return RowStreams(self.cfg.trainer.seed * 1_000_003 + step * 7919 + salt)
 
     def generate(self, items: list[dict], params: SamplingParams, generator, first_prompt: int = 0) -> RolloutBatch:
-        """Sample params.n responses per prompt, plan.sizes.rollout_batch_size sequences at a time (OOM-guarded).
+        """Sample params.n responses per prompt, run.sizes.rollout_batch_size sequences at a time (OOM-guarded).
 
         `generator` is RowStreams (item i is global prompt `first_prompt` + i), a torch.Generator for all calls,
         or a function of the global index of each call's first prompt (`first_prompt` + offset) returning one."""
         self.actor.eval()
         prompts = [item["input_ids"] for item in items]
-        if self.plan.sizes.rollout_batch_size is None:
-            self.plan.sizes.rollout_batch_size = len(prompts) * params.n
+        if self.run.sizes.rollout_batch_size is None:
+            self.run.sizes.rollout_batch_size = len(prompts) * params.n
         # the engine splits the request into waves itself; a callable generator gets global prompt indices
         source = (generator.offset(first_prompt) if isinstance(generator, RowStreams) else
                   (lambda offset: generator(first_prompt + offset)) if callable(generator) else generator)
@@ -166,7 +154,7 @@ class RolloutPhase:
             if informative >= self.cfg.data.train_batch_size or at_cap:
                 break
             items, first_prompt = self.dp.share(self.next_prompts())
-        if self.plan.rollout.release_kv_between_phases:  # the planned peaks of the phases after it assume so
+        if self.run.release_kv_between_phases:  # the planned peaks of the phases after it assume so
             self.engine.release_memory()
         if not filter_cfg.enable:
             return rounds[0], {}, first_prompt

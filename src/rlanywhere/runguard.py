@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import fcntl
 import logging
+import math
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ from omegaconf import OmegaConf
 
 from .checkpoint import checkpoint_root, list_checkpoints
 from .errors import UserError
+from .runfaults import check_run_names
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +169,7 @@ def check_resume_config(saved: dict, current: dict, checkpoint: str) -> dict[str
 
 def prepare_run_dir(run_dir: str, cfg) -> RunLock:
     """Everything checked before a model loads (see the module docstring); returns the held lock."""
+    check_run_names(cfg)  # before the folder is made: a name may not climb out of the runs folder
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as exc:
@@ -229,7 +232,8 @@ class StopSignals:
 
     A second signal raises RunInterrupted at once (no save). Outside the main thread it does nothing."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    # SIGHUP: the terminal closed (an ssh session dropped) — saved like a Ctrl-C
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
     def __init__(self):
         self.received: Optional[int] = None
@@ -242,9 +246,13 @@ class StopSignals:
             raise RunInterrupted(signum, self.step, None)
         self.received = signum
         what = "dropping the current step" if self.droppable else "finishing the current step"
-        # stderr directly: one line the user sees even with the progress bar, whatever the logging level
-        print(f"\n{signal.Signals(signum).name} received: {what}, then saving a checkpoint "
-              "(send it again to stop at once, without saving)", file=sys.stderr, flush=True)
+        # stderr directly: one line the user sees even with the progress bar, whatever the logging level; a
+        # console already gone (Ctrl-C also ended `| tee`, the terminal closed) must not stop the save
+        try:
+            print(f"\n{signal.Signals(signum).name} received: {what}, then saving a checkpoint "
+                  "(send it again to stop at once, without saving)", file=sys.stderr, flush=True)
+        except (BrokenPipeError, OSError, ValueError):
+            pass
         if self.droppable:
             self.droppable = False
             raise StepDropped()
@@ -267,17 +275,26 @@ class TrainingStopped(UserError):
 
 class RunStops:
     """When a run stops itself or is stopped: updates diverging, rewards failing, a signal (with `signals`, the
-    StopSignals of the running `fit`, set while it runs). Remembers the last good checkpoint for the advice."""
+    StopSignals of the running `fit`, set while it runs). Tracks the last checkpoint saved while the run was
+    healthy (finite losses and gradient norms, no update skipped since the previous checkpoint), and names that one
+    in the advice: a checkpoint saved after the updates went bad is marked so in it and never called good."""
+
+    WATCHED = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
 
     def __init__(self, trainer_cfg, actor_lr: float, dp):
         self.limits = {  # read up front: the run stops itself after this many bad updates / reward steps
             "trainer.max_consecutive_nonfinite_updates": trainer_cfg.max_consecutive_nonfinite_updates,
             "trainer.max_consecutive_failed_reward_steps": trainer_cfg.max_consecutive_failed_reward_steps}
         self.actor_lr, self.dp = actor_lr, dp
-        self.nonfinite_streak = 0  # optimizer updates skipped in a row for a non-finite grad norm
+        self.nonfinite_streaks: dict[str, int] = {}  # per model: optimizer updates skipped in a row (NaN/inf norm)
         self.failed_reward_streak = 0
-        self.last_good_checkpoint: Optional[str] = None  # the newest one saved (or resumed) before any such streak
+        self.last_good_checkpoint: Optional[str] = None  # the newest one saved (or resumed) while healthy
+        self.unhealthy: Optional[str] = None  # what went bad since the last healthy checkpoint (None: nothing)
         self.signals: Optional[StopSignals] = None
+
+    @property
+    def nonfinite_streak(self) -> int:
+        return max(self.nonfinite_streaks.values(), default=0)
 
     def _stop_after(self, streak: int, limit_key: str, what: str, advice: str) -> None:
         """Raise TrainingStopped once `streak` reaches the config's `limit_key` (0: never)."""
@@ -289,29 +306,61 @@ class RunStops:
         if self.last_good_checkpoint:
             return (f"The last good checkpoint is {self.last_good_checkpoint}: resume from it with a lower learning "
                     f"rate (trainer.resume_mode=resume_path trainer.resume_from_path={self.last_good_checkpoint})")
-        return "No checkpoint was saved before; lower the learning rate and start again"
+        return "No checkpoint was saved while the run was healthy; lower the learning rate and start again"
+
+    def health_record(self) -> dict:
+        """What a checkpoint keeps about the run's health when it is saved."""
+        return {"healthy": self.unhealthy is None, "unhealthy_reason": self.unhealthy,
+                "last_healthy_checkpoint": self.last_good_checkpoint}
 
     def checkpoint_saved(self, path: str) -> None:
-        if self.nonfinite_streak == 0:
+        if self.unhealthy is None:
             self.last_good_checkpoint = path
+
+    def resumed(self, path: str, state: dict) -> None:
+        """A resume from `path`: good when it was saved healthy, else its own last healthy checkpoint is."""
+        healthy = state.get("healthy", True)
+        self.last_good_checkpoint = path if healthy else state.get("last_healthy_checkpoint")
+        self.unhealthy = None if healthy else state.get("unhealthy_reason")
+
+    @staticmethod
+    def refuse_unhealthy(path: str, state: dict) -> None:
+        """Auto-resume never continues a run from weights saved after its updates went bad."""
+        if state.get("healthy", True) is False:
+            from .checkpoint import CheckpointError
+
+            error = CheckpointError(f"checkpoint {path} was saved after the updates went bad "
+                                    f"({state.get('unhealthy_reason')}): not resumed")
+            error.aside_suffix = "diverged"
+            raise error
+
+    def check_step(self, metrics: dict) -> None:
+        """After each step: a non-finite loss or gradient norm marks the run unhealthy until the next checkpoint
+        of a healthy run (there is none after it: training on from bad weights stays bad)."""
+        bad = [key for key in self.WATCHED if key in metrics and not math.isfinite(metrics[key])]
+        if bad and self.unhealthy is None:
+            self.unhealthy = f"{bad[0]} was {metrics[bad[0]]}"
 
     def weights_changing(self) -> None:
         """From here the step changes weights: a signal now finishes the step instead of dropping it."""
         if self.signals is not None:
             self.signals.droppable = False
 
-    def record_update(self, outcome) -> None:
-        """After each optimizer step (a precision_guard.StepOutcome): stop once too many in a row were non-finite.
-        fp16 scaler skips are not failures (precision_guard counts those)."""
+    def record_update(self, outcome, name: str = "actor") -> None:
+        """After each optimizer step of `name` (a precision_guard.StepOutcome): stop once too many in a row of the
+        same model were non-finite. fp16 scaler skips are not failures (precision_guard counts those)."""
         if outcome.nonfinite_failure:
-            self.nonfinite_streak += 1
-            self._stop_after(self.nonfinite_streak, "trainer.max_consecutive_nonfinite_updates",
-                             f"{self.nonfinite_streak} optimizer updates in a row had a NaN/inf gradient norm and "
-                             "were skipped",
+            streak = self.nonfinite_streaks[name] = self.nonfinite_streaks.get(name, 0) + 1
+            if self.unhealthy is None:
+                self.unhealthy = f"{name} update skipped for a NaN/inf gradient norm"
+            self._stop_after(streak, "trainer.max_consecutive_nonfinite_updates",
+                             f"{streak} {name} optimizer updates in a row had a NaN/inf gradient norm and were "
+                             "skipped",
                              f"the run has diverged, training on would change nothing. {self.last_good_hint()}, "
-                             f"e.g. actor_rollout_ref.actor.optim.lr={self.actor_lr / 10:g}")
+                             + (f"e.g. actor_rollout_ref.actor.optim.lr={self.actor_lr / 10:g}" if name == "actor"
+                                else "e.g. a lower critic.optim.lr, or rewards on a smaller scale"))
         elif outcome.applied:
-            self.nonfinite_streak = 0
+            self.nonfinite_streaks[name] = 0
 
     def record_rewards(self, errors: float, rows: int, last_error) -> None:
         """After each step: stop once every reward call failed for too many steps in a row."""

@@ -178,14 +178,19 @@ def weights_for_rollout(engine, model: nn.Module) -> Iterator[None]:
                 release()
 
 
-def matched_micro_batches(micro_batches: list, dp, sharded: bool) -> list[tuple[list, bool]]:
+def matched_micro_batches(micro_batches: list, dp, sharded: bool, fallback: Optional[list] = None
+                          ) -> list[tuple[list, bool]]:
     """(micro-batch, is_padding) pairs, as many on every rank: a sharded model's backward communicates per layer,
-    so a rank with fewer micro-batches (token budgets differ) repeats its first one with zero loss weight."""
+    so a rank with fewer micro-batches (token budgets differ) repeats its first one with zero loss weight; a rank
+    with none at all (an empty share of a mini-batch) repeats `fallback` (rows it holds)."""
     pairs = [(micro, False) for micro in micro_batches]
     if not sharded or not dp.enabled:
         return pairs
     most = int(dp.max_value(float(len(pairs))))
-    return pairs + [(micro_batches[0], True)] * (most - len(pairs))
+    if most > len(pairs) and not micro_batches and fallback is None:
+        raise ValueError("a rank with no rows in a mini-batch needs a fallback micro-batch to pad with")
+    padding = micro_batches[0] if micro_batches else fallback
+    return pairs + [(padding, True)] * (most - len(pairs))
 
 
 def shard_for_plan(plan, *models: Optional[nn.Module]) -> None:

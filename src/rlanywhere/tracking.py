@@ -13,6 +13,7 @@ import difflib
 import json
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -104,8 +105,17 @@ def _truncate_metrics_file(path: Path, resume_step: int) -> int:
         else:
             dropped += 1
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    tmp.replace(path)
+    try:
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:  # a full disk: the original stays as it was, no .tmp left behind
+        tmp.unlink(missing_ok=True)
+        from .errors import UserError
+
+        free = shutil.disk_usage(path.parent).free // 1024
+        raise UserError(f"could not rewrite {path} to resume at step {resume_step}: "
+                        f"{(exc.strerror or str(exc)).lower()} ({free} KiB free); free space and run the same "
+                        "command again") from None
     return dropped
 
 

@@ -7,7 +7,9 @@ Read `RLTrainer.train_step` top to bottom; it is the whole algorithm:
 
 The parts live in their own modules: builders.py (models, optimizers, data, engine), rollout_phase.py (steps 1-2),
 balance.py (rows moved between ranks after them: trainer.balance_batch), update.py (micro-batches, accumulation,
-optimizer steps), stepmetrics.py (step 7), validation.py, runguard.py (signals, divergence stops), checkpoint.py.
+optimizer steps), stepmetrics.py (step 7), validation.py, runguard.py (signals, divergence stops),
+trainer_checkpoints.py (save, export, resume through the one checkpointer of checkpointer.py), runstate.py (what
+changes while the run goes: sizes, KV release, the engine running).
 Every hardware choice comes from the Plan made by the planner (planner.py) before anything was loaded; this file
 only follows it.
 """
@@ -28,25 +30,28 @@ from omegaconf import DictConfig, OmegaConf
 from . import algorithms as algo
 from . import builders
 from .balance import balance_rows, balance_text
-from .checkpoint import (capture_rng, export_final_model, load_checkpoint, restore_rng, resume_latest,
-                         retire_later_checkpoints, save_checkpoint)
+from .checkpoint import capture_rng, restore_rng
+from .checkpointer import Checkpointer
 from .compiling import compiles_so_far
 from .config import as_list, to_yaml
-from .dist_checkpoint import load_checkpoint_any, save_full_model, save_sharded
 from .distributed import DataParallel, NullTracker, check_world_config
 from .runtime import make_grad_scaler
-from .plans import Plan, RuntimeSizes, SizeKind
-from .lora import adapter_disabled, merged_state_for_export
+from .plans import Plan, SizeKind
+from .lora import adapter_disabled
 from .offload import on_device
-from .oom import OOMGuard, lowered_sizes, oom_sizes_path, remember_sizes, remembered_sizes
+from .oom import OOMGuard
 from .precision_guard import PrecisionGuard
 from .profiling import maybe_profile, profile_step_set
 from .rollout_phase import RolloutPhase, response_length
-from .sharding import is_sharded, sync_engine
+from .sharding import sync_engine
+from .rank_layout import register_ranks
+from .runfaults import RunDirWatch
 from .runguard import RunInterrupted, RunStops, StopSignals, prepare_run_dir
+from .runstate import RunState
 from .stepbatch import StepBatch
 from .stepmetrics import PhaseTimer, step_metrics
 from .tracking import Tracker
+from .trainer_checkpoints import TrainerCheckpoints
 from .update import Updater, actor_loss, critic_loss
 from .validation import validate
 from .verl_steps import BASELINE_KEY, pf_ppo_batch, row_baselines
@@ -61,13 +66,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class RLTrainer:
+class RLTrainer(TrainerCheckpoints):
     def __init__(self, cfg: DictConfig, plan: Plan, run_dir: str, notices: Optional[list[str]] = None):
         self.cfg, self.plan, self.run_dir, self.device = cfg, plan, run_dir, plan.device
         self.notices = list(notices or [])
         # [distributed] this process's rank among torchrun's (alone: world 1, every collective a no-op)
         self.dp = DataParallel.from_env(self.device, plan.dist_backend)
         check_world_config(cfg, self.dp.world)  # before any model loads: what data parallelism cannot run
+        register_ranks(self.dp)  # [distributed] so that a survivor can name a rank that died
         # first of all: the run dir's lock and every check that must fail before a model loads. [distributed] The
         # ranks of one job share the run dir: rank 0 takes the lock, checks and writes; the others wait for it
         self.run_lock = prepare_run_dir(run_dir, cfg) if self.dp.is_main else None
@@ -98,32 +104,37 @@ class RLTrainer:
         self.precision_guard = PrecisionGuard.from_config(cfg.hardware, precision_name(plan.rollout.dtype))
         kl_cfg = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algo.make_kl_controller(kl_cfg.type, kl_cfg.kl_coef, kl_cfg.target_kl, kl_cfg.horizon)
+        # what changes while the run goes (sizes OOM recovery lowers, the KV-release flag, the engine running):
+        # the plan stays as it was decided
+        self.run = RunState.from_plan(plan, run_dir, self.dp.rank)
+        self._recorded_changes = -1
         # A token budget can shrink no further than one full-length sequence.
-        self.oom_guard = OOMGuard(plan.sizes, log_fn=lambda msg: log.warning("%s", msg),
+        self.oom_guard = OOMGuard(self.run, log_fn=lambda msg: log.warning("%s", msg),
                                   min_size={SizeKind.TOKENS_PER_MICRO_BATCH: max_seq_len},
-                                  enabled=cfg.hardware.oom_recovery, on_change=self.write_plan_record,
-                                  remember=lambda event: remember_sizes(run_dir, self.oom_guard.sizes, event,
-                                                                        self.dp.rank))
+                                  enabled=cfg.hardware.oom_recovery)
+        self.checkpointer = Checkpointer(run_dir, self.dp, cfg.trainer.max_actor_ckpt_to_keep, to_yaml(cfg))
         self.stops = RunStops(cfg.trainer, cfg.actor_rollout_ref.actor.optim.lr, self.dp)
         self.updater = Updater(plan, self.dp, self.oom_guard, self.grad_scaler, self.precision_guard,
                                self.tokenizer.pad_token_id, self.response_length,
                                before_weights_change=self.stops.weights_changing,
                                after_optimizer_step=self.stops.record_update, samples_per_prompt=self.n)
         self.engine = builders.build_engine(cfg, plan, self.actor, self.tokenizer)
+        self.run.engine_running(self.engine, plan.rollout.engine)
         self.write_plan_record()  # after the engine is known: the record shows what runs
         self.rollouts = RolloutPhase(cfg, plan, self.engine, self.actor, self.tokenizer, self.reward_manager,
                                      self.oom_guard, self.loader.next_batch, self.dp)
-        self.oom_guard.relieve = self.rollouts.free_kept_cache
         self.global_step = 0
         self.first_step = 0  # the step this launch starts at (a resume's)
         self.tracker: Optional[Tracker] = None
 
     def write_plan_record(self) -> None:
-        """plan.json: every decision with its reason, as it runs now (engine fallback, sizes OOM recovery lowered)."""
+        """plan.json: every decision with its reason, and the run state beside it (engine fallback, sizes OOM
+        recovery lowered); rewritten when the run state changed."""
+        self._recorded_changes = self.run.changes
         if not self.dp.is_main:
             return
         record = {**self.plan.to_dict(), "balance_batch": self.balance_batch, "notices": self.notices,
-                  "oom_events": self.oom_guard.events}
+                  "run_state": self.run.to_dict(), "oom_events": self.run.oom_events}
         tmp = os.path.join(self.run_dir, "plan.json.tmp")
         with open(tmp, "w") as handle:
             json.dump(record, handle, indent=2)
@@ -266,95 +277,13 @@ class RLTrainer:
             step_time=time.perf_counter() - step_start, timer=timer, device=self.device,
             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             kl_coef=self.kl_ctrl.value if algo_cfg.use_kl_in_reward else None, values=values, returns=returns,
-            oom_recoveries=len(self.oom_guard.events), compiles=compiles_so_far() - compiles_at_start,
+            oom_recoveries=len(self.run.oom_events), compiles=compiles_so_far() - compiles_at_start,
             extra={**kl_metrics, **sampling_metrics, **truncation_metrics, **balance_metrics}))
         metrics.update(self.precision_guard.end_step(metrics))  # loss scale, skipped steps; stops on a tripped rail
         return metrics
 
     def validate(self) -> dict:
         return validate(self.rollouts, self.val_set, self.dp, self.run_dir, self.global_step)
-
-    # ------------------------------------------------------------------------------------------ checkpoints
-    def trainer_state(self) -> dict:
-        return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,  # fp16 loss scale
-                "plan_sizes": self.plan.sizes.to_dict()}
-
-    def save(self) -> str:
-        sharded = is_sharded(self.actor)
-        export = merged_state_for_export(self.actor) if self.plan.use_lora and not sharded else None
-        # [distributed] replicas are identical: rank 0 writes, the others wait until it is complete
-        path = os.path.join(self.run_dir, "checkpoints", f"global_step_{self.global_step}")
-        if sharded:  # [distributed] every rank writes its shards (DCP), rank 0 the rest; LoRA merged there
-            path = save_sharded(self.dp, self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
-                                critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
-                                trainer_state=self.trainer_state(), keep=self.cfg.trainer.max_actor_ckpt_to_keep,
-                                config_yaml=to_yaml(self.cfg))
-            log.info("checkpoint saved: %s", path)
-        elif self.dp.is_main:
-            path = save_checkpoint(self.run_dir, self.global_step, actor=self.actor, tokenizer=self.tokenizer,
-                                   critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers,
-                                   trainer_state=self.trainer_state(), export_actor=export,
-                                   keep=self.cfg.trainer.max_actor_ckpt_to_keep, config_yaml=to_yaml(self.cfg))
-            log.info("checkpoint saved: %s", path)
-        self.dp.barrier()
-        self.stops.checkpoint_saved(path)
-        return path
-
-    def save_final_model(self) -> str:
-        """The trained actor in HF format at the end of a run: the last checkpoint's actor/ when one was written at
-        this step (save_freq > 0), else RUN_DIR/final_model/ (model + tokenizer, LoRA merged, no optimizer)."""
-        if is_sharded(self.actor):  # [distributed] gathered full weights, written by rank 0
-            final = os.path.join(self.run_dir, "final_model")
-            save_full_model(self.dp, final, self.actor, self.tokenizer)
-            return final
-        return export_final_model(self.run_dir, self.global_step, lambda: merged_state_for_export(self.actor)
-                                  if self.plan.use_lora else self.actor, self.tokenizer, self.dp)
-
-    def maybe_resume(self) -> None:
-        """Continue from the newest usable checkpoint (a damaged one is named and skipped), or the given path."""
-        trainer_cfg = self.cfg.trainer
-        if trainer_cfg.resume_mode == "disable":
-            return
-
-        def load(path: str) -> dict:
-            # [distributed] a sharded (DCP) checkpoint loads on any world size; a replicated one as before
-            return load_checkpoint_any(load_checkpoint, path, actor=self.actor, critic=self.critic,
-                                       optimizers=self.optimizers, schedulers=self.schedulers)
-
-        if trainer_cfg.resume_mode == "resume_path":  # asked for by name: no fallback
-            path, state = trainer_cfg.resume_from_path, load(trainer_cfg.resume_from_path)
-        else:
-            found = resume_latest(self.run_dir, load)
-            if found is None:
-                return
-            path, state = found
-        self.global_step = state["global_step"]
-        self.loader.load_state_dict(state["loader"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        if self.grad_scaler is not None and state.get("grad_scaler"):
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
-        if state.get("plan_sizes"):  # keep what OOM recovery learned
-            self.plan.sizes = self.oom_guard.sizes = RuntimeSizes.from_dict(state["plan_sizes"])
-        self.write_plan_record()
-        builders.apply_optim_config(self.cfg, self.optimizers, self.schedulers)
-        sync_engine(self.engine, self.actor)  # [distributed]
-        retire_later_checkpoints(self.run_dir, self.global_step)  # never a mix of two timelines
-        self.stops.last_good_checkpoint = path
-        log.info("resumed from %s at step %d", path, self.global_step)
-
-    def apply_remembered_sizes(self) -> None:
-        """[distributed] The sizes an out-of-memory stop of this run saved for its next launch (a sharded update
-        cannot be redone on one rank: OOMGuard.run_matched), each a ceiling on what the plan or checkpoint says."""
-        record = remembered_sizes(self.run_dir)
-        changes = lowered_sizes(self.oom_guard.sizes, record)
-        if not changes:
-            return
-        if self.dp.is_main:  # plan.json keeps the history; counted once in oom/recoveries (a sum over ranks)
-            self.oom_guard.events.append({**record["event"], "stopped_the_job": True})
-        log.warning("sizes lowered by an out-of-memory stop of this run (%s): %s", oom_sizes_path(self.run_dir),
-                    ", ".join(f"{name} {old} -> {new}" for name, old, new in changes))
-        self.write_plan_record()
 
     # ------------------------------------------------------------------------------------------ the run
     def fit(self) -> dict:
@@ -367,10 +296,13 @@ class RLTrainer:
                                    trainer_cfg.experiment_name, OmegaConf.to_container(self.cfg, resolve=True),
                                    self.total_steps, resume_step=self.global_step if self.global_step > 0 else None) \
                 if self.dp.is_main else NullTracker()  # [distributed] metrics, progress and plots from rank 0 alone
+            self.run_dir_watch = RunDirWatch(self.run_dir)
             with StopSignals() as self.stops.signals:
                 return self._loop()
         finally:
             self.stops.signals = None
+            if self._recorded_changes != self.run.changes:
+                self.write_plan_record()
             if self.tracker is not None:
                 self.tracker.close()
             self.reward_manager.close()
@@ -401,6 +333,11 @@ class RLTrainer:
                 last_val = stops.droppable(self.validate) or {}
                 metrics.update(last_val)
             self.tracker.log(metrics, step=self.global_step)
+            stops.check_step(metrics)
+            if self._recorded_changes != self.run.changes:  # OOM recovery lowered a size, a cache was freed
+                self.write_plan_record()
+            if self.dp.is_main:
+                self.run_dir_watch.check(self.global_step)  # the folder deleted: its metrics are lost, stop
             stops.record_rewards(metrics["reward/errors"], self.loader.batch_size * self.n,
                                  self.reward_manager.last_error)
             if trainer_cfg.save_freq > 0 and (self.global_step % trainer_cfg.save_freq == 0 or is_last):

@@ -44,12 +44,13 @@ class Updater:
     """Micro-batched forward passes and PPO updates for one process, sized by the plan's RuntimeSizes.
 
     `before_weights_change` is called right before an optimizer step may change weights (a stop signal can no
-    longer drop the step); `after_optimizer_step(outcome)` sees each step's outcome (the run's divergence stop)."""
+    longer drop the step); `after_optimizer_step(outcome, name)` sees each step's outcome and whose ("actor",
+    "critic": the run's divergence stop)."""
 
     def __init__(self, plan: Plan, dp: DataParallel, oom: OOMGuard, grad_scaler, precision_guard: PrecisionGuard,
                  pad_token_id: int, response_length: int,
                  before_weights_change: Callable[[], None] = lambda: None,
-                 after_optimizer_step: Callable[[StepOutcome], None] = lambda outcome: None,
+                 after_optimizer_step: Callable[[StepOutcome, str], None] = lambda outcome, name: None,
                  samples_per_prompt: int = 1):
         self.plan, self.dp, self.oom, self.grad_scaler = plan, dp, oom, grad_scaler
         self.precision_guard, self.pad_token_id, self.response_length = precision_guard, pad_token_id, response_length
@@ -64,7 +65,7 @@ class Updater:
 
     @property
     def uses_token_budget(self) -> bool:
-        return self.plan.sizes.max_token_len_per_micro_batch is not None
+        return self.oom.sizes.max_token_len_per_micro_batch is not None  # the run state's sizes
 
     def micro_batches(self, batch: StepBatch, rows: list[int], size: int) -> list[list[int]]:
         """`rows` cut into micro-batches of `size` (rows, or tokens under a token budget). With
@@ -157,16 +158,19 @@ class Updater:
         # [distributed] a sharded model: as many backward passes on every rank (padding ones weigh 0)
         # the planned SDPA backends for forward and backward alike (checkpointing recomputes attention in backward)
         with training_passes(self.plan):
+            # a rank whose share of this mini-batch is empty pads with its batch's first row
             for micro, padding in matched_micro_batches(self.micro_batches(batch, rows, size), self.dp,
-                                                        is_sharded(model)):
+                                                        is_sharded(model), fallback=[0]):
                 inputs = self.forward_rows(batch, micro)
                 host_mask = batch.mask[micro, :inputs.response_len]
                 resp_mask = to_device(host_mask, self.device)
+                if padding:  # the model's passes without the loss: a loss that is not finite can add no NaN
+                    with autocast_context(self.plan):
+                        zero, _, _ = loss_fn(model, micro, inputs, resp_mask, scale, padding=True)
+                    zero.backward()
+                    continue
                 with autocast_context(self.plan):
                     loss, shares, means = loss_fn(model, micro, inputs, resp_mask, scale)
-                if padding:
-                    (loss * 0.0).backward()
-                    continue
                 losses.append((micro, loss.detach()))
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
                 # loss terms add up to the mini-batch's value; diagnostics (token means) are weighted by tokens
@@ -196,7 +200,7 @@ class Updater:
                    if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
             log.warning("non-finite grad norm %.3g: skipping this optimizer step (%d parameter tensors non-finite, "
                         "first: %s)", outcome.grad_norm, len(bad), ", ".join(bad[:4]))
-        self.after_optimizer_step(outcome)
+        self.after_optimizer_step(outcome, name)
         optimizer.zero_grad(set_to_none=True)
         return outcome.grad_norm
 
@@ -310,9 +314,11 @@ def _detached(value):
 def critic_loss(batch: StepBatch, critic_cfg, device: str) -> LossFn:
     """The critic's loss_fn: clipped value loss against the batch's returns."""
 
-    def loss_fn(model, rows, micro, resp_mask, scale):
+    def loss_fn(model, rows, micro, resp_mask, scale, padding=False):
         pick = lambda t: to_device(t[rows, :micro.response_len], device)  # noqa: E731
         values = micro_values(model, micro)
+        if padding:  # [distributed] a padding pass: zero weight on the model's outputs, never on the batch's data
+            return values.sum() * 0.0, {}, {}
         loss, metrics = algo.value_loss(values, pick(batch.values), pick(batch.returns), resp_mask,
                                         critic_cfg.cliprange_value, critic_cfg.loss_agg_mode, scale)
         return loss, {"vf_loss": loss.detach()}, metrics
@@ -331,10 +337,12 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
     policy_loss = algo.POLICY_LOSSES[actor_cfg.policy_loss.loss_mode]  # vanilla PPO clip or GSPO
     compare_rollout = logprobs_comparable(rollout_cfg.top_k, rollout_cfg.top_p)
 
-    def loss_fn(model, rows, micro, resp_mask, scale):
+    def loss_fn(model, rows, micro, resp_mask, scale, padding=False):
         # [distributed] call_in_root_forward: a sharded model's root weights gathered around the head
         logprob, entropy = micro_logprobs(call_in_root_forward(model, response_logprobs), model, micro, temperature,
                                           logprob_chunk_size, compiled_head, with_entropy=True)
+        if padding:  # [distributed] a padding pass: zero weight on the model's outputs, never on the batch's data
+            return logprob.sum() * 0.0, {}, {}
         pick = lambda t: to_device(t[rows, :micro.response_len], device)  # noqa: E731
         old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
         # means: pg_clipfrac, approx_kl, ratio statistics (algorithms.POLICY_LOSSES)

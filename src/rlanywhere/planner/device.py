@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Optional
 from .. import estimator as est
 from ..machine import CardSpec, DeviceInfo, HardwareProbe
 from ..plans import Plan
+from ..rank_layout import rank_gpu_index
 from ..vocabulary import ATTN_FLASH, ATTN_SDPA, BF16, PlanError, cc_str, flash_attn_capable, has_fast_fp16, \
     has_native_bf16, has_tf32
 
@@ -92,13 +93,10 @@ def resolve_device(cfg: Any, machine: HardwareProbe, card: Optional[CardSpec], f
             if card is not None:
                 return "cpu", None, f"planning only (no CUDA device here): the decisions are for the {card.name}"
             return "cpu", None, "no CUDA device visible: training on CPU"
-        index = local_rank()
-        reason = (f"auto: this rank's GPU (LOCAL_RANK={index})" if "LOCAL_RANK" in os.environ
-                  else "auto: first CUDA device")
-        if index >= len(machine.devices):
-            raise PlanError(f"rank with LOCAL_RANK={index} but only {len(machine.devices)} CUDA device(s) are visible: "
-                            f"start at most {len(machine.devices)} processes per node (--nproc_per_node / "
-                            "trainer.n_gpus_per_node)")
+        index, why = rank_gpu_index(local_rank(), len(machine.devices))  # torchrun's layout, or SLURM's
+        reason = f"auto: {why}" if "LOCAL_RANK" in os.environ else "auto: first CUDA device"
+        if index is None:
+            raise PlanError(why)
     else:
         match = re.fullmatch(r"cuda(?::(\d+))?", requested)
         if match is None:
@@ -108,7 +106,8 @@ def resolve_device(cfg: Any, machine: HardwareProbe, card: Optional[CardSpec], f
             if match.group(1) is not None:
                 raise PlanError(f"hardware.device={requested} under torchrun would put every rank on one GPU: use "
                                 "hardware.device=cuda (or auto); each rank takes cuda:LOCAL_RANK")
-            index = local_rank()
+            index = rank_gpu_index(local_rank(), len(machine.devices))[0]
+            index = local_rank() if index is None else index  # none fits: the error below names the index
         if not machine.devices:
             if card is not None and not for_execution:
                 return "cpu", None, f"planning only (no CUDA device here): the decisions are for the {card.name}"

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from ..errors import UserError
 from ..machine import HardwareProbe
 from ..plans import Plan
+from ..rank_layout import one_gpu_per_task
 from ..vocabulary import NoFitError, PlanError
 from .memory import MemoryPlan
 
@@ -167,7 +168,7 @@ def plan_data_parallel(cfg: Any, plan: Plan, machine: HardwareProbe, for_executi
         reasons["data_parallel"] = "one process (trainer.nnodes x trainer.n_gpus_per_node = 1)"
         return
     on_gpu = plan.device.startswith("cuda")
-    if for_execution and on_gpu and per_node > len(machine.devices):
+    if for_execution and on_gpu and per_node > len(machine.devices) and not one_gpu_per_task(len(machine.devices)):
         raise PlanError(f"trainer.n_gpus_per_node={per_node} but this node has {len(machine.devices)} CUDA device(s): "
                         f"use trainer.n_gpus_per_node<={len(machine.devices)} (or hardware.device=cpu for CPU "
                         "processes)")

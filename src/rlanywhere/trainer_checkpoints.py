@@ -1,0 +1,94 @@
+"""The trainer's checkpoints: what a checkpoint keeps of the run (`trainer_state`), saving it through the one
+checkpointer (checkpointer.py), the final HF export, and resuming: the newest usable checkpoint (a damaged or
+unhealthy one named and moved aside), the sizes an out-of-memory event lowered applied as ceilings on this
+run's (runstate.py), and the sizes an out-of-memory stop of this job saved for its next launch.
+
+`TrainerCheckpoints` is a part of `RLTrainer` (trainer.py): it reads the trainer's models, loader, run state and
+stops, and is not used on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from . import builders
+from .checkpoint import export_final_model
+from .dist_checkpoint import save_full_model
+from .lora import merged_state_for_export
+from .oom import oom_sizes_path, remembered_sizes
+from .sharding import is_sharded, sync_engine
+
+log = logging.getLogger("rlanywhere.trainer")
+
+
+class TrainerCheckpoints:
+    """Checkpoint, export and resume for RLTrainer."""
+
+    def trainer_state(self) -> dict:
+        return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,  # fp16 loss scale
+                "run_state": self.run.checkpoint_record(), **self.stops.health_record()}
+
+    def save(self) -> str:
+        sharded = is_sharded(self.actor)
+        path = self.checkpointer.save(
+            self.global_step, actor=self.actor, tokenizer=self.tokenizer, critic=self.critic,
+            optimizers=self.optimizers, schedulers=self.schedulers, trainer_state=self.trainer_state(),
+            export_actor=(lambda: merged_state_for_export(self.actor)) if self.plan.use_lora and not sharded else None,
+            earlier_hint=self.stops.last_good_hint())
+        log.info("checkpoint saved: %s", path)
+        self.stops.checkpoint_saved(path)
+        return path
+
+    def save_final_model(self) -> str:
+        """The trained actor in HF format at the end of a run: the last checkpoint's actor/ when one was written at
+        this step (save_freq > 0), else RUN_DIR/final_model/ (model + tokenizer, LoRA merged, no optimizer)."""
+        if is_sharded(self.actor):  # [distributed] gathered full weights, written by rank 0
+            final = os.path.join(self.run_dir, "final_model")
+            save_full_model(self.dp, final, self.actor, self.tokenizer)
+            return final
+        return export_final_model(self.run_dir, self.global_step, lambda: merged_state_for_export(self.actor)
+                                  if self.plan.use_lora else self.actor, self.tokenizer, self.dp)
+
+    def maybe_resume(self) -> None:
+        """Continue from the newest usable checkpoint (a damaged one is named and skipped), or the given path."""
+        trainer_cfg = self.cfg.trainer
+        if trainer_cfg.resume_mode == "disable":
+            return
+        models = dict(actor=self.actor, critic=self.critic, optimizers=self.optimizers, schedulers=self.schedulers)
+        if trainer_cfg.resume_mode == "resume_path":  # asked for by name: no fallback
+            path = trainer_cfg.resume_from_path
+            state = self.checkpointer.load(path, **models)
+        else:
+            found = self.checkpointer.resume(check=self.stops.refuse_unhealthy, **models)
+            if found is None:
+                return
+            path, state = found
+        self.global_step = state["global_step"]
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.grad_scaler is not None and state.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        for name, old, new in self.run.restore(state.get("run_state")):  # what OOM recovery learned, as ceilings
+            log.warning("%s %s -> %s: lowered by an out-of-memory event before this checkpoint", name, old, new)
+        self.write_plan_record()
+        builders.apply_optim_config(self.cfg, self.optimizers, self.schedulers)
+        sync_engine(self.engine, self.actor)  # [distributed]
+        self.checkpointer.retire_later(self.global_step)  # never a mix of two timelines
+        self.stops.resumed(path, state)
+        log.info("resumed from %s at step %d", path, self.global_step)
+
+    def apply_remembered_sizes(self) -> None:
+        """[distributed] The sizes an out-of-memory stop of this run saved for its next launch (a sharded update
+        cannot be redone on one rank: OOMGuard.run_matched), each a ceiling on what the plan or checkpoint says."""
+        record = remembered_sizes(self.run_dir)
+        changes = self.run.lower_to({name: size for name, size in ((record or {}).get("sizes") or {}).items()
+                                     if isinstance(size, int)})
+        if not changes:
+            return
+        if self.dp.is_main:  # plan.json keeps the history; counted once in oom/recoveries (a sum over ranks)
+            self.run.oom_events.append({**record["event"], "stopped_the_job": True})
+        log.warning("sizes lowered by an out-of-memory stop of this run (%s): %s", oom_sizes_path(self.run_dir),
+                    ", ".join(f"{name} {old} -> {new}" for name, old, new in changes))
+        self.write_plan_record()
