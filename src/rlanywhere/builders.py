@@ -61,10 +61,11 @@ def build_data(cfg: DictConfig, tokenizer) -> Data:
     return Data(train_set, val_set, loader)
 
 
-def build_reward_manager(cfg: DictConfig) -> RewardManager:
+def build_reward_manager(cfg: DictConfig, plan: Optional[Plan] = None) -> RewardManager:
     custom = cfg.custom_reward_function
-    return RewardManager(load_custom_reward(custom.path, custom.name) if custom.path else None,
-                         timeout_s=custom.timeout_s)
+    rules = RewardManager(load_custom_reward(custom.path, custom.name) if custom.path else None,
+                          timeout_s=custom.timeout_s)
+    return wrap_reward_manager(cfg, plan, rules) if plan is not None else rules  # reward_model.py
 
 
 # ---------------------------------------------------------------------------------------------- models

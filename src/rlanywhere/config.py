@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .errors import UserError
 from .profiling import profile_step_set
+from .reward_model import check_reward_model_config
 from .vocabulary import (
     AdvantageEstimator, AttnImplementation, LossAggMode, PolicyLossMode, Precision, RolloutEngineName, Truncation,
 )
@@ -229,10 +230,56 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RewardModelFSDPConfig:
+    # verl's switch; here: true keeps the reward model in CPU memory between scorings, false / auto let the planner
+    # offload it only when the card needs it
+    param_offload: Any = "auto"
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None  # a sequence-classification reward model, or a causal LM with judge.enable
+    # verl: the policy's tokenizer the response is decoded with (here always the actor's); the reward model's own
+    # tokenizer and chat template re-template the conversation (reward_model.py)
+    input_tokenizer: Optional[str] = None
+    trust_remote_code: bool = False
+    override_config: dict = field(default_factory=dict)
+    fsdp_config: RewardModelFSDPConfig = field(default_factory=RewardModelFSDPConfig)
+
+
+@dataclass
+class JudgeVerdictFunction:
+    path: Optional[str] = None  # a .py file whose function `name(text) -> float | None` reads the verdict
+    name: str = "parse_verdict"
+
+
+@dataclass
+class JudgeConfig:
+    """rlanywhere's generative judge: reward_model.model.path is a causal LM that grades each response."""
+
+    enable: bool = False
+    prompt_template: str = ("Grade the answer to the question. Reply with only a score from 0 to 10.\n\n"
+                            "Question: {prompt}\n\nAnswer: {response}\n\nScore:")
+    verdict_regex: str = r"(-?\d+(?:\.\d+)?)"  # the first group of the last match is the score
+    verdict_function: JudgeVerdictFunction = field(default_factory=JudgeVerdictFunction)
+    max_new_tokens: int = 16
+    failure_score: float = 0.0  # the score of a verdict that cannot be parsed (counted, never fatal)
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = False
     reward_manager: str = "naive"
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    strategy: str = "fsdp"
+    micro_batch_size: Optional[int] = None  # verl's deprecated global size (one process: the same)
+    micro_batch_size_per_gpu: Optional[int] = None  # None: planned
+    max_length: Optional[int] = None  # tokens per re-templated sequence; None: prompt + response length
+    truncation: str = "right"  # right: keep the first max_length tokens (verl) | left | error
+    use_dynamic_bsz: bool = False
+    forward_max_token_len_per_gpu: Optional[int] = None
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass
@@ -331,8 +378,10 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r"data\.(image_key|video_key|custom_cls(\..*)?|dataloader_num_workers|return_full_prompt|use_shm"
     r"|trust_remote_code|sampler(\..*)?|return_multi_modal_inputs|filter_overlong_prompts_workers)":
     "text-only prompts are read from parquet directly",
-    r"reward_model\.(model(\..*)?|micro_batch_size.*|max_length|strategy|use_dynamic_bsz|forward_max_token_len"
-    r"|launch_reward_fn_async|sandbox_fusion(\..*)?)": "rule rewards only (custom_reward_function for your own)",
+    r"reward_model\.(launch_reward_fn_async|sandbox_fusion(\..*)?|enable_resource_pool|n_gpus_per_node|nnodes"
+    r"|reward_loop_.*|use_reward_loop|num_workers|ulysses_sequence_parallel_size|profiler(\..*)?|rollout(\..*)?"
+    r"|model\.(external_lib|use_shm|use_remove_padding|use_fused_kernels))": "the reward model scores in this "
+    "process, between the rollout and the training phases (reward_model.py)",
     r"reward_model\.overlong_buffer\.log": "the overlong penalty is always logged (reward/overlong_penalty)",
 }
 
@@ -602,9 +651,7 @@ def _check_values(cfg: DictConfig) -> None:
     for key in positive:
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
-    if cfg.reward_model.enable:
-        raise ConfigError("reward_model.enable=true asks for a learned reward model, which rlanywhere does not run; "
-                          "score with rules (the default) or your own function (custom_reward_function.path)")
+    check_reward_model_config(cfg)  # reward_model.py
     if cfg.reward_model.reward_manager not in ("naive", "batch"):
         raise ConfigError(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r} is not available; "
                           "'naive' (the default) scores each response with the rule or custom function")
