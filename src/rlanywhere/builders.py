@@ -19,6 +19,7 @@ from .plans import Plan
 from .lora import apply_lora
 from .models import (ModelSource, ValueModel, compile_decoder_layers, enable_gradient_checkpointing, load_causal_lm,
                      load_tokenizer, resolve_model_source)
+from .reward_model import wrap_reward_manager
 from .rewards import RewardManager, load_custom_reward
 from .rollout import make_engine
 from .sharding import gathered, shard_for_plan

@@ -405,12 +405,12 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
                          flash_runs=target.is_cuda and "flash_attention" in backends)
     if plan.share_prompts:
         _count_prompts_once(plan, kept)
+    _plan_kv_release(plan, target, _auto(arr.rollout.free_cache_engine))
     if cfg.reward_model.enable:  # one more model in the same memory: its phase, placement and micro-batch
         from .reward_model import plan_from_config
         rm_plan, plan.estimate = plan_from_config(cfg, plan, plan.estimate, plan.memory_budget_bytes, target.is_cuda,
                                                   scores)
         plan.reward_model = rm_plan.to_dict()
-    _plan_kv_release(plan, target, _auto(arr.rollout.free_cache_engine))
     if for_execution and card is not None and real is not None:
         _check_real_card_runs(plan, real, machine)
     return plan

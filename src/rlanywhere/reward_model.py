@@ -149,7 +149,7 @@ def plan_reward_model(estimate: dict, shape, *, kind: str, path: str, dtype: tor
                       rows: int, seq_len: int, budget_bytes: Optional[int], on_cuda: bool,
                       micro_batch: Optional[int] = None, max_token_len: Optional[int] = None,
                       offload_request: Any = "auto", new_tokens: int = 0,
-                      scores_materialized: bool = False) -> tuple[RewardModelPlan, dict]:
+                      scores_materialized: bool = False, kept_cache_bytes: int = 0) -> tuple[RewardModelPlan, dict]:
     """The reward model's plan and the policy's estimate with it added. Pure: no model, no device.
 
     estimate: the policy's estimate (estimator.estimate_memory). The scoring phase holds what the rollout phase
@@ -157,7 +157,8 @@ def plan_reward_model(estimate: dict, shape, *, kind: str, path: str, dtype: tor
     plus the reward model's weights and one micro-batch's forward. Every other phase holds the reward model's
     weights too unless it is offloaded: offloaded when asked (param_offload=true) or, on a GPU, when a phase would
     not fit beside it. Raises NoFitError, with the estimates kept and offloaded, when the scoring phase itself
-    cannot fit."""
+    cannot fit. kept_cache_bytes: the rollout's KV cache when the plan keeps it between phases (it then sits beside
+    every training phase too)."""
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     weights = reward_model_weight_bytes(shape, kind, dtype_bytes)
     budget = budget_bytes if budget_bytes else None
@@ -191,8 +192,9 @@ def plan_reward_model(estimate: dict, shape, *, kind: str, path: str, dtype: tor
                                   "(reward_model.forward_max_token_len_per_gpu)")
     scoring_parts = {**resident, "reward_model_weights": weights, "reward_model_forward": scoring(chosen)}
     scoring_peak = sum(scoring_parts.values())
-    kept_peak = max(v + weights for v in phases.values())
-    offloaded_peak = max(max(phases.values()), scoring_peak)
+    training = [v + kept_cache_bytes for k, v in phases.items() if k != "rollout"] + [phases.get("rollout", 0)]
+    kept_peak = max(training) + weights
+    offloaded_peak = max(max(training), scoring_peak)
     fits = lambda peak: budget is None or peak <= budget  # noqa: E731
     if offload_request is True:
         offload = on_cuda
@@ -260,7 +262,9 @@ def plan_from_config(cfg, plan, estimate: dict, budget_bytes: Optional[int], on_
         on_cuda=on_cuda, micro_batch=rm_micro_batch_request(rm), max_token_len=budget_tokens,
         offload_request=rm.model.fsdp_config.param_offload,
         new_tokens=int(rm.judge.max_new_tokens) if kind == GENERATIVE else 0,
-        scores_materialized=scores_materialized)
+        scores_materialized=scores_materialized,
+        kept_cache_bytes=0 if plan.rollout.release_kv_between_phases else
+        estimate.get("breakdown", {}).get("rollout", {}).get("kv_cache", 0))
 
 
 # -------------------------------------------------------------------------------------------- re-templating
