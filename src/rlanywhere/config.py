@@ -388,7 +388,10 @@ VERL_ONLY_KEYS: dict[str, str] = {
 # Schema keys accepted (verl configs set them) that change nothing here: a user who sets one to a non-default value
 # is told what happens instead. tests/test_config_keys.py fails on a key that is neither read by a run nor listed.
 ACCEPTED_WITHOUT_EFFECT: dict[str, str] = {
-    r"data\.return_raw_(chat|input_ids)": "rewards score the decoded response text; no reward model re-tokenises it",
+    r"data\.return_raw_(chat|input_ids)": "the prompt's messages always travel with it (a reward model re-templates them)",
+    r"reward_model\.strategy": "the reward model is loaded whole in this process, no FSDP/Megatron wrapper",
+    r"reward_model\.model\.input_tokenizer": "responses are always decoded with the actor's tokenizer, then "
+    "re-templated with the reward model's own",
     r"(actor_rollout_ref|critic)\.model\.use_remove_padding": "padding is always removed inside each micro-batch",
     r"(actor_rollout_ref\.actor|critic)\.strategy": "one process trains the model directly, no FSDP/Megatron wrapper",
     r"(actor_rollout_ref\.actor|critic)\.optim\.total_training_steps": "schedules span trainer.total_training_steps "

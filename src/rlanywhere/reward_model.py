@@ -369,7 +369,11 @@ class DiscriminativeRewardModel(_OffloadableModel):
 
     @torch.no_grad()
     def forward_ids(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Scores [len(rows)] float32 for one micro-batch: the head on each row's last real token."""
+        """Scores [len(rows)] float32 on the CPU for one micro-batch: the head on each row's last real token."""
+        return self.row_scores(rows).cpu()
+
+    def row_scores(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """forward_ids on the model's device, differentiable (to fit a reward model, as a bench does)."""
         ids, mask = right_padded(rows, self.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -377,7 +381,7 @@ class DiscriminativeRewardModel(_OffloadableModel):
         hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)[0]
         last = hidden[torch.arange(len(rows), device=hidden.device), mask.sum(-1) - 1]
         head = getattr(self.model, "score", None) or getattr(self.model, "classifier")
-        return head(last)[:, 0].float().cpu()
+        return head(last)[:, 0].float()
 
     def score(self, prompts: Sequence[Any], responses: Sequence[str]) -> tuple[torch.Tensor, dict]:
         rows = self.encode(prompts, responses)
