@@ -69,15 +69,24 @@ def build_policy(out: str, seed: int = 0) -> str:
 
 
 def random_answer(rng: random.Random) -> str:
-    share = rng.random()
-    return " ".join("7" if rng.random() < share else rng.choice(DIGITS) for _ in range(rng.randint(1, RESPONSE_TOKENS)))
+    """Answers of every kind a policy may collapse to: a random share of 7s among random digits, one digit repeated,
+    or two digits mixed (a reward model fitted on the first kind only is easily fooled by the others)."""
+    length = rng.randint(1, RESPONSE_TOKENS)
+    kind = rng.random()
+    if kind < 0.4:
+        share = rng.random()
+        return " ".join("7" if rng.random() < share else rng.choice(DIGITS) for _ in range(length))
+    if kind < 0.7:
+        return " ".join([rng.choice(DIGITS)] * length)
+    pair = rng.sample(DIGITS, 2)
+    return " ".join(rng.choice(pair) for _ in range(length))
 
 
 def random_prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(DIGITS) for _ in range(5))
 
 
-def train_reward_model(out: str, samples: int = 1200, epochs: int = 5, seed: int = 0) -> dict:
+def train_reward_model(out: str, samples: int = 1500, epochs: int = 5, seed: int = 0) -> dict:
     """A random sequence classifier trained to predict share_of_sevens from the re-templated conversation."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
