@@ -69,11 +69,14 @@ def build_policy(out: str, seed: int = 0) -> str:
 
 
 def random_answer(rng: random.Random) -> str:
-    """Answers of every kind a policy may collapse to: a random share of 7s among random digits, one digit repeated,
-    or two digits mixed (a reward model fitted on the first kind only is easily fooled by the others)."""
+    """Answers of every kind a policy may collapse to: empty, a random share of 7s among random digits, one digit
+    repeated, or two digits mixed (a reward model fitted on fewer kinds was fooled by the others: the policy found
+    empty answers, which it had never seen, and the RM paid about 1 for them while the share of 7s fell to 0)."""
     length = rng.randint(1, RESPONSE_TOKENS)
     kind = rng.random()
-    if kind < 0.4:
+    if kind < 0.1:  # nothing left after special tokens are dropped: fitted without these, the RM paid ~1 for them
+        return ""
+    if kind < 0.45:
         share = rng.random()
         return " ".join("7" if rng.random() < share else rng.choice(DIGITS) for _ in range(length))
     if kind < 0.7:

@@ -177,7 +177,7 @@ def test_ignore_eos_applies_to_training_rollouts_only(tiny_model_dir, arith_data
     assert bool((rollout.response_mask.sum(-1) == trainer.response_length).all())
 
 
-@pytest.mark.parametrize("override, needle", [("reward_model.enable=true", "custom_reward_function"),
+@pytest.mark.parametrize("override, needle", [("reward_model.enable=true", "reward_model.model.path"),
                                               ("reward_model.reward_manager=prime", "naive")])
 def test_reward_model_keys_we_cannot_honour_are_refused(override, needle):
     from rlanywhere.config import ConfigError

@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .errors import UserError
 from .profiling import profile_step_set
-from .reward_model import check_reward_model_config
+from .reward_model import reward_model_config_problem
 from .vocabulary import (
     AdvantageEstimator, AttnImplementation, LossAggMode, PolicyLossMode, Precision, RolloutEngineName, Truncation,
 )
@@ -654,7 +654,9 @@ def _check_values(cfg: DictConfig) -> None:
     for key in positive:
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
-    check_reward_model_config(cfg)  # reward_model.py
+    problem = reward_model_config_problem(cfg)  # reward_model.py
+    if problem:
+        raise ConfigError(problem)
     if cfg.reward_model.reward_manager not in ("naive", "batch"):
         raise ConfigError(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r} is not available; "
                           "'naive' (the default) scores each response with the rule or custom function")

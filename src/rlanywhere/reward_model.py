@@ -70,38 +70,40 @@ def rm_micro_batch_request(rm_cfg) -> Optional[int]:
     return rm_cfg.micro_batch_size_per_gpu or rm_cfg.micro_batch_size or None
 
 
-def check_reward_model_config(cfg) -> None:
-    """Value checks of reward_model.* before anything loads; UserError naming the key and the fix."""
+def reward_model_config_problem(cfg) -> Optional[str]:
+    """Value checks of reward_model.* before anything loads: what is wrong, naming the key and the fix; None if
+    nothing is (config.py raises it as a ConfigError)."""
     rm = cfg.reward_model
     if not rm.enable:
-        return
+        return None
     if not rm.model.path:
-        raise UserError("reward_model.enable=true needs reward_model.model.path: a sequence-classification reward "
-                        "model (directory or hub id), or a causal LM with reward_model.judge.enable=true")
+        return ("reward_model.enable=true needs reward_model.model.path: a sequence-classification reward "
+                "model (directory or hub id), or a causal LM with reward_model.judge.enable=true")
     for key in ("micro_batch_size_per_gpu", "micro_batch_size", "max_length", "forward_max_token_len_per_gpu"):
-        value = rm.get(key)
+        value = getattr(rm, key)
         if value is not None and int(value) <= 0:
-            raise UserError(f"reward_model.{key} must be positive (or null: planned), got {value}")
+            return (f"reward_model.{key} must be positive (or null: planned), got {value}")
     if rm.truncation not in TRUNCATIONS:
-        raise UserError(f"reward_model.truncation={rm.truncation!r} is not valid; choose one of {', '.join(TRUNCATIONS)}")
+        return (f"reward_model.truncation={rm.truncation!r} is not valid; choose one of {', '.join(TRUNCATIONS)}")
     offload = rm.model.fsdp_config.param_offload
     if offload not in (True, False, "auto"):
-        raise UserError(f"reward_model.model.fsdp_config.param_offload={offload!r}: use true, false or auto")
+        return (f"reward_model.model.fsdp_config.param_offload={offload!r}: use true, false or auto")
     judge = rm.judge
     if judge.enable:
         if judge.max_new_tokens <= 0:
-            raise UserError(f"reward_model.judge.max_new_tokens must be positive, got {judge.max_new_tokens}")
+            return (f"reward_model.judge.max_new_tokens must be positive, got {judge.max_new_tokens}")
         if "{response}" not in judge.prompt_template:
-            raise UserError("reward_model.judge.prompt_template has no {response} field: the judge would never see "
+            return ("reward_model.judge.prompt_template has no {response} field: the judge would never see "
                             "the answer it grades; add {response} (and {prompt}, {ground_truth} if you like)")
         if not judge.verdict_function.path:
             try:
                 pattern = re.compile(judge.verdict_regex)
             except re.error as exc:
-                raise UserError(f"reward_model.judge.verdict_regex {judge.verdict_regex!r} is not a regex: {exc}")
+                return f"reward_model.judge.verdict_regex {judge.verdict_regex!r} is not a regex: {exc}"
             if pattern.groups < 1:
-                raise UserError("reward_model.judge.verdict_regex needs one group around the number, e.g. "
-                                r"'Score: (\d+)'")
+                return ("reward_model.judge.verdict_regex needs one group around the number, e.g. "
+                        r"'Score: (\d+)'")
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ planning
