@@ -43,7 +43,8 @@ import torch
 
 from . import estimator as est
 from .errors import UserError
-from .vocabulary import NoFitError, dtype_from_name, dtype_name
+from .vocabulary import (ATTN_IMPLEMENTATIONS, ATTN_SDPA, FP32, STATISTICS_DTYPE, NoFitError, dtype_from_name,
+                         dtype_name)
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +391,7 @@ class DiscriminativeRewardModel(_OffloadableModel):
         lengths = [len(r) for r in rows]
         batches = (token_budget_batches(lengths, self.max_token_len) if self.max_token_len
                    else fixed_batches(len(rows), self.micro_batch))
-        scores = torch.zeros(len(rows), dtype=torch.float32)
+        scores = torch.zeros(len(rows), dtype=FP32)
         for batch in batches:
             scores[batch] = self.forward_ids([rows[i] for i in batch])
         return scores, {}
@@ -460,7 +461,7 @@ class GenerativeJudge(_OffloadableModel):
         texts = rollout.decode(self.tokenizer)
         verdicts = [self.verdict(t) for t in texts]
         failures = sum(v is None for v in verdicts)
-        scores = torch.tensor([self.failure_score if v is None else v for v in verdicts], dtype=torch.float32)
+        scores = torch.tensor([self.failure_score if v is None else v for v in verdicts], dtype=FP32)
         return scores, {"judge_response": texts, "rm_parse_failures": failures}
 
 
@@ -532,7 +533,7 @@ def reward_model_metrics(infos: Sequence[dict]) -> dict:
     scores = [s for info in infos for s in info.get("rm_score", [])]
     if not scores:
         return {}
-    values = torch.tensor(scores, dtype=torch.float64)
+    values = torch.tensor(scores, dtype=STATISTICS_DTYPE)
     return {"reward_model/score_mean": float(values.mean()),
             "reward_model/score_std": float(values.std()) if len(scores) > 1 else 0.0,
             "reward_model/parse_failures": float(sum(info.get("rm_parse_failures", 0) for info in infos)),
@@ -561,7 +562,7 @@ def build_scorer(cfg, plan, rm_plan: Optional[RewardModelPlan] = None):
     kind = reward_model_kind(rm)
     dtype = dtype_from_name(rm_plan.dtype) if rm_plan else plan.rollout.dtype
     attn = rm_plan.attn_implementation if rm_plan else plan.attn_implementation
-    attn = attn if attn in ("eager", "sdpa", "flash_attention_2") else "sdpa"
+    attn = attn if attn in ATTN_IMPLEMENTATIONS else ATTN_SDPA  # a training-only variant: its plain kernel
     micro_batch = rm_plan.micro_batch if rm_plan else (rm_micro_batch_request(rm) or 8)
     offload = bool(rm_plan.offload) if rm_plan else False
     source = resolve_model_source(rm.model.path)
