@@ -6,11 +6,14 @@ writes prompts of exactly --prompt-len tokens, and runs the real trainer for --s
 card lacks them). Random weights almost never emit EOS, so every response runs to full length: the worst case.
 It prints one row per config: predicted peak (estimator), measured peak (torch.cuda.max_memory_allocated over the
 run), their ratio, seconds per step, OOM recoveries. `--logprobs naive` swaps the chunked log-prob path for full
-logits (what most frameworks do) to measure what chunking saves.
+logits (what most frameworks do) to measure what chunking saves. `--reward-model on` scores with a random
+sequence-classification reward model of the policy's shape (its own chat template: responses are re-templated)
+instead of the rule; `both` runs each config with the rule and with the reward model, for the step-time comparison.
 
 One GPU:
     PYTHONPATH=src python bench/train_memory.py --configs ppo-0.5b,grpo-0.5b,grpo-lora-1.5b --emulate p40
     PYTHONPATH=src python bench/train_memory.py --configs ppo-0.5b --logprobs chunked,naive --emulate p40
+    PYTHONPATH=src python bench/train_memory.py --configs ppo-0.5b --reward-model both --emulate p40
 CPU smoke test (tiny shape, no cap):
     PYTHONPATH=src python bench/train_memory.py --configs tiny-grpo --steps 1 --emulate none
 """
@@ -92,6 +95,24 @@ def build_model_dir(shape_name: str, root: str) -> str:
     return out
 
 
+def build_reward_model_dir(shape_name: str, root: str) -> str:
+    """A random sequence classifier (1 label) of the shape, with the policy's words under a different chat template
+    (so the reward model really re-templates each conversation)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    out = os.path.join(root, f"rm_{shape_name}")
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    tok = AutoTokenizer.from_pretrained(build_model_dir(shape_name, root))
+    tok.chat_template = "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    torch.manual_seed(1)
+    config = Qwen2Config(max_position_embeddings=4096, eos_token_id=3, pad_token_id=0, bos_token_id=None, num_labels=1,
+                         **SHAPES[shape_name])
+    Qwen2ForSequenceClassification(config).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
 def build_data(root: str, prompts: int, prompt_len: int) -> str:
     """Prompts of exactly prompt_len tokens after the chat template (3 template tokens + words)."""
     import pyarrow as pa
@@ -121,7 +142,7 @@ def naive_response_logprobs(model, input_ids, attention_mask, response_len, temp
     return lp, entropy
 
 
-def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str) -> dict:
+def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str, reward_model: bool = False) -> dict:
     from rlanywhere import trainer as trainer_module
     from rlanywhere import update as update_module  # where the trainer's log-prob passes call response_logprobs
     from rlanywhere.config import load_config
@@ -141,6 +162,8 @@ def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str) ->
         "trainer.val_before_train": False, "trainer.test_freq": -1, "trainer.save_freq": -1,
         "trainer.logger": "['console']", "trainer.default_local_dir": run_dir, "data.filter_overlong_prompts": False,
         **({"hardware.emulate": emulate} if emulate != "none" else {}), **extra}
+    if reward_model:
+        overrides.update({"reward_model.enable": True, "reward_model.model.path": build_reward_model_dir(shape, root)})
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     try:
         plan = make_plan(cfg, for_execution=True)
@@ -154,7 +177,9 @@ def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str) ->
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    row = {"config": name, "logprobs": logprobs, "emulate": emulate, "plan": {
+    row = {"config": name + ("+rm" if reward_model else ""), "logprobs": logprobs, "emulate": emulate,
+           "reward_model": plan.reward_model, "predicted_phases_gib": {
+               k: round(v / 2**30, 2) for k, v in (plan.estimate or {}).get("phases", {}).items()}, "plan": {
         k: getattr(plan.sizes if hasattr(plan.sizes, k) else plan, k) for k in ("precision", "attn_implementation", "gradient_checkpointing",
                                       "actor_micro_batch_size", "critic_micro_batch_size", "logprob_micro_batch_size",
                                       "rollout_batch_size", "optimizer_offload", "param_offload", "ref_device",
@@ -199,14 +224,17 @@ def main() -> int:
     parser.add_argument("--logprobs", default="chunked", help="chunked, naive, or both comma-separated")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--root", default=None, help="where models/data/runs go (default: a temp dir)")
+    parser.add_argument("--reward-model", default="off", choices=("off", "on", "both"),
+                        help="score with a random reward model of the policy's shape (both: rule and model runs)")
     args = parser.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="rla_mem_")
     rows = []
     for name in args.configs.split(","):
         for mode in args.logprobs.split(","):
-            row = run_config(name, args.emulate, args.steps, mode, root)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for with_rm in {"off": (False,), "on": (True,), "both": (False, True)}[args.reward_model]:
+                row = run_config(name, args.emulate, args.steps, mode, root, reward_model=with_rm)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(rows, handle, indent=2)

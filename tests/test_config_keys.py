@@ -72,6 +72,21 @@ def test_every_schema_key_is_read_or_noticed(tiny_model_dir, arith_data, tmp_pat
     reward_file = tmp_path / "reward.py"
     reward_file.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.5\n")
     runs = {name: dict(extra) for name, extra in RUNS.items()}
+    # a reward model (reward_model.py) and a generative judge: their keys are read only when enabled
+    from .test_reward_model import build_tiny_reward_model
+
+    verdict = tmp_path / "verdict.py"
+    verdict.write_text("def words(text):\n    return float(len(text.split()))\n")
+    runs["ppo-rm"] = {"algorithm.adv_estimator": "gae", "trainer.total_training_steps": 1, "trainer.test_freq": -1,
+                      "reward_model.enable": True, "reward_model.model.path": str(
+                          build_tiny_reward_model(tmp_path / "tiny_rm")), "reward_model.use_dynamic_bsz": True,
+                      "reward_model.forward_max_token_len_per_gpu": 256, "reward_model.max_length": 64,
+                      "reward_model.micro_batch_size_per_gpu": 2}
+    runs["grpo-judge"] = {"algorithm.adv_estimator": "grpo", "trainer.total_training_steps": 1,
+                          "trainer.test_freq": -1, "reward_model.enable": True,
+                          "reward_model.model.path": str(tiny_model_dir), "reward_model.judge.enable": True,
+                          "reward_model.judge.max_new_tokens": 2, "reward_model.judge.verdict_function.path":
+                          str(verdict), "reward_model.judge.verdict_function.name": "words"}
     runs["ppo"].update({"critic.model.path": f"{tiny_model_dir}/",  # a separately loaded critic
                         "custom_reward_function.path": str(reward_file), "custom_reward_function.name": "score"})
     reads = _record_reads(monkeypatch)
@@ -162,7 +177,7 @@ def test_ignore_eos_applies_to_training_rollouts_only(tiny_model_dir, arith_data
     assert bool((rollout.response_mask.sum(-1) == trainer.response_length).all())
 
 
-@pytest.mark.parametrize("override, needle", [("reward_model.enable=true", "custom_reward_function"),
+@pytest.mark.parametrize("override, needle", [("reward_model.enable=true", "reward_model.model.path"),
                                               ("reward_model.reward_manager=limited", "naive")])
 def test_reward_model_keys_we_cannot_honour_are_refused(override, needle):
     from rlanywhere.config import ConfigError

@@ -19,6 +19,7 @@ from .plans import Plan
 from .lora import apply_lora
 from .models import (ModelSource, ValueModel, compile_decoder_layers, enable_gradient_checkpointing, load_causal_lm,
                      load_tokenizer, resolve_model_source)
+from .reward_model import wrap_reward_manager
 from .rewards import RewardManager, load_custom_reward
 from .rollout import make_engine
 from .sharding import gathered, shard_for_plan
@@ -61,10 +62,11 @@ def build_data(cfg: DictConfig, tokenizer) -> Data:
     return Data(train_set, val_set, loader)
 
 
-def build_reward_manager(cfg: DictConfig) -> RewardManager:
+def build_reward_manager(cfg: DictConfig, plan: Optional[Plan] = None) -> RewardManager:
     custom = cfg.custom_reward_function
-    return RewardManager(load_custom_reward(custom.path, custom.name) if custom.path else None,
-                         timeout_s=custom.timeout_s)
+    rules = RewardManager(load_custom_reward(custom.path, custom.name) if custom.path else None,
+                          timeout_s=custom.timeout_s)
+    return wrap_reward_manager(cfg, plan, rules) if plan is not None else rules  # reward_model.py
 
 
 # ---------------------------------------------------------------------------------------------- models

@@ -25,6 +25,7 @@ from .errors import UserError
 from .verl_compat import (CURRENT_VERL_KEYS, REWARD_MANAGERS, reference_offload_notice, translate_verl_spellings,
                           verl_runtime_problems)
 from .profiling import profile_step_set
+from .reward_model import reward_model_config_problem
 from .vocabulary import (
     AdvantageEstimator, AttnImplementation, LossAggMode, Precision, RolloutEngineName, Truncation,
 )
@@ -240,10 +241,56 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RewardModelFSDPConfig:
+    # verl's switch; here: true keeps the reward model in CPU memory between scorings, false / auto let the planner
+    # offload it only when the card needs it
+    param_offload: Any = "auto"
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None  # a sequence-classification reward model, or a causal LM with judge.enable
+    # verl: the policy's tokenizer the response is decoded with (here always the actor's); the reward model's own
+    # tokenizer and chat template re-template the conversation (reward_model.py)
+    input_tokenizer: Optional[str] = None
+    trust_remote_code: bool = False
+    override_config: dict = field(default_factory=dict)
+    fsdp_config: RewardModelFSDPConfig = field(default_factory=RewardModelFSDPConfig)
+
+
+@dataclass
+class JudgeVerdictFunction:
+    path: Optional[str] = None  # a .py file whose function `name(text) -> float | None` reads the verdict
+    name: str = "parse_verdict"
+
+
+@dataclass
+class JudgeConfig:
+    """rlanywhere's generative judge: reward_model.model.path is a causal LM that grades each response."""
+
+    enable: bool = False
+    prompt_template: str = ("Grade the answer to the question. Reply with only a score from 0 to 10.\n\n"
+                            "Question: {prompt}\n\nAnswer: {response}\n\nScore:")
+    verdict_regex: str = r"(-?\d+(?:\.\d+)?)"  # the first group of the last match is the score
+    verdict_function: JudgeVerdictFunction = field(default_factory=JudgeVerdictFunction)
+    max_new_tokens: int = 16
+    failure_score: float = 0.0  # the score of a verdict that cannot be parsed (counted, never fatal)
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = False
     reward_manager: str = "naive"
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    strategy: str = "fsdp"
+    micro_batch_size: Optional[int] = None  # verl's deprecated global size (one process: the same)
+    micro_batch_size_per_gpu: Optional[int] = None  # None: planned
+    max_length: Optional[int] = None  # tokens per re-templated sequence; None: prompt + response length
+    truncation: str = "right"  # right: keep the first max_length tokens (verl) | left | error
+    use_dynamic_bsz: bool = False
+    forward_max_token_len_per_gpu: Optional[int] = None
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass
@@ -343,8 +390,10 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r"data\.(image_key|video_key|custom_cls(\..*)?|dataloader_num_workers|return_full_prompt|use_shm"
     r"|trust_remote_code|sampler(\..*)?|return_multi_modal_inputs|filter_overlong_prompts_workers)":
     "text-only prompts are read from parquet directly",
-    r"reward_model\.(model(\..*)?|micro_batch_size.*|max_length|strategy|use_dynamic_bsz|forward_max_token_len"
-    r"|launch_reward_fn_async|sandbox_fusion(\..*)?)": "rule rewards only (custom_reward_function for your own)",
+    r"reward_model\.(launch_reward_fn_async|sandbox_fusion(\..*)?|enable_resource_pool|n_gpus_per_node|nnodes"
+    r"|reward_loop_.*|use_reward_loop|num_workers|ulysses_sequence_parallel_size|profiler(\..*)?|rollout(\..*)?"
+    r"|model\.(external_lib|use_shm|use_remove_padding|use_fused_kernels))": "the reward model scores in this "
+    "process, between the rollout and the training phases (reward_model.py)",
     r"reward_model\.overlong_buffer\.log": "the overlong penalty is always logged (reward/overlong_penalty)",
 }
 
@@ -353,7 +402,10 @@ VERL_ONLY_KEYS.update(CURRENT_VERL_KEYS)  # the rest of current verl's schema (v
 # Schema keys accepted (verl configs set them) that change nothing here: a user who sets one to a non-default value
 # is told what happens instead. tests/test_config_keys.py fails on a key that is neither read by a run nor listed.
 ACCEPTED_WITHOUT_EFFECT: dict[str, str] = {
-    r"data\.return_raw_(chat|input_ids)": "rewards score the decoded response text; no reward model re-tokenises it",
+    r"data\.return_raw_(chat|input_ids)": "the prompt's messages always travel with it (a reward model re-templates them)",
+    r"reward_model\.strategy": "the reward model is loaded whole in this process, no FSDP/Megatron wrapper",
+    r"reward_model\.model\.input_tokenizer": "responses are always decoded with the actor's tokenizer, then "
+    "re-templated with the reward model's own",
     r"(actor_rollout_ref|critic)\.model\.use_remove_padding": "padding is always removed inside each micro-batch",
     r"(actor_rollout_ref\.actor|critic)\.strategy": "one process trains the model directly, no FSDP/Megatron wrapper",
     r"(actor_rollout_ref\.actor|critic)\.optim\.total_training_steps": "schedules span trainer.total_training_steps "
@@ -669,9 +721,9 @@ def _value_problems(cfg: DictConfig) -> list[str]:
 
 
 def _check_reward_model(cfg: DictConfig) -> None:
-    if cfg.reward_model.enable:
-        raise ConfigError("reward_model.enable=true asks for a learned reward model, which rlanywhere does not run; "
-                          "score with rules (the default) or your own function (custom_reward_function.path)")
+    problem = reward_model_config_problem(cfg)  # reward_model.py
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_reward_values(cfg: DictConfig) -> None:

@@ -163,6 +163,8 @@ class Plan:
     # planned row counts are bounds: a micro-batch takes more rows while they hold no more tokens than that many
     # full-length rows (Updater.micro_batches), so short responses run in fewer, larger micro-batches
     merge_micro_batches: bool = False
+    # reward_model.py's RewardModelPlan as a dict (kind, path, dtype, micro-batch, offload, reasons); None: rules only
+    reward_model: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))
@@ -218,6 +220,11 @@ class Plan:
              self.reasons.get("memory_fraction", "")),
             ("allocator", self.alloc_conf or "default", self.reasons.get("alloc_conf", "")),
         ]
+        if self.reward_model:
+            rm = self.reward_model
+            rows.append(("reward model", f"{rm['kind']}, {rm['dtype']}, {rm['micro_batch']} rows per forward, "
+                         f"{'offloaded between scorings' if rm['offload'] else 'resident'}",
+                         "; ".join(rm["reasons"].get(k, "") for k in ("offload", "micro_batch"))))
         if self.world_size > 1:
             groups = (f" in groups of {self.shard_group_size} (HSDP)"
                       if self.data_parallel == "shard" and 0 < self.shard_group_size < self.world_size else "")

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 # (file stem, title, exact keys, key prefixes). A family's panels are its exact keys, then keys with its prefixes.
 PLOT_FAMILIES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("reward", "Reward", ("reward/mean", "reward/acc", "reward/format"), ()),
+    ("reward_model", "Reward model", ("reward_model/score_mean", "reward_model/parse_failures"), ()),
     ("validation", "Validation", (), ("val/",)),
     ("kl", "KL divergence", ("actor/kl", "actor/approx_kl"), ()),
     ("entropy", "Policy entropy", ("actor/entropy",), ()),
@@ -33,7 +34,7 @@ PLOT_FAMILIES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("timing", "Time per phase (s)", (), ("timing/",)),
     ("memory", "Peak memory", ("perf/peak_memory_gib",), ()),
 )
-BAND_KEYS = {"reward/mean": "reward/std"}  # drawn as a +-1 std band around the curve
+BAND_KEYS = {"reward/mean": "reward/std", "reward_model/score_mean": "reward_model/score_std"}  # drawn as a +-1 std band around the curve
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:

@@ -93,7 +93,10 @@ class RolloutPhase:
     def score(self, items: list[dict], rollout: RolloutBatch, n: int):
         texts = rollout.decode(self.tokenizer)
         expand = lambda key: [item[key] for item in items for _ in range(n)]  # noqa: E731
-        scores, info = self.reward_manager(texts, expand("ground_truth"), expand("data_source"), expand("extra_info"))
+        # a reward model re-templates the conversation: it gets the prompts' messages too (reward_model.py)
+        prompts = {"prompts": expand("raw_prompt")} if getattr(self.reward_manager, "needs_prompts", False) else {}
+        scores, info = self.reward_manager(texts, expand("ground_truth"), expand("data_source"), expand("extra_info"),
+                                           **prompts)
         return scores.float(), info, texts
 
     def shaped_scores(self, items: list[dict], rollout: RolloutBatch) -> ScoredRollout:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from . import algorithms as algo
+from .reward_model import reward_model_metrics
 
 
 class PhaseTimer:
@@ -54,7 +55,8 @@ def step_metrics(dp, *, scores: torch.Tensor, mask: torch.Tensor, prompt_mask: t
     ranks = dp.gather_objects([{
         "acc": list(info["acc"]), "format": list(info["format"]), "overlong": list(info.get("overlong_penalty", [])),
         "errors": float(info["num_errors"]), "prompt_tokens": float(prompt_mask.sum()),
-        "peak": peak_memory_gib(device), "oom": float(oom_recoveries), "compiles": float(compiles)}])
+        "peak": peak_memory_gib(device), "oom": float(oom_recoveries), "compiles": float(compiles),
+        "reward_model": {k: info[k] for k in ("rm_score", "rm_parse_failures", "rm_time_s") if k in info}}])
     every = lambda key: [value for part in ranks for value in part[key]]  # noqa: E731
     total = lambda key: sum(part[key] for part in ranks)  # noqa: E731
     total_tokens = float(mask.sum()) + total("prompt_tokens")
@@ -73,6 +75,7 @@ def step_metrics(dp, *, scores: torch.Tensor, mask: torch.Tensor, prompt_mask: t
         **{f"timing/{k}": v for k, v in timer.times.items()},
         **extra,
     }
+    metrics.update(reward_model_metrics([part["reward_model"] for part in ranks]))  # {} without a reward model
     if "overlong_penalty" in info:
         metrics["reward/overlong_penalty"] = float(np.mean(every("overlong")))
     if ref_logprobs is not None and old_logprobs is not None:

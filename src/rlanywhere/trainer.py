@@ -93,7 +93,7 @@ class RLTrainer(TrainerCheckpoints):
         self.source, self.tokenizer = builders.build_tokenizer(cfg)
         data = builders.build_data(cfg, self.tokenizer)
         self.train_set, self.val_set, self.loader = data.train_set, data.val_set, data.loader
-        self.reward_manager = builders.build_reward_manager(cfg)
+        self.reward_manager = builders.build_reward_manager(cfg, plan)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.loader.steps_per_epoch
         models = builders.build_models(cfg, plan, self.source, self.dp)
         self.actor, self.critic, self.ref = models.actor, models.critic, models.ref

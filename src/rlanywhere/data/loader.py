@@ -206,6 +206,7 @@ class RLDataset:
                     "data_source": str(row.get(reward_fn_key, "")),
                     "index": int(extra_info.get("index", position)),
                     "extra_info": extra_info,
+                    "raw_prompt": row[prompt_key],  # the messages, for a reward model's own chat template
                 }
             )
         if self.num_filtered:

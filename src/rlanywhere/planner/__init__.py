@@ -142,6 +142,11 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
         reasons["share_prompts"] += shared_prompts_note(packed, plan.estimate)
     plan.rollout.release_kv_between_phases, plan.rollout.reasons["release_kv_between_phases"] = decide_kv_release(
         plan, target, auto_flag(arr.rollout.free_cache_engine))
+    if cfg.reward_model.enable:  # one more model in the same memory: its phase, placement and micro-batch
+        from ..reward_model import plan_from_config
+        rm_plan, plan.estimate = plan_from_config(cfg, plan, plan.estimate, plan.memory_budget_bytes, target.is_cuda,
+                                                  scores)
+        plan.reward_model = rm_plan.to_dict()
     if for_execution and card is not None and real is not None:
         check_real_card_runs(plan, real, machine)
     return plan

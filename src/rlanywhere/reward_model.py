@@ -1,0 +1,599 @@
+"""Learned reward models: a discriminative reward model (a sequence classifier scoring prompt + response) and a
+generative judge (a causal LM asked to grade, its verdict parsed), planned into memory like the other models.
+
+* :class:`DiscriminativeRewardModel` — an ``AutoModelForSequenceClassification`` with its own tokenizer. As verl
+  does, the policy's response text is put back into the conversation (``raw_prompt`` + an assistant turn) and
+  rendered with the reward model's own chat template, then tokenized with its tokenizer (no special tokens added
+  twice), cut to ``max_length`` (verl's ``truncation``: right keeps the first tokens), right-padded by us whatever
+  the tokenizer's ``padding_side``, and scored in micro-batches (a row count, or a token budget with
+  ``use_dynamic_bsz``). The score is the classifier head applied to the hidden state of each row's last real token
+  (not HF's pad-token search, which fails when the pad token is also the EOS the template ends with).
+* :class:`GenerativeJudge` — a causal LM; each response is put into a grading prompt
+  (``reward_model.judge.prompt_template`` with ``{prompt}``, ``{response}``, ``{ground_truth}``), rendered with the
+  judge's chat template, generated greedily and short with the built-in rollout engine, and its verdict parsed by a
+  user function (``judge.verdict_function.path/name``: text -> float or None) or a regex (``judge.verdict_regex``:
+  its first group a number). A verdict that cannot be parsed scores ``judge.failure_score`` and is counted; it
+  never stops the run.
+* :class:`ModelRewardManager` — the reward function interface of ``rewards.RewardManager`` with a model in it.
+  verl's semantics: without ``custom_reward_function`` the reward is the model score; with one, the user function
+  is called as usual and finds the model score in ``extra_info["rm_score"]`` (the judge's text in
+  ``extra_info["judge_response"]``) and returns the combined reward (e.g. the score plus a format bonus). The
+  rule for the row's ``data_source``, where one is registered, still fills ``acc`` / ``format`` for the metrics.
+  Per step it reports the score mean / std, parse failures and scoring time (``info["rm_*"]``).
+* :func:`plan_reward_model` — the planner's decision, a pure function of the policy's memory estimate: the reward
+  model's dtype (the rollout's: the card's inference precision) and attention (the actor's), its micro-batch, a
+  "reward" phase added to the estimate, and whether it waits in CPU memory between scorings (it is moved to the
+  GPU for the scoring phase only) when the training phases do not fit beside it. A scoring phase that cannot fit
+  even so is refused before anything loads, with both estimates.
+
+The reward model is never trained and never saved in checkpoints; its path is in the run's config and plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field, replace
+from types import SimpleNamespace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from . import estimator as est
+from .errors import UserError
+from .vocabulary import (ATTN_IMPLEMENTATIONS, ATTN_SDPA, FP32, STATISTICS_DTYPE, NoFitError, dtype_from_name,
+                         dtype_name)
+
+log = logging.getLogger(__name__)
+
+DISCRIMINATIVE, GENERATIVE = "discriminative", "generative"
+TRUNCATIONS = ("right", "left", "error")
+# Tokens a judge may generate unless told otherwise: enough for "Score: 7" or "[[yes]]" and a few words before it.
+DEFAULT_JUDGE_TOKENS = 16
+DEFAULT_JUDGE_TEMPLATE = ("Grade the answer to the question. Reply with only a score from 0 to 10.\n\n"
+                          "Question: {prompt}\n\nAnswer: {response}\n\nScore:")
+DEFAULT_VERDICT_REGEX = r"(-?\d+(?:\.\d+)?)"
+# transient parts of a phase's breakdown (what the phase frees when it ends); the rest is state that stays
+_TRANSIENT = ("prefill_or_sampling", "activations", "logits_chunks", "autocast_cache", "optimizer_step",
+              "gathered_weights", "gathered_units")
+
+
+# ------------------------------------------------------------------------------------------------- config
+def reward_model_kind(rm_cfg) -> str:
+    """'generative' when reward_model.judge.enable, else 'discriminative'."""
+    return GENERATIVE if rm_cfg.judge.enable else DISCRIMINATIVE
+
+
+def rm_micro_batch_request(rm_cfg) -> Optional[int]:
+    """verl's micro_batch_size_per_gpu, else its deprecated global micro_batch_size (one process: the same)."""
+    return rm_cfg.micro_batch_size_per_gpu or rm_cfg.micro_batch_size or None
+
+
+def reward_model_config_problem(cfg) -> Optional[str]:
+    """Value checks of reward_model.* before anything loads: what is wrong, naming the key and the fix; None if
+    nothing is (config.py raises it as a ConfigError)."""
+    rm = cfg.reward_model
+    if not rm.enable:
+        return None
+    if not rm.model.path:
+        return ("reward_model.enable=true needs reward_model.model.path: a sequence-classification reward "
+                "model (directory or hub id), or a causal LM with reward_model.judge.enable=true")
+    for key in ("micro_batch_size_per_gpu", "micro_batch_size", "max_length", "forward_max_token_len_per_gpu"):
+        value = getattr(rm, key)
+        if value is not None and int(value) <= 0:
+            return (f"reward_model.{key} must be positive (or null: planned), got {value}")
+    if rm.truncation not in TRUNCATIONS:
+        return (f"reward_model.truncation={rm.truncation!r} is not valid; choose one of {', '.join(TRUNCATIONS)}")
+    offload = rm.model.fsdp_config.param_offload
+    if offload not in (True, False, "auto"):
+        return (f"reward_model.model.fsdp_config.param_offload={offload!r}: use true, false or auto")
+    judge = rm.judge
+    if judge.enable:
+        if judge.max_new_tokens <= 0:
+            return (f"reward_model.judge.max_new_tokens must be positive, got {judge.max_new_tokens}")
+        if "{response}" not in judge.prompt_template:
+            return ("reward_model.judge.prompt_template has no {response} field: the judge would never see "
+                            "the answer it grades; add {response} (and {prompt}, {ground_truth} if you like)")
+        if not judge.verdict_function.path:
+            try:
+                pattern = re.compile(judge.verdict_regex)
+            except re.error as exc:
+                return f"reward_model.judge.verdict_regex {judge.verdict_regex!r} is not a regex: {exc}"
+            if pattern.groups < 1:
+                return ("reward_model.judge.verdict_regex needs one group around the number, e.g. "
+                        r"'Score: (\d+)'")
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ planning
+@dataclass
+class RewardModelPlan:
+    """What the planner decided for the reward model (plan.reward_model, JSON-able through to_dict)."""
+
+    kind: str
+    path: str
+    dtype: str  # vocabulary dtype name
+    attn_implementation: str
+    micro_batch: int  # rows per forward (discriminative) or per generation wave (judge)
+    max_length: int  # tokens per scored sequence (a judge: the grading prompt; it generates max_new_tokens more)
+    max_token_len: Optional[int]  # token budget per micro-batch (use_dynamic_bsz)
+    offload: bool  # kept in CPU memory between scorings, moved to the device for the scoring phase
+    weights_bytes: int
+    scoring_bytes: int  # the scoring phase's peak
+    reasons: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def reward_model_weight_bytes(shape, kind: str, dtype_bytes: int, num_labels: int = 1) -> int:
+    """A classifier: backbone + a hidden x labels head; a judge: the whole causal LM."""
+    if kind == GENERATIVE:
+        return shape.num_params(with_lm_head=True) * dtype_bytes
+    return (shape.backbone_params() + shape.hidden_size * num_labels) * dtype_bytes
+
+
+def reward_model_scoring_bytes(shape, kind: str, rows: int, seq_len: int, dtype_bytes: int,
+                               scores_materialized: bool, new_tokens: int = 0) -> int:
+    """Transient memory of one scoring micro-batch: a no-grad forward over rows x seq_len tokens; a judge adds
+    its KV cache for the prompt plus new_tokens, and one step of logits per row."""
+    activations = est.nograd_activation_bytes(shape, rows * seq_len, seq_len, dtype_bytes, dtype_bytes,
+                                              scores_materialized)
+    if kind != GENERATIVE:
+        return activations
+    cache = est.kv_cache_bytes(shape, rows, seq_len + new_tokens, dtype_bytes)
+    sampling = rows * shape.vocab_size * est.SAMPLING_BYTES_PER_LOGIT
+    return cache + max(activations, sampling)
+
+
+def plan_reward_model(estimate: dict, shape, *, kind: str, path: str, dtype: torch.dtype, attn_implementation: str,
+                      rows: int, seq_len: int, budget_bytes: Optional[int], on_cuda: bool,
+                      micro_batch: Optional[int] = None, max_token_len: Optional[int] = None,
+                      offload_request: Any = "auto", new_tokens: int = 0,
+                      scores_materialized: bool = False, kept_cache_bytes: int = 0) -> tuple[RewardModelPlan, dict]:
+    """The reward model's plan and the policy's estimate with it added. Pure: no model, no device.
+
+    estimate: the policy's estimate (estimator.estimate_memory). The scoring phase holds what the rollout phase
+    holds but its transients (the actor, the rollout's cache and engine weights, the other models' resident state)
+    plus the reward model's weights and one micro-batch's forward. Every other phase holds the reward model's
+    weights too unless it is offloaded: offloaded when asked (param_offload=true) or, on a GPU, when a phase would
+    not fit beside it. Raises NoFitError, with the estimates kept and offloaded, when the scoring phase itself
+    cannot fit. kept_cache_bytes: the rollout's KV cache when the plan keeps it between phases (it then sits beside
+    every training phase too)."""
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    weights = reward_model_weight_bytes(shape, kind, dtype_bytes)
+    budget = budget_bytes if budget_bytes else None
+    phases, breakdown = dict(estimate["phases"]), {k: dict(v) for k, v in estimate["breakdown"].items()}
+    resident = {k: v for k, v in breakdown.get("rollout", {}).items() if k not in _TRANSIENT}
+    reasons: dict[str, str] = {}
+
+    def scoring(rows_per_batch: int) -> int:
+        tokens = max_token_len if max_token_len else rows_per_batch * seq_len
+        batch_rows = max(tokens // max(seq_len, 1), 1)
+        return reward_model_scoring_bytes(shape, kind, batch_rows, seq_len, dtype_bytes, scores_materialized,
+                                          new_tokens)
+
+    base = sum(resident.values()) + weights
+    if micro_batch:
+        chosen = int(micro_batch)
+        reasons["micro_batch"] = f"reward_model.micro_batch_size_per_gpu={chosen}"
+    else:  # the most rows at once that fit (a power of two, at most the step's rows)
+        chosen = 1
+        candidate = 1
+        while candidate * 2 <= max(rows, 1):
+            candidate *= 2
+        while candidate > 1 and budget is not None and base + scoring(candidate) > budget:
+            candidate //= 2
+        chosen = min(candidate, max(rows, 1))
+        reasons["micro_batch"] = (f"{chosen} rows per scoring forward: the most of the step's {rows} that fit beside "
+                                  "the models kept on the device" if budget is not None else
+                                  f"{chosen} rows per scoring forward (no memory limit known)")
+    if max_token_len:
+        reasons["micro_batch"] = (f"reward_model.use_dynamic_bsz: micro-batches of up to {max_token_len} tokens "
+                                  "(reward_model.forward_max_token_len_per_gpu)")
+    scoring_parts = {**resident, "reward_model_weights": weights, "reward_model_forward": scoring(chosen)}
+    scoring_peak = sum(scoring_parts.values())
+    training = [v + kept_cache_bytes for k, v in phases.items() if k != "rollout"] + [phases.get("rollout", 0)]
+    kept_peak = max(training) + weights
+    offloaded_peak = max(max(training), scoring_peak)
+    fits = lambda peak: budget is None or peak <= budget  # noqa: E731
+    if offload_request is True:
+        offload = on_cuda
+        reasons["offload"] = ("reward_model.model.fsdp_config.param_offload=true: kept in CPU memory between "
+                              "scorings, moved to the GPU to score" if on_cuda else
+                              "a CPU run: the reward model stays where it is (param_offload has nothing to do)")
+    elif not on_cuda:
+        offload = False
+        reasons["offload"] = "a CPU run: the reward model stays in memory beside the others"
+    elif fits(kept_peak):
+        offload = False
+        reasons["offload"] = "kept on the GPU: every phase fits beside it"
+    else:
+        offload = True
+        reasons["offload"] = ("kept in CPU memory between scorings and moved to the GPU only to score: the training "
+                              "phases do not fit beside it on this card")
+    if not fits(scoring_peak) or not fits(offloaded_peak if offload else kept_peak):
+        gib = est.format_bytes
+        raise NoFitError(
+            f"the reward model ({kind}, {path}) does not fit: its scoring phase needs {gib(scoring_peak)} "
+            f"({gib(weights)} of reward-model weights, {gib(scoring_parts['reward_model_forward'])} for a "
+            f"{chosen}-row forward, {gib(sum(resident.values()))} of the policy's models) of {gib(budget)}; with it "
+            f"kept on the GPU the run peaks at {gib(kept_peak)}, offloaded between scorings at "
+            f"{gib(offloaded_peak)}. Fixes: a smaller reward model, reward_model.max_length or "
+            "reward_model.micro_batch_size_per_gpu lower, a smaller data.train_batch_size, or a larger card")
+    if not offload:
+        for name in phases:
+            breakdown[name]["reward_model_weights"] = weights
+            phases[name] += weights
+    breakdown["reward"] = scoring_parts
+    phases["reward"] = scoring_peak
+    peak_phase = max(phases, key=phases.get)
+    combined = {**estimate, "phases": phases, "breakdown": breakdown, "peak_bytes": phases[peak_phase],
+                "peak_phase": peak_phase,
+                "fits": None if budget is None else phases[peak_phase] <= budget}
+    reasons["dtype"] = f"{dtype_name(dtype)}: the precision the plan runs inference in on this card (the rollout's)"
+    reasons["attn_implementation"] = f"{attn_implementation}: the actor's"
+    plan = RewardModelPlan(kind=kind, path=str(path), dtype=dtype_name(dtype), attn_implementation=attn_implementation,
+                           micro_batch=chosen, max_length=seq_len, max_token_len=max_token_len, offload=offload,
+                           weights_bytes=weights, scoring_bytes=scoring_peak, reasons=reasons)
+    return plan, combined
+
+
+def plan_from_config(cfg, plan, estimate: dict, budget_bytes: Optional[int], on_cuda: bool,
+                     scores_materialized: bool = False) -> tuple[RewardModelPlan, dict]:
+    """plan_reward_model for a run's config and the policy's plan (the planner's one call)."""
+    from .model_shape import read_model_shape
+
+    rm = cfg.reward_model
+    kind = reward_model_kind(rm)
+    shape = read_model_shape(rm.model.path)
+    prompt_len = int(cfg.data.max_prompt_length)
+    response_len = int(cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length)
+    # the re-templated sequence is about the policy's (another template adds a few tokens); a judge's prompt adds
+    # the grading instructions: count a quarter more
+    natural = prompt_len + response_len
+    seq_len = int(rm.max_length) if rm.max_length else (natural if kind == DISCRIMINATIVE else natural * 5 // 4)
+    rows = int(cfg.data.train_batch_size) * int(cfg.actor_rollout_ref.rollout.n)
+    budget_tokens = rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None
+    if rm.use_dynamic_bsz and not budget_tokens:
+        budget_tokens = seq_len * max(rm_micro_batch_request(rm) or 1, 1)
+    return plan_reward_model(
+        estimate, shape, kind=kind, path=rm.model.path, dtype=plan.rollout.dtype,
+        attn_implementation=plan.attn_implementation, rows=rows, seq_len=seq_len, budget_bytes=budget_bytes,
+        on_cuda=on_cuda, micro_batch=rm_micro_batch_request(rm), max_token_len=budget_tokens,
+        offload_request=rm.model.fsdp_config.param_offload,
+        new_tokens=int(rm.judge.max_new_tokens) if kind == GENERATIVE else 0,
+        scores_materialized=scores_materialized,
+        kept_cache_bytes=0 if plan.rollout.release_kv_between_phases else
+        estimate.get("breakdown", {}).get("rollout", {}).get("kv_cache", 0))
+
+
+# -------------------------------------------------------------------------------------------- re-templating
+def conversation(prompt: Any, response: str) -> list[dict]:
+    """The prompt's messages (a chat list, or a plain string as one user turn) and the response as the
+    assistant's turn."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in list(prompt)]
+    return messages + [{"role": "assistant", "content": response}]
+
+
+def render_for_reward_model(tokenizer, prompt: Any, response: str) -> str:
+    """verl's chat-template switch: the conversation in the reward model's own template (no generation prompt);
+    a tokenizer without a template gets prompt and response joined by a newline."""
+    messages = conversation(prompt, response)
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    return "\n".join(m["content"] for m in messages)
+
+
+def truncate(ids: list[int], max_length: Optional[int], side: str = "right") -> list[int]:
+    """At most max_length ids: 'right' keeps the first (verl's default), 'left' the last, 'error' raises."""
+    if not max_length or len(ids) <= max_length:
+        return list(ids)
+    if side == "error":
+        raise UserError(f"a reward-model input has {len(ids)} tokens > reward_model.max_length={max_length}; raise "
+                        "it or set reward_model.truncation=right|left")
+    return list(ids[:max_length]) if side == "right" else list(ids[-max_length:])
+
+
+def right_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask [len(rows), widest], each row from column 0 and padded after."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.as_tensor(list(row), dtype=torch.long)
+        mask[i, :len(row)] = 1
+    return ids, mask
+
+
+def token_budget_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices in micro-batches of at most max_tokens padded tokens (rows x the longest), longest first:
+    similar lengths share a batch (verl's use_dynamic_bsz). A row longer than the budget goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for index in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
+def fixed_batches(count: int, size: int) -> list[list[int]]:
+    return [list(range(start, min(start + size, count))) for start in range(0, count, max(size, 1))]
+
+
+# ---------------------------------------------------------------------------------------------- the models
+class _OffloadableModel:
+    """A frozen model that waits on `home` and visits `device` while it scores (when offloaded)."""
+
+    model: torch.nn.Module
+    device: str
+    offload: bool
+
+    def _home(self) -> str:
+        return "cpu" if self.offload else self.device
+
+    def to_device(self) -> None:
+        self.model.to(self.device)
+
+    def to_home(self) -> None:
+        self.model.to(self._home())
+        if self.offload and str(self.device).startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def where(self) -> str:
+        return str(next(self.model.parameters()).device)
+
+
+class DiscriminativeRewardModel(_OffloadableModel):
+    """Scores (prompt, response) pairs with a sequence classifier; see the module docstring."""
+
+    kind = DISCRIMINATIVE
+
+    def __init__(self, model, tokenizer, device: str = "cpu", micro_batch: int = 8, max_length: Optional[int] = None,
+                 max_token_len: Optional[int] = None, truncation: str = "right", offload: bool = False):
+        self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
+        self.device, self.micro_batch, self.max_length = device, int(micro_batch), max_length
+        self.max_token_len, self.truncation, self.offload = max_token_len, truncation, offload
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        self.model.to(self._home())
+
+    def encode(self, prompts: Sequence[Any], responses: Sequence[str]) -> list[list[int]]:
+        """Re-templated, tokenized (special tokens come from the template only) and truncated ids per row."""
+        texts = [render_for_reward_model(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [truncate(ids, self.max_length, self.truncation) or [self.pad_id] for ids in encoded]
+
+    @torch.no_grad()
+    def forward_ids(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Scores [len(rows)] float32 on the CPU for one micro-batch: the head on each row's last real token."""
+        return self.row_scores(rows).cpu()
+
+    def row_scores(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """forward_ids on the model's device, differentiable (to fit a reward model, as a bench does)."""
+        ids, mask = right_padded(rows, self.pad_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        backbone = getattr(self.model, self.model.base_model_prefix)
+        hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)[0]
+        last = hidden[torch.arange(len(rows), device=hidden.device), mask.sum(-1) - 1]
+        head = getattr(self.model, "score", None) or getattr(self.model, "classifier")
+        return head(last)[:, 0].float()
+
+    def score(self, prompts: Sequence[Any], responses: Sequence[str]) -> tuple[torch.Tensor, dict]:
+        rows = self.encode(prompts, responses)
+        lengths = [len(r) for r in rows]
+        batches = (token_budget_batches(lengths, self.max_token_len) if self.max_token_len
+                   else fixed_batches(len(rows), self.micro_batch))
+        scores = torch.zeros(len(rows), dtype=FP32)
+        for batch in batches:
+            scores[batch] = self.forward_ids([rows[i] for i in batch])
+        return scores, {}
+
+
+def parse_verdict(text: str, pattern: "re.Pattern[str]") -> Optional[float]:
+    """The first group of the last match of `pattern` in `text` as a finite float, or None."""
+    matches = list(pattern.finditer(text))
+    if not matches:
+        return None
+    try:
+        value = float(matches[-1].group(1))
+    except (TypeError, ValueError, IndexError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+class GenerativeJudge(_OffloadableModel):
+    """Grades responses with a causal LM: template -> greedy, short generation -> parsed verdict."""
+
+    kind = GENERATIVE
+
+    def __init__(self, model, tokenizer, device: str = "cpu", micro_batch: int = 8, max_length: Optional[int] = None,
+                 prompt_template: str = DEFAULT_JUDGE_TEMPLATE, verdict_regex: str = DEFAULT_VERDICT_REGEX,
+                 verdict_fn: Optional[Callable[[str], Any]] = None, max_new_tokens: int = DEFAULT_JUDGE_TOKENS,
+                 failure_score: float = 0.0, offload: bool = False, engine_plan: Any = None):
+        from .rollout import make_engine
+
+        self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
+        self.device, self.micro_batch, self.max_length, self.offload = device, int(micro_batch), max_length, offload
+        self.prompt_template, self.verdict_fn = prompt_template, verdict_fn
+        self.pattern = re.compile(verdict_regex)
+        self.max_new_tokens, self.failure_score = int(max_new_tokens), float(failure_score)
+        self.model.to(self._home())
+        self.engine = make_engine(self.model, tokenizer, engine_plan)
+
+    def grading_prompt(self, prompt: Any, response: str, ground_truth: Any = "") -> list[int]:
+        question = prompt if isinstance(prompt, str) else "\n".join(str(m["content"]) for m in prompt
+                                                                    if m["role"] != "system")
+        text = self.prompt_template.format(prompt=question, response=response, ground_truth=ground_truth)
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return truncate(list(ids), self.max_length, "left")  # the end (the answer, "Score:") matters most
+
+    def verdict(self, text: str) -> Optional[float]:
+        if self.verdict_fn is None:
+            return parse_verdict(text, self.pattern)
+        try:
+            value = self.verdict_fn(text)
+            return None if value is None or not math.isfinite(float(value)) else float(value)
+        except (Exception, SystemExit):  # noqa: BLE001 - a user parser may raise anything: a parse failure
+            return None
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[Any], responses: Sequence[str],
+              ground_truths: Optional[Sequence[Any]] = None) -> tuple[torch.Tensor, dict]:
+        from .rollout.base import SamplingParams
+
+        truths = list(ground_truths) if ground_truths is not None else [""] * len(responses)
+        inputs = [self.grading_prompt(p, r, g) for p, r, g in zip(prompts, responses, truths)]
+        params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0, n=1)
+        rollout = self.engine.generate(inputs, params, rows_per_wave=self.micro_batch).to("cpu")
+        texts = rollout.decode(self.tokenizer)
+        verdicts = [self.verdict(t) for t in texts]
+        failures = sum(v is None for v in verdicts)
+        scores = torch.tensor([self.failure_score if v is None else v for v in verdicts], dtype=FP32)
+        return scores, {"judge_response": texts, "rm_parse_failures": failures}
+
+
+# ------------------------------------------------------------------------------------------ reward manager
+class ModelRewardManager:
+    """RewardManager's interface with a reward model: see the module docstring for how scores combine."""
+
+    needs_prompts = True  # RolloutPhase passes the prompts' messages (prompts=...)
+
+    def __init__(self, scorer, rules, combine_with_custom: bool):
+        self.scorer, self.rules, self.combine = scorer, rules, combine_with_custom
+        self.last_error = None
+
+    @property
+    def num_errors(self) -> int:
+        return getattr(self.rules, "num_errors", 0)
+
+    def close(self) -> None:
+        self.rules.close()
+
+    def model_scores(self, prompts, responses, ground_truths) -> tuple[torch.Tensor, dict]:
+        start = time.perf_counter()
+        self.scorer.to_device()
+        try:
+            if self.scorer.kind == GENERATIVE:
+                scores, extra = self.scorer.score(prompts, responses, ground_truths)
+            else:
+                scores, extra = self.scorer.score(prompts, responses)
+        finally:
+            self.scorer.to_home()
+        extra["rm_time_s"] = time.perf_counter() - start
+        return scores, extra
+
+    def __call__(self, responses: list[str], ground_truths: list[Any], data_sources: list[str],
+                 extra_infos: Optional[list[dict]] = None, prompts: Optional[list[Any]] = None):
+        if prompts is None:
+            raise ValueError("a reward model scores prompt and response: pass prompts= (the prompts' messages)")
+        model, extra = self.model_scores(prompts, responses, ground_truths)
+        judged = extra.pop("judge_response", None)
+        infos = []
+        for i, info in enumerate(extra_infos or [None] * len(responses)):
+            info = dict(info or {})
+            info["rm_score"] = float(model[i])
+            if judged is not None:
+                info["judge_response"] = judged[i]
+            infos.append(info)
+        if self.combine:  # the user's function decides the reward, the model score in extra_info["rm_score"]
+            scores, info = self.rules(responses, ground_truths, data_sources, infos)
+        else:  # verl: the model score is the reward; a registered rule still reports acc / format
+            _, info = self._rule_metrics(responses, ground_truths, data_sources, infos)
+            scores = model.clone()
+        self.last_error = self.rules.last_error
+        info["rm_score"] = model.tolist()
+        info.update(extra)
+        info.setdefault("rm_parse_failures", 0)
+        return scores.float(), info
+
+    def _rule_metrics(self, responses, ground_truths, data_sources, infos):
+        from .rewards import REWARD_FUNCTIONS
+
+        if all(source in REWARD_FUNCTIONS for source in data_sources):
+            return self.rules(responses, ground_truths, data_sources, infos)
+        zeros = [0.0] * len(responses)
+        return torch.zeros(len(responses)), {"acc": list(zeros), "format": list(zeros), "num_errors": 0}
+
+
+def reward_model_metrics(infos: Sequence[dict]) -> dict:
+    """Step metrics from the reward info of every rank: score mean/std, judge parse failures, scoring time."""
+    scores = [s for info in infos for s in info.get("rm_score", [])]
+    if not scores:
+        return {}
+    values = torch.tensor(scores, dtype=STATISTICS_DTYPE)
+    return {"reward_model/score_mean": float(values.mean()),
+            "reward_model/score_std": float(values.std()) if len(scores) > 1 else 0.0,
+            "reward_model/parse_failures": float(sum(info.get("rm_parse_failures", 0) for info in infos)),
+            "timing/reward_model": max(float(info.get("rm_time_s", 0.0)) for info in infos)}
+
+
+# ------------------------------------------------------------------------------------------------ building
+def _load_verdict_fn(judge_cfg) -> Optional[Callable]:
+    if not judge_cfg.verdict_function.path:
+        return None
+    from .rewards import load_custom_reward
+
+    return load_custom_reward(judge_cfg.verdict_function.path, judge_cfg.verdict_function.name)
+
+
+def build_scorer(cfg, plan, rm_plan: Optional[RewardModelPlan] = None):
+    """Load the reward model the config names, as planned (dtype, attention, device, offload)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from .models import load_tokenizer, resolve_model_source
+
+    rm = cfg.reward_model
+    rm_plan = rm_plan or getattr(plan, "reward_model", None)
+    if isinstance(rm_plan, dict):
+        rm_plan = RewardModelPlan(**rm_plan)
+    kind = reward_model_kind(rm)
+    dtype = dtype_from_name(rm_plan.dtype) if rm_plan else plan.rollout.dtype
+    attn = rm_plan.attn_implementation if rm_plan else plan.attn_implementation
+    attn = attn if attn in ATTN_IMPLEMENTATIONS else ATTN_SDPA  # a training-only variant: its plain kernel
+    micro_batch = rm_plan.micro_batch if rm_plan else (rm_micro_batch_request(rm) or 8)
+    offload = bool(rm_plan.offload) if rm_plan else False
+    source = resolve_model_source(rm.model.path)
+    tokenizer = load_tokenizer(source, rm.model.trust_remote_code)
+    kwargs = dict(dtype=dtype, attn_implementation=attn, trust_remote_code=rm.model.trust_remote_code,
+                  **dict(rm.model.override_config or {}), **source.load_kwargs())
+    if kind == GENERATIVE:
+        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+        model.to(dtype)
+        rollout = replace(plan.rollout, max_seq_len=(rm_plan.max_length if rm_plan else 1024) + rm.judge.max_new_tokens,
+                          rows_per_wave=micro_batch, cuda_graphs=False)
+        judge = rm.judge
+        return GenerativeJudge(model, tokenizer, plan.device, micro_batch, rm.max_length, judge.prompt_template,
+                               judge.verdict_regex, _load_verdict_fn(judge), judge.max_new_tokens, judge.failure_score,
+                               offload, SimpleNamespace(rollout=rollout))
+    config = AutoConfig.from_pretrained(source.path, trust_remote_code=rm.model.trust_remote_code)
+    if getattr(config, "num_labels", 1) != 1 and not getattr(config, "id2label", None):
+        config.num_labels = 1
+    model = AutoModelForSequenceClassification.from_pretrained(source.path, **kwargs)
+    model.to(dtype)
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return DiscriminativeRewardModel(model, tokenizer, plan.device, micro_batch, rm.max_length,
+                                     rm_plan.max_token_len if rm_plan else None, rm.truncation, offload)
+
+
+def wrap_reward_manager(cfg, plan, rules) -> Any:
+    """The run's reward manager: `rules` as it is, or with the reward model in front when reward_model.enable."""
+    if not cfg.reward_model.enable:
+        return rules
+    scorer = build_scorer(cfg, plan)
+    log.info("reward model: %s %s on %s (%s)", scorer.kind, cfg.reward_model.model.path, plan.device,
+             "offloaded between scorings" if scorer.offload else "resident")
+    return ModelRewardManager(scorer, rules, combine_with_custom=bool(cfg.custom_reward_function.path))
