@@ -19,17 +19,18 @@ EXAMPLES = Path(__file__).resolve().parent / "data" / "verl_examples"
 FIXTURES = sorted(EXAMPLES.glob("*.args"))
 MULTI_TURN_BUILT = "multi_turn.enable" in schema_keys() or any(k.startswith("actor_rollout_ref.rollout.multi_turn.")
                                                                 for k in schema_keys())
-LEARNED_RM_BUILT = any(k.startswith("reward_model.model.") for k in schema_keys())
 
 
 def fixture_lines(path: Path) -> list[str]:
     return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
 
 
-def expand(path: Path, model: Path, data: Path, sandbox_url: str = "http://127.0.0.1:9") -> list[str]:
+def expand(path: Path, model: Path, data: Path, sandbox_url: str = "http://127.0.0.1:9",
+           reward_model: Path | None = None) -> list[str]:
     """The fixture's arguments with the placeholders of the replaced paths filled in."""
     values = {"{MODEL}": str(model), "{TRAIN}": f"{data}/train.parquet", "{VAL}": f"{data}/test.parquet",
-              "{CONFIG_DIR}": str(EXAMPLES / "config"), "{SANDBOX_URL}": sandbox_url}
+              "{CONFIG_DIR}": str(EXAMPLES / "config"), "{SANDBOX_URL}": sandbox_url,
+              "{RM_MODEL}": str(reward_model or model)}
     out = []
     for line in fixture_lines(path):
         for placeholder, value in values.items():
@@ -42,9 +43,15 @@ def marks_for(path: Path):
     text = path.read_text()
     if ("multi_turn" in text or "--config-name" in text and "multiturn" in path.name) and not MULTI_TURN_BUILT:
         return [pytest.mark.xfail(reason="multi-turn lands separately", strict=False)]
-    if "reward_model.enable=True" in text and not LEARNED_RM_BUILT:
-        return [pytest.mark.xfail(reason="learned reward models land separately", strict=True)]
     return []
+
+
+@pytest.fixture(scope="module")
+def tiny_rm_dir(tmp_path_factory) -> Path:
+    """A tiny sequence-classification reward model, for the scripts that score with one."""
+    from tests.test_reward_model import build_tiny_reward_model
+
+    return build_tiny_reward_model(tmp_path_factory.mktemp("tiny_rm"))
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +73,9 @@ def test_there_are_enough_fixtures_from_both_layouts():
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=marks_for(p)) for p in FIXTURES])
-def test_verl_example_plans_with_every_key_answered(path, tiny_model_dir, gsm8k_data, sandbox_url, caplog, capsys):
-    args = expand(path, tiny_model_dir, gsm8k_data, sandbox_url)
+def test_verl_example_plans_with_every_key_answered(path, tiny_model_dir, tiny_rm_dir, gsm8k_data, sandbox_url, caplog,
+                                                    capsys):
+    args = expand(path, tiny_model_dir, gsm8k_data, sandbox_url, reward_model=tiny_rm_dir)
     with caplog.at_level(logging.WARNING):
         code = cli_main(["plan", *args])  # a traceback fails the test by itself
     captured = capsys.readouterr()
@@ -82,16 +90,12 @@ def test_verl_example_plans_with_every_key_answered(path, tiny_model_dir, gsm8k_
             or key in notices, f"{key} was neither read nor noticed"
 
 
-def test_learned_reward_model_script_gets_all_its_problems_at_once(tiny_model_dir, gsm8k_data, capsys):
-    """Until learned reward models run here: refused, with every other problem of the line in the same answer."""
+def test_a_reward_model_script_gets_all_its_problems_at_once(tiny_model_dir, tiny_rm_dir, gsm8k_data, capsys):
     path = EXAMPLES / "current__ppo_trainer__run_qwen2-7b_rm_seq_balance.args"
-    args = expand(path, tiny_model_dir, gsm8k_data) + ["trainer.no_such_key=1", "algorithm.adv_estimator=nope"]
-    if LEARNED_RM_BUILT:
-        args = args[:-2] + ["trainer.no_such_key=1", "algorithm.adv_estimator=nope"]
-    assert cli_main(["plan", *args]) == 2
+    args = expand(path, tiny_model_dir, gsm8k_data, reward_model=tiny_rm_dir)
+    assert cli_main(["plan", *args, "trainer.no_such_key=1", "algorithm.adv_estimator=nope"]) == 2
     err = capsys.readouterr().err
     assert "trainer.no_such_key" in err and "adv_estimator='nope'" in err
-    assert LEARNED_RM_BUILT or "reward_model.enable" in err
 
 
 def test_every_problem_is_reported_at_once():
