@@ -350,7 +350,7 @@ def test_absurd_lr_stops_after_k_skipped_updates_naming_the_last_good_checkpoint
     trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
         "actor_rollout_ref.actor.optim.lr": 1e5, "trainer.total_training_steps": 12,
         "trainer.max_consecutive_nonfinite_updates": 2}))
-    with pytest.raises(TrainingStopped, match="2 optimizer updates in a row had a NaN/inf") as info:
+    with pytest.raises(TrainingStopped, match="2 actor optimizer updates in a row had a NaN/inf") as info:
         trainer.fit()
     assert trainer.global_step < 12
     good = trainer.stops.last_good_checkpoint

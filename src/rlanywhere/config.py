@@ -6,7 +6,7 @@ Keys follow verl's `ppo_trainer.yaml` wherever the concept exists, so a verl com
 (`rlanywhere train <the same overrides>`). Keys that only make sense inside verl (vLLM memory fractions, FSDP wrap
 policies, Ray settings) are accepted with a one-line notice of what rlanywhere does instead. Anything else unknown
 is an error naming the closest valid key. Our own knobs live under `hardware.*`; "auto" there means the planner
-(planner.py) decides.
+(the planner package) decides.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Guard rails for mixed-precision RL: dynamic loss scaling that is counted, and a stop before garbage is trained on.
 
 fp16 has 5 exponent bits: gradients underflow without loss scaling, and activations or scaled gradients can
-overflow. The planner chooses fp16 on Volta/Turing (planner.py); this module watches the run:
+overflow. The planner chooses fp16 on Volta/Turing (planner/precision.py); this module watches the run:
 
 * `optimizer_step` is one optimizer step through an optional `torch.amp.GradScaler`: unscale, clip, step or skip.
   Its `StepOutcome` says whether the step was applied and, if not, whether it was a *scaler overflow* (normal in
