@@ -35,6 +35,7 @@ from . import estimator as est
 from .machine import CardSpec, DeviceInfo, HardwareProbe, card_spec, fp16_problems, predicted_sdpa_backends, \
     probe_machine, sdpa_backends_that_run, triton_usable
 from .model_shape import ModelShape, read_model_shape
+from .async_plan import plan_async_rollout
 from .plans import Plan, RolloutPlan
 from .prompt_sharing import MASKED, VARLEN, varlen_attention_function
 from .vocabulary import (
@@ -406,6 +407,7 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     if plan.share_prompts:
         _count_prompts_once(plan, kept)
     _plan_kv_release(plan, target, _auto(arr.rollout.free_cache_engine))
+    plan_async_rollout(cfg, plan)  # trainer.async: overlapped, in turn or sync (async_pipeline.py)
     if for_execution and card is not None and real is not None:
         _check_real_card_runs(plan, real, machine)
     return plan

@@ -163,6 +163,7 @@ class Plan:
     # planned row counts are bounds: a micro-batch takes more rows while they hold no more tokens than that many
     # full-length rows (Updater.micro_batches), so short responses run in fewer, larger micro-batches
     merge_micro_batches: bool = False
+    async_rollout: str = "sync"  # "sync" | "in turn" | "overlapped": trainer.async as planned (async_pipeline.py)
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))
@@ -217,6 +218,7 @@ class Plan:
             ("memory cap", f"{self.memory_fraction:.3f} of the GPU" if self.memory_fraction else "none",
              self.reasons.get("memory_fraction", "")),
             ("allocator", self.alloc_conf or "default", self.reasons.get("alloc_conf", "")),
+            ("async rollout", self.async_rollout, self.reasons.get("async_rollout", "")),
         ]
         if self.world_size > 1:
             groups = (f" in groups of {self.shard_group_size} (HSDP)"
