@@ -131,6 +131,9 @@ def check_rollout_correction(section: Any, top_k: Optional[int], top_p: Optional
     if section.rollout_rs is not None:
         raise UserError(f"algorithm.rollout_correction.rollout_rs={section.rollout_rs!r}: rejection sampling is not "
                         "available; use rollout_is=token or sequence (truncated importance sampling) instead")
+    if section.rollout_rs_threshold is not None:
+        raise UserError(f"algorithm.rollout_correction.rollout_rs_threshold={section.rollout_rs_threshold!r}: "
+                        "rejection sampling is not available, so its threshold has nothing to set; remove it")
     if section.loss_type != "ppo_clip":
         raise UserError(f"algorithm.rollout_correction.loss_type={section.loss_type!r} is not available; use "
                         "ppo_clip (the PPO clipped objective with the importance weights)")
