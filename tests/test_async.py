@@ -363,3 +363,28 @@ def test_a_step_dropped_by_sigterm_keeps_its_rollout_and_resume_is_exact(tiny_mo
     for step in (2, 3):
         for key in KEYS + ("async/staleness",):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def _split_rank(rank, overrides, init_method):
+    torch.set_num_threads(1)
+    from rlanywhere.split_rollout import run_split
+
+    run_split(overrides, rank, 2, init_method)
+
+
+@pytest.mark.slow
+def test_split_placement_matches_the_one_process_pipeline(tiny_model_dir, arith_data, tmp_path):
+    """1 rollout rank + 1 trainer rank over gloo: the rollout rank generates each batch with the weights the trainer
+    broadcasts; samples and metrics are those of the one-process one_step_off run."""
+    import torch.multiprocessing as mp
+
+    extra = {"trainer.async.mode": "one_step_off", "algorithm.rollout_correction.rollout_is": "token"}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
+    overrides = _overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra)
+    mp.spawn(_split_rank, args=(overrides, f"file://{tmp_path / 'rendezvous'}"), nprocs=2, join=True)
+    one, split = _rows(tmp_path / "one"), _rows(tmp_path / "split")
+    assert sorted(split) == [1, 2, 3]
+    assert [split[k]["async/staleness"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step in (1, 2, 3):
+        for key in KEYS + ("actor/rollout_is_mean", "actor/rollout_is_capped_frac"):
+            assert split[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)

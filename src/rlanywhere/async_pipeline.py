@@ -192,6 +192,9 @@ class RolloutPipeline:
         """The pipeline a run asks for; None for trainer.async.mode=sync."""
         if plan.async_rollout == SYNC:
             return None
+        if plan.async_rollout == "split":  # a rollout rank generates (split_rollout.py)
+            from .split_rollout import SplitRolloutPipeline
+            return SplitRolloutPipeline(cfg, plan, actor, loader, total_steps)
         return cls(cfg, plan, actor, loader, total_steps)
 
     def attach(self, phase, engine) -> "RolloutPipeline":
