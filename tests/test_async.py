@@ -388,3 +388,24 @@ def test_split_placement_matches_the_one_process_pipeline(tiny_model_dir, arith_
     for step in (1, 2, 3):
         for key in KEYS + ("actor/rollout_is_mean", "actor/rollout_is_capped_frac"):
             assert split[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)
+
+
+@pytest.mark.slow
+def test_oom_recovery_in_the_pipelines_rollout(tiny_model_dir, arith_data, tmp_path):
+    """An out-of-memory error in the rollout of step 2 (started during step 1): the guard halves the rollout batch
+    and redoes it, and the run goes on."""
+    trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
+        "trainer.async.mode": "one_step_off"}))
+    original, calls = trainer.engine.generate, []
+
+    def generate_once_out_of_memory(*args, **kwargs):
+        calls.append(kwargs.get("rows_per_wave"))
+        if len(calls) == 2:  # the first rollout of step 2
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(*args, **kwargs)
+
+    trainer.engine.generate = generate_once_out_of_memory
+    trainer.fit()
+    rows = _rows(tmp_path / "run")
+    assert sorted(rows) == [1, 2, 3] and calls[2] == calls[1] // 2
+    assert trainer.oom_guard.events and trainer.oom_guard.events[0]["phase"] == "rollout"

@@ -240,7 +240,7 @@ class RolloutPipeline:
 
     def __getattr__(self, name: str):
         """Validation's calls (generate, sampling_params, score, ...): the engine settled on the current weights."""
-        if name in ("phase", "jobs", "settled") or self.__dict__.get("phase") is None:
+        if name.startswith("__") or name in ("phase", "jobs", "settled") or self.__dict__.get("phase") is None:
             raise AttributeError(name)
         self.settle()
         return getattr(self.phase, name)
