@@ -729,13 +729,15 @@ def ppo_policy_loss(
     clip_ratio_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
     scale: LossScale | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate loss with dual clip (verl's vanilla ``compute_policy_loss``).
 
     ``ratio = exp(logprob - old_logprob)`` (log-ratio clamped to [-20, 20]); per token
     ``max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))``, and for ``A < 0`` additionally capped at
     ``-A * clip_ratio_c`` (dual clip, Ye et al. 2020; ``None`` disables). ``clip_ratio_high=None`` means
-    ``clip_ratio_low`` (symmetric clip). Gradients flow through ``logprob`` only.
+    ``clip_ratio_low`` (symmetric clip). Gradients flow through ``logprob`` only. ``token_weights`` (the rollout
+    correction's truncated importance weights, constants) multiply each token's loss before aggregation.
 
     Metrics, as 0-d tensors on the loss's device (read once per optimizer step, not once per micro-batch):
     ``pg_clipfrac`` (fraction of tokens where the clipped term is active), ``pg_clipfrac_lower`` (dual-clip
@@ -767,6 +769,8 @@ def ppo_policy_loss(
         pg_losses = clipped_loss
         clipfrac_lower = torch.zeros((), dtype=mask_f.dtype, device=mask_f.device)
 
+    if token_weights is not None:  # the rollout correction's importance weights (rollout_correction.py)
+        pg_losses = pg_losses * token_weights.detach()
     pg_loss = aggregate_loss(pg_losses, mask_f, loss_agg_mode, scale)
     with torch.no_grad():
         approx_kl = masked_mean(-log_ratio, mask_f)
@@ -858,6 +862,7 @@ def gspo_policy_loss(
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
     scale: LossScale | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """GSPO (Zheng et al. 2025): PPO clipping on a sequence-level importance ratio (verl's ``loss_mode=gspo``).
 
@@ -888,6 +893,8 @@ def gspo_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_losses = torch.maximum(unclipped, clipped)
+    if token_weights is not None:  # the rollout correction's importance weights (rollout_correction.py)
+        pg_losses = pg_losses * token_weights.detach()
     pg_loss = aggregate_loss(pg_losses, mask_f, loss_agg_mode, scale)
     with torch.no_grad():
         approx_kl = masked_mean(-token_log_ratio, mask_f)

@@ -11,6 +11,7 @@ is an error naming the closest valid key. Our own knobs live under `hardware.*`;
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import re
@@ -203,6 +204,65 @@ class FilterGroupsConfig:
     max_num_gen_batches: int = 10  # generation rounds per step at most; <= 0: no limit (verl's default 0)
 
 
+# ------------------------------------------------------------------------------- rollout off the critical path
+@dataclass
+class RolloutCorrectionConfig:
+    """verl's algorithm.rollout_correction: truncated importance sampling between the rollout engine's policy and
+    the trainer's (rollout_correction.py; docs/async.md)."""
+
+    rollout_is: Optional[str] = None  # null (off) | token | sequence
+    rollout_is_threshold: float = 2.0  # the cap on each importance weight
+    rollout_is_batch_normalize: bool = False  # verl's key; only false is available
+    rollout_rs: Optional[str] = None  # verl's rejection sampling; only null is available
+    rollout_rs_threshold: Any = None
+    bypass_mode: bool = False  # the PPO ratio against the rollout's own log-probs (verl's one-step-off recipe)
+    loss_type: str = "ppo_clip"
+
+
+@dataclass
+class AsyncConfig:
+    """trainer.async: the rollout of step k+1 runs with the weights of step k while step k trains (async_pipeline.py;
+    docs/async.md)."""
+
+    mode: str = "sync"  # sync | one_step_off
+    max_staleness: int = 1  # policy versions a trained batch may lag its generation weights (one_step_off: 1)
+    overlap: Any = "auto"  # one GPU: generation on its own CUDA stream beside the update; auto: the planner
+
+
+def _add_keyword_field(cls: type, name: str, default: Any) -> None:
+    """A field whose name is a Python keyword (trainer.async), which a dataclass body cannot spell."""
+    spec = field(default=default)
+    spec.name, spec.type, spec._field_type = name, type(default), dataclasses._FIELD  # type: ignore[attr-defined]
+    cls.__dataclass_fields__[name] = spec  # type: ignore[attr-defined]
+    cls.__annotations__[name] = type(default)
+    setattr(cls, name, default)
+
+
+def _check_async(cfg: DictConfig) -> None:
+    from .async_plan import check_async_config
+    from .rollout_correction import check_rollout_correction
+    try:
+        check_rollout_correction(cfg.algorithm.rollout_correction, cfg.actor_rollout_ref.rollout.top_k,
+                                 cfg.actor_rollout_ref.rollout.top_p)
+        check_async_config(cfg)
+    except UserError as err:
+        raise ConfigError(str(err)) from None
+
+
+# verl's one-step-off recipe places the rollout on its own GPUs with these top-level keys: they ask for this mode
+ASYNC_VERL_KEYS = (r"rollout\.(nnodes|n_gpus_per_node)",)
+
+
+def _translate_async_key(user: DictConfig, key: str, notices: list[str]) -> bool:
+    if not any(re.fullmatch(pattern, key) for pattern in ASYNC_VERL_KEYS):
+        return False
+    value = _pop_key(user, key)
+    OmegaConf.update(user, "trainer.async.mode", "one_step_off", force_add=True)
+    notices.append(f"{key}={value}: verl's one-step-off recipe; honoured as trainer.async.mode=one_step_off (the "
+                   "rollout of each step overlaps the previous step's update)")
+    return True
+
+
 @dataclass
 class PFPPOConfig:
     reweight_method: str = "pow"  # pow | max_min | max_random (algorithms.pf_ppo_resample)
@@ -222,6 +282,7 @@ class AlgorithmConfig:
     mask_truncated_completions: bool = False  # TRL's name (verl has none): cut-off responses leave the loss
     use_pf_ppo: bool = False  # PF-PPO: rows redrawn by their score before the updates (verl_steps.py)
     pf_ppo: PFPPOConfig = field(default_factory=lambda: PFPPOConfig())
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -321,6 +382,9 @@ class TrainerConfig:
     # several ranks: after each rollout, move rows so every rank trains about as many tokens (verl's key and default;
     # one process: nothing to balance). docs/distributed.md
     balance_batch: bool = True
+
+
+_add_keyword_field(TrainerConfig, "async", AsyncConfig())
 
 
 @dataclass
@@ -524,6 +588,8 @@ def _vet_user_keys(user: DictConfig, notices: list[str], problems: Optional[list
             continue
         # A dict-valued schema field (override_config) accepts any sub-keys.
         if any(key.startswith(v + ".") for v in valid if v.endswith("override_config")):
+            continue
+        if _translate_async_key(user, key, notices):
             continue
         reason = _verl_only_reason(key)
         if reason is not None:
@@ -749,6 +815,7 @@ def _check_guard_values(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from None
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
+    _check_async(cfg)
 
 
 def _check_variant_values(cfg: DictConfig) -> None:

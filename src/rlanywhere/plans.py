@@ -165,6 +165,7 @@ class Plan:
     merge_micro_batches: bool = False
     # reward_model.py's RewardModelPlan as a dict (kind, path, dtype, micro-batch, offload, reasons); None: rules only
     reward_model: Optional[dict] = None
+    async_rollout: str = "sync"  # "sync" | "in turn" | "overlapped": trainer.async as planned (async_pipeline.py)
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))
@@ -219,6 +220,7 @@ class Plan:
             ("memory cap", f"{self.memory_fraction:.3f} of the GPU" if self.memory_fraction else "none",
              self.reasons.get("memory_fraction", "")),
             ("allocator", self.alloc_conf or "default", self.reasons.get("alloc_conf", "")),
+            ("async rollout", self.async_rollout, self.reasons.get("async_rollout", "")),
         ]
         if self.reward_model:
             rm = self.reward_model

@@ -37,6 +37,7 @@ class RunState:
         self.release_kv_between_phases = release_kv_between_phases
         self.engine_name = engine_name
         self.engine = None  # the live rollout engine (its kept KV cache is what `relieve` frees)
+        self.engine_busy = False  # a rollout runs in the background on the engine (one_step_off): nothing to free
         self.device, self.run_dir, self.rank = str(device), run_dir, rank
         self.fallbacks: dict[str, str] = {}
         self.oom_events: list[dict] = []
@@ -61,7 +62,7 @@ class RunState:
         rollout from here on; says what it freed. None when there is none to free, in the rollout (which is using
         it), and off CUDA (the cache is kept there: memory is not the limit)."""
         if self.release_kv_between_phases or phase == "rollout" or not self.device.startswith("cuda") or \
-                self.engine is None:
+                self.engine is None or self.engine_busy:
             return None
         self.engine.release_memory()
         self.release_kv_between_phases = True

@@ -25,13 +25,14 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        # this stream only: a rollout generating beside the update on its own stream (async_pipeline.py) goes on
         if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
         start = time.perf_counter()
         with torch.profiler.record_function(f"phase/{name}"):  # a named range in trainer.profile_steps traces
             yield
         if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
 
 

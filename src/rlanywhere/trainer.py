@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import algorithms as algo
 from . import builders
+from .async_pipeline import RolloutPipeline
 from .balance import balance_rows, balance_text
 from .checkpoint import capture_rng, restore_rng
 from .checkpointer import Checkpointer
@@ -42,6 +43,7 @@ from .offload import on_device
 from .oom import OOMGuard
 from .precision_guard import PrecisionGuard
 from .profiling import maybe_profile, profile_step_set
+from .rollout_correction import RolloutCorrection
 from .rollout_phase import RolloutPhase, response_length
 from .sharding import sync_engine
 from .rank_layout import register_ranks
@@ -118,11 +120,17 @@ class RLTrainer(TrainerCheckpoints):
                                self.tokenizer.pad_token_id, self.response_length,
                                before_weights_change=self.stops.weights_changing,
                                after_optimizer_step=self.stops.record_update, samples_per_prompt=self.n)
-        self.engine = builders.build_engine(cfg, plan, self.actor, self.tokenizer)
+        # [async] one_step_off: the engine generates from its own weight copy while the actor trains; the pipeline
+        # stands in for the rollout phase and draws each step's prompts a step early (async_pipeline.py)
+        self.pipeline = RolloutPipeline.for_run(cfg, plan, self.actor, self.loader, self.total_steps)
+        rollout_model = self.pipeline.model if self.pipeline else self.actor
+        self.loader = self.pipeline.loader if self.pipeline else self.loader
+        self.engine = builders.build_engine(cfg, plan, rollout_model, self.tokenizer)
         self.run.engine_running(self.engine, plan.rollout.engine)
         self.write_plan_record()  # after the engine is known: the record shows what runs
-        self.rollouts = RolloutPhase(cfg, plan, self.engine, self.actor, self.tokenizer, self.reward_manager,
+        self.rollouts = RolloutPhase(cfg, plan, self.engine, rollout_model, self.tokenizer, self.reward_manager,
                                      self.oom_guard, self.loader.next_batch, self.dp)
+        self.rollouts = self.pipeline.attach(self.rollouts, self.engine, self.run) if self.pipeline else self.rollouts
         self.global_step = 0
         self.first_step = 0  # the step this launch starts at (a resume's)
         self.tracker: Optional[Tracker] = None
@@ -164,7 +172,8 @@ class RLTrainer(TrainerCheckpoints):
     def update_actor(self, batch: StepBatch) -> dict:
         actor_cfg = self.cfg.actor_rollout_ref.actor
         loss_fn = actor_loss(batch, actor_cfg, self.cfg.actor_rollout_ref.rollout, self.plan.logprob_chunk_size,
-                             self.device, compiled_head=self.plan.compile_training)
+                             self.device, compiled_head=self.plan.compile_training,
+                             correction=RolloutCorrection.from_config(self.cfg.algorithm.rollout_correction))
         return self.updater.ppo_update(
             "actor", self.actor, self.optimizers["actor"], batch, loss_fn, mini_rows=actor_cfg.ppo_mini_batch_size
             * self.n, epochs=actor_cfg.ppo_epochs, shuffle_seed=self.shuffle_seed(actor_cfg),
@@ -268,7 +277,8 @@ class RLTrainer(TrainerCheckpoints):
                 metrics.update(self.update_actor(batch))
             for scheduler in self.schedulers.values():
                 scheduler.step()
-            sync_engine(self.engine, self.actor)  # [distributed] sharded: synced at the next generation instead
+            if self.pipeline is None:  # [async] the pipeline refreshes its engine when the next rollout starts
+                sync_engine(self.engine, self.actor)  # [distributed] sharded: synced at the next generation instead
 
         # 7. diagnostics (over all ranks' rows; timings are this rank's)
         metrics.update(step_metrics(

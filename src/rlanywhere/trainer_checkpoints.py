@@ -28,7 +28,8 @@ class TrainerCheckpoints:
     def trainer_state(self) -> dict:
         return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,  # fp16 loss scale
-                "run_state": self.run.checkpoint_record(), **self.stops.health_record()}
+                "run_state": self.run.checkpoint_record(), **self.stops.health_record(),
+                **({"async_rollouts": self.pipeline.state_dict()} if self.pipeline else {})}  # finished, in flight
 
     def save(self) -> str:
         sharded = is_sharded(self.actor)
@@ -70,6 +71,8 @@ class TrainerCheckpoints:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])
+        if self.pipeline is not None:  # [async] the next steps' rollouts, made with weights no checkpoint holds
+            self.pipeline.load_state_dict(state.get("async_rollouts"))
         for name, old, new in self.run.restore(state.get("run_state")):  # what OOM recovery learned, as ceilings
             log.warning("%s %s -> %s: lowered by an out-of-memory event before this checkpoint", name, old, new)
         self.write_plan_record()

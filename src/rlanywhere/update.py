@@ -30,6 +30,7 @@ from .oom import OOMGuard
 from .prompt_sharing import MASKED, SharedPromptBatch, pack_shared_prompts, prompt_keys, split_rows_keeping_prompts
 from .plans import Plan, SizeKind
 from .precision_guard import PrecisionGuard, StepOutcome, logprobs_comparable, optimizer_step, rollout_logprob_gap
+from .rollout_correction import RolloutCorrection
 from .stepbatch import StepBatch
 from .vocabulary import ACCUMULATE_DTYPE, STATISTICS_DTYPE
 
@@ -327,9 +328,11 @@ def critic_loss(batch: StepBatch, critic_cfg, device: str) -> LossFn:
 
 
 def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int, device: str,
-               compiled_head: bool = False) -> LossFn:
+               compiled_head: bool = False, correction: Optional[RolloutCorrection] = None) -> LossFn:
     """The actor's loss_fn: PPO clip (or GSPO) - entropy bonus + KL loss, one aggregation mode. compiled_head:
-    the log-prob head's chunk math compiled (plan.compile_training)."""
+    the log-prob head's chunk math compiled (plan.compile_training). correction: the rollout correction
+    (rollout_correction.py): importance weights between the rollout's and the trainer's policies."""
+    correction = correction or RolloutCorrection()
     temperature = rollout_cfg.temperature or 1.0
     clip_low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
     clip_high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
@@ -345,9 +348,12 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
             return logprob.sum() * 0.0, {}, {}
         pick = lambda t: to_device(t[rows, :micro.response_len], device)  # noqa: E731
         old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
+        is_weights, correction_means = correction.weights(old, pick(batch.rollout.response_logprobs), resp_mask)
+        old = correction.behaviour(old, pick(batch.rollout.response_logprobs))
         # means: pg_clipfrac, approx_kl, ratio statistics (algorithms.POLICY_LOSSES)
         pg_loss, means = policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low, clip_high,
-                                     actor_cfg.clip_ratio_c, mode, scale)
+                                     actor_cfg.clip_ratio_c, mode, scale, token_weights=is_weights)
+        means.update(correction_means)
         ent = algo.entropy_loss(entropy, resp_mask, mode, scale)
         loss = pg_loss - actor_cfg.entropy_coeff * ent
         shares = {"pg_loss": pg_loss.detach(), "entropy": ent.detach()}

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..algorithms import estimator_needs
+from ..async_plan import plan_async_rollout
 from ..machine import HardwareProbe, card_spec, probe_machine
 from ..model_shape import ModelShape, read_model_shape
 from ..plans import Plan, RolloutPlan
@@ -142,6 +143,7 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
         reasons["share_prompts"] += shared_prompts_note(packed, plan.estimate)
     plan.rollout.release_kv_between_phases, plan.rollout.reasons["release_kv_between_phases"] = decide_kv_release(
         plan, target, auto_flag(arr.rollout.free_cache_engine))
+    plan_async_rollout(cfg, plan)  # trainer.async: overlapped, in turn or sync (async_plan.py)
     if cfg.reward_model.enable:  # one more model in the same memory: its phase, placement and micro-batch
         from ..reward_model import plan_from_config
         rm_plan, plan.estimate = plan_from_config(cfg, plan, plan.estimate, plan.memory_budget_bytes, target.is_cuda,

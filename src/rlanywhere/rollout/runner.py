@@ -340,7 +340,8 @@ class DecodeRunner:
                 self._decode_into_buffer(batch, span, sample)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
+            # thread_local: a rollout capturing in its own thread while the update runs (async_pipeline.py)
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
                 self._decode_into_buffer(batch, span, sample)
             self._graphs[key] = graph
         graph.replay()

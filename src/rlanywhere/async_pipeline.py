@@ -1,0 +1,298 @@
+"""Rollout off the critical path (`trainer.async.mode=one_step_off`): the rollout of step k+1 runs with the weights
+of step k while step k's update runs.
+
+A synchronous step generates, scores, computes log-probs and updates one after another. Here the pipeline keeps the
+next step's rollout in flight:
+
+    step k:  take batch k (generated with the weights of step k-1; step 0's with the initial ones)
+             copy the actor's weights (step k's) into the rollout model      <- the engine's own weight copy
+             start the rollout of batch k+1 on that copy                     <- on its own CUDA stream, in a thread
+             train on batch k -> the weights of step k+1                     <- meanwhile
+
+so each trained batch is at most one policy version stale (verl's one-step-off-policy recipe, on one GPU). The
+correction for that staleness is the rollout correction (rollout_correction.py: truncated importance weights between
+the rollout's and the trainer's log-probs). Whether the two phases truly overlap on the card is the planner's
+decision (`plan_async_rollout`: it must pay and fit: two weight copies, the KV cache and the update's memory at
+once); otherwise, and always on a CPU, the same pipeline runs in turn: the same batches from the same weights, so the
+samples and metrics do not depend on the overlap (the CPU tests cover the pipeline's logic).
+
+Checkpoints stay exact: a save finishes the rollout in flight and stores it (the rollout of the next step, made
+with weights no checkpoint holds); a resumed run trains on it instead of generating it again. A stop signal that
+drops a step keeps its finished rollout too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .async_plan import OVERLAPPED, SYNC
+from .rollout.base import RolloutBatch
+from .stepbatch import ScoredRollout
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def _tensor_state(tensor: torch.Tensor) -> dict:
+    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+            "values": tensor.flatten().tolist()}
+
+
+def _tensor_from(state: dict) -> torch.Tensor:
+    return torch.tensor(state["values"], dtype=getattr(torch, state["dtype"])).reshape(state["shape"])
+
+
+_ROLLOUT_TENSORS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "response_logprobs")
+
+
+def scored_state(scored: ScoredRollout) -> dict:
+    """A scored rollout as JSON-able data (trainer_state.json): exact (float32 values round-trip through JSON)."""
+    rollout = scored.rollout
+    return {"items": scored.items, "info": scored.info, "scores": _tensor_state(scored.scores),
+            "rollout": {**{name: _tensor_state(getattr(rollout, name)) for name in _ROLLOUT_TENSORS},
+                        "num_prompts": rollout.num_prompts, "n": rollout.n}}
+
+
+def scored_from(state: dict) -> ScoredRollout:
+    saved = state["rollout"]
+    rollout = RolloutBatch(**{name: _tensor_from(saved[name]) for name in _ROLLOUT_TENSORS},
+                           num_prompts=saved["num_prompts"], n=saved["n"])
+    return ScoredRollout(state["items"], rollout, _tensor_from(state["scores"]), state["info"])
+
+
+# ---------------------------------------------------------------------------------------------------- the loader
+class LookaheadLoader:
+    """The prompt loader, able to draw the next step's prompts early (`peek`). Its state, its epoch and the batch
+    `next_batch` returns are those of the step being trained: a checkpoint resumes at the peeked batch."""
+
+    def __init__(self, loader):
+        self.inner = loader
+        self.ahead: Optional[tuple[list[dict], dict]] = None  # the peeked batch and the state before drawing it
+
+    def next_batch(self) -> list[dict]:
+        if self.ahead is not None:
+            items, self.ahead = self.ahead[0], None
+            return items
+        return self.inner.next_batch()
+
+    def peek(self) -> list[dict]:
+        if self.ahead is None:
+            state = self.inner.state_dict()
+            self.ahead = (self.inner.next_batch(), state)
+        return self.ahead[0]
+
+    def state_dict(self) -> dict:
+        return dict(self.ahead[1]) if self.ahead is not None else self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ahead = None
+        self.inner.load_state_dict(state)
+
+    @property
+    def epoch(self) -> int:
+        return int(self.ahead[1]["epoch"]) if self.ahead is not None else self.inner.epoch
+
+    def __getattr__(self, name: str):  # batch_size, steps_per_epoch, ...
+        return getattr(self.inner, name)
+
+
+# ---------------------------------------------------------------------------------------------------- the pipeline
+class _WallTimer:
+    """The rollout phase's timer inside a pipeline job: wall seconds per phase, no device synchronisation."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class _Job:
+    """One step's rollout: its prompts, the step whose weights generated it, and the result (a future while it
+    runs in the background)."""
+
+    step: int
+    weights_step: int
+    keys: list
+    result: Any  # Future | tuple(scored, metrics, first_prompt)
+    seconds: float = 0.0
+
+    def wait(self) -> tuple[ScoredRollout, dict, int]:
+        if isinstance(self.result, Future):
+            self.result = self.result.result()
+        return self.result
+
+
+def _prompt_keys(items: list[dict]) -> list:
+    return [(item.get("index"), list(item["input_ids"])) for item in items]
+
+
+class _LockedRewards:
+    """The reward manager called from one thread at a time (the pipeline scores while validation may)."""
+
+    def __init__(self, manager):
+        self.manager, self.lock = manager, threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:
+            return self.manager(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.manager, name)
+
+
+def rollout_model_copy(actor: nn.Module) -> nn.Module:
+    """The engine's own weights: a frozen copy of the actor, refreshed from it before each rollout starts."""
+    model = copy.deepcopy(actor)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def copy_weights(source: nn.Module, target: nn.Module) -> None:
+    """target's parameters and buffers <- source's, in place (the engine's tensors keep their addresses)."""
+    with torch.no_grad():
+        target_state = target.state_dict()
+        for name, tensor in source.state_dict().items():
+            target_state[name].copy_(tensor)
+
+
+class RolloutPipeline:
+    """one_step_off for the trainer: stands in for its RolloutPhase (same calls), keeping the next rollout in flight.
+
+    Built before the engine (`model` is what the engine must be built on), then `attach`ed to the RolloutPhase."""
+
+    def __init__(self, cfg: Any, plan: Any, actor: nn.Module, loader, total_steps: int):
+        self.cfg, self.plan, self.actor, self.total_steps = cfg, plan, actor, total_steps
+        self.overlap = plan.async_rollout == OVERLAPPED
+        self.model = rollout_model_copy(actor)
+        self.loader = LookaheadLoader(loader)
+        self.jobs: dict[int, _Job] = {}
+        self.settled = False  # the engine holds the actor's weights as they are now (until the next step starts)
+        self.phase = None
+        self.engine = None
+        self.executor: Optional[ThreadPoolExecutor] = None
+        self.stream = None
+        if self.overlap:
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+            if str(plan.device).startswith("cuda"):
+                self.stream = torch.cuda.Stream(plan.device)
+
+    @classmethod
+    def for_run(cls, cfg: Any, plan: Any, actor: nn.Module, loader, total_steps: int) -> Optional["RolloutPipeline"]:
+        """The pipeline a run asks for; None for trainer.async.mode=sync."""
+        if plan.async_rollout == SYNC:
+            return None
+        if plan.async_rollout == "split":  # a rollout rank generates (split_rollout.py)
+            from .split_rollout import SplitRolloutPipeline
+            return SplitRolloutPipeline(cfg, plan, actor, loader, total_steps)
+        return cls(cfg, plan, actor, loader, total_steps)
+
+    def attach(self, phase, engine, run_state=None) -> "RolloutPipeline":
+        """Stand in for `phase`; `run_state` (the trainer's RunState) learns when the engine is busy in the
+        background, so that OOM relief never frees the KV cache of a rollout in flight."""
+        self.phase, self.engine, self.run_state = phase, engine, run_state
+        phase.reward_manager = _LockedRewards(phase.reward_manager)
+        return self
+
+    def _publish_busy(self) -> None:
+        if getattr(self, "run_state", None) is not None:
+            self.run_state.engine_busy = self.overlap and bool(self.jobs)
+
+    # ------------------------------------------------------------------------------------------ the trainer's calls
+    def rollout_and_score(self, items: list[dict], timer, step: int = 0,
+                          first_prompt: int = 0) -> tuple[ScoredRollout, dict, int]:
+        """Step `step`'s scored batch (started a step ago, or now when none is: the first step, a resumed run
+        without a saved one), after starting the next step's rollout from the weights as they are now."""
+        self.settled = False
+        job = self.jobs.get(step)
+        if job is None or job.keys != _prompt_keys(items):
+            with timer("rollout"):
+                job = self._start(step, items, first_prompt)
+        with timer("rollout_wait"):
+            scored, metrics, first = job.wait()
+        if step + 1 < self.total_steps and step + 1 not in self.jobs:
+            with timer("rollout_weight_sync"):
+                self._start(step + 1, self.loader.peek(), 0, background=True)
+        # kept until now: a step dropped by a stop signal before this point finds its batch again
+        self.jobs.pop(step, None)
+        self._publish_busy()
+        metrics = {**metrics, "async/staleness": float(step - job.weights_step),
+                   "async/rollout_s": job.seconds}
+        return scored, metrics, first
+
+    def truncated_loss_mask(self, rollout):
+        return self.phase.truncated_loss_mask(rollout)
+
+    def settle(self) -> None:
+        """Finish the rollout in flight and give the engine the actor's current weights (before validation)."""
+        if self.settled:
+            return
+        for job in self.jobs.values():
+            job.wait()
+        self._refresh()
+        self.settled = True
+
+    def __getattr__(self, name: str):
+        """Validation's calls (generate, sampling_params, score, ...): the engine settled on the current weights."""
+        if name.startswith("__") or name in ("phase", "jobs", "settled") or self.__dict__.get("phase") is None:
+            raise AttributeError(name)
+        self.settle()
+        return getattr(self.phase, name)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The finished rollouts of the steps to come (the one in flight is finished first)."""
+        return {str(step): {"weights_step": job.weights_step, "seconds": job.seconds,
+                            "scored": scored_state(job.wait()[0]), "metrics": job.wait()[1],
+                            "first_prompt": job.wait()[2]}
+                for step, job in self.jobs.items()}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        self.jobs = {}
+        for step, saved in (state or {}).items():
+            scored = scored_from(saved["scored"])
+            self.jobs[int(step)] = _Job(int(step), saved["weights_step"], _prompt_keys(scored.items),
+                                        (scored, saved["metrics"], saved["first_prompt"]), saved["seconds"])
+        self._publish_busy()
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _refresh(self) -> None:
+        copy_weights(self.actor, self.model)
+        self.engine.sync_weights()
+
+    def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False) -> _Job:
+        """The rollout of `step`'s prompts from the actor's weights as they are now."""
+        self._refresh()
+        job = _Job(step, step - 1 if background else step, _prompt_keys(items), None)
+
+        def run() -> tuple[ScoredRollout, dict, int]:
+            start = time.perf_counter()
+            stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+            with stream:
+                result = self.phase.rollout_and_score(items, _WallTimer(), step, first_prompt)
+            job.seconds = time.perf_counter() - start
+            return result
+
+        if background and self.executor is not None:
+            if self.stream is not None:  # the refreshed weights first
+                self.stream.wait_stream(torch.cuda.current_stream(self.plan.device))
+            job.result = self.executor.submit(run)
+        else:
+            job.result = run()
+        if background:
+            self.jobs[step] = job
+            self._publish_busy()
+        return job
+
+
+__all__ = ["LookaheadLoader", "RolloutPipeline", "copy_weights", "rollout_model_copy", "scored_from", "scored_state"]

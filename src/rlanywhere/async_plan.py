@@ -1,0 +1,104 @@
+"""trainer.async as planned: its config checks and the decision whether the rollout of the next step overlaps the
+update on this card (`plan_async_rollout`, called once by the planner; the reason is shown by `rlanywhere plan`).
+The pipeline itself is async_pipeline.py. Pure functions; a leaf (imports errors and estimator only)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .errors import UserError
+from .estimator import format_bytes
+
+MODES = ("sync", "one_step_off")
+SYNC, IN_TURN, OVERLAPPED = "sync", "in turn", "overlapped"
+
+
+# ---------------------------------------------------------------------------------------------------- config, plan
+def _overlap_setting(value: Any) -> Optional[bool]:
+    """trainer.async.overlap: None for auto, else the bool asked for."""
+    if value is None or str(value).lower() == "auto":
+        return None
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "false"):
+        return str(value).lower() == "true"
+    raise UserError(f"trainer.async.overlap={value!r} is not valid; use auto (the planner decides), true or false")
+
+
+def check_async_config(cfg: Any) -> None:
+    """What trainer.async cannot run, said before anything loads."""
+    section = cfg.trainer["async"]
+    if section.mode not in MODES:
+        raise UserError(f"trainer.async.mode={section.mode!r} is not valid; use sync (generate, then train) or "
+                        "one_step_off (the next step's rollout runs while this step trains)")
+    _overlap_setting(section.overlap)
+    if int(section.max_staleness) < 1:
+        raise UserError(f"trainer.async.max_staleness={section.max_staleness} must be >= 1 (policy versions a "
+                        "trained batch may lag the weights that generated it)")
+    if section.mode == "sync":
+        return
+    if int(section.max_staleness) != 1:
+        raise UserError(f"trainer.async.max_staleness={section.max_staleness}: only one_step_off's bound of 1 is "
+                        "available (deeper pipelines are not); set trainer.async.max_staleness=1")
+    if cfg.algorithm.filter_groups.enable:
+        raise UserError("trainer.async.mode=one_step_off with dynamic sampling (algorithm.filter_groups.enable) is "
+                        "not available: dynamic sampling draws more prompts during the rollout; use one of the two")
+    world = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+    if world > 1:
+        raise UserError(f"trainer.async.mode=one_step_off runs in one process; this run asks for {world} ranks "
+                        "(trainer.nnodes x trainer.n_gpus_per_node): use trainer.async.mode=sync there")
+
+
+def overlap_bytes(estimate: Optional[dict]) -> Optional[int]:
+    """Memory the overlapped pipeline holds at its peak: the update's phase (weights, gradients, optimizer,
+    activations, engine weights) plus, at the same time, the rollout's KV cache and sampling buffers and a second
+    copy of the actor's weights for the engine to read. None without an estimate."""
+    if not estimate or "phases" not in estimate:
+        return None
+    phases, breakdown = estimate["phases"], estimate.get("breakdown", {})
+    rollout = breakdown.get("rollout", {})
+    training = max(value for name, value in phases.items() if name != "rollout")
+    copy_bytes = rollout.get("actor_weights", 0)
+    return int(training + rollout.get("kv_cache", 0) + rollout.get("prefill_or_sampling", 0) + copy_bytes)
+
+
+def decide_async_rollout(mode: str, overlap: Optional[bool], on_cuda: bool, half_precision: bool,
+                         need_bytes: Optional[int], budget_bytes: Optional[int]) -> tuple[str, str]:
+    """(sync | in turn | overlapped, the reason in a user's words). Pure: the planner passes what it decided."""
+    if mode == "sync":
+        return SYNC, "trainer.async.mode=sync: each step generates its batch, then trains on it"
+    head = "one_step_off: the next step's rollout uses this step's weights (at most one version stale)"
+    if overlap is False:
+        return IN_TURN, f"{head}; trainer.async.overlap=false: generation and update take turns"
+    if not on_cuda:
+        return IN_TURN, (f"{head}; on a CPU generation and update would share the same cores, so they take turns "
+                         "(the same batches and weights as overlapped)")
+    if need_bytes is not None and budget_bytes and need_bytes > budget_bytes:
+        return IN_TURN, (f"{head}; generating beside the update would need {format_bytes(need_bytes)} at once (a "
+                         f"second weight copy, the KV cache and the update's memory), more than the "
+                         f"{format_bytes(budget_bytes)} budget: they take turns")
+    if overlap is None and not half_precision:
+        return IN_TURN, (f"{head}; in fp32 the update's matmuls keep the card's cores busy, so a rollout beside it "
+                         "would mostly wait for them: they take turns (trainer.async.overlap=true overlaps anyway)")
+    why = "trainer.async.overlap=true" if overlap else ("decoding is bound by launches and memory bandwidth while the "
+                                                        "update is bound by compute, so each fills the other's gaps")
+    return OVERLAPPED, (f"{head}; generation runs on its own CUDA stream from the engine's own weight copy while the "
+                        f"update runs: {why}")
+
+
+def plan_async_rollout(cfg: Any, plan: Any) -> None:
+    """The planner's call: plan.async_rollout and its reason."""
+    section = cfg.trainer["async"]
+    on_cuda = str(plan.device).startswith("cuda") or bool(plan.emulated)
+    half = plan.precision in ("bf16", "fp16")
+    need = overlap_bytes(plan.estimate)
+    plan.async_rollout, plan.reasons["async_rollout"] = decide_async_rollout(
+        section.mode, _overlap_setting(section.overlap), on_cuda, half, need, plan.memory_budget_bytes)
+    if plan.async_rollout == OVERLAPPED and plan.rollout.release_kv_between_phases:
+        # the cache is in use while the update runs: counted in the overlap's memory above
+        plan.rollout.release_kv_between_phases = False
+        plan.rollout.reasons["release_kv_between_phases"] = "kept: the next rollout decodes while the update runs"
+
+
+__all__ = ["IN_TURN", "MODES", "OVERLAPPED", "SYNC", "check_async_config", "decide_async_rollout", "overlap_bytes",
+           "plan_async_rollout"]

@@ -1,0 +1,136 @@
+"""Split placement for one_step_off: a rollout rank generates while the trainer rank trains.
+
+The trainer rank runs the usual run (RLTrainer) with `SplitRolloutPipeline`: where the one-process pipeline would
+start the next step's rollout on its own weight copy, it sends the prompts to the rollout rank and broadcasts the
+actor's weights to it (NCCL on GPUs, gloo on CPUs); the rollout rank (`serve_rollouts`) generates and scores them
+with the same seeds and sends the scored batch back. The trainer rank trains meanwhile, so the two phases overlap
+on two devices, and the batches, the weights that made them and the metrics are those of a one-process one_step_off
+run. `run_split` starts both roles in one job (world 2: rank 0 trains, rank 1 rolls out).
+
+Not yet here: several trainer ranks (data parallelism among them), several rollout ranks, the CLI's launch.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .async_pipeline import RolloutPipeline, _Job, _prompt_keys
+
+log = logging.getLogger(__name__)
+
+TRAINER_RANK, ROLLOUT_RANK = 0, 1
+SPLIT = "split"
+
+
+def _broadcast_weights(model: torch.nn.Module, src: int) -> None:
+    """Every parameter and buffer from `src` to the other rank, in state_dict order (both hold the same model)."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=src)
+
+
+class _RemoteResult(Future):
+    """A rollout running on the rollout rank: its scored batch arrives on the first `result()`."""
+
+    def __init__(self, src: int):
+        super().__init__()
+        self.src = src
+
+    def result(self, timeout=None):  # noqa: ARG002 - the collective has its own timeout
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=self.src)
+        return box[0]
+
+
+class SplitRolloutPipeline(RolloutPipeline):
+    """The trainer rank's pipeline: rollouts are generated on the rollout rank (validation stays on this one)."""
+
+    def __init__(self, cfg: Any, plan: Any, actor, loader, total_steps: int):
+        plan.async_rollout = "in turn"  # no local thread: the other rank is the overlap
+        super().__init__(cfg, plan, actor, loader, total_steps)
+        plan.async_rollout = SPLIT
+
+    def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False) -> _Job:
+        dist.send_object_list([("generate", step, items, first_prompt)], dst=ROLLOUT_RANK)
+        _broadcast_weights(self.actor, src=TRAINER_RANK)
+        job = _Job(step, step - 1 if background else step, _prompt_keys(items), _RemoteResult(ROLLOUT_RANK))
+        if background:
+            self.jobs[step] = job
+        return job
+
+    def close(self) -> None:
+        """The rollout rank's loop ends (after the last rollout was received)."""
+        for job in self.jobs.values():
+            job.wait()
+        dist.send_object_list([("stop",)], dst=ROLLOUT_RANK)
+
+
+def serve_rollouts(cfg: Any, plan: Any) -> int:
+    """The rollout rank: generate and score what the trainer rank sends, with the weights it broadcasts, until told
+    to stop. Returns the number of rollouts made."""
+    from . import builders
+    from .distributed import DataParallel
+    from .oom import OOMGuard
+    from .rollout_phase import RolloutPhase
+    from .async_pipeline import _WallTimer
+
+    source, tokenizer = builders.build_tokenizer(cfg)
+    model = builders.build_models(cfg, plan, source, DataParallel(device=plan.device)).actor
+    model.requires_grad_(False)
+    engine = builders.build_engine(cfg, plan, model, tokenizer)
+    rewards = builders.build_reward_manager(cfg)
+    oom = OOMGuard(plan.sizes, log_fn=lambda msg: log.warning("%s", msg), enabled=cfg.hardware.oom_recovery)
+
+    def no_more_prompts() -> list[dict]:
+        raise RuntimeError("the rollout rank draws no prompts of its own")
+
+    phase = RolloutPhase(cfg, plan, engine, model, tokenizer, rewards, oom, no_more_prompts)
+    made = 0
+    try:
+        while True:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=TRAINER_RANK)
+            if box[0][0] == "stop":
+                return made
+            _, step, items, first_prompt = box[0]
+            _broadcast_weights(model, src=TRAINER_RANK)
+            engine.sync_weights()
+            result = phase.rollout_and_score(items, _WallTimer(), step, first_prompt)
+            dist.send_object_list([result], dst=TRAINER_RANK)
+            made += 1
+    finally:
+        rewards.close()
+
+
+def run_split(overrides: list[str], rank: int, world: int, init_method: str) -> None:
+    """One rank of a split one_step_off job: rank 0 trains, rank 1 rolls out (gloo on CPUs, NCCL on GPUs)."""
+    from .config import load_config
+    from .planner import make_plan
+    from .trainer import RLTrainer
+
+    if world != 2:
+        raise ValueError(f"split placement runs 1 trainer rank + 1 rollout rank; got a world of {world}")
+    cfg = load_config(None, overrides)
+    plan = make_plan(cfg, for_execution=True)
+    backend = "nccl" if str(plan.device).startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    try:
+        if rank == ROLLOUT_RANK:
+            serve_rollouts(cfg, plan)
+            return
+        plan.async_rollout = SPLIT
+        trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
+        try:
+            trainer.fit()
+        finally:
+            trainer.pipeline.close()
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["SPLIT", "SplitRolloutPipeline", "run_split", "serve_rollouts"]

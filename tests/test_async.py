@@ -1,0 +1,411 @@
+"""The rollout off the critical path: the rollout correction (truncated importance sampling) against hand-computed
+values and verl's formulas, trainer.async's config and plan, and the one_step_off pipeline end to end (which weights
+generate which batch, overlapped vs in turn, resume mid-pipeline)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from rlanywhere.algorithms import aggregate_loss, ppo_policy_loss
+from rlanywhere.async_pipeline import LookaheadLoader, scored_from, scored_state
+from rlanywhere.async_plan import IN_TURN, OVERLAPPED, SYNC, decide_async_rollout, overlap_bytes
+from rlanywhere.config import ConfigError, load_config
+from rlanywhere.rollout.base import RolloutBatch
+from rlanywhere.rollout_correction import RolloutCorrection, rollout_is_weights
+from rlanywhere.stepbatch import ScoredRollout
+
+LOG = math.log
+
+
+# ------------------------------------------------------------------------------------------------ the correction
+def test_token_weights_by_hand():
+    # row 0: pi_old/pi_rollout = 0.5/0.25 = 2, 0.3/0.6 = 0.5, 0.9/0.1 = 9 (capped at 2); row 1: 0.2/0.2, padding
+    old = torch.tensor([[LOG(0.5), LOG(0.3), LOG(0.9)], [LOG(0.2), 0.0, 0.0]])
+    rollout = torch.tensor([[LOG(0.25), LOG(0.6), LOG(0.1)], [LOG(0.2), -3.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    weights, m = rollout_is_weights(old, rollout, mask, "token", threshold=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5, 2.0], [1.0, 0.0, 0.0]]))
+    assert float(m["rollout_is_mean"]) == pytest.approx((2 + 0.5 + 9 + 1) / 4, rel=1e-6)  # before the cap
+    assert float(m["rollout_is_max"]) == pytest.approx(9.0, rel=1e-6)
+    assert float(m["rollout_is_capped_frac"]) == pytest.approx(1 / 4)  # 9 > 2 (2 itself is not above the cap)
+    assert float(m["rollout_is_low_frac"]) == pytest.approx(0.0)  # 0.5 is not below 1/2
+    kl = -(LOG(2) + LOG(0.5) + LOG(9) + 0) / 4
+    assert float(m["rollout_kl"]) == pytest.approx(kl, rel=1e-6)
+    k3 = sum(r - LOG(r) - 1 for r in (2, 0.5, 9, 1)) / 4
+    assert float(m["rollout_k3_kl"]) == pytest.approx(k3, rel=1e-6)
+
+
+def test_sequence_weights_by_hand():
+    # row 0: 2 * 0.5 * 1.5 = 1.5 on every token; row 1: 3 * 1 = 3 -> capped at 2.5; row 2: 0.25 (below 1/2.5)
+    old = torch.tensor([[LOG(0.4), LOG(0.2), LOG(0.6)], [LOG(0.9), LOG(0.5), 0.0], [LOG(0.1), 0.0, 0.0]])
+    rollout = torch.tensor([[LOG(0.2), LOG(0.4), LOG(0.4)], [LOG(0.3), LOG(0.5), 0.0], [LOG(0.4), 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    weights, m = rollout_is_weights(old, rollout, mask, "sequence", threshold=2.5)
+    torch.testing.assert_close(weights, torch.tensor([[1.5, 1.5, 1.5], [2.5, 2.5, 0.0], [0.25, 0.0, 0.0]]))
+    assert float(m["rollout_is_capped_frac"]) == pytest.approx(1 / 3)  # a share of sequences
+    assert float(m["rollout_is_low_frac"]) == pytest.approx(1 / 3)
+    assert float(m["rollout_is_mean"]) == pytest.approx((1.5 * 3 + 3 * 2 + 0.25) / 6, rel=1e-5)
+
+
+def _verl_reference(old, rollout, mask, level, threshold):
+    """verl's compute_rollout_correction_weights + compute_is_metrics (rollout_corr_helper.py), re-derived here in
+    its own steps as the oracle: masked_sum of the log-ratio, clamp +-20, exp, x mask, fraction above the cap."""
+    log_ratio = old - rollout
+    mask = mask.to(old.dtype)
+    if level == "token":
+        w = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
+    else:
+        s = (log_ratio * mask).sum(-1, keepdim=True)
+        w = torch.exp(torch.clamp(s, -20.0, 20.0)).expand_as(log_ratio)
+    w = w * mask
+    mean = (w * mask).sum() / mask.sum()
+    if level == "token":
+        high = ((w > threshold).to(old.dtype) * mask).sum() / mask.sum()
+    else:
+        high = (s > math.log(threshold)).to(old.dtype).mean()
+    return w.clamp(max=threshold), mean, high
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_weights_match_verls_formulas_on_seeded_inputs(level):
+    gen = torch.Generator().manual_seed(7)
+    rollout = -torch.rand(6, 9, generator=gen, dtype=torch.float64) * 3
+    old = rollout + torch.randn(6, 9, generator=gen, dtype=torch.float64) * (0.6 if level == "token" else 0.4)
+    lengths = torch.tensor([9, 7, 1, 4, 9, 2])
+    mask = (torch.arange(9) < lengths[:, None]).long()
+    weights, m = rollout_is_weights(old, rollout, mask, level, threshold=2.0)
+    want, mean, high = _verl_reference(old, rollout, mask, level, 2.0)
+    torch.testing.assert_close(weights, want, rtol=1e-12, atol=0)
+    assert float(m["rollout_is_mean"]) == pytest.approx(float(mean), rel=1e-12)
+    assert float(m["rollout_is_capped_frac"]) == pytest.approx(float(high), rel=1e-12)
+    assert 0 < float(high) < 1  # the inputs exercise the cap
+
+
+def test_weights_multiply_each_tokens_policy_loss_and_pass_no_gradient():
+    old = torch.log(torch.tensor([[0.5, 0.3], [0.2, 0.6]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.6], [0.2, 0.2]]))
+    logprob = old.clone().requires_grad_(True)
+    advantages = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    mask = torch.ones(2, 2)
+    weights, _ = RolloutCorrection("token", 2.0).weights(old, rollout, mask)  # [[2, .5], [1, 2 (3 capped)]]
+    loss, _ = ppo_policy_loss(old, logprob, advantages, mask, token_weights=weights)
+    # at ratio 1 the per-token loss is -A: weighted token mean (-1*2 - 1*.5 + 2*1 + 2*2) / 4
+    assert float(loss.detach()) == pytest.approx((-2 - 0.5 + 2 + 4) / 4, rel=1e-6)
+    loss.backward()
+    # d/dlogprob of -A * w * exp(logprob - old) at logprob = old: -A * w / 4
+    torch.testing.assert_close(logprob.grad, torch.tensor([[-0.5, -0.125], [0.5, 1.0]]))
+    plain, _ = ppo_policy_loss(old, old, advantages, mask)
+    assert float(plain) == pytest.approx(float(aggregate_loss(-advantages, mask)))
+
+
+def test_stale_batch_weights_by_hand():
+    """A batch sampled by the policy of step k and trained at step k+1: one SGD step on a two-token softmax policy,
+    its weights computed by hand (pi_{k+1}(y) / pi_k(y), capped) against the correction's."""
+    logits = torch.tensor([0.0, 0.0], requires_grad=True)  # step k: p = (0.5, 0.5)
+    sampled = torch.tensor([0, 0, 1])  # tokens drawn with the step-k policy
+    behaviour = torch.log_softmax(logits, -1)[sampled].detach()
+    # the update of step k: maximise log p(token 0) with lr 1 -> logits (0.5, -0.5)
+    (-torch.log_softmax(logits, -1)[0]).backward()
+    with torch.no_grad():
+        logits -= 1.0 * logits.grad
+    assert logits.tolist() == pytest.approx([0.5, -0.5])
+    p0 = math.exp(0.5) / (math.exp(0.5) + math.exp(-0.5))  # 0.7311
+    trainer = torch.log_softmax(logits.detach(), -1)[sampled]
+    weights, m = rollout_is_weights(trainer[None], behaviour[None], torch.ones(1, 3), "token", threshold=1.4)
+    want = [min(p0 / 0.5, 1.4), min(p0 / 0.5, 1.4), (1 - p0) / 0.5]  # 1.462 -> 1.4 (capped), 0.538
+    assert weights[0].tolist() == pytest.approx(want, rel=1e-6)
+    assert float(m["rollout_is_capped_frac"]) == pytest.approx(2 / 3)
+    assert float(m["rollout_is_low_frac"]) == pytest.approx(1 / 3)  # 0.538 < 1/1.4
+
+
+# ------------------------------------------------------------------------------------------------ config and plan
+def test_async_and_correction_keys_and_their_errors():
+    cfg = load_config(None, ["trainer.async.mode=one_step_off", "algorithm.rollout_correction.rollout_is=token",
+                             "algorithm.rollout_correction.rollout_is_threshold=3.0"])
+    assert cfg.trainer["async"].mode == "one_step_off" and cfg.trainer["async"].max_staleness == 1
+    assert cfg.algorithm.rollout_correction.rollout_is_threshold == 3.0
+    assert load_config(None, []).trainer["async"].mode == "sync"
+    for overrides, match in [(["trainer.async.mode=fully"], "trainer.async.mode='fully' is not valid"),
+                             (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=2"],
+                              "max_staleness=2: only one_step_off's bound of 1"),
+                             (["trainer.async.overlap=maybe"], "trainer.async.overlap='maybe'"),
+                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2"], "2 ranks"),
+                             (["algorithm.rollout_correction.rollout_is=seq"], "rollout_is='seq' is not valid"),
+                             (["algorithm.rollout_correction.rollout_rs=token_k1"], "rejection sampling"),
+                             (["algorithm.rollout_correction.rollout_is=token",
+                               "actor_rollout_ref.rollout.top_p=0.9"], "top_k / top_p"),
+                             (["trainer.async.mod=one_step_off"], "did you mean 'trainer.async.mode'")]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, overrides)
+
+
+def test_verls_one_step_off_recipe_keys_ask_for_the_mode():
+    notices: list[str] = []
+    cfg = load_config(None, ["rollout.n_gpus_per_node=1", "rollout.nnodes=1"], notices=notices)
+    assert cfg.trainer["async"].mode == "one_step_off"
+    assert any("rollout.n_gpus_per_node=1: verl's one-step-off recipe" in line for line in notices)
+
+
+def test_decide_async_rollout():
+    assert decide_async_rollout("sync", None, True, True, 1, 2)[0] == SYNC
+    assert decide_async_rollout("one_step_off", None, False, False, None, None)[0] == IN_TURN
+    assert decide_async_rollout("one_step_off", None, True, True, 10, 20)[0] == OVERLAPPED
+    mode, why = decide_async_rollout("one_step_off", True, True, True, 30 * 2**30, 20 * 2**30)
+    assert mode == IN_TURN and "more than the" in why  # forcing cannot make it fit
+    mode, why = decide_async_rollout("one_step_off", None, True, False, 10, 20)
+    assert mode == IN_TURN and "fp32" in why
+    assert decide_async_rollout("one_step_off", True, True, False, 10, 20)[0] == OVERLAPPED
+    assert decide_async_rollout("one_step_off", False, True, True, 10, 20)[0] == IN_TURN
+    estimate = {"phases": {"rollout": 50, "old_log_prob": 60, "actor_update": 100},
+                "breakdown": {"rollout": {"actor_weights": 8, "kv_cache": 5, "prefill_or_sampling": 3}}}
+    assert overlap_bytes(estimate) == 100 + 5 + 3 + 8
+
+
+@pytest.mark.parametrize("card, expected", [("h100", OVERLAPPED), ("p40", IN_TURN)])
+def test_plan_says_whether_the_rollout_overlaps(card, expected):
+    from rlanywhere.planner import make_plan
+
+    cfg = load_config(None, ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
+                             "actor_rollout_ref.rollout.n=8", "data.train_batch_size=16",
+                             "data.max_response_length=256", "trainer.async.mode=one_step_off",
+                             f"hardware.emulate={card}"])
+    plan = make_plan(cfg, for_execution=False)
+    assert plan.async_rollout == expected
+    assert "async rollout" in plan.summary() and plan.reasons["async_rollout"].startswith("one_step_off")
+
+
+# ------------------------------------------------------------------------------------------------ pipeline parts
+def test_scored_rollout_survives_json_exactly():
+    gen = torch.Generator().manual_seed(1)
+    rollout = RolloutBatch(prompt_ids=torch.randint(0, 50, (4, 3), generator=gen), prompt_mask=torch.ones(4, 3).long(),
+                           response_ids=torch.randint(0, 50, (4, 5), generator=gen),
+                           response_mask=torch.ones(4, 5).long(),
+                           response_logprobs=-torch.rand(4, 5, generator=gen), num_prompts=2, n=2)
+    scored = ScoredRollout([{"input_ids": [1, 2], "index": 0, "ground_truth": "3", "extra_info": {"a": 1}},
+                            {"input_ids": [4], "index": 5, "ground_truth": "x", "extra_info": {}}], rollout,
+                           torch.rand(4, generator=gen), {"acc": [1.0, 0.0, 0.0, 1.0], "num_errors": 0})
+    back = scored_from(json.loads(json.dumps(scored_state(scored))))
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "response_logprobs"):
+        assert torch.equal(getattr(back.rollout, name), getattr(rollout, name)), name
+        assert getattr(back.rollout, name).dtype == getattr(rollout, name).dtype
+    assert torch.equal(back.scores, scored.scores) and back.items == scored.items and back.info == scored.info
+
+
+class _Counter:
+    def __init__(self):
+        self.epoch, self.position, self.batch_size = 0, 0, 1
+
+    def next_batch(self):
+        self.position += 1
+        return [self.position]
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state):
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+def test_lookahead_loader_state_is_the_trained_steps():
+    loader = LookaheadLoader(_Counter())
+    assert loader.next_batch() == [1]
+    assert loader.peek() == [2] and loader.peek() == [2]
+    assert loader.state_dict() == {"epoch": 0, "position": 1}  # a checkpoint resumes at the peeked batch
+    assert loader.next_batch() == [2] and loader.state_dict() == {"epoch": 0, "position": 2}
+    loader.peek()
+    loader.load_state_dict({"epoch": 0, "position": 2})  # a dropped step rewinds: the peeked batch is drawn again
+    assert loader.next_batch() == [3] and loader.batch_size == 1
+
+
+# ------------------------------------------------------------------------------------------------ runs
+# a reward that differs between the samples of one prompt (the parity of the text), so every update moves the weights
+PARITY_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return float(sum(map(ord, solution_str)) % 2)\n")
+
+
+def _overrides(model_dir, data_dir, run_dir, **extra):
+    from .test_e2e import base_overrides
+
+    reward = run_dir.parent / "parity_reward.py"
+    reward.write_text(PARITY_REWARD)
+    settings = {"custom_reward_function.path": str(reward), "custom_reward_function.timeout_s": 0,"algorithm.adv_estimator": "grpo", "trainer.test_freq": -1, "trainer.val_before_train": False,
+                "trainer.save_freq": -1, "trainer.total_training_steps": 3,
+                "actor_rollout_ref.actor.ppo_mini_batch_size": 4}
+    return base_overrides(model_dir, data_dir, run_dir, **{**settings, **extra})
+
+
+def _trainer(overrides, overlapped: bool = False):
+    from rlanywhere.planner import make_plan
+    from rlanywhere.trainer import RLTrainer
+
+    cfg = load_config(None, overrides)
+    plan = make_plan(cfg, for_execution=True)
+    if overlapped:  # the background thread's path on a CPU (the plan runs it in turn there)
+        plan.async_rollout = OVERLAPPED
+    return RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
+
+
+def _rows(run_dir):
+    from rlanywhere.tracking import read_metrics
+
+    return {m["step"]: m for m in read_metrics(str(run_dir)) if "reward/mean" in m}
+
+
+KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/entropy")
+
+
+@pytest.mark.slow
+def test_one_step_off_trains_on_the_previous_steps_weights(tiny_model_dir, arith_data, tmp_path):
+    """Step 1 trains on the same batch as a synchronous run (the initial weights made both); from step 2 on each
+    batch was generated with the weights before the previous update (staleness 1), and running the rollout in a
+    background thread changes nothing."""
+    sync = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "sync"))
+    sync.fit()
+    one_off = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "off", **{
+        "trainer.async.mode": "one_step_off", "algorithm.rollout_correction.rollout_is": "token"}))
+    assert one_off.plan.async_rollout == IN_TURN and one_off.pipeline is not None
+    one_off.fit()
+    threaded = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "thread", **{
+        "trainer.async.mode": "one_step_off", "algorithm.rollout_correction.rollout_is": "token"}), overlapped=True)
+    assert threaded.pipeline.executor is not None
+    threaded.fit()
+    s, o, t = _rows(tmp_path / "sync"), _rows(tmp_path / "off"), _rows(tmp_path / "thread")
+    assert [o[k]["async/staleness"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert o[1]["response_length/mean"] == s[1]["response_length/mean"] and o[1]["reward/mean"] == s[1]["reward/mean"]
+    # the stale batches: same prompts as the sync run's step 2, other samples (other weights drew them)
+    assert o[2]["actor/rollout_is_mean"] != pytest.approx(1.0, abs=1e-4)
+    assert 0 < o[2]["actor/rollout_is_mean"] and 0 <= o[2]["actor/rollout_is_capped_frac"] <= 1
+    for step in (1, 2, 3):
+        for key in KEYS + ("actor/rollout_is_mean",):
+            assert t[step][key] == pytest.approx(o[step][key], rel=1e-6, abs=1e-8), (step, key)
+
+
+@pytest.mark.slow
+def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monkeypatch):
+    """Stopped after step 2 (Ctrl-C during its update): the checkpoint holds step 3's finished rollout, made with
+    step 2's weights, which no checkpoint holds; the resumed run trains on it and matches an uninterrupted run."""
+    import signal
+
+    from rlanywhere.checkpoint import verify_checkpoint
+    from rlanywhere.runguard import RunInterrupted
+    from rlanywhere.update import Updater
+
+    extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 4,
+             "algorithm.rollout_correction.rollout_is": "sequence"}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra)).fit()
+
+    original_step = Updater.optimizer_step
+    running = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
+    sent = []
+
+    def step_then_interrupted(self, name, model, optimizer, grad_clip):
+        norm = original_step(self, name, model, optimizer, grad_clip)
+        if running.global_step == 1 and not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        return norm
+
+    monkeypatch.setattr(Updater, "optimizer_step", step_then_interrupted)
+    with pytest.raises(RunInterrupted) as info:
+        running.fit()
+    monkeypatch.setattr(Updater, "optimizer_step", original_step)
+    assert info.value.step == 2 and verify_checkpoint(info.value.checkpoint) is None
+    with open(os.path.join(info.value.checkpoint, "trainer_state.json")) as handle:
+        saved = json.load(handle)["async_rollouts"]
+    assert list(saved) == ["2"] and saved["2"]["weights_step"] == 1  # step 3's batch, from step 2's weights
+
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in KEYS + ("actor/rollout_is_mean", "async/staleness"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+@pytest.mark.slow
+def test_a_step_dropped_by_sigterm_keeps_its_rollout_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path,
+                                                                          monkeypatch):
+    """SIGTERM while step 2's rollout-in-turn of step 3 is scored: step 2 is dropped before any update, the
+    checkpoint of step 1 holds step 2's batch (made with the initial weights), and the resumed run matches."""
+    import signal
+
+    from rlanywhere.rollout_phase import RolloutPhase
+    from rlanywhere.runguard import RunInterrupted
+
+    extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 3}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra)).fit()
+
+    original_score = RolloutPhase.score
+    preempted = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
+
+    def score_then_preempted(self, items, rollout, n):
+        if preempted.global_step == 1:  # the second step, before any update: SIGTERM drops it
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_score(self, items, rollout, n)
+
+    monkeypatch.setattr(RolloutPhase, "score", score_then_preempted)
+    with pytest.raises(RunInterrupted) as info:
+        preempted.fit()
+    monkeypatch.setattr(RolloutPhase, "score", original_score)
+    assert info.value.step == 1 and info.value.checkpoint.endswith("global_step_1")
+    with open(os.path.join(info.value.checkpoint, "trainer_state.json")) as handle:
+        saved = json.load(handle)["async_rollouts"]
+    assert saved["1"]["weights_step"] == 0  # step 2's batch, from the initial weights
+
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert sorted(b) == [1, 2, 3]
+    for step in (2, 3):
+        for key in KEYS + ("async/staleness",):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def _split_rank(rank, overrides, init_method):
+    torch.set_num_threads(1)
+    from rlanywhere.split_rollout import run_split
+
+    run_split(overrides, rank, 2, init_method)
+
+
+@pytest.mark.slow
+def test_split_placement_matches_the_one_process_pipeline(tiny_model_dir, arith_data, tmp_path):
+    """1 rollout rank + 1 trainer rank over gloo: the rollout rank generates each batch with the weights the trainer
+    broadcasts; samples and metrics are those of the one-process one_step_off run."""
+    import torch.multiprocessing as mp
+
+    extra = {"trainer.async.mode": "one_step_off", "algorithm.rollout_correction.rollout_is": "token"}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
+    overrides = _overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra)
+    mp.spawn(_split_rank, args=(overrides, f"file://{tmp_path / 'rendezvous'}"), nprocs=2, join=True)
+    one, split = _rows(tmp_path / "one"), _rows(tmp_path / "split")
+    assert sorted(split) == [1, 2, 3]
+    assert [split[k]["async/staleness"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step in (1, 2, 3):
+        for key in KEYS + ("actor/rollout_is_mean", "actor/rollout_is_capped_frac"):
+            assert split[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)
+
+
+@pytest.mark.slow
+def test_oom_recovery_in_the_pipelines_rollout(tiny_model_dir, arith_data, tmp_path):
+    """An out-of-memory error in the rollout of step 2 (started during step 1): the guard halves the rollout batch
+    and redoes it, and the run goes on."""
+    trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
+        "trainer.async.mode": "one_step_off"}))
+    original, calls = trainer.engine.generate, []
+
+    def generate_once_out_of_memory(*args, **kwargs):
+        calls.append(kwargs.get("rows_per_wave"))
+        if len(calls) == 2:  # the first rollout of step 2
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(*args, **kwargs)
+
+    trainer.engine.generate = generate_once_out_of_memory
+    trainer.fit()
+    rows = _rows(tmp_path / "run")
+    assert sorted(rows) == [1, 2, 3] and calls[2] == calls[1] // 2
+    assert trainer.oom_guard.events and trainer.oom_guard.events[0]["phase"] == "rollout"
