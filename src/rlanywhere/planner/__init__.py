@@ -39,6 +39,7 @@ from .precision import decide_attention, decide_precision, decide_rollout_dtype,
     sdpa_backends
 from .rollout import DECODE_SPAN_GRANULARITY, TRITON_DECODE_MIN_CC, decide_kv_release, fp32_gemm_layouts, \
     plan_rollout, plan_rollout_for, rollout_policy
+from .reward_model import plan_from_config
 from .sharding import DATA_PARALLEL_MODES, ShardingDecision, apply_sharding, plan_data_parallel, plan_sharding
 from .training import SHARED_PROMPT_MODEL_TYPES, decide_prompt_sharing, plan_prompt_sharing, plan_training_compile, \
     plan_training_kernels
@@ -145,7 +146,6 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
         plan, target, auto_flag(arr.rollout.free_cache_engine))
     plan_async_rollout(cfg, plan)  # trainer.async: overlapped, in turn or sync (async_plan.py)
     if cfg.reward_model.enable:  # one more model in the same memory: its phase, placement and micro-batch
-        from ..reward_model import plan_from_config
         rm_plan, plan.estimate = plan_from_config(cfg, plan, plan.estimate, plan.memory_budget_bytes, target.is_cuda,
                                                   scores)
         plan.reward_model = rm_plan.to_dict()
