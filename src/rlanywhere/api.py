@@ -109,12 +109,17 @@ def demo_config(overrides: Sequence[str] = (), on_gpu: Optional[bool] = None, ne
     return make_config(None, overrides, base=profile, notices=notices)
 
 
-def plan(cfg: DictConfig, emulate: Optional[str] = None):
+def plan(cfg: DictConfig, emulate: Optional[str] = None, check_inputs: bool = True):
     """The hardware plan `cfg` runs with (plans.Plan), applied to this process (TF32 flags, memory cap).
 
-    Call before anything touches torch.cuda. Raises PlanError for a request that cannot run here."""
+    Call before anything touches torch.cuda. Raises PlanError for a request that cannot run here, and first (with
+    check_inputs) preflight.InputError listing every unusable input: data files, model, reward function, values."""
     from .planner import apply_runtime, make_plan, prepare_environment
 
+    if check_inputs:
+        from .preflight import require_inputs
+
+        require_inputs(cfg)
     prepare_environment(cfg)
     chosen = make_plan(cfg, for_execution=True, emulate=emulate)
     apply_runtime(chosen)
@@ -246,7 +251,10 @@ def load_model(model: str, max_new_tokens: int = 256, batch_size: int = 64, over
     extra = [f"data.max_prompt_length={max_prompt_length}"] if max_prompt_length else []
     cfg = make_config(None, [f"actor_rollout_ref.model.path={model}", f"data.max_response_length={max_new_tokens}",
                              *extra, *overrides])
-    chosen = plan(cfg)
+    from .preflight import require_inputs
+
+    require_inputs(cfg, data=False, reward=False)  # the model only: a generation config names no data
+    chosen = plan(cfg, check_inputs=False)
     source = resolve_model_source(str(model))
     tokenizer = load_tokenizer(source)
     hf_model = load_causal_lm(source, chosen).to(chosen.device).eval()

@@ -322,7 +322,10 @@ def plan_main(config=None, overrides: Optional[list[str]] = None, emulate: Optio
 
 
 def cmd_plan(args) -> int:
+    from .preflight import require_inputs
+
     cfg, _ = _load(args.items, args.emulate)
+    require_inputs(cfg, data=False, reward=False, planning_only=True)  # planning reads the model's shape only
     return plan_main(cfg, json_out=args.json)
 
 
