@@ -84,7 +84,8 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: Optional[list[str]] = None) -> int:
+def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: Optional[list[str]] = None,
+         resume_command: Optional[str] = None) -> int:
     """Plan and train `cfg`, print the summary. [distributed] Under torchrun every rank runs this (rank 0 alone
     prints); trainer.n_gpus_per_node > 1 without torchrun reruns `relaunch_argv` (this command line) under it."""
     from . import distributed
@@ -109,7 +110,7 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
         logging.getLogger().setLevel(logging.ERROR)
         logging.getLogger("rlanywhere").setLevel(logging.ERROR)
     try:
-        return _run_rank(cfg, notices, emulate, rank)
+        return _run_rank(cfg, notices, emulate, rank, resume_command)
     except BaseException as exc:
         if world > 1 and not isinstance(exc, SystemExit):
             # torchrun ends the other ranks when this one exits; say which rank failed and why
@@ -154,7 +155,7 @@ def _torchrun_until_done(cfg, relaunch_argv: list[str]) -> int:
     return code
 
 
-def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int) -> int:
+def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int, resume_command: Optional[str] = None) -> int:
     from . import api
 
     from .runguard import RunInterrupted
@@ -166,8 +167,10 @@ def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int) -> int
     try:
         result = api.train(cfg, run_plan, notices)
     except RunInterrupted as stop:  # SIGTERM / Ctrl-C: saved (docs/reliability.md lists the exit codes)
-        if rank == 0:
-            print(f"{stop}", file=sys.stderr)
+        if rank == 0:  # resume_command: what continues this run when it is not the same command line (the demo)
+            text = str(stop) if not resume_command or not stop.checkpoint else \
+                f"{str(stop).split('; run the same command')[0]}; to continue it: {resume_command}"
+            print(text, file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         if rank == 0:
@@ -179,36 +182,44 @@ def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int) -> int
 
 
 def cmd_demo(args) -> int:
+    from . import demo_runs
     from .api import demo_config
 
     overrides = list(args.items) + ([f"hardware.emulate={args.emulate}"] if args.emulate else [])
+    names_dir = any(item.lstrip("+").startswith("trainer.default_local_dir=") for item in overrides)
+    if getattr(args, "resume", False) and not names_dir:
+        root = os.path.dirname(os.path.abspath(demo_config(overrides, new_run=False).trainer.default_local_dir))
+        # the run's own name: its folder and config resolve as they did when it started
+        overrides.append(f"trainer.experiment_name={os.path.basename(demo_runs.run_to_resume(root))}")
+    run_dir = _named_run_dir(overrides)
+    if run_dir is not None:  # continuing a run: its own experiment name, so the resume changes nothing
+        overrides += demo_runs.experiment_name_of(run_dir, overrides)
     notices: list[str] = []
     cfg = demo_config(overrides, notices=notices)
     run_dir = os.path.abspath(cfg.trainer.default_local_dir)
+    created = not os.path.exists(run_dir)
+    resume_command = demo_runs.RESUME_COMMAND if not names_dir else f"rlanywhere demo {' '.join(args.items)}"
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"demo: a new run in {run_dir} (to continue one instead, pass trainer.default_local_dir=<its run dir>)")
-        _point_latest_at(run_dir)
+        print(demo_runs.start_line(run_dir))
     # [distributed] a relaunch under torchrun keeps this run dir (the demo's name is timestamped)
     argv = _verbose_argv(args) + ["demo"] + (["--emulate", args.emulate] if args.emulate else []) + [
-        *args.items, f"trainer.default_local_dir={run_dir}"]
-    return _run(cfg, notices, relaunch_argv=argv)
+        *args.items, *overrides[len(args.items) + bool(args.emulate):], f"trainer.default_local_dir={run_dir}"]
+    try:
+        return _run(cfg, notices, relaunch_argv=argv, resume_command=resume_command)
+    finally:
+        if int(os.environ.get("RANK", 0)) == 0:
+            demo_runs.finish(run_dir, created)
+
+
+def _named_run_dir(overrides: list[str]) -> Optional[str]:
+    for item in overrides:
+        if item.lstrip("+").startswith("trainer.default_local_dir="):
+            return os.path.abspath(item.split("=", 1)[1])
+    return None
 
 
 def _verbose_argv(args) -> list[str]:
     return ["-v"] if getattr(args, "verbose", False) else []
-
-
-def _point_latest_at(run_dir: str) -> None:
-    """RUN_DIR's parent/latest -> RUN_DIR, so `runs/demo/latest/final_model` names the newest demo's model."""
-    link = os.path.join(os.path.dirname(run_dir), "latest")
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        if os.path.islink(link):
-            os.remove(link)
-        if not os.path.exists(link):
-            os.symlink(os.path.basename(run_dir), link)
-    except OSError as exc:  # a file system without symlinks: the printed paths still work
-        log.debug("could not point %s at %s: %s", link, run_dir, exc)
 
 
 def cmd_train(args) -> int:
@@ -374,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--emulate", help="plan for (and cap the run to) a card: p40, t4, v100-16g, a100-40g, ...")
         if name == "plan":
             p.add_argument("--json", action="store_true")
+        if name == "demo":
+            p.add_argument("--resume", action="store_true",
+                           help="continue the newest demo that stopped before it finished (Ctrl-C saves one)")
 
     ev = command("eval", "greedy accuracy and format rate of a model on a parquet file", cmd_eval)
     ev.add_argument("--model", required=True, help="HF dir (a run's final_model), hub id, .gguf file")
