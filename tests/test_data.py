@@ -190,7 +190,7 @@ def test_arithmetic_deterministic_correct_and_disjoint(tmp_path):
         seen_operators |= set(operators)
         assert row["reward_model"]["ground_truth"] == str(eval(expression))  # independent reference
         assert row["data_source"] == "arithmetic"
-        assert row["prompt"][0]["content"] == f'What is {expression}? Output the final answer after "####".'
+        assert row["prompt"][0]["content"] == f"What is {expression}? Reply with the result as a number."
     assert seen_operators == {"+", "-", "*"}
 
 

@@ -148,8 +148,11 @@ def test_gsm8k_metrics_shares_over_hand_made_responses():
 
 
 def test_arithmetic_score():
-    assert R.arithmetic_score("7 + 5 = 12", "12") == {"score": 1.0, "acc": 1.0, "format": 0.0}
-    assert R.arithmetic_score("7 + 5 = 13", "12") == {"score": 0.0, "acc": 0.0, "format": 0.0}
+    # format: the reply holds a number the reward reads as its answer (what the task's prompt asks for)
+    assert R.arithmetic_score("7 + 5 = 12", "12") == {"score": 1.0, "acc": 1.0, "format": 1.0}
+    assert R.arithmetic_score("7 + 5 = 13", "12") == {"score": 0.0, "acc": 0.0, "format": 1.0}
+    assert R.arithmetic_score("To solve this equation, you need to", "12") == {"score": 0.0, "acc": 0.0,
+                                                                              "format": 0.0}
     # marker wins over a later number
     assert R.arithmetic_score("#### 12 (checked 3 times)", "12") == {"score": 1.0, "acc": 1.0, "format": 1.0}
     assert R.arithmetic_score("#### 11 then 12", "12")["score"] == 0.0
@@ -207,7 +210,7 @@ def test_reward_manager_registry_scoring():
     assert scores.dtype.is_floating_point and scores.shape == (3,)
     assert scores.tolist() == [1.0, 1.0, 0.0]
     assert info["acc"] == [1.0, 1.0, 0.0]
-    assert info["format"] == [1.0, 0.0, 1.0]
+    assert info["format"] == [1.0, 1.0, 1.0]
     assert info["num_errors"] == 0
 
 

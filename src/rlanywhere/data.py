@@ -46,7 +46,8 @@ class MissingColumnError(DataError, KeyError):
     __str__ = DataError.__str__  # KeyError would print the message in quotes
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-ARITHMETIC_INSTRUCTION = 'Output the final answer after "####".'
+# What the arithmetic reward reads (rewards.arithmetic_score): the last number of the reply (or one after "####")
+ARITHMETIC_INSTRUCTION = "Reply with the result as a number."
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 ARITHMETIC_DATA_SOURCE = "arithmetic"
 SPLITS = ("train", "test")

@@ -142,13 +142,13 @@ def gsm8k_metrics(responses: list[str], ground_truths: list[Any]) -> dict:
 def arithmetic_score(solution_str: str, ground_truth: Any) -> dict:
     """Reward for the arithmetic task: 1.0 if the answer is right, else 0.0.
 
-    The answer is the number after ``####`` when the marker is present, else the last number in the text
-    (small models rarely write the marker). ``format`` is 1.0 when ``####`` is present.
+    The answer is the number after ``####`` when the marker is present, else the last number in the text (the task's
+    prompt asks for "the result as a number"). ``format`` is 1.0 when there is an answer to read: a number.
     """
     strict = extract_gsm8k_answer(solution_str, "strict")
     answer = strict if strict is not None else extract_gsm8k_answer(solution_str, "flexible")
     correct = _answers_match(answer, ground_truth)
-    return {"score": 1.0 if correct else 0.0, "acc": 1.0 if correct else 0.0, "format": 1.0 if "####" in solution_str else 0.0}
+    return {"score": 1.0 if correct else 0.0, "acc": 1.0 if correct else 0.0, "format": 0.0 if answer is None else 1.0}
 
 
 # data_source -> fn(solution_str, ground_truth) -> float | dict with "score"
