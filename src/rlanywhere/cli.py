@@ -2,14 +2,15 @@
 
     rlanywhere demo                                   # the offline demo: SmolLM2-135M + GRPO on addition (a new run)
     rlanywhere demo trainer.total_training_steps=20   # the demo with overrides on top
-    rlanywhere train ppo.yaml data.train_batch_size=64 algorithm.adv_estimator=grpo
-    rlanywhere train $(cat verl-overrides.args)       # a verl command line's overrides, unchanged
-    rlanywhere prepare gsm8k --src ../shared/data/gsm8k --out data/gsm8k
+    rlanywhere demo --resume                          # continue the newest demo that was stopped (Ctrl-C)
+    rlanywhere prepare gsm8k --src tests/data/gsm8k --out data/gsm8k  # or --src openai/gsm8k (needs `datasets`)
     rlanywhere prepare arithmetic --out data/arith --digits 2
-    rlanywhere eval --model runs/demo/latest/final_model --data data/arith-1digit/test.parquet
-    rlanywhere chat --model runs/demo/latest/final_model  # latest: the newest demo run
-    rlanywhere plan ppo.yaml --emulate p40            # what would run on a Tesla P40, and in how much memory
+    rlanywhere train examples/ppo_gsm8k.yaml data.train_batch_size=64 algorithm.adv_estimator=grpo
+    rlanywhere plan $(cat tests/data/fixtures/verl-p40-ppo.args) --emulate p40  # a verl P40 command line, as it is
+    rlanywhere plan examples/ppo_gsm8k.yaml --emulate p40  # what would run on a Tesla P40, and in how much memory
     rlanywhere doctor --emulate p40                   # real compute checks on the planned path
+    rlanywhere eval --model runs/demo/latest/final_model --data data/arith-1digit/test.parquet
+    rlanywhere chat --model runs/demo/latest/final_model  # latest: the newest demo that saved its model
     rlanywhere plot runs/demo/latest
 
 Mistakes a user can fix print one `error: ...` line (exit 2); --verbose adds the traceback.
