@@ -148,3 +148,11 @@ def test_learning_rates_must_be_positive():
     assert len(lines) == 2 and "actor_rollout_ref.actor.optim.lr=0" in lines[0] and "critic.optim.lr" in lines[1]
     grpo = load_config(None, ["critic.optim.lr=-1e-5", "algorithm.adv_estimator=grpo"])
     assert preflight.value_problems(grpo) == []  # no critic: its rate is not used
+
+
+def test_chat_with_no_demo_yet_says_how_latest_appears(tmp_path, capsys, monkeypatch, no_loading):
+    monkeypatch.chdir(tmp_path)
+    assert main(["chat", "--model", "runs/demo/latest/final_model", "--prompt", "hi"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: model runs/demo/latest/final_model does not exist")
+    assert "rlanywhere demo" in lines[0]

@@ -251,9 +251,12 @@ def load_model(model: str, max_new_tokens: int = 256, batch_size: int = 64, over
     extra = [f"data.max_prompt_length={max_prompt_length}"] if max_prompt_length else []
     cfg = make_config(None, [f"actor_rollout_ref.model.path={model}", f"data.max_response_length={max_new_tokens}",
                              *extra, *overrides])
-    from .preflight import require_inputs
+    from .preflight import InputError, input_problems
 
-    require_inputs(cfg, data=False, reward=False)  # the model only: a generation config names no data
+    # the model only (a generation config names no data), spoken of as this function's argument
+    problems = input_problems(cfg, data=False, reward=False)
+    if problems:
+        raise InputError([line.replace("actor_rollout_ref.model.path: ", "model ", 1) for line in problems])
     chosen = plan(cfg, check_inputs=False)
     source = resolve_model_source(str(model))
     tokenizer = load_tokenizer(source)

@@ -221,6 +221,9 @@ def model_problems(path: Optional[str], key: str, trust_remote_code: bool, trust
             return []
     looks_like_hub_id = len(path.split("/")) == 2 and all(path.split("/")) and not path.startswith((".", "/", "~"))
     if not looks_like_hub_id:
+        if "latest" in Path(path).parts:
+            return [f"{key}: {path} does not exist: a demo's `latest` appears once a demo has saved its final model "
+                    "(run `rlanywhere demo`, or `rlanywhere demo --resume` to finish a stopped one)"]
         return [f"{key}: {path} does not exist (give a local model folder, a .gguf file, a hub id like "
                 "Qwen/Qwen2.5-0.5B-Instruct, or smollm2-135m-instruct)"]
     if _hub_config_cached(path) or hub_reachable():
