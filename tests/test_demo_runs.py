@@ -65,12 +65,17 @@ def test_a_demo_with_a_bad_input_leaves_latest_and_no_folder(demo_args, tmp_path
     assert _demo_runs(tmp_path) == [old.name]
 
 
-@pytest.mark.parametrize("stop", [KeyboardInterrupt(), RuntimeError("the reward function crashed")])
-def test_a_demo_that_saved_nothing_removes_its_folder(demo_args, tmp_path, monkeypatch, stop):
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), RuntimeError("the reward function crashed"),
+                                  RunInterrupted(signal.SIGTERM, 0, None)])
+def test_a_demo_that_saved_nothing_removes_its_folder(demo_args, tmp_path, monkeypatch, capsys, stop):
     old = _finished_run(tmp_path)
     monkeypatch.setattr(api, "train", _fake_train(False, stop))
     if isinstance(stop, KeyboardInterrupt):
         assert main(["demo", *demo_args]) == 130
+    elif isinstance(stop, RunInterrupted):  # stopped during the first step: nothing saved, nothing to resume
+        assert main(["demo", *demo_args]) == 143
+        err = capsys.readouterr().err
+        assert "nothing to continue: run the demo again" in err and "--resume" not in err
     else:
         with pytest.raises(RuntimeError):
             main(["demo", *demo_args])

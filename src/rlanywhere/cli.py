@@ -169,8 +169,13 @@ def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int, resume
         result = api.train(cfg, run_plan, notices)
     except RunInterrupted as stop:  # SIGTERM / Ctrl-C: saved (docs/reliability.md lists the exit codes)
         if rank == 0:  # resume_command: what continues this run when it is not the same command line (the demo)
-            text = str(stop) if not resume_command or not stop.checkpoint else \
-                f"{str(stop).split('; run the same command')[0]}; to continue it: {resume_command}"
+            text = str(stop)
+            if resume_command:
+                from .checkpoint import list_checkpoints
+
+                saved = stop.checkpoint or list_checkpoints(cfg.trainer.default_local_dir)
+                text = text.split("; run the same command")[0] + (
+                    f"; to continue it: {resume_command}" if saved else "; nothing to continue: run the demo again")
             print(text, file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
