@@ -104,10 +104,89 @@ def gsm8k_data(tmp_path_factory, gsm8k_subset) -> Path:
     return out
 
 
+def _threads_per_worker() -> int:
+    """Two cores on CI: more torch threads than cores only adds contention; with pytest-xdist workers (-n N) the
+    cores are shared between them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return max(1, min(2, os.cpu_count() or 1) // workers)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_threads():
-    # Two cores on CI: more torch threads than that only adds contention.
     import torch
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(_threads_per_worker())
     yield
+
+
+# ---------------------------------------------------------------------------------------------- progress of long tests
+# The suite runs quietly (-q dots); a test that runs long says so while it runs and when it ends, so that a stall is
+# never silent. With pytest-xdist these hooks run in the controller, which hears every worker's start and finish.
+STILL_RUNNING_AFTER_S = float(os.environ.get("RLA_TEST_STILL_RUNNING_S", 30))
+SLOW_TEST_LINE_S = 15.0
+
+
+class _LongTestReporter:
+    def __init__(self, config):
+        import threading
+
+        self.config, self.started, self.announced = config, {}, set()
+        self.lock, self.done = threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _write(self, text: str) -> None:
+        # while a test runs in this process its output is captured (fd 1 points at a file): write to the terminal
+        # pytest saved; between tests, and in an xdist controller, the reporter's own line
+        capman = self.config.pluginmanager.get_plugin("capturemanager")
+        out = getattr(getattr(capman, "_global_capturing", None), "out", None)
+        saved = getattr(out, "targetfd_save", None)
+        if self.started and isinstance(saved, int) and not os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+            os.write(saved, f"\n{text}\n".encode())
+            return
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(text)
+
+    def _watch(self) -> None:
+        import time
+
+        while not self.done.wait(5.0):
+            now = time.monotonic()
+            with self.lock:
+                long = [(nodeid, now - start) for nodeid, start in self.started.items()
+                        if now - start >= STILL_RUNNING_AFTER_S and nodeid not in self.announced]
+                self.announced.update(nodeid for nodeid, _ in long)
+            for nodeid, seconds in long:
+                self._write(f"  ... still running after {seconds:.0f} s: {nodeid}")
+
+    @pytest.hookimpl
+    def pytest_runtest_logstart(self, nodeid, location):
+        import time
+
+        with self.lock:
+            self.started[nodeid] = time.monotonic()
+
+    @pytest.hookimpl
+    def pytest_runtest_logfinish(self, nodeid, location):
+        with self.lock:
+            self.started.pop(nodeid, None)
+            self.announced.discard(nodeid)
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" and report.duration >= SLOW_TEST_LINE_S:
+            self._write(f"  {report.duration:5.1f} s {report.outcome}: {report.nodeid}")
+
+
+def pytest_configure(config):
+    # the controller (or a plain run) reports; xdist workers' output is not shown
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        config._long_test_reporter = _LongTestReporter(config)
+        config.pluginmanager.register(config._long_test_reporter, "long-test-reporter")
+
+
+def pytest_unconfigure(config):
+    reporter = getattr(config, "_long_test_reporter", None)
+    if reporter is not None:
+        reporter.done.set()

@@ -71,7 +71,14 @@ def test_notebook_example_runs(tiny_model_dir, arith_data, tmp_path):
     assert steps == ["step_0.jsonl", "step_2.jsonl"]
     rows = [json.loads(line) for line in (run_dir / "val_generations" / "step_2.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and {"step", "index", "prompt", "response", "ground_truth", "score"} <= set(rows[0])
-    assert "####" in rows[0]["prompt"] and rows[0]["step"] == 2 and rows[0]["ground_truth"]
+    assert "<|im_start|>" in rows[0]["prompt"] and rows[0]["step"] == 2 and rows[0]["ground_truth"]
+    # the example trains as the CPU demo's profile says (its learning rate: the one measured not to overshoot)
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    profile = rl.demo_profile(on_gpu=False)
+    assert saved.actor_rollout_ref.actor.optim.lr == profile["actor_rollout_ref"]["actor"]["optim"]["lr"]
+    assert saved.actor_rollout_ref.rollout.n == profile["actor_rollout_ref"]["rollout"]["n"]
 
 
 def test_final_model_loads_with_transformers_and_generates(tiny_model_dir, arith_data, tmp_path):

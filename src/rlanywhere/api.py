@@ -109,14 +109,19 @@ def demo_config(overrides: Sequence[str] = (), on_gpu: Optional[bool] = None, ne
     return make_config(None, overrides, base=profile, notices=notices)
 
 
-def plan(cfg: DictConfig, emulate: Optional[str] = None):
+def plan(cfg: DictConfig, emulate: Optional[str] = None, check_inputs: bool = True):
     """The hardware plan `cfg` runs with (plans.Plan), applied to this process (TF32 flags, memory cap).
 
-    Call before anything touches torch.cuda. Raises PlanError for a request that cannot run here."""
+    Call before anything touches torch.cuda. Raises PlanError for a request that cannot run here, and first (with
+    check_inputs) preflight.InputError listing every unusable input: data files, model, reward function, values."""
     from . import distributed
     from .planner import make_plan
     from .runtime import apply_runtime, prepare_environment
 
+    if check_inputs:
+        from .preflight import require_inputs
+
+        require_inputs(cfg)
     distributed.reconcile_world(cfg)  # under torchrun: plan for the launch's world, as the CLI does
     prepare_environment(cfg)
     chosen = make_plan(cfg, for_execution=True, emulate=emulate)
@@ -150,6 +155,11 @@ class TrainResult:
             verdict = "learned" if after > before else "did not improve"
             lines.append(f"held-out accuracy{f' ({count} prompts, greedy)' if count else ''}: "
                          f"{before:.3f} -> {after:.3f} ({(after - before) * 100:+.1f} points: {verdict})")
+            marker_rate = self.val_after.get("val/format")
+            if marker_rate is not None and marker_rate < 0.5 <= after:
+                # the GSM8K-style rule: the number after "####", else the reply's last number (small models skip it)
+                lines.append(f"  (the model writes the '####' marker in {marker_rate:.0%} of its answers; the reward "
+                             "reads the last number of a reply that has none)")
         if self.final_model:
             cfg = self.trainer.cfg if self.trainer is not None else None
             val = as_list_first(cfg.data.val_files) if cfg is not None else None
@@ -251,7 +261,13 @@ def load_model(model: str, max_new_tokens: int = 256, batch_size: int = 64, over
     extra = [f"data.max_prompt_length={max_prompt_length}"] if max_prompt_length else []
     cfg = make_config(None, [f"actor_rollout_ref.model.path={model}", f"data.max_response_length={max_new_tokens}",
                              *extra, *overrides])
-    chosen = plan(cfg)
+    from .preflight import InputError, input_problems
+
+    # the model only (a generation config names no data), spoken of as this function's argument
+    problems = input_problems(cfg, data=False, reward=False)
+    if problems:
+        raise InputError([line.replace("actor_rollout_ref.model.path: ", "model ", 1) for line in problems])
+    chosen = plan(cfg, check_inputs=False)
     source = resolve_model_source(str(model))
     tokenizer = load_tokenizer(source)
     hf_model = load_causal_lm(source, chosen).to(chosen.device).eval()

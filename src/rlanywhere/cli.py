@@ -2,14 +2,15 @@
 
     rlanywhere demo                                   # the offline demo: SmolLM2-135M + GRPO on addition (a new run)
     rlanywhere demo trainer.total_training_steps=20   # the demo with overrides on top
-    rlanywhere train ppo.yaml data.train_batch_size=64 algorithm.adv_estimator=grpo
-    rlanywhere train $(cat verl-overrides.args)       # a verl command line's overrides, unchanged
-    rlanywhere prepare gsm8k --src ../shared/data/gsm8k --out data/gsm8k
+    rlanywhere demo --resume                          # continue the newest demo that was stopped (Ctrl-C)
+    rlanywhere prepare gsm8k --src tests/data/gsm8k --out data/gsm8k  # or --src openai/gsm8k (needs `datasets`)
     rlanywhere prepare arithmetic --out data/arith --digits 2
-    rlanywhere eval --model runs/demo/latest/final_model --data data/arith-1digit/test.parquet
-    rlanywhere chat --model runs/demo/latest/final_model  # latest: the newest demo run
-    rlanywhere plan ppo.yaml --emulate p40            # what would run on a Tesla P40, and in how much memory
+    rlanywhere train examples/ppo_gsm8k.yaml data.train_batch_size=64 algorithm.adv_estimator=grpo
+    rlanywhere plan $(cat tests/data/fixtures/verl-p40-ppo.args) --emulate p40  # a verl P40 command line, as it is
+    rlanywhere plan examples/ppo_gsm8k.yaml --emulate p40  # what would run on a Tesla P40, and in how much memory
     rlanywhere doctor --emulate p40                   # real compute checks on the planned path
+    rlanywhere eval --model runs/demo/latest/final_model --data data/arith-1digit/test.parquet
+    rlanywhere chat --model runs/demo/latest/final_model  # latest: the newest demo that saved its model
     rlanywhere plot runs/demo/latest
 
 Mistakes a user can fix print one `error: ...` line (exit 2); --verbose adds the traceback.
@@ -114,7 +115,8 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: Optional[list[str]] = None) -> int:
+def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: Optional[list[str]] = None,
+         resume_command: Optional[str] = None) -> int:
     """Plan and train `cfg`, print the summary. [distributed] Under torchrun every rank runs this (rank 0 alone
     prints); trainer.n_gpus_per_node > 1 without torchrun reruns `relaunch_argv` (this command line) under it."""
     from . import distributed
@@ -139,7 +141,7 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
         logging.getLogger().setLevel(logging.ERROR)
         logging.getLogger("rlanywhere").setLevel(logging.ERROR)
     try:
-        return _run_rank(cfg, notices, emulate, rank)
+        return _run_rank(cfg, notices, emulate, rank, resume_command)
     except BaseException as exc:
         if world > 1 and not isinstance(exc, SystemExit):
             # another rank died (killed, crashed): one line naming it, no traceback of this rank's collective
@@ -189,7 +191,7 @@ def _torchrun_until_done(cfg, relaunch_argv: list[str]) -> int:
     return code
 
 
-def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int) -> int:
+def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int, resume_command: Optional[str] = None) -> int:
     from . import api
 
     from .runguard import RunInterrupted
@@ -201,8 +203,15 @@ def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int) -> int
     try:
         result = api.train(cfg, run_plan, notices)
     except RunInterrupted as stop:  # SIGTERM / Ctrl-C: saved (docs/reliability.md lists the exit codes)
-        if rank == 0:
-            print(f"{stop}", file=sys.stderr)
+        if rank == 0:  # resume_command: what continues this run when it is not the same command line (the demo)
+            text = str(stop)
+            if resume_command:
+                from .checkpoint import list_checkpoints
+
+                saved = stop.checkpoint or list_checkpoints(cfg.trainer.default_local_dir)
+                text = text.split("; run the same command")[0] + (
+                    f"; to continue it: {resume_command}" if saved else "; nothing to continue: run the demo again")
+            print(text, file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         if rank == 0:
@@ -214,36 +223,44 @@ def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int) -> int
 
 
 def cmd_demo(args) -> int:
+    from . import demo_runs
     from .api import demo_config
 
     overrides = list(args.items) + ([f"hardware.emulate={args.emulate}"] if args.emulate else [])
+    names_dir = any(item.lstrip("+").startswith("trainer.default_local_dir=") for item in overrides)
+    if getattr(args, "resume", False) and not names_dir:
+        root = os.path.dirname(os.path.abspath(demo_config(overrides, new_run=False).trainer.default_local_dir))
+        # the run's own name: its folder and config resolve as they did when it started
+        overrides.append(f"trainer.experiment_name={os.path.basename(demo_runs.run_to_resume(root))}")
+    run_dir = _named_run_dir(overrides)
+    if run_dir is not None:  # continuing a run: its own experiment name, so the resume changes nothing
+        overrides += demo_runs.experiment_name_of(run_dir, overrides)
     notices: list[str] = []
     cfg = demo_config(overrides, notices=notices)
     run_dir = os.path.abspath(cfg.trainer.default_local_dir)
+    created = not os.path.exists(run_dir)
+    resume_command = demo_runs.RESUME_COMMAND if not names_dir else f"rlanywhere demo {' '.join(args.items)}"
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"demo: a new run in {run_dir} (to continue one instead, pass trainer.default_local_dir=<its run dir>)")
-        _point_latest_at(run_dir)
+        print(demo_runs.start_line(run_dir))
     # [distributed] a relaunch under torchrun keeps this run dir (the demo's name is timestamped)
     argv = _verbose_argv(args) + ["demo"] + (["--emulate", args.emulate] if args.emulate else []) + [
-        *args.items, f"trainer.default_local_dir={run_dir}"]
-    return _run(cfg, notices, relaunch_argv=argv)
+        *args.items, *overrides[len(args.items) + bool(args.emulate):], f"trainer.default_local_dir={run_dir}"]
+    try:
+        return _run(cfg, notices, relaunch_argv=argv, resume_command=resume_command)
+    finally:
+        if int(os.environ.get("RANK", 0)) == 0:
+            demo_runs.finish(run_dir, created)
+
+
+def _named_run_dir(overrides: list[str]) -> Optional[str]:
+    for item in overrides:
+        if item.lstrip("+").startswith("trainer.default_local_dir="):
+            return os.path.abspath(item.split("=", 1)[1])
+    return None
 
 
 def _verbose_argv(args) -> list[str]:
     return ["-v"] if getattr(args, "verbose", False) else []
-
-
-def _point_latest_at(run_dir: str) -> None:
-    """RUN_DIR's parent/latest -> RUN_DIR, so `runs/demo/latest/final_model` names the newest demo's model."""
-    link = os.path.join(os.path.dirname(run_dir), "latest")
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        if os.path.islink(link):
-            os.remove(link)
-        if not os.path.exists(link):
-            os.symlink(os.path.basename(run_dir), link)
-    except OSError as exc:  # a file system without symlinks: the printed paths still work
-        log.debug("could not point %s at %s: %s", link, run_dir, exc)
 
 
 def cmd_train(args) -> int:
@@ -359,7 +376,10 @@ def plan_main(config=None, overrides: Optional[list[str]] = None, emulate: Optio
 
 
 def cmd_plan(args) -> int:
+    from .preflight import require_inputs
+
     cfg, _ = _load(args.items, args.emulate, _hydra(args))
+    require_inputs(cfg, data=False, reward=False, planning_only=True)  # planning reads the model's shape only
     return plan_main(cfg, json_out=args.json)
 
 
@@ -411,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "demo":  # Hydra's spelling, as verl's scripts use it
             p.add_argument("--config-path", help="with --config-name: a directory of YAML configs (Hydra's option)")
             p.add_argument("--config-name", help="the YAML in --config-path to read (its defaults applied)")
+        if name == "demo":
+            p.add_argument("--resume", action="store_true",
+                           help="continue the newest demo that stopped before it finished (Ctrl-C saves one)")
 
     ev = command("eval", "greedy accuracy and format rate of a model on a parquet file", cmd_eval)
     ev.add_argument("--model", required=True, help="HF dir (a run's final_model), hub id, .gguf file")

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+# What the arithmetic reward reads (rewards.arithmetic_score): the last number of the reply (or one after "####")
 ARITHMETIC_INSTRUCTION = 'Output the final answer after "####".'
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 ARITHMETIC_DATA_SOURCE = "arithmetic"
