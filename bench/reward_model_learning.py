@@ -35,8 +35,10 @@ RESPONSE_TOKENS = 8
 
 def share_of_sevens(solution_str: str, ground_truth=None) -> dict:
     """The hidden rule: the share of the answer's digits that are 7 (0 for an empty answer)."""
-    digits = [w for w in solution_str.split() if w in DIGITS]
-    share = sum(w == "7" for w in digits) / max(len(digits), 1)
+    # by character: a reloaded word-level tokenizer may decode "7 1 7" as "717" (transformers rebuilds it as the
+    # model type's tokenizer, whose decoder adds no spaces)
+    digits = [c for c in solution_str if c.isdigit()]
+    share = sum(c == "7" for c in digits) / max(len(digits), 1)
     return {"score": share, "acc": share}
 
 
@@ -70,8 +72,7 @@ def build_policy(out: str, seed: int = 0) -> str:
 
 def random_answer(rng: random.Random) -> str:
     """Answers of every kind a policy may collapse to: empty, a random share of 7s among random digits, one digit
-    repeated, or two digits mixed (a reward model fitted on fewer kinds was fooled by the others: the policy found
-    empty answers, which it had never seen, and the RM paid about 1 for them while the share of 7s fell to 0)."""
+    repeated, or two digits mixed, so the reward model is fitted beyond the first kind."""
     length = rng.randint(1, RESPONSE_TOKENS)
     kind = rng.random()
     if kind < 0.1:  # nothing left after special tokens are dropped: fitted without these, the RM paid ~1 for them

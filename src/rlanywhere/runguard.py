@@ -276,10 +276,12 @@ class TrainingStopped(UserError):
 class RunStops:
     """When a run stops itself or is stopped: updates diverging, rewards failing, a signal (with `signals`, the
     StopSignals of the running `fit`, set while it runs). Tracks the last checkpoint saved while the run was
-    healthy (finite losses and gradient norms, no update skipped since the previous checkpoint), and names that one
+    healthy (finite losses, no update skipped for a NaN/inf gradient so far), and names that one
     in the advice: a checkpoint saved after the updates went bad is marked so in it and never called good."""
 
-    WATCHED = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
+    # losses only: a gradient norm is inf on an fp16 loss scaler's planned skips; a real non-finite update is
+    # seen in record_update (StepOutcome.nonfinite_failure)
+    WATCHED = ("actor/pg_loss", "critic/vf_loss")
 
     def __init__(self, trainer_cfg, actor_lr: float, dp):
         self.limits = {  # read up front: the run stops itself after this many bad updates / reward steps
@@ -335,8 +337,8 @@ class RunStops:
             raise error
 
     def check_step(self, metrics: dict) -> None:
-        """After each step: a non-finite loss or gradient norm marks the run unhealthy until the next checkpoint
-        of a healthy run (there is none after it: training on from bad weights stays bad)."""
+        """After each step: a non-finite loss marks the run unhealthy for the rest of this launch (training on from
+        bad weights stays bad), so no later checkpoint of it is called good."""
         bad = [key for key in self.WATCHED if key in metrics and not math.isfinite(metrics[key])]
         if bad and self.unhealthy is None:
             self.unhealthy = f"{bad[0]} was {metrics[bad[0]]}"
