@@ -633,6 +633,7 @@ class RLDataset:
                     "data_source": str(row.get(reward_fn_key, "")),
                     "index": int(extra_info.get("index", position)),
                     "extra_info": extra_info,
+                    "raw_prompt": _normalise_messages(row[prompt_key]),  # verl's return_raw_chat (multi-turn)
                 }
             )
         if self.num_filtered:
