@@ -105,7 +105,8 @@ def render_prompt_with_tools(tokenizer: Any, messages: list[dict], tools: Sequen
             text = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=False)
         except Exception:  # noqa: BLE001 - a template without tool support: describe them ourselves
             text = None
-        if text is not None and not all(t.name in text for t in tools):
+        plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if text is not None and (text == plain or not all(t.name in text for t in tools)):
             text = None  # the template ignored tools=
         if text is None:
             description = tool_prompt_text(tools)

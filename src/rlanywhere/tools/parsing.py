@@ -24,7 +24,7 @@ def parse_tool_calls(text: str, known_tools: set[str] | None = None) -> list[Too
     calls = [_parse_one(body, known_tools) for body in _CALL.findall(text)]
     tail = text[text.rfind(TOOL_CALL_CLOSE) + len(TOOL_CALL_CLOSE):] if TOOL_CALL_CLOSE in text else text
     if TOOL_CALL_OPEN in tail:
-        calls.append(ToolCall(None, error="Error: the tool call was cut off before </tool_call> (length limit)"))
+        calls.append(ToolCall(None, error="Error: the tool call has no closing </tool_call> (cut off or never closed)"))
     return calls
 
 
