@@ -35,6 +35,7 @@ from . import estimator as est
 from .machine import CardSpec, DeviceInfo, HardwareProbe, card_spec, fp16_problems, predicted_sdpa_backends, \
     probe_machine, sdpa_backends_that_run, triton_usable
 from .model_shape import ModelShape, read_model_shape
+from .rollout.multiturn import plan_multiturn
 from .plans import Plan, RolloutPlan
 from .prompt_sharing import MASKED, VARLEN, varlen_attention_function
 from .vocabulary import (
@@ -449,10 +450,14 @@ def _plan_memory(cfg: Any, plan: Plan, target: _Target, shape: ModelShape, criti
     reasons["memory_budget"] = (
         f"{source} - {est.format_bytes(est.CUDA_CONTEXT_BYTES)} CUDA context, x {est.SAFETY_FRACTION} margin"
         if target.is_cuda else f"{source} available RAM x {est.CPU_RAM_FRACTION}")
+    # multi-turn rollouts: the tools' descriptions lengthen the prompt; every turn lives in the response length
+    prompt_tokens, multi_turn_reason = plan_multiturn(cfg, int(arr.rollout.prompt_length or cfg.data.max_prompt_length))
+    if multi_turn_reason:
+        reasons["multi_turn"] = multi_turn_reason
     workload = est.Workload(
         param_dtype=plan.param_dtype, compute_dtype=plan.compute_dtype, rollout_dtype=plan.rollout.dtype,
         use_autocast=plan.use_autocast, prompts_per_step=max(1, math.ceil(prompts / world)), samples_per_prompt=n,
-        prompt_length=int(arr.rollout.prompt_length or cfg.data.max_prompt_length),
+        prompt_length=prompt_tokens,
         response_length=int(arr.rollout.response_length or cfg.data.max_response_length),
         actor_mini_batch=max(1, mini * n // world), critic_mini_batch=max(1, critic_mini * n // world),
         has_critic=plan.use_critic, has_ref=separate_ref,

@@ -31,6 +31,7 @@ import torch
 from ..tools.base import BaseTool, call_tool_method
 from ..tools.executor import run_calls
 from ..tools.parsing import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
+from ..vocabulary import FP32
 from .base import RolloutBatch, SamplingParams, left_pad
 
 log = logging.getLogger(__name__)
@@ -315,11 +316,11 @@ class MultiTurnRollout:
         width = max(max(len(r.tokens) for r in rows), 1)
         response_ids = torch.full((len(rows), width), pad, dtype=torch.long)
         response_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        logprobs = torch.zeros((len(rows), width), dtype=FP32)
         for k, r in enumerate(rows):
             response_ids[k, :len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
             response_mask[k, :len(r.mask)] = torch.tensor(r.mask, dtype=torch.long)
-            logprobs[k, :len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+            logprobs[k, :len(r.logprobs)] = torch.tensor(r.logprobs, dtype=FP32)
         prompt_ids, prompt_mask = left_pad([r.prompt for r in rows], pad)
         return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, num_prompts, n)
 
@@ -412,21 +413,22 @@ def multiturn_from_config(cfg: Any, tokenizer: Any, eos_ids: Sequence[int]) -> O
     return MultiTurnRollout(tools, tokenizer, settings, eos_ids)
 
 
-def plan_multiturn(cfg: Any) -> tuple[Optional[int], str]:
-    """For the planner: (tokens per sequence to plan for, reason), or (None, "") when multi-turn is off. Checks the
+def plan_multiturn(cfg: Any, prompt_length: int) -> tuple[int, str]:
+    """For the planner's memory estimate: (prompt tokens to plan for, reason; "" when multi-turn is off). Every turn
+    lives in the response length, so the sequence grows by the tools' descriptions in the prompt. Checks the
     settings and the tool config before any model loads."""
     from ..tools.registry import load_tool_config
 
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if not mt.enable:
-        return None, ""
+        return prompt_length, ""
     settings = multiturn_settings(mt)
     tools = load_tool_config(mt.tool_config_path) if mt.tool_config_path else []
-    response = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
-    total, reason = plan_multiturn_lengths(True, cfg.data.max_prompt_length, response, settings.max_assistant_turns,
+    response = int(cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length)
+    total, reason = plan_multiturn_lengths(True, prompt_length, response, settings.max_assistant_turns,
                                            settings.max_user_turns)
     names = ", ".join(t.name for t in tools) or "none"
-    return total, f"{reason}; tools: {names}"
+    return total - response, f"{reason}; tools: {names}"
 
 
 __all__ += ["multiturn_settings", "multiturn_from_config", "plan_multiturn", "MultiTurnConfigError"]
