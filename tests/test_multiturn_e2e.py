@@ -181,3 +181,33 @@ def test_two_ranks_draw_what_one_process_draws(tool_model_dir):
         assert torch.equal(half.response_ids, whole.response_ids[rows, :width])
         assert torch.equal(half.response_mask, whole.response_mask[rows, :width])
         assert whole.response_mask[rows, width:].sum() == 0
+
+
+def test_fast_engine_kv_continuation_equals_re_prefill(tool_model_dir):
+    """FastEngine continuing rows in their KV cache gives the tokens, masks and log-probs of re-prefilling the whole
+    history every turn (greedy), and the same turn and tool counts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlanywhere.plans import RolloutPlan
+    from rlanywhere.rollout.base import SamplingParams
+    from rlanywhere.rollout.fast import FastEngine
+
+    tok = AutoTokenizer.from_pretrained(tool_model_dir)
+    engine = FastEngine(AutoModelForCausalLM.from_pretrained(tool_model_dir).eval(), tok, RolloutPlan(engine="fast"))
+    items = [{"input_ids": [], "raw_prompt": [{"role": "system", "content": SYSTEM},
+                                             {"role": "user", "content": question(i)}],
+              "extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}}
+             for i in range(1, 4)]
+    results = {}
+    for kv in (True, False):
+        driver = MultiTurnRollout([Gsm8kTool()], tok, MultiTurnSettings(), engine.eos_ids, kv_continuation=kv)
+        with torch.no_grad():
+            batch = driver.generate(engine, items, SamplingParams(max_new_tokens=100, temperature=0.0, n=2))
+        results[kv] = batch, [(s.assistant_turns, s.user_turns, s.tool_calls, s.tool_errors)
+                              for s in driver.last_stats]
+    (kv_batch, kv_stats), (re_batch, re_stats) = results[True], results[False]
+    assert kv_stats == re_stats and sum(s[2] for s in kv_stats) > 0
+    assert torch.equal(kv_batch.response_ids, re_batch.response_ids)
+    assert torch.equal(kv_batch.response_mask, re_batch.response_mask)
+    assert (kv_batch.response_mask == 0).any()  # tool tokens are in there
+    assert torch.allclose(kv_batch.response_logprobs, re_batch.response_logprobs, atol=1e-4)

@@ -166,12 +166,14 @@ class MultiTurnRollout:
     """Multi-turn generation with tools (see the module docstring). `last_stats` holds the rows of the last call."""
 
     def __init__(self, tools: Sequence[BaseTool], tokenizer: Any, settings: MultiTurnSettings,
-                 eos_ids: Sequence[int]):
+                 eos_ids: Sequence[int], kv_continuation: bool = True):
         self.tools = {t.name: t for t in tools}
         self.tokenizer, self.settings, self.eos_ids = tokenizer, settings, set(int(e) for e in eos_ids)
         eos_id = getattr(tokenizer, "eos_token_id", None)
         eos_text = tokenizer.convert_ids_to_tokens(int(eos_id)) if eos_id is not None else None
         self.renderer = ToolMessageRenderer(tokenizer, eos_text)
+        # FastEngine: continue rows in their KV cache (multiturn_fast.py); False: re-prefill every turn
+        self.kv_continuation = kv_continuation
         self.last_stats: list[RowStats] = []
 
     def prompt_ids(self, item: dict) -> list[int]:
@@ -190,6 +192,17 @@ class MultiTurnRollout:
                                                                     .get("tools_kwargs") or {}))
                 for i in range(len(items)) for j in range(n)]
         source = (lambda offset: generator(first_prompt + offset)) if callable(generator) else generator
+        if self.kv_continuation and hasattr(engine, "runner") and hasattr(engine, "scheduler"):
+            from .multiturn_fast import fast_multiturn_generate  # FastEngine: rows continue in their KV cache
+
+            for row in rows:
+                row.stats.assistant_turns = 1
+            try:
+                batch = fast_multiturn_generate(self, engine, rows, prompts, params, source, rows_per_wave)
+            finally:
+                self._release(rows)
+            self.last_stats = [r.stats for r in rows]
+            return batch
         first = engine.generate(prompts, params, generator=source, rows_per_wave=rows_per_wave)
         self._take_turn(rows, range(len(rows)), first)
         try:
