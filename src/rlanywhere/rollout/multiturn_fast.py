@@ -20,10 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .base import (RolloutBatch, SamplingParams, StopStringMatcher, chunk_generator, left_pad, prompt_chunks,
-                   resolve_generator)
+                   resolve_generator, sample_from_logits)
 from .scheduler import RequestOutputs, StopRule, plan_waves
 
 
@@ -94,8 +93,6 @@ def _run_wave(driver, engine, wave, rows, prompts, params, gen, out: RequestOutp
             tok, logp = runner.decode_sample(state.batch, state.slot(t))
             tok, logp = tok.clone(), logp.clone()
         else:
-            from .base import sample_from_logits
-
             tok, logp = sample_from_logits(runner.decode_step(state.batch, state.slot(t)), params, gen)
         if queues:
             override = torch.full((state.batch,), -1, dtype=torch.long)
