@@ -361,6 +361,9 @@ VERL_ONLY_KEYS: dict[str, str] = {
 # is told what happens instead. tests/test_config_keys.py fails on a key that is neither read by a run nor listed.
 ACCEPTED_WITHOUT_EFFECT: dict[str, str] = {
     r"data\.return_raw_(chat|input_ids)": "rewards score the decoded response text; no reward model re-tokenises it",
+    r"actor_rollout_ref\.rollout\.multi_turn\.(interaction_config_path|use_inference_chat_template"
+    r"|tokenization_sanity_check_mode|completion_callback)": "multi-turn rollouts keep the token ids generated and "
+    "run tools only (no interaction agents)",
     r"(actor_rollout_ref|critic)\.model\.use_remove_padding": "padding is always removed inside each micro-batch",
     r"(actor_rollout_ref\.actor|critic)\.strategy": "one process trains the model directly, no FSDP/Megatron wrapper",
     r"(actor_rollout_ref\.actor|critic)\.optim\.total_training_steps": "schedules span trainer.total_training_steps "

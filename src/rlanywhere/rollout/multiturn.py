@@ -395,7 +395,8 @@ def multiturn_settings(mt: Any) -> MultiTurnSettings:
         pass
 
     key = "actor_rollout_ref.rollout.multi_turn"
-    assistant = mt.max_assistant_turns if mt.max_assistant_turns is not None else mt.get("max_turns")
+    older_name = mt.max_turns if "max_turns" in mt else None  # older verl releases' key
+    assistant = mt.max_assistant_turns if mt.max_assistant_turns is not None else older_name
     assistant = 5 if assistant is None else int(assistant)
     user = int(mt.max_user_turns) if mt.max_user_turns is not None else assistant
     if str(mt.format) != "hermes":
@@ -433,10 +434,11 @@ def plan_multiturn(cfg: Any, prompt_length: int) -> tuple[int, str]:
     from ..tools.registry import load_tool_config
 
     mt = cfg.actor_rollout_ref.rollout.multi_turn
+    settings = multiturn_settings(mt)  # checked even when off: a bad value is named before it matters
+    path = mt.tool_config_path
     if not mt.enable:
         return prompt_length, ""
-    settings = multiturn_settings(mt)
-    tools = load_tool_config(mt.tool_config_path) if mt.tool_config_path else []
+    tools = load_tool_config(path) if path else []
     response = int(cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length)
     total, reason = plan_multiturn_lengths(True, prompt_length, response, settings.max_assistant_turns,
                                            settings.max_user_turns)
