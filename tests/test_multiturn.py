@@ -362,3 +362,28 @@ def test_planner_counts_all_turns():
     total, reason = plan_multiturn_lengths(True, 512, 1024, 5, 5)
     assert total == 512 + 128 + 1024 and "all turns" in reason
     assert plan_multiturn_lengths(False, 512, 1024, 5, 5)[0] == 1536
+
+
+def test_verl_multi_turn_keys_plan_and_checks(tmp_path):
+    from rlanywhere.config import load_config
+    from rlanywhere.errors import UserError
+    from rlanywhere.planner import make_plan
+    from rlanywhere.rollout.multiturn import multiturn_settings
+
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools:\n  - class_name: calculator\n  - class_name: python\n")
+    key = "actor_rollout_ref.rollout.multi_turn"
+    base = [f"{key}.enable=true", f"{key}.max_turns=3", f"{key}.tool_config_path={path}", "hardware.device=cpu",
+            "data.return_raw_chat=true", f"{key}.format=hermes"]
+    cfg = load_config(None, base)
+    settings = multiturn_settings(cfg.actor_rollout_ref.rollout.multi_turn)
+    assert (settings.max_assistant_turns, settings.max_user_turns) == (3, 3)  # older verl's max_turns read
+    reason = make_plan(cfg, for_execution=False).reasons["multi_turn"]
+    assert "tools: calculator, python" in reason and "all turns" in reason
+    with pytest.raises(UserError, match="format='llama3_json' is not supported"):
+        make_plan(load_config(None, base + [f"{key}.format=llama3_json"]), for_execution=False)
+    with pytest.raises(ToolConfigError, match="no such file"):
+        make_plan(load_config(None, base + [f"{key}.tool_config_path={tmp_path / 'nope.yaml'}"]), for_execution=False)
+    notices: list[str] = []
+    load_config(None, base + [f"{key}.interaction_config_path=x.yaml"], notices=notices)
+    assert any("interaction_config_path" in n and "no effect" in n for n in notices)
