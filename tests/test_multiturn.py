@@ -387,3 +387,10 @@ def test_verl_multi_turn_keys_plan_and_checks(tmp_path):
     notices: list[str] = []
     load_config(None, base + [f"{key}.interaction_config_path=x.yaml"], notices=notices)
     assert any("interaction_config_path" in n and "no effect" in n for n in notices)
+
+
+def test_truncation_sees_the_last_column_of_a_holed_mask():
+    ids = torch.tensor([[5, 5, 7, 7, 5, 5], [5, 7, 7, 5, 2, 0]])
+    holed = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 0, 0, 1, 1, 0]])
+    # row 0 fills the 6 columns without EOS (2): cut off; row 1 ends with EOS at column 4
+    assert algo.truncated_rows(ids, holed, 6, [2]).tolist() == [True, False]
