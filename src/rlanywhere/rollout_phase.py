@@ -190,7 +190,7 @@ class RolloutPhase:
         """Turn, tool-call, tool-error and tool-latency summaries of the last rollout (multi-turn runs)."""
         if self.multiturn is None:
             return {}
-        return multiturn_metrics(self.multiturn.last_stats)
+        return multiturn_metrics(self.dp.gather_objects(self.multiturn.last_stats))  # [distributed] every rank's rows
 
     def _kept_prompts(self, kept: list[ScoredRollout], dropped: list[ScoredRollout],
                       counts: list[list[tuple[int, int]]]) -> tuple[ScoredRollout, int]:

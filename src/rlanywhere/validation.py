@@ -63,7 +63,7 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
     extra_means = {f"val/{key}": float(np.mean(dp.gather_objects(extras.get(key, [])))) for key in extra_keys}
     return {"val/acc": float(np.mean(accs)), "val/format": float(np.mean(formats)),
             "val/reward": float(np.mean(all_scores)), "val/response_length": float(np.mean(lengths)),
-            "val/num_samples": float(total), **extra_means, **multiturn_metrics(tool_stats, "val/multi_turn")}
+            "val/num_samples": float(total), **extra_means, **multiturn_metrics(dp.gather_objects(tool_stats), "val/multi_turn")}
 
 
 def write_val_generations(run_dir: str, step: int, tokenizer, items: list[dict], texts: list[str],
