@@ -1098,7 +1098,9 @@ def truncated_rows(
     loss: their reward judges an answer that was never finished.
     """
     _check_token_tensors(mask, response_ids=response_ids)
-    lengths = mask.to(torch.long).sum(-1)
+    # the last real column (multi-turn masks have holes at tool results; a prefix mask gives its sum)
+    columns = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    lengths = (mask.bool() * columns).amax(-1) if mask.shape[-1] else mask.to(torch.long).sum(-1)
     last = response_ids.gather(-1, (lengths - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
     ended_by_eos = torch.isin(last, torch.tensor(list(eos_ids), dtype=last.dtype, device=last.device))
     return (lengths >= max_length) & ~ended_by_eos

@@ -134,6 +134,26 @@ class ValKwargs:
 
 
 @dataclass
+class MultiTurnConfig:
+    """verl's actor_rollout_ref.rollout.multi_turn: tool-using rollouts (rollout/multiturn.py, docs/multi-turn.md)."""
+    enable: bool = False
+    max_assistant_turns: Optional[int] = None  # None: 5 (verl: no limit within the response length)
+    max_user_turns: Optional[int] = None  # None: as max_assistant_turns
+    max_turns: Optional[int] = None  # older verl releases' name for max_assistant_turns
+    tool_config_path: Optional[str] = None
+    format: str = "hermes"
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = "middle"
+    tool_timeout_s: float = 30.0
+    # verl keys accepted without effect here (no interaction agents, token ids are always those generated)
+    interaction_config_path: Optional[str] = None
+    use_inference_chat_template: bool = False
+    tokenization_sanity_check_mode: str = "strict"
+    completion_callback: Optional[str] = None
+
+
+@dataclass
 class RolloutConfig:
     name: str = "auto"  # auto | fast | hf  (verl's vllm/sglang/hf are mapped, see VERL_VALUE_MAP)
     temperature: float = 1.0
@@ -151,6 +171,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
     free_cache_engine: Any = "auto"  # verl's key: true frees the KV cache after each rollout, false keeps it
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
 
@@ -436,7 +457,7 @@ VERL_ONLY_KEYS: dict[str, str] = {
     "hardware.param_offload / hardware.optimizer_offload",
     r"actor_rollout_ref\.rollout\.(gpu_memory_utilization|max_num_batched_tokens|max_num_seqs|max_model_len"
     r"|enable_chunked_prefill|enforce_eager|load_format|disable_log_stats|mode"
-    r"|tensor_model_parallel_size|calculate_log_probs|engine_kwargs(\..*)?|multi_turn(\..*)?|layered_summon"
+    r"|tensor_model_parallel_size|calculate_log_probs|engine_kwargs(\..*)?|multi_turn\._target_|layered_summon"
     r"|agent(\..*)?)": "the built-in rollout engine sizes its KV cache and batches from the plan",
     r"actor_rollout_ref\.hybrid_engine": "actor and rollout always share weights here",
     r"actor_rollout_ref\.(actor|ref|rollout)\.(ulysses_sequence_parallel_size|checkpoint(\..*)?"
@@ -470,6 +491,9 @@ ACCEPTED_WITHOUT_EFFECT: dict[str, str] = {
     r"reward_model\.strategy": "the reward model is loaded whole in this process, no FSDP/Megatron wrapper",
     r"reward_model\.model\.input_tokenizer": "responses are always decoded with the actor's tokenizer, then "
     "re-templated with the reward model's own",
+    r"actor_rollout_ref\.rollout\.multi_turn\.(interaction_config_path|use_inference_chat_template"
+    r"|tokenization_sanity_check_mode|completion_callback)": "multi-turn rollouts keep the token ids generated and "
+    "run tools only (no interaction agents)",
     r"(actor_rollout_ref|critic)\.model\.use_remove_padding": "padding is always removed inside each micro-batch",
     r"(actor_rollout_ref\.actor|critic)\.strategy": "one process trains the model directly, no FSDP/Megatron wrapper",
     r"(actor_rollout_ref\.actor|critic)\.optim\.total_training_steps": "schedules span trainer.total_training_steps "

@@ -210,6 +210,7 @@ class Plan:
             ("tokens per micro-batch", str(self.sizes.max_token_len_per_micro_batch or "-"),
              self.reasons.get("max_token_len_per_micro_batch", "")),
             ("rollout batch", str(self.sizes.rollout_batch_size or "all"), self.reasons.get("rollout_batch_size", "")),
+            *([("multi-turn", "tools", self.reasons["multi_turn"])] if "multi_turn" in self.reasons else []),
             ("log-prob chunk", f"{self.logprob_chunk_size} tokens", self.reasons.get("logprob_chunk_size", "")),
             ("optimizer offload", "on" if self.optimizer_offload else "off", self.reasons.get("optimizer_offload", "")),
             ("param offload", "on" if self.param_offload else "off", self.reasons.get("param_offload", "")),

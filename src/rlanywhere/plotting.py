@@ -33,6 +33,7 @@ PLOT_FAMILIES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("throughput", "Throughput", ("perf/tokens_per_s",), ()),
     ("timing", "Time per phase (s)", (), ("timing/",)),
     ("memory", "Peak memory", ("perf/peak_memory_gib",), ()),
+    ("multi_turn", "Multi-turn tool use", (), ("multi_turn/",)),
 )
 BAND_KEYS = {"reward/mean": "reward/std", "reward_model/score_mean": "reward_model/score_std"}  # drawn as a +-1 std band around the curve
 

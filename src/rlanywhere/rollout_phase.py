@@ -19,6 +19,7 @@ from .errors import UserError
 from .oom import OOMGuard
 from .plans import Plan, SizeKind
 from .rollout.base import RolloutBatch, RowStreams, SamplingParams, StopStringMatcher, collect_eos_ids
+from .rollout.multiturn import multiturn_from_config, multiturn_metrics
 from .sharding import weights_for_rollout
 from .stepbatch import ScoredRollout
 from .vocabulary import STATISTICS_DTYPE
@@ -41,6 +42,9 @@ class RolloutPhase:
         self.run = oom.run_state  # the sizes and the KV-release flag as they are now (the plan is never changed)
         self.dp = dp or DataParallel()  # [distributed] dynamic sampling decides over every rank's prompts
         self.n = cfg.actor_rollout_ref.rollout.n
+        # multi_turn.enable: tool-using rollouts (rollout/multiturn.py); None for single-turn
+        self.multiturn = multiturn_from_config(cfg, tokenizer, getattr(engine, "eos_ids", None)
+                                               or collect_eos_ids(tokenizer, actor))
 
     @property
     def response_length(self) -> int:
@@ -85,6 +89,8 @@ class RolloutPhase:
 
         def run(rows: int) -> RolloutBatch:
             with torch.no_grad():  # step-level tensors live on the CPU; micro-batches visit the device
+                if self.multiturn is not None:
+                    return self.multiturn.generate(self.engine, items, params, generator, first_prompt, rows).to("cpu")
                 return self.engine.generate(prompts, params, generator=source, rows_per_wave=rows).to("cpu")
 
         with weights_for_rollout(self.engine, self.actor):  # [distributed] sharded: gathered, synced, then freed
@@ -160,7 +166,7 @@ class RolloutPhase:
         if self.run.release_kv_between_phases:  # the planned peaks of the phases after it assume so
             self.engine.release_memory()
         if not filter_cfg.enable:
-            return rounds[0], {}, first_prompt
+            return rounds[0], self.multiturn_metrics(), first_prompt
         batch, first_prompt = self._kept_prompts(kept, dropped, counts)
         batch.info["num_errors"] = sum(part.info["num_errors"] for part in rounds)  # this rank's (summed in metrics)
         drawn = sum(n_kept + n_dropped for per_rank in counts for n_kept, n_dropped in per_rank)
@@ -175,7 +181,13 @@ class RolloutPhase:
                        "filter_groups/prompts_drawn": float(drawn),
                        "filter_groups/prompts_informative": float(informative),
                        "filter_groups/prompts_topped_up": float(topped_up),
-                       "filter_groups/drawn_acc": acc["sum"] / acc["count"]}, first_prompt
+                       "filter_groups/drawn_acc": acc["sum"] / acc["count"], **self.multiturn_metrics()}, first_prompt
+
+    def multiturn_metrics(self) -> dict:
+        """Turn, tool-call, tool-error and tool-latency summaries of the last rollout (multi-turn runs)."""
+        if self.multiturn is None:
+            return {}
+        return multiturn_metrics(self.dp.gather_objects(self.multiturn.last_stats))  # [distributed] every rank's rows
 
     def _kept_prompts(self, kept: list[ScoredRollout], dropped: list[ScoredRollout],
                       counts: list[list[tuple[int, int]]]) -> tuple[ScoredRollout, int]:

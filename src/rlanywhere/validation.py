@@ -11,6 +11,7 @@ import os
 import numpy as np
 from tqdm.auto import tqdm
 
+from .rollout.multiturn import multiturn_metrics
 from .rollout_phase import RolloutPhase
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
     params = rollouts.sampling_params(validation=True)
     chunk = cfg.data.val_batch_size or max(cfg.data.train_batch_size * rollouts.n, 64)
     accs, formats, scores_all, lengths, samples = [], [], [], [], []
+    tool_stats: list = []  # multi-turn rows' turn and tool-call counts (this rank's)
     extras: dict[str, list[float]] = {}  # the reward's other per-sample numbers (e.g. gsm8k's flexible_acc)
     # [distributed] the progress bar is rank 0's (it counts rank 0's block of prompts)
     with tqdm(total=len(items), desc=f"validation (step {step})", unit="prompt", leave=False,
@@ -45,6 +47,7 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
             scores_all += scores.tolist()
             lengths += rollout.response_mask.sum(-1).tolist()
             samples += texts
+            tool_stats += rollouts.multiturn.last_stats if rollouts.multiturn is not None else []
             bar.update(len(part))
     # [distributed] every rank's prompts, responses and scores, in prompt order; rank 0 writes and logs them
     all_items = dp.gather_objects([{k: item[k] for k in ("index", "input_ids", "ground_truth")}
@@ -60,7 +63,7 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
     extra_means = {f"val/{key}": float(np.mean(dp.gather_objects(extras.get(key, [])))) for key in extra_keys}
     return {"val/acc": float(np.mean(accs)), "val/format": float(np.mean(formats)),
             "val/reward": float(np.mean(all_scores)), "val/response_length": float(np.mean(lengths)),
-            "val/num_samples": float(total), **extra_means}
+            "val/num_samples": float(total), **extra_means, **multiturn_metrics(dp.gather_objects(tool_stats), "val/multi_turn")}
 
 
 def write_val_generations(run_dir: str, step: int, tokenizer, items: list[dict], texts: list[str],

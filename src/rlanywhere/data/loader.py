@@ -206,7 +206,8 @@ class RLDataset:
                     "data_source": str(row.get(reward_fn_key, "")),
                     "index": int(extra_info.get("index", position)),
                     "extra_info": extra_info,
-                    "raw_prompt": row[prompt_key],  # the messages, for a reward model's own chat template
+                    # the messages: a reward model re-templates them, multi-turn rollouts continue them
+                    "raw_prompt": _normalise_messages(row[prompt_key]),
                 }
             )
         if self.num_filtered:

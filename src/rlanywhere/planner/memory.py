@@ -17,6 +17,7 @@ from ..model_shape import ModelShape
 from ..plans import Plan
 from ..vocabulary import NoFitError
 from .device import Decision, Target, auto_flag
+from .multiturn import plan_multiturn
 from .rollout import fp32_gemm_layouts
 
 
@@ -90,10 +91,14 @@ def plan_memory(cfg: Any, plan: Plan, target: Target, shape: ModelShape, critic_
     reasons["memory_budget"] = (
         f"{source} - {est.format_bytes(est.CUDA_CONTEXT_BYTES)} CUDA context, x {est.SAFETY_FRACTION} margin"
         if target.is_cuda else f"{source} available RAM x {est.CPU_RAM_FRACTION}")
+    # multi-turn rollouts: the tools' descriptions lengthen the prompt; every turn lives in the response length
+    prompt_tokens, multi_turn_reason = plan_multiturn(cfg, int(arr.rollout.prompt_length or cfg.data.max_prompt_length))
+    if multi_turn_reason:
+        reasons["multi_turn"] = multi_turn_reason
     workload = est.Workload(
         param_dtype=plan.param_dtype, compute_dtype=plan.compute_dtype, rollout_dtype=plan.rollout.dtype,
         use_autocast=plan.use_autocast, prompts_per_step=max(1, math.ceil(prompts / world)), samples_per_prompt=n,
-        prompt_length=int(arr.rollout.prompt_length or cfg.data.max_prompt_length),
+        prompt_length=prompt_tokens,
         response_length=int(arr.rollout.response_length or cfg.data.max_response_length),
         actor_mini_batch=max(1, mini * n // world), critic_mini_batch=max(1, critic_mini * n // world),
         has_critic=plan.use_critic, has_ref=separate_ref,

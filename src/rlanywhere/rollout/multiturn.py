@@ -1,0 +1,449 @@
+"""Multi-turn, tool-using rollouts over any rollout engine.
+
+A row's response is a conversation: the model's turn, then (when the turn holds hermes tool calls,
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) the tools' results rendered as `tool` messages with the
+model's own chat template, then the model's next turn, and so on, until a turn calls no tool, the turn limits
+(`max_assistant_turns`, `max_user_turns`) are reached, or the response length (all turns together, tool results
+included: verl's `response_length`) runs out. The result is one `RolloutBatch` whose `response_mask` has holes:
+1 on tokens the model generated, 0 on tool-result tokens (they count for attention, not for the policy loss, KL,
+entropy or advantages: verl's multi-turn `response_mask`), with log-prob 0 there.
+
+Turn 0 is exactly the single-turn rollout (`engine.generate` with n samples per prompt). Each later turn generates
+the continuing rows as new prompts (the history so far): the HF engine and FastEngine re-prefill it (FastEngine in
+chunked prefills of many rows at once). Tools of every row run in parallel threads (tools.executor) between turns.
+
+Sampling randomness of later turns is drawn per chunk of `rows_per_wave` rows by global row index, seeded from the
+caller's generator for that chunk's prompt and the turn, so a rank whose rows are whole chunks draws what one process
+draws for them.
+
+`plan_multiturn_lengths` is the planner's pure function for the longer sequences (prompt + every turn).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..tools.base import BaseTool, call_tool_method
+from ..tools.executor import run_calls
+from ..tools.parsing import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
+from ..vocabulary import FP32
+from .base import RolloutBatch, SamplingParams, left_pad
+
+log = logging.getLogger(__name__)
+
+TOOL_RESPONSE_ROLE = "tool"
+
+
+@dataclass
+class MultiTurnSettings:
+    """verl's `actor_rollout_ref.rollout.multi_turn` settings that shape a rollout."""
+
+    max_assistant_turns: int = 5
+    max_user_turns: int = 5
+    max_parallel_calls: int = 1  # calls executed per turn and row (verl: the first ones; the rest are ignored)
+    max_tool_response_length: int = 256  # characters of a tool result the model sees
+    tool_response_truncate_side: str = "middle"
+    tool_timeout_s: float = 30.0
+
+
+@dataclass
+class RowStats:
+    """What one row did: counts for the metrics."""
+
+    assistant_turns: int = 0
+    user_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_latency_s: list = field(default_factory=list)
+    tool_reward: float = 0.0
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    global_row: int
+    tools_kwargs: dict
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turn_start: int = 0
+    done: bool = False
+    instances: dict = field(default_factory=dict)  # tool name -> instance id
+    stats: RowStats = field(default_factory=RowStats)
+
+    def add(self, tokens: Sequence[int], generated: bool, logprobs: Sequence[float] | None = None) -> None:
+        self.tokens += list(tokens)
+        self.mask += [1 if generated else 0] * len(tokens)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+
+
+# ---------------------------------------------------------------------------------------------------- chat template
+def tool_prompt_text(tools: Sequence[BaseTool]) -> str:
+    """A system text describing the tools in hermes style, for chat templates that do not render `tools=`."""
+    import json
+
+    lines = ["You can call tools. Available tools, as JSON schemas:", "<tools>"]
+    lines += [json.dumps(t.get_openai_tool_schema()) for t in tools]
+    lines += ["</tools>", "To call a tool, write one line per call: "
+              '<tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>',
+              "The result comes back in a message from the tool; then continue, and give the final answer."]
+    return "\n".join(lines)
+
+
+def render_prompt_with_tools(tokenizer: Any, messages: list[dict], tools: Sequence[BaseTool]) -> list[int]:
+    """Prompt token ids with the tools described: through the chat template's own `tools=` where it renders them,
+    else as a system message (prepended to the first system message if there is one)."""
+    messages = [dict(m) for m in messages]
+    schemas = [t.get_openai_tool_schema() for t in tools]
+    text = None
+    if tools:
+        try:
+            text = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template without tool support: describe them ourselves
+            text = None
+        plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if text is not None and (text == plain or not all(t.name in text for t in tools)):
+            text = None  # the template ignored tools=
+        if text is None:
+            description = tool_prompt_text(tools)
+            if messages and messages[0].get("role") == "system":
+                messages[0]["content"] = description + "\n\n" + str(messages[0]["content"])
+            else:
+                messages.insert(0, {"role": "system", "content": description})
+    if text is None:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class ToolMessageRenderer:
+    """Token ids appended after an assistant turn for its tool results: whatever the chat template writes after the
+    assistant's end-of-turn token, the `tool` messages, and the next assistant header."""
+
+    _USER, _ASSISTANT = "Hi.", "Hello."
+
+    def __init__(self, tokenizer: Any, eos_text: str | None):
+        self.tokenizer, self.eos_text = tokenizer, eos_text
+        base = [{"role": "system", "content": "s"}, {"role": "user", "content": self._USER},
+                {"role": "assistant", "content": self._ASSISTANT}]
+        self.base = base
+        self.prefix = tokenizer.apply_chat_template(base, tokenize=False)
+        # the template's text after the assistant's end-of-turn token (e.g. "\n" after <|im_end|>)
+        self.after_eos = ""
+        if eos_text:
+            marker = self._ASSISTANT + eos_text
+            at = self.prefix.rfind(marker)
+            if at >= 0:
+                self.after_eos = self.prefix[at + len(marker):]
+
+    def text(self, results: Sequence[str], turn_ended_by_eos: bool) -> str:
+        messages = self.base + [{"role": TOOL_RESPONSE_ROLE, "content": r} for r in results]
+        full = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if not full.startswith(self.prefix):
+            raise ValueError("the chat template renders earlier messages differently once a tool message follows; "
+                             "multi-turn rollouts need a template that appends messages")
+        lead = self.after_eos if turn_ended_by_eos else (self.eos_text or "") + self.after_eos
+        return lead + full[len(self.prefix):]
+
+    def ids(self, results: Sequence[str], turn_ended_by_eos: bool) -> list[int]:
+        return list(self.tokenizer(self.text(results, turn_ended_by_eos), add_special_tokens=False)["input_ids"])
+
+
+# ---------------------------------------------------------------------------------------------------- the rollout
+def _derived_generator(base: Optional[torch.Generator], turn: int, row: int, device: str) -> Optional[torch.Generator]:
+    if base is None:
+        return None
+    out = torch.Generator(device=device)
+    out.manual_seed((base.initial_seed() * 1_000_003 + turn * 7919 + row * 104_729) % (2**62))
+    return out
+
+
+class MultiTurnRollout:
+    """Multi-turn generation with tools (see the module docstring). `last_stats` holds the rows of the last call."""
+
+    def __init__(self, tools: Sequence[BaseTool], tokenizer: Any, settings: MultiTurnSettings,
+                 eos_ids: Sequence[int], kv_continuation: bool = True):
+        self.tools = {t.name: t for t in tools}
+        self.tokenizer, self.settings, self.eos_ids = tokenizer, settings, set(int(e) for e in eos_ids)
+        eos_id = getattr(tokenizer, "eos_token_id", None)
+        eos_text = tokenizer.convert_ids_to_tokens(int(eos_id)) if eos_id is not None else None
+        self.renderer = ToolMessageRenderer(tokenizer, eos_text)
+        # FastEngine: continue rows in their KV cache (multiturn_fast.py); False: re-prefill every turn
+        self.kv_continuation = kv_continuation
+        self.last_stats: list[RowStats] = []
+
+    def prompt_ids(self, item: dict) -> list[int]:
+        """The row's prompt: its raw chat with the tools described when there are tools, else its input_ids."""
+        raw = item.get("raw_prompt")
+        if self.tools and raw:
+            return render_prompt_with_tools(self.tokenizer, list(raw), list(self.tools.values()))
+        return list(item["input_ids"])
+
+    def generate(self, engine: Any, items: list[dict], params: SamplingParams,
+                 generator: Callable[[int], torch.Generator] | torch.Generator | None = None,
+                 first_prompt: int = 0, rows_per_wave: Optional[int] = None) -> RolloutBatch:
+        n, budget = params.n, params.max_new_tokens
+        prompts = [self.prompt_ids(item) for item in items]
+        rows = [_Row(prompts[i], (first_prompt + i) * n + j, dict((items[i].get("extra_info") or {})
+                                                                    .get("tools_kwargs") or {}))
+                for i in range(len(items)) for j in range(n)]
+        source = (lambda offset: generator(first_prompt + offset)) if callable(generator) else generator
+        if self.kv_continuation and hasattr(engine, "runner") and hasattr(engine, "scheduler"):
+            from .multiturn_fast import fast_multiturn_generate  # FastEngine: rows continue in their KV cache
+
+            for row in rows:
+                row.stats.assistant_turns = 1
+            try:
+                batch = fast_multiturn_generate(self, engine, rows, prompts, params, source, rows_per_wave)
+            finally:
+                self._release(rows)
+            self.last_stats = [r.stats for r in rows]
+            return batch
+        first = engine.generate(prompts, params, generator=source, rows_per_wave=rows_per_wave)
+        self._take_turn(rows, range(len(rows)), first)
+        try:
+            for turn in range(1, 10**6):
+                continuing = self._run_tools(rows, budget)
+                if not continuing:
+                    break
+                self._continue(engine, rows, continuing, params, generator, first_prompt, rows_per_wave, turn)
+        finally:
+            self._release(rows)
+        self.last_stats = [r.stats for r in rows]
+        return self._batch(rows, n, len(items), engine)
+
+    # -- one turn's generated tokens into the rows
+    def _take_turn(self, rows: list[_Row], indices: Sequence[int], batch: RolloutBatch) -> None:
+        ids, mask, logprobs = batch.response_ids.tolist(), batch.response_mask.tolist(), batch.response_logprobs.tolist()
+        for k, i in enumerate(indices):
+            length = int(sum(mask[k]))
+            row = rows[i]
+            row.turn_start = len(row.tokens)
+            row.add(ids[k][:length], True, logprobs[k][:length])
+            row.stats.assistant_turns += 1
+
+    def _continue(self, engine, rows, continuing, params, generator, first_prompt, rows_per_wave, turn) -> None:
+        """Generate the next turn of the continuing rows, chunk by chunk of global row index."""
+        chunk_rows = rows_per_wave or max(len(rows), 1)
+        chunks: dict[int, list[int]] = {}
+        for i in continuing:
+            chunks.setdefault(rows[i].global_row // chunk_rows, []).append(i)
+        for key in sorted(chunks):
+            members = chunks[key]
+            budget = max(params.max_new_tokens - len(rows[i].tokens) for i in members)
+            turn_params = SamplingParams(max_new_tokens=budget, temperature=params.temperature, top_p=params.top_p,
+                                         top_k=params.top_k, n=1, stop_strings=params.stop_strings, seed=params.seed,
+                                         ignore_eos=params.ignore_eos)
+            first_row = rows[members[0]].global_row
+            base = generator(first_row // params.n) if callable(generator) else generator
+            device = str(base.device) if base is not None else "cpu"
+            gen = _derived_generator(base, turn, first_row, device)
+            out = engine.generate([rows[i].prompt + rows[i].tokens for i in members], turn_params, generator=gen,
+                                  rows_per_wave=None)
+            out_mask = out.response_mask.clone()
+            for k, i in enumerate(members):  # each row stops at its own remaining budget
+                out_mask[k, params.max_new_tokens - len(rows[i].tokens):] = 0
+            self._take_turn(rows, members, RolloutBatch(out.prompt_ids, out.prompt_mask, out.response_ids, out_mask,
+                                                        out.response_logprobs, out.num_prompts, out.n))
+
+    # -- tools between turns
+    def _run_tools(self, rows: list[_Row], budget: int) -> list[int]:
+        """Parse the last turn of every open row, run all calls in parallel, append results; the rows that go on."""
+        settings, jobs, owners = self.settings, [], []
+        for i, row in enumerate(rows):
+            if row.done:
+                continue
+            turn = row.tokens[row.turn_start:]
+            ended_by_eos = bool(turn) and turn[-1] in self.eos_ids
+            text = self.tokenizer.decode(turn, skip_special_tokens=False)
+            calls = parse_tool_calls(text, set(self.tools))
+            out_of_room = len(row.tokens) >= budget
+            if not calls or out_of_room:
+                row.stats.tool_errors += sum(1 for c in calls if c.error is not None)  # e.g. a call cut off
+                row.stats.tool_calls += len(calls)
+                row.done = True
+                continue
+            if (row.stats.assistant_turns >= settings.max_assistant_turns
+                    or row.stats.user_turns >= settings.max_user_turns):
+                row.done = True
+                continue
+            calls = calls[:max(settings.max_parallel_calls, 1)]
+            for call in calls:
+                jobs.append((self._tool_for(row, call), self._instance(row, call), call))
+            owners.append((i, len(calls), ended_by_eos))
+        if not jobs:
+            return []
+        results = run_calls(jobs, settings.tool_timeout_s, settings.max_tool_response_length,
+                            settings.tool_response_truncate_side)
+        continuing, at = [], 0
+        for i, count, ended_by_eos in owners:
+            row, mine = rows[i], results[at:at + count]
+            at += count
+            row.stats.tool_calls += count
+            row.stats.tool_errors += sum(r.error for r in mine)
+            row.stats.tool_latency_s += [r.latency_s for r in mine]
+            row.stats.tool_reward += sum(r.reward for r in mine)
+            appended = self.renderer.ids([r.text for r in mine], ended_by_eos)
+            row.stats.user_turns += 1
+            if len(row.tokens) + len(appended) >= budget:  # no room left for the model to answer: the row ends
+                row.done = True
+                continue
+            row.add(appended, False)
+            continuing.append(i)
+        return continuing
+
+    def _tool_for(self, row: _Row, call: ToolCall) -> Optional[BaseTool]:
+        return self.tools.get(call.name) if call.error is None else None
+
+    def _instance(self, row: _Row, call: ToolCall) -> str:
+        """The row's instance of the called tool, created at its first call with the row's create_kwargs."""
+        tool = self._tool_for(row, call)
+        if tool is None:
+            return ""
+        if call.name not in row.instances:
+            kwargs = dict((row.tools_kwargs.get(call.name) or {}).get("create_kwargs") or {})
+            try:
+                instance_id, _ = call_tool_method(tool.create, None, **kwargs)
+            except Exception as err:  # noqa: BLE001 - a tool that cannot start: its calls get the error
+                log.warning("tool %s: create failed (%s)", call.name, err)
+                call.error = f"Error: the tool {call.name} could not start ({type(err).__name__}: {err})"
+                return ""
+            row.instances[call.name] = instance_id
+        return row.instances[call.name]
+
+    def _release(self, rows: list[_Row]) -> None:
+        for row in rows:
+            for name, instance_id in row.instances.items():
+                try:
+                    call_tool_method(self.tools[name].release, instance_id)
+                except Exception as err:  # noqa: BLE001 - release problems must not stop the run
+                    log.warning("tool %s: release failed (%s)", name, err)
+            row.instances.clear()
+
+    def _batch(self, rows: list[_Row], n: int, num_prompts: int, engine: Any) -> RolloutBatch:
+        pad = int(getattr(engine, "pad_token_id", None) or self.tokenizer.pad_token_id or 0)
+        width = max(max(len(r.tokens) for r in rows), 1)
+        response_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        response_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        logprobs = torch.zeros((len(rows), width), dtype=FP32)
+        for k, r in enumerate(rows):
+            response_ids[k, :len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
+            response_mask[k, :len(r.mask)] = torch.tensor(r.mask, dtype=torch.long)
+            logprobs[k, :len(r.logprobs)] = torch.tensor(r.logprobs, dtype=FP32)
+        prompt_ids, prompt_mask = left_pad([r.prompt for r in rows], pad)
+        return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, num_prompts, n)
+
+
+# ---------------------------------------------------------------------------------------------------- metrics / plan
+def multiturn_metrics(stats: Sequence[RowStats], prefix: str = "multi_turn") -> dict[str, float]:
+    """Per-step summaries of the rows' turn counts, tool calls, errors, latency and tool rewards."""
+    if not stats:
+        return {}
+    rows = float(len(stats))
+    latencies = [s for r in stats for s in r.tool_latency_s]
+    calls = sum(r.tool_calls for r in stats)
+    return {
+        f"{prefix}/assistant_turns/mean": sum(r.assistant_turns for r in stats) / rows,
+        f"{prefix}/assistant_turns/max": float(max(r.assistant_turns for r in stats)),
+        f"{prefix}/user_turns/mean": sum(r.user_turns for r in stats) / rows,
+        f"{prefix}/tool_calls/mean": calls / rows,
+        f"{prefix}/tool_calls/total": float(calls),
+        f"{prefix}/tool_call_rate": sum(1 for r in stats if r.tool_calls) / rows,
+        f"{prefix}/tool_errors/total": float(sum(r.tool_errors for r in stats)),
+        f"{prefix}/tool_error_rate": (sum(r.tool_errors for r in stats) / calls) if calls else 0.0,
+        f"{prefix}/tool_latency_s/mean": (sum(latencies) / len(latencies)) if latencies else 0.0,
+        f"{prefix}/tool_latency_s/max": max(latencies) if latencies else 0.0,
+        f"{prefix}/tool_reward/mean": sum(r.tool_reward for r in stats) / rows,
+    }
+
+
+def plan_multiturn_lengths(enabled: bool, prompt_length: int, response_length: int, max_assistant_turns: int,
+                           max_user_turns: int) -> tuple[int, str]:
+    """Tokens per sequence the memory plan must hold with multi-turn rollouts, and the reason in a user's words.
+
+    Every turn, the model's and the tools', lives inside the response length (verl's rule), so the sequence is
+    prompt + response_length; the tool-describing system text adds to the prompt, which the planner counts here as
+    a quarter more prompt (at least 128 tokens)."""
+    if not enabled:
+        return prompt_length + response_length, "single-turn: prompt + response"
+    tool_text = max(128, prompt_length // 4)
+    total = prompt_length + tool_text + response_length
+    return total, (f"multi-turn: prompt ({prompt_length}) + tool descriptions (~{tool_text}) + all turns within the "
+                   f"response length ({response_length}; up to {max_assistant_turns} model turns and "
+                   f"{max_user_turns} tool results)")
+
+
+__all__ = ["MultiTurnRollout", "MultiTurnSettings", "RowStats", "multiturn_metrics", "plan_multiturn_lengths",
+           "render_prompt_with_tools", "ToolMessageRenderer", "tool_prompt_text", "TOOL_CALL_OPEN"]
+
+
+# ---------------------------------------------------------------------------------------------------- from the config
+class MultiTurnConfigError(ValueError):
+    """A multi_turn setting that cannot work; the message names the key and the fix (raised as a UserError)."""
+
+
+def multiturn_settings(mt: Any) -> MultiTurnSettings:
+    """Settings from `actor_rollout_ref.rollout.multi_turn` (verl's keys; `max_turns`, older verl's name for
+    `max_assistant_turns`, is accepted), checked."""
+    from ..errors import UserError
+
+    class _Error(MultiTurnConfigError, UserError):
+        pass
+
+    key = "actor_rollout_ref.rollout.multi_turn"
+    older_name = mt.max_turns if "max_turns" in mt else None  # older verl releases' key
+    assistant = mt.max_assistant_turns if mt.max_assistant_turns is not None else older_name
+    assistant = 5 if assistant is None else int(assistant)
+    user = int(mt.max_user_turns) if mt.max_user_turns is not None else assistant
+    if str(mt.format) != "hermes":
+        raise _Error(f"{key}.format={mt.format!r} is not supported; use hermes (<tool_call>{{json}}</tool_call>)")
+    if assistant < 1 or user < 0:
+        raise _Error(f"{key}.max_assistant_turns must be >= 1 and max_user_turns >= 0; got {assistant} and {user}")
+    if mt.tool_response_truncate_side not in ("left", "middle", "right"):
+        raise _Error(f"{key}.tool_response_truncate_side={mt.tool_response_truncate_side!r}: use left, middle or "
+                     "right")
+    if int(mt.max_parallel_calls) < 1 or int(mt.max_tool_response_length) < 1 or float(mt.tool_timeout_s) <= 0:
+        raise _Error(f"{key}.max_parallel_calls, max_tool_response_length and tool_timeout_s must be positive")
+    return MultiTurnSettings(max_assistant_turns=assistant, max_user_turns=user,
+                             max_parallel_calls=int(mt.max_parallel_calls),
+                             max_tool_response_length=int(mt.max_tool_response_length),
+                             tool_response_truncate_side=str(mt.tool_response_truncate_side),
+                             tool_timeout_s=float(mt.tool_timeout_s))
+
+
+def multiturn_from_config(cfg: Any, tokenizer: Any, eos_ids: Sequence[int]) -> Optional[MultiTurnRollout]:
+    """The run's MultiTurnRollout, or None when multi_turn.enable is off."""
+    from ..tools.registry import load_tool_config
+
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable:
+        return None
+    settings = multiturn_settings(mt)
+    tools = load_tool_config(mt.tool_config_path) if mt.tool_config_path else []
+    return MultiTurnRollout(tools, tokenizer, settings, eos_ids)
+
+
+def plan_multiturn(cfg: Any, prompt_length: int) -> tuple[int, str]:
+    """For the planner's memory estimate: (prompt tokens to plan for, reason; "" when multi-turn is off). Every turn
+    lives in the response length, so the sequence grows by the tools' descriptions in the prompt. Checks the
+    settings and the tool config before any model loads."""
+    from ..tools.registry import load_tool_config
+
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    settings = multiturn_settings(mt)  # checked even when off: a bad value is named before it matters
+    path = mt.tool_config_path
+    if not mt.enable:
+        return prompt_length, ""
+    tools = load_tool_config(path) if path else []
+    response = int(cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length)
+    total, reason = plan_multiturn_lengths(True, prompt_length, response, settings.max_assistant_turns,
+                                           settings.max_user_turns)
+    names = ", ".join(t.name for t in tools) or "none"
+    return total - response, f"{reason}; tools: {names}"
+
+
+__all__ += ["multiturn_settings", "multiturn_from_config", "plan_multiturn", "MultiTurnConfigError"]

@@ -1,0 +1,396 @@
+"""Multi-turn, tool-using rollouts: tools, hermes parsing, the rollout driver's masks and limits, advantage
+estimators and loss modes over a response mask with holes, and the config keys (docs/multi-turn.md)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+
+import pytest
+import torch
+
+from rlanywhere import algorithms as algo
+from rlanywhere.rollout.base import RolloutEngine, build_rollout_batch
+from rlanywhere.rollout.multiturn import (MultiTurnRollout, MultiTurnSettings, ToolMessageRenderer, multiturn_metrics,
+                                          plan_multiturn_lengths, render_prompt_with_tools)
+from rlanywhere.tools import (BaseTool, CalculatorTool, Gsm8kTool, PythonSandboxTool, ToolConfigError, ToolResponse,
+                              evaluate_expression, parse_tool_calls, run_calls, tools_from_config)
+from rlanywhere.tools.calculator import CalculatorError
+from rlanywhere.tools.parsing import ToolCall
+
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_tokenizer(corpus: list[str] | None = None, vocab_size: int = 700):
+    """One token per byte plus <pad>, <|im_start|>, <|im_end|> (EOS): any text round-trips exactly. With a
+    `corpus`, byte-level BPE merges learned from it (milliseconds) make its texts a few tokens long."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=corpus is not None)
+    backend.decoder = decoders.ByteLevel()
+    if corpus is not None:
+        backend = Tokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        backend.train_from_iterator(corpus, trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHAT
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+class ScriptedEngine(RolloutEngine):
+    """Answers from a script: script(context text, turn index) -> the turn's text (EOS added unless it says
+    `no_eos`); log-prob -0.5 per token. Records every request."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.calls = tokenizer, script, []
+        self.eos_ids, self.pad_token_id = [tokenizer.eos_token_id], tokenizer.pad_token_id
+
+    def generate(self, prompts, params, generator=None, rows_per_wave=None):
+        self.calls.append((len(prompts), params.n, params.max_new_tokens))
+        outs = []
+        for p in prompts:
+            context = self.tokenizer.decode(p, skip_special_tokens=False)
+            for _ in range(params.n):
+                text = self.script(context, context.count("<|im_start|>tool"))
+                ids = self.tokenizer(text.replace("<no_eos>", ""), add_special_tokens=False)["input_ids"]
+                ids = (ids if "<no_eos>" in text else ids + [self.tokenizer.eos_token_id])[:params.max_new_tokens]
+                outs.append(ids)
+        width = max(len(o) for o in outs)
+        tokens = torch.tensor([o + [0] * (width - len(o)) for o in outs])
+        return build_rollout_batch(prompts, params.n, tokens, torch.full(tokens.shape, -0.5),
+                                   torch.tensor([len(o) for o in outs]), self.pad_token_id)
+
+
+def call(name, **arguments):
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def items_for(tok, questions, tools_kwargs=None):
+    return [{"input_ids": tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
+             "raw_prompt": [{"role": "user", "content": q}], "ground_truth": "0", "data_source": "arith",
+             "index": i, "extra_info": {"tools_kwargs": tools_kwargs or {}}} for i, q in enumerate(questions)]
+
+
+def params(max_new=400, n=1):
+    from rlanywhere.rollout.base import SamplingParams
+
+    return SamplingParams(max_new_tokens=max_new, temperature=0.0, n=n)
+
+
+# ------------------------------------------------------------------------------------------------ tools
+def test_calculator_is_safe_arithmetic():
+    assert evaluate_expression("123 * 456 + 7") == 56095
+    assert evaluate_expression("(2 + 3) ** 2 - 10 / 4") == 22.5
+    assert evaluate_expression("-7 // 2") == -4
+    for bad in ("__import__('os').system('true')", "x + 1", "2 ** 100000", "1 / 0", "[1, 2]", "", "lambda: 1"):
+        with pytest.raises(CalculatorError):
+            evaluate_expression(bad)
+    response, reward, _ = CalculatorTool().execute("i", {"expression": "6 * 7.0"})
+    assert response.text == "42" and reward == 0.0
+
+
+def test_sandbox_limits_hang_memory_network_output():
+    tool = PythonSandboxTool({"wall_time_s": 2, "cpu_time_s": 1, "memory_mb": 256, "max_output_chars": 1000})
+    assert tool.execute("i", {"code": "print(6 * 7)"})[0].text == "42\n"
+    start = time.perf_counter()
+    hung = tool.execute("i", {"code": "import time\ntime.sleep(60)"})[0].text
+    assert "longer than 2 s" in hung and time.perf_counter() - start < 10
+    spin = tool.execute("i", {"code": "while True:\n    pass"})[0].text
+    assert "stopped" in spin
+    assert "MemoryError" in tool.execute("i", {"code": "x = bytearray(1 << 31)"})[0].text
+    assert "network access is disabled" in tool.execute(
+        "i", {"code": "import socket\nsocket.create_connection(('127.0.0.1', 9))"})[0].text
+    big = tool.execute("i", {"code": "print('x' * (1 << 20))"})[0].text  # 1 MB printed
+    assert 1000 <= len(big) < 1100 and "characters cut" in big
+    assert tool.execute("i", {"code": "open('f.txt', 'w').write('hi'); print(open('f.txt').read())"})[0].text == "hi\n"
+
+
+class Raises(BaseTool):
+    def execute(self, instance_id, parameters, **kwargs):
+        raise RuntimeError("boom")
+
+
+class Hangs(BaseTool):
+    def execute(self, instance_id, parameters, **kwargs):
+        time.sleep(30)
+
+
+class Garbage(BaseTool):
+    def execute(self, instance_id, parameters, **kwargs):
+        return object(), "not a number", None
+
+
+class Prints1MB(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):  # a verl-style async tool
+        return ToolResponse(text="y" * (1 << 20)), 0.5, {}
+
+
+def test_executor_turns_failures_into_error_texts():
+    tools = {name: cls(None, {"type": "function", "function": {"name": name}})
+             for name, cls in (("raises", Raises), ("hangs", Hangs), ("garbage", Garbage), ("big", Prints1MB))}
+    jobs = [(tools[name], "id", ToolCall(name, {})) for name in ("raises", "hangs", "garbage", "big")]
+    jobs.append((None, "", ToolCall(None, error="Error: bad json")))
+    start = time.perf_counter()
+    results = run_calls(jobs, timeout_s=1.0, max_chars=100)
+    assert time.perf_counter() - start < 5
+    assert [r.error for r in results] == [True, True, True, False, True]
+    assert "RuntimeError: boom" in results[0].text and "within 1 s" in results[1].text
+    assert "not text" in results[2].text and results[4].text == "Error: bad json"
+    assert len(results[3].text) < 200 and results[3].reward == 0.5
+
+
+def test_verl_tool_config_and_gsm8k_semantics(tmp_path):
+    path = tmp_path / "gsm8k_tool_config.yaml"
+    path.write_text(textwrap.dedent("""\
+        tools:
+          - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+            config:
+              type: native
+            tool_schema:
+              type: "function"
+              function:
+                name: "calc_gsm8k_reward"
+                description: "A tool for calculating the reward of gsm8k."
+                parameters:
+                  type: "object"
+                  properties:
+                    answer: {type: "string", description: "The model's answer"}
+                  required: ["answer"]
+        """))
+    from rlanywhere.tools import load_tool_config
+
+    (tool,) = load_tool_config(path)
+    assert isinstance(tool, Gsm8kTool) and tool.name == "calc_gsm8k_reward"
+    instance, _ = tool.create(None, create_kwargs={"ground_truth": "72"})
+    assert tool.execute(instance, {"answer": "70"})[1] == -0.05  # no improvement on 0
+    response, reward, _ = tool.execute(instance, {"answer": "72"})
+    assert reward == 0.0 and "reward=1.0" in response.text and tool.calc_reward(instance) == 1.0
+    assert tool.execute(instance, {"answer": "72"})[1] == -0.05  # same answer again: not an improvement
+    tool.release(instance)
+    with pytest.raises(ToolConfigError, match="no counterpart"):
+        tools_from_config({"tools": [{"class_name": "verl.tools.search_tool.SearchTool"}]})
+    with pytest.raises(ToolConfigError, match="more than once"):
+        tools_from_config({"tools": [{"class_name": "calculator"}, {"class_name": "calculator"}]})
+    with pytest.raises(ToolConfigError, match="no such file"):
+        load_tool_config(tmp_path / "missing.yaml")
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+def test_parse_hermes_calls():
+    known = {"calculator"}
+    calls = parse_tool_calls("x " + call("calculator", expression="1+1") + " and "
+                             + call("calculator", expression="2*3"), known)
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("calculator", {"expression": "1+1"}, None),
+                                                               ("calculator", {"expression": "2*3"}, None)]
+    assert "not valid JSON" in parse_tool_calls("<tool_call>{name: calculator}</tool_call>", known)[0].error
+    assert "unknown tool 'search'" in parse_tool_calls(call("search", q="x"), known)[0].error
+    assert "must be" in parse_tool_calls('<tool_call>["calculator"]</tool_call>', known)[0].error
+    truncated = parse_tool_calls(call("calculator", expression="1") + ' <tool_call>{"name": "calcu', known)
+    assert truncated[0].error is None and "no closing" in truncated[1].error
+    assert parse_tool_calls("no calls here", known) == []
+    as_string = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"4\\"}"}'
+                                 '</tool_call>', known)
+    assert as_string[0].arguments == {"expression": "4"}
+
+
+def test_tool_messages_rendered_with_the_chat_template(tok):
+    renderer = ToolMessageRenderer(tok, "<|im_end|>")
+    assert renderer.text(["42"], True) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert renderer.text(["1", "2"], False).startswith("<|im_end|>\n<|im_start|>tool\n1<|im_end|>\n")
+    ids = render_prompt_with_tools(tok, [{"role": "user", "content": "hi"}], [CalculatorTool()])
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system\nYou can call tools") and '"name": "calculator"' in text
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+def arithmetic_script(context, turn):
+    if turn == 0:
+        return "Let me compute. " + call("calculator", expression="12*34")
+    return "The answer is #### 408"
+
+
+def test_driver_masks_tool_tokens_and_counts(tok):
+    engine = ScriptedEngine(tok, arithmetic_script)
+    driver = MultiTurnRollout([CalculatorTool()], tok, MultiTurnSettings(), engine.eos_ids)
+    batch = driver.generate(engine, items_for(tok, ["12*34?", "again"]), params(n=2))
+    assert batch.response_ids.shape[0] == 4 and engine.calls[0] == (2, 2, 400) and engine.calls[1][:2] == (4, 1)
+    for row in range(4):
+        ids, mask = batch.response_ids[row].tolist(), batch.response_mask[row].tolist()
+        length = len(ids) - ids[::-1].index(tok.eos_token_id)
+        first = tok(arithmetic_script("", 0), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        tool_part = tok("\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n",
+                        add_special_tokens=False)["input_ids"]
+        second = tok(arithmetic_script("", 1), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert ids[:length] == first + tool_part + second
+        assert mask[:length] == [1] * len(first) + [0] * len(tool_part) + [1] * len(second)
+        logprobs = batch.response_logprobs[row, :length]
+        assert torch.all((logprobs == 0) == (batch.response_mask[row, :length] == 0))
+    stats = driver.last_stats
+    assert [(s.assistant_turns, s.user_turns, s.tool_calls, s.tool_errors) for s in stats] == [(2, 1, 1, 0)] * 4
+    metrics = multiturn_metrics(stats)
+    assert metrics["multi_turn/tool_calls/mean"] == 1.0 and metrics["multi_turn/assistant_turns/mean"] == 2.0
+    assert metrics["multi_turn/tool_call_rate"] == 1.0 and metrics["multi_turn/tool_errors/total"] == 0.0
+    assert "<|im_start|>tool" not in batch.decode(tok)[0]  # the reward reads the model's own text
+
+
+def test_driver_errors_and_limits(tok):
+    def script(context, turn):
+        if turn == 0:  # malformed JSON, an unknown tool and a good call in one turn
+            return "<tool_call>{oops</tool_call>" + call("search", q="x") + call("calculator", expression="2+2")
+        return call("calculator", expression="1/0")  # keeps calling: stopped by the turn limits
+    engine = ScriptedEngine(tok, script)
+    settings = MultiTurnSettings(max_assistant_turns=3, max_user_turns=2, max_parallel_calls=3)
+    driver = MultiTurnRollout([CalculatorTool()], tok, settings, engine.eos_ids)
+    batch = driver.generate(engine, items_for(tok, ["q"]), params(max_new=2000))
+    (stats,) = driver.last_stats
+    # turn 0: 3 calls (2 bad); turn 1: 1 call (division by zero); turn 2: its call is not run (user turn limit)
+    assert (stats.assistant_turns, stats.user_turns, stats.tool_calls, stats.tool_errors) == (3, 2, 4, 3)
+    text = tok.decode(batch.response_ids[0][batch.response_ids[0] != tok.pad_token_id])
+    assert "not valid JSON" in text and "unknown tool 'search'" in text and "\n4<|im_end|>" in text
+    assert "division by zero" in text
+
+
+def test_truncated_call_at_the_length_limit(tok):
+    engine = ScriptedEngine(tok, lambda context, turn: "x" * 20 + call("calculator", expression="9*9"))
+    driver = MultiTurnRollout([CalculatorTool()], tok, MultiTurnSettings(), engine.eos_ids)
+    batch = driver.generate(engine, items_for(tok, ["q"]), params(max_new=40))
+    (stats,) = driver.last_stats
+    assert batch.response_mask.sum() == 40 and batch.response_ids.shape[1] == 40  # cut inside the call
+    assert (stats.assistant_turns, stats.user_turns, stats.tool_calls, stats.tool_errors) == (1, 0, 1, 1)
+
+
+def test_no_room_for_the_tool_result_ends_the_row(tok):
+    engine = ScriptedEngine(tok, arithmetic_script)
+    first = len(tok(arithmetic_script("", 0), add_special_tokens=False)["input_ids"]) + 1
+    driver = MultiTurnRollout([CalculatorTool()], tok, MultiTurnSettings(), engine.eos_ids)
+    batch = driver.generate(engine, items_for(tok, ["q"]), params(max_new=first + 10))
+    assert batch.response_mask.tolist() == [[1] * first]  # the call ran, its result did not fit: no hole at the end
+    assert driver.last_stats[0].tool_calls == 1 and len(engine.calls) == 1
+
+
+def test_tools_kwargs_reach_create(tok):
+    tool = Gsm8kTool()
+    engine = ScriptedEngine(tok, lambda c, t: call("calc_gsm8k_reward", answer="72") if t == 0 else "done")
+    driver = MultiTurnRollout([tool], tok, MultiTurnSettings(), engine.eos_ids)
+    kwargs = {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}
+    batch = driver.generate(engine, items_for(tok, ["q"], kwargs), params())
+    assert "reward=1.0" in tok.decode(batch.response_ids[0])
+    assert tool._instances == {}  # released
+
+
+# ------------------------------------------------------------------------------------------------ holes in the mask
+HOLED = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 1, 1, 0, 0]], dtype=torch.float64)
+
+
+def test_gae_over_a_holed_mask_by_hand():
+    rewards = torch.tensor([[0, 0, 0, 0, 1.0, 0], [0, 0, 0, 2.0, 0, 0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 0.25, 9, 9, 0.75, 9], [1.0, 9, 0.5, 0.25, 9, 9]], dtype=torch.float64)
+    gamma, lam = 0.5, 0.5
+    # row 0, real tokens t0, t1, t4 (holes skipped: the "next" of t1 is t4):
+    # t4: d = 1 - .75 = .25, A = .25; t1: d = 0 + .5*.75 - .25 = .125, A = .125 + .25*.25 = .1875;
+    # t0: d = .5*.25 - .5 = -.375, A = -.375 + .25*.1875 = -.328125
+    # row 1, real t0, t2, t3: t3: d = 2 - .25 = 1.75, A = 1.75; t2: d = .5*.25 - .5 = -.375, A = -.375 + .25*1.75
+    # = .0625; t0: d = .5*.5 - 1 = -.75, A = -.75 + .25*.0625 = -.734375
+    raw = torch.tensor([[-0.328125, 0.1875, 0, 0, 0.25, 0], [-0.734375, 0, 0.0625, 1.75, 0, 0]], dtype=torch.float64)
+    advantages, returns = algo.compute_gae_advantages(rewards, values, HOLED, gamma, lam)
+    assert torch.allclose(returns, (raw + values) * HOLED)
+    real = raw[HOLED.bool()]
+    whitened = (real - real.mean()) / torch.sqrt(real.var(unbiased=True) + 1e-8)
+    assert torch.allclose(advantages[HOLED.bool()], whitened, atol=1e-6)
+    assert torch.all(advantages[~HOLED.bool()] == 0)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_every_estimator_ignores_holes(estimator):
+    """Holes change nothing: the advantages on the real tokens equal those of the same rows with the holes removed."""
+    holed = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0], [1, 0, 0, 1, 1, 1]])
+    scores = torch.tensor([1.0, 0.0, 0.5, 2.0], dtype=torch.float64)
+    values = torch.linspace(0.1, 2.4, 24, dtype=torch.float64).reshape(4, 6)
+    groups = torch.tensor([0, 0, 1, 1])
+    width = int(holed.sum(-1).max())
+    packed = torch.zeros(4, width, dtype=torch.long)
+    packed_values = torch.zeros(4, width, dtype=torch.float64)
+    for r in range(4):
+        real = holed[r].nonzero().flatten()
+        packed[r, :real.numel()] = 1
+        packed_values[r, :real.numel()] = values[r, real]
+    kwargs = dict(scores=scores, group_index=groups, gamma=0.9, lam=0.8)
+    adv_h, ret_h = algo.compute_advantages(estimator, mask=holed, values=values, **kwargs)
+    adv_p, ret_p = algo.compute_advantages(estimator, mask=packed, values=packed_values, **kwargs)
+    for r in range(4):
+        real = holed[r].nonzero().flatten()
+        assert torch.allclose(adv_h[r, real], adv_p[r, :real.numel()], atol=1e-9)
+        assert torch.allclose(ret_h[r, real], ret_p[r, :real.numel()], atol=1e-9)
+        assert torch.all(adv_h[r][holed[r] == 0] == 0)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_loss_modes_ignore_tool_tokens(mode):
+    """Policy loss, KL and entropy terms aggregated over a holed mask: values at tool tokens do not matter, and the
+    result equals the aggregation over the same real tokens packed together."""
+    per_token = torch.tensor([[1.0, 2.0, 50.0, 60.0, 3.0, 70.0], [4.0, 80.0, 5.0, 6.0, 90.0, 99.0]])
+    changed = per_token.clone()
+    changed[HOLED == 0] = -1e4
+    packed = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    packed_mask = torch.ones(2, 3)
+    scale = algo.LossScale.of(HOLED.float(), norm_length=6)  # the configured response length, as the trainer gives
+    holed = algo.aggregate_loss(per_token, HOLED.float(), mode, scale)
+    assert torch.allclose(holed, algo.aggregate_loss(changed, HOLED.float(), mode, scale))
+    expected = {"token-mean": 21 / 6, "seq-mean-token-sum": (6 + 15) / 2, "seq-mean-token-mean": (2 + 5) / 2,
+                "seq-mean-token-sum-norm": (6 + 15) / 6 / 2}
+    assert holed.item() == pytest.approx(expected[mode])
+    packed_scale = algo.LossScale.of(packed_mask, norm_length=6)
+    assert torch.allclose(holed, algo.aggregate_loss(packed, packed_mask, mode, packed_scale))
+
+
+def test_planner_counts_all_turns():
+    total, reason = plan_multiturn_lengths(True, 512, 1024, 5, 5)
+    assert total == 512 + 128 + 1024 and "all turns" in reason
+    assert plan_multiturn_lengths(False, 512, 1024, 5, 5)[0] == 1536
+
+
+def test_verl_multi_turn_keys_plan_and_checks(tmp_path):
+    from rlanywhere.config import load_config
+    from rlanywhere.errors import UserError
+    from rlanywhere.planner import make_plan
+    from rlanywhere.rollout.multiturn import multiturn_settings
+
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools:\n  - class_name: calculator\n  - class_name: python\n")
+    key = "actor_rollout_ref.rollout.multi_turn"
+    base = [f"{key}.enable=true", f"{key}.max_turns=3", f"{key}.tool_config_path={path}", "hardware.device=cpu",
+            "data.return_raw_chat=true", f"{key}.format=hermes"]
+    cfg = load_config(None, base)
+    settings = multiturn_settings(cfg.actor_rollout_ref.rollout.multi_turn)
+    assert (settings.max_assistant_turns, settings.max_user_turns) == (3, 3)  # older verl's max_turns read
+    reason = make_plan(cfg, for_execution=False).reasons["multi_turn"]
+    assert "tools: calculator, python" in reason and "all turns" in reason
+    with pytest.raises(UserError, match="format='llama3_json' is not supported"):
+        make_plan(load_config(None, base + [f"{key}.format=llama3_json"]), for_execution=False)
+    with pytest.raises(ToolConfigError, match="no such file"):
+        make_plan(load_config(None, base + [f"{key}.tool_config_path={tmp_path / 'nope.yaml'}"]), for_execution=False)
+    notices: list[str] = []
+    load_config(None, base + [f"{key}.interaction_config_path=x.yaml"], notices=notices)
+    assert any("interaction_config_path" in n and "no effect" in n for n in notices)
+
+
+def test_truncation_sees_the_last_column_of_a_holed_mask():
+    ids = torch.tensor([[5, 5, 7, 7, 5, 5], [5, 7, 7, 5, 2, 0]])
+    holed = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 0, 0, 1, 1, 0]])
+    # row 0 fills the 6 columns without EOS (2): cut off; row 1 ends with EOS at column 4
+    assert algo.truncated_rows(ids, holed, 6, [2]).tolist() == [True, False]

@@ -1,0 +1,213 @@
+"""Multi-turn training end to end on the CPU with a tiny byte-level Qwen2 taught (in the fixture, a few seconds of
+supervised steps) to call verl's GSM8K tool and then answer: verl's sglang_multiturn GSM8K keys and tool config, tool
+calls and turns in the metrics, resume in the middle of a multi-turn run, and two ranks' rows equal to one
+process's."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rlanywhere.rollout.multiturn import MultiTurnRollout, MultiTurnSettings, render_prompt_with_tools
+from rlanywhere.tools import Gsm8kTool
+
+from .test_e2e import base_overrides, killed_then_resumed, run_training, train_rows
+from .test_multiturn import byte_tokenizer
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are a math expert. Call calc_gsm8k_reward with your answer."
+CALL = '<tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}</tool_call>'
+TOOL_CONFIG = textwrap.dedent("""\
+    tools:
+      - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+        config:
+          type: native
+        tool_schema:
+          type: "function"
+          function:
+            name: "calc_gsm8k_reward"
+            description: "A tool for calculating the reward of gsm8k."
+            parameters:
+              type: "object"
+              properties:
+                answer:
+                  type: "string"
+                  description: "The model's answer to the GSM8K math problem, must be a digits"
+              required: ["answer"]
+    """)
+
+
+def question(i: int) -> str:
+    return f"Tom has {i} apples and buys {72 - i} more. How many apples?"
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    return build_tool_model(tmp_path_factory.mktemp("tool_qwen2"))
+
+
+def build_tool_model(out):
+    """A tiny byte-level Qwen2 that answers any question with CALL, then (after the tool message) '#### 72'."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlanywhere.rollout.multiturn import ToolMessageRenderer, tool_prompt_text
+
+    tool = Gsm8kTool()
+    corpus = [tool_prompt_text([tool]), SYSTEM, CALL, "#### 72", "Current parsed answer='72' reward=1.0"]
+    corpus += [question(i) for i in range(1, 30)] + [TOOL_CONFIG] * 3
+    tok = byte_tokenizer(corpus * 20)
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=2048,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = Qwen2ForCausalLM(config)
+    sequences = []
+    for i in range(1, 9):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(i)}]
+        prompt = render_prompt_with_tools(tok, messages, [tool])
+        first = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        result = ToolMessageRenderer(tok, "<|im_end|>").ids(["Current parsed answer='72' reward=1.0"], True)
+        second = tok("#### 72", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids = prompt + first + result + second
+        labels = [-100] * len(prompt) + first + [-100] * len(result) + second
+        sequences.append((ids, labels))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(80):
+        ids, labels = sequences[step % len(sequences)]
+        loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gsm8k_tool_data(tmp_path_factory):
+    """verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py layout: system + user prompt, tools_kwargs."""
+    out = tmp_path_factory.mktemp("gsm8k_multiturn")
+    for split, indices in (("train", range(1, 17)), ("test", range(20, 28))):
+        rows = [{"data_source": "openai/gsm8k",
+                 "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(i % 9 + 1)}],
+                 "ability": "math", "reward_model": {"style": "rule", "ground_truth": "72"},
+                 "extra_info": {"split": split, "index": i, "question": question(i % 9 + 1), "answer": "#### 72",
+                                "need_tools_kwargs": True,
+                                "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}}
+                for i in indices]
+        pq.write_table(pa.Table.from_pylist(rows), out / f"{split}.parquet")
+    (out / "gsm8k_tool_config.yaml").write_text(TOOL_CONFIG)
+    return out
+
+
+def verl_multiturn_overrides(model_dir, data_dir, run_dir, **extra):
+    """examples/sglang_multiturn's keys (gsm8k_multiturn_grpo.yaml + run_qwen2.5-3b_gsm8k_multiturn.sh), sizes
+    shrunk, paths replaced."""
+    keys = {"algorithm.adv_estimator": "grpo", "data.return_raw_chat": True, "data.max_prompt_length": 1024,
+            "data.max_response_length": 160, "actor_rollout_ref.rollout.name": "sglang",
+            "actor_rollout_ref.rollout.multi_turn.enable": True,
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 5,
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path": str(data_dir / "gsm8k_tool_config.yaml"),
+            "actor_rollout_ref.rollout.temperature": 0.7, "actor_rollout_ref.actor.use_kl_loss": True,
+            "actor_rollout_ref.actor.kl_loss_coef": 0.001, "actor_rollout_ref.actor.optim.lr": 1e-4,
+            "data.val_max_samples": 4, "trainer.val_before_train": False, "trainer.test_freq": -1}
+    keys.update(extra)
+    return base_overrides(model_dir, data_dir, run_dir, **keys)
+
+
+def test_verl_gsm8k_multiturn_example_trains_with_tool_calls(tool_model_dir, gsm8k_tool_data, tmp_path):
+    overrides = verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "run",
+                                         **{"trainer.total_training_steps": 1, "trainer.test_freq": 1})
+    trainer, metrics = run_training(overrides)
+    step = train_rows(metrics)[1]
+    # the (briefly) taught model calls the tool, sometimes sloppily: each call and error is counted
+    assert step["multi_turn/tool_calls/mean"] >= 0.5 and step["multi_turn/tool_call_rate"] >= 0.5, step
+    assert step["multi_turn/assistant_turns/mean"] > 1.0 and step["multi_turn/user_turns/mean"] > 0.5
+    assert 0 <= step["multi_turn/tool_errors/total"] <= 8 * step["multi_turn/tool_calls/mean"]
+    assert step["response_length/mean"] > 0
+    val = [m for m in metrics if "val/acc" in m][-1]
+    assert val["val/multi_turn/tool_call_rate"] > 0.5
+
+
+def test_resume_in_the_middle_of_a_multiturn_run(tool_model_dir, gsm8k_tool_data, tmp_path, monkeypatch):
+    extra = {"trainer.total_training_steps": 2, "trainer.save_freq": 1}
+    _, uninterrupted = run_training(verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "a", **extra))
+    trainer, resumed = killed_then_resumed(
+        verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "b", **extra), 1, monkeypatch)
+    a, b = train_rows(uninterrupted), train_rows(resumed)
+    assert sorted(b) == [1, 2]
+    for step in (2,):
+        for key in ("reward/mean", "actor/pg_loss", "multi_turn/tool_calls/mean", "multi_turn/assistant_turns/mean",
+                    "response_length/mean"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_two_ranks_draw_what_one_process_draws(tool_model_dir):
+    """Each rank runs the driver on its block of prompts (first_prompt = its global offset); with rows_per_wave
+    dividing a rank's rows, the rows equal one process's rows for the same prompts, every turn included."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlanywhere.rollout.base import SamplingParams
+    from rlanywhere.rollout.hf import HFEngine
+
+    tok = AutoTokenizer.from_pretrained(tool_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    engine = HFEngine(model, tok)
+    items = [{"input_ids": [], "raw_prompt": [{"role": "system", "content": SYSTEM},
+                                             {"role": "user", "content": question(i)}],
+              "extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}}
+             for i in range(1, 5)]
+    params = SamplingParams(max_new_tokens=120, temperature=1.0, n=2)
+
+    def generator(first_prompt):
+        return torch.Generator().manual_seed(1000 + first_prompt)
+
+    def run(part, first):
+        driver = MultiTurnRollout([Gsm8kTool()], tok, MultiTurnSettings(), engine.eos_ids)
+        return driver.generate(engine, part, params, generator, first_prompt=first, rows_per_wave=4), driver
+
+    whole, driver = run(items, 0)
+    halves = [run(items[:2], 0)[0], run(items[2:], 2)[0]]
+    assert sum(s.tool_calls for s in driver.last_stats) > 0  # later turns happened
+    for rank, half in enumerate(halves):
+        rows = slice(4 * rank, 4 * rank + 4)
+        width = half.response_ids.shape[1]
+        assert torch.equal(half.response_ids, whole.response_ids[rows, :width])
+        assert torch.equal(half.response_mask, whole.response_mask[rows, :width])
+        assert whole.response_mask[rows, width:].sum() == 0
+
+
+def test_fast_engine_kv_continuation_equals_re_prefill(tool_model_dir):
+    """FastEngine continuing rows in their KV cache gives the tokens, masks and log-probs of re-prefilling the whole
+    history every turn (greedy), and the same turn and tool counts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlanywhere.plans import RolloutPlan
+    from rlanywhere.rollout.base import SamplingParams
+    from rlanywhere.rollout.fast import FastEngine
+
+    tok = AutoTokenizer.from_pretrained(tool_model_dir)
+    engine = FastEngine(AutoModelForCausalLM.from_pretrained(tool_model_dir).eval(), tok, RolloutPlan(engine="fast"))
+    items = [{"input_ids": [], "raw_prompt": [{"role": "system", "content": SYSTEM},
+                                             {"role": "user", "content": question(i)}],
+              "extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}}
+             for i in range(1, 4)]
+    results = {}
+    for kv in (True, False):
+        driver = MultiTurnRollout([Gsm8kTool()], tok, MultiTurnSettings(), engine.eos_ids, kv_continuation=kv)
+        with torch.no_grad():
+            batch = driver.generate(engine, items, SamplingParams(max_new_tokens=100, temperature=0.0, n=2))
+        results[kv] = batch, [(s.assistant_turns, s.user_turns, s.tool_calls, s.tool_errors)
+                              for s in driver.last_stats]
+    (kv_batch, kv_stats), (re_batch, re_stats) = results[True], results[False]
+    assert kv_stats == re_stats and sum(s[2] for s in kv_stats) > 0
+    assert torch.equal(kv_batch.response_ids, re_batch.response_ids)
+    assert torch.equal(kv_batch.response_mask, re_batch.response_mask)
+    assert (kv_batch.response_mask == 0).any()  # tool tokens are in there
+    assert torch.allclose(kv_batch.response_logprobs, re_batch.response_logprobs, atol=1e-4)
