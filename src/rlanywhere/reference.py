@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import io
 import re
@@ -72,6 +73,11 @@ def _field_comments(cls: type) -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict:
+    return typing.get_type_hints(cls, vars(config_module))
+
+
 def _field_of(key: str) -> Optional[tuple[type, dataclasses.Field]]:
     """The dataclass and field that hold a dotted key, walking from config.RLConfig."""
     cls: Any = config_module.RLConfig
@@ -84,8 +90,7 @@ def _field_of(key: str) -> Optional[tuple[type, dataclasses.Field]]:
         if depth == len(parts) - 1:
             owner = next((base for base in cls.__mro__ if part in getattr(base, "__annotations__", {})), cls)
             return owner, field
-        hints = typing.get_type_hints(cls, vars(config_module))
-        cls = hints.get(part)
+        cls = _type_hints(cls).get(part)
         if not dataclasses.is_dataclass(cls):
             return None
     return None
@@ -116,7 +121,9 @@ def config_keys() -> list[KeyInfo]:
         if located is not None:
             owner, field = located
             annotation = field.type
-            comment = comment_cache.setdefault(owner, _field_comments(owner)).get(field.name)
+            if owner not in comment_cache:
+                comment_cache[owner] = _field_comments(owner)
+            comment = comment_cache[owner].get(field.name)
         description = key_doc(key) or comment or ""
         type_name = "str or list" if key.endswith("_files") else _type_name(annotation, default)
         out.append(KeyInfo(key=key, type=type_name, default=default, description=description,
