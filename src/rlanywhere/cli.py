@@ -99,7 +99,7 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
                 f"trainer.nnodes={cfg.trainer.nnodes} x trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}: start "
                 f"every node yourself with torchrun --nnodes={cfg.trainer.nnodes} "
                 f"--nproc_per_node={cfg.trainer.n_gpus_per_node} --rdzv_endpoint=HOST:PORT -m rlanywhere.cli train "
-                "... (README: several GPUs, several machines)")
+                "... (docs/distributed.md has the full command)")
         return _torchrun_until_done(cfg, relaunch_argv)
     rank = distributed.env_world()[0]
     if world > 1 and hasattr(signal, "SIGUSR1"):
