@@ -181,3 +181,25 @@ def test_a_broken_link_fails_the_build(tmp_path, broken):
     built = _mkdocs_build(copy, tmp_path / "site")
     assert built.returncode != 0
     assert "index.md" in built.stdout + built.stderr
+
+
+def _slug(heading: str) -> str:
+    """Python-Markdown's (and GitHub's, for these headings) anchor of a heading."""
+    text = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def test_readme_links_point_at_existing_pages_and_headings():
+    """README.md is not part of the site, so mkdocs does not check its links: this does."""
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert links
+    for link in links:
+        if "://" in link:
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), link
+        if anchor:
+            headings = re.findall(r"^#+\s+(.*)$", target.read_text(), re.MULTILINE)
+            assert anchor in {_slug(h) for h in headings}, link
