@@ -27,7 +27,9 @@ DEVELOPMENT_WORDING = [
     r"\bissues?\s*#?\d+",
     r"\b(development|dev)\s+rounds?\b",
     r"\brounds?\s+\d+\b",
-    r"\bgoals?\b",
+    r"\bgoals?\b[^.\n]{0,40}\b(met|reached|missed)\b",
+    r"\(goal\b",
+    r"\bgoal\s+(of\s+)?[\d.,]+",
     r"\blanes?\b",
     r"\bsuperseded\b",
     r"\bthis (pr|ticket)\b",
@@ -98,7 +100,8 @@ def test_table_cells_escape_pipes_and_links_outside_code():
 
 @pytest.mark.parametrize("text, found", [
     ("measured in session 15", True), ("Sessions 12-14 were lent one GPU", True), ("(issue 16)", True),
-    ("goal 1.3x met", True), ("measured by the lead", True), ("rounded up to 8", False),
+    ("goal 1.3x met", True), ("(goal 100,000: met)", True), ("the 1.8x goal is not met", True),
+    ("the goal of 1.8x", True), ("your goal is a model that answers", False), ("measured by the lead", True), ("rounded up to 8", False),
     ("generation rounds a step", False), ("a round trip", False), ("round 3 of the work", True),
 ])
 def test_development_wording_patterns(text, found):
