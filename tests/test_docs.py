@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Wording about how the project was made rather than what it does: development rounds, issue numbers, goals met or
 # missed, who measured what. History belongs in CHANGELOG.md and git, not in the pages.
 DEVELOPMENT_WORDING = [
-    r"\bsessions?\b",
+    r"\bsessions?\s+\d+",
+    r"\b(this|that|earlier|previous|next|later|last|each|every|both)\s+sessions?\b",
     r"\bissues?\s*#?\d+",
     r"\b(development|dev)\s+rounds?\b",
     r"\brounds?\s+\d+\b",
@@ -100,6 +101,7 @@ def test_table_cells_escape_pipes_and_links_outside_code():
 
 @pytest.mark.parametrize("text, found", [
     ("measured in session 15", True), ("Sessions 12-14 were lent one GPU", True), ("(issue 16)", True),
+    ("this session's device time", True), ("the ratios of earlier sessions", True), ("an ssh session dropped", False),
     ("goal 1.3x met", True), ("(goal 100,000: met)", True), ("the 1.8x goal is not met", True),
     ("the goal of 1.8x", True), ("your goal is a model that answers", False), ("measured by the lead", True), ("rounded up to 8", False),
     ("generation rounds a step", False), ("a round trip", False), ("round 3 of the work", True),
