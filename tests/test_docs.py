@@ -125,8 +125,9 @@ def test_no_page_speaks_of_development_rounds():
 def test_version_matches_a_changelog_entry_and_the_cli():
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert re.search(rf"^## {re.escape(__version__)}\s*$", changelog, re.MULTILINE), __version__
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-m", "rlanywhere.cli", "--version"], capture_output=True, text=True,
-                         cwd=ROOT, check=True)
+                         cwd=ROOT, check=True, env=env)  # this checkout, not whatever copy is installed
     assert out.stdout.strip() == f"rlanywhere {__version__}"
     assert 'dynamic = ["version"]' in (ROOT / "pyproject.toml").read_text()  # pyproject reads __version__
 
