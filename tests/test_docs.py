@@ -44,9 +44,28 @@ def doc_pages() -> list[Path]:
 
 
 def test_committed_reference_pages_are_what_the_code_generates():
-    for relative, text in reference.generated_pages().items():
+    for relative, text in reference.generated_pages(with_fits=False).items():
         committed = (ROOT / relative).read_text()
         assert committed == text, f"{relative} is out of date: run `python -m rlanywhere.reference`"
+
+
+@pytest.mark.slow
+def test_the_what_fits_table_is_what_the_planner_says_in_its_page_and_the_readme():
+    pages = reference.generated_pages(with_fits=True)
+    for relative in (reference.PAGES["hardware"], Path("README.md")):
+        assert (ROOT / relative).read_text() == pages[relative], (
+            f"{relative} is out of date: run `python -m rlanywhere.reference`")
+    table = pages[reference.PAGES["hardware"]]
+    assert table.count("\n| ") == len(reference.FIT_CARDS) + 1  # the header and one row per card
+    p40 = next(line for line in table.splitlines() if line.startswith("| Tesla P40 |"))
+    assert "fp32, no TF32" in p40 and "SDPA" in p40  # Pascal: no bf16, no TF32, no FlashAttention
+
+
+def test_readme_keeps_one_what_fits_block():
+    readme = (ROOT / "README.md").read_text()
+    assert readme.count(reference.FITS_BEGIN) == 1 and readme.count(reference.FITS_END) == 1
+    assert reference.readme_with_fits("a\n" + reference.FITS_BEGIN + "\nold\n" + reference.FITS_END + "\nb",
+                                      "| new |") == "a\n" + reference.FITS_BEGIN + "\n| new |\n" + reference.FITS_END + "\nb"
 
 
 def test_config_reference_lists_every_schema_key_with_a_description():
