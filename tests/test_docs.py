@@ -124,7 +124,8 @@ def test_table_cells_escape_pipes_and_links_outside_code():
     ("this session's device time", True), ("the ratios of earlier sessions", True), ("an ssh session dropped", False),
     ("goal 1.3x met", True), ("(goal 100,000: met)", True), ("the 1.8x goal is not met", True),
     ("the goal of 1.8x", True), ("your goal is a model that answers", False), ("measured by the lead", True),
-    ("rounded up to 8", False), ("generation rounds a step", False), ("a round trip", False), ("round 3 of the work", True),
+    ("rounded up to 8", False), ("generation rounds a step", False), ("a round trip", False),
+    ("round 3 of the work", True),
 ])
 def test_development_wording_patterns(text, found):
     assert any(re.search(p, text, re.IGNORECASE) for p in DEVELOPMENT_WORDING) == found
