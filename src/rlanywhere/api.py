@@ -58,8 +58,8 @@ def demo_profile(on_gpu: bool) -> dict:
     questions with "To solve this equation, you need to ..." and runs out of its 12 tokens before any answer;
     GRPO with 4 prompts x 8 samples and lr 1e-5 teaches it within a few steps (3e-5 overshot: +25 points
     at step 4, +9 at step 8) to answer "a + b = c"
-    at once (measured before -> after: README). GPU: 2-digit addition, more prompts, samples and steps, as
-    measured on an H200 (README); unchanged."""
+    at once (measured before -> after: docs/benchmarks.md). GPU: 2-digit addition, more prompts, samples and steps, as
+    measured on an H200 (docs/benchmarks.md); unchanged."""
     small = not on_gpu
     data_dir = demo_data_dir(on_gpu)
     return {

@@ -131,7 +131,7 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
                 f"trainer.nnodes={cfg.trainer.nnodes} x trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}: start "
                 f"every node yourself with torchrun --nnodes={cfg.trainer.nnodes} "
                 f"--nproc_per_node={cfg.trainer.n_gpus_per_node} --rdzv_endpoint=HOST:PORT -m rlanywhere.cli train "
-                "... (README: several GPUs, several machines)")
+                "... (docs/distributed.md has the full command)")
         return _torchrun_until_done(cfg, relaunch_argv)
     rank = distributed.env_world()[0]
     if world > 1 and hasattr(signal, "SIGUSR1"):
@@ -427,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
                        else "[dotted.key=value ...] on top of the demo profile")
         p.add_argument("--emulate", help="plan for (and cap the run to) a card: p40, t4, v100-16g, a100-40g, ...")
         if name == "plan":
-            p.add_argument("--json", action="store_true")
+            p.add_argument("--json", action="store_true", help="print the probe and the plan as JSON")
         if name != "demo":  # Hydra's spelling, as verl's scripts use it
             p.add_argument("--config-path", help="with --config-name: a directory of YAML configs (Hydra's option)")
             p.add_argument("--config-name", help="the YAML in --config-path to read (its defaults applied)")
@@ -437,37 +437,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = command("eval", "greedy accuracy and format rate of a model on a parquet file", cmd_eval)
     ev.add_argument("--model", required=True, help="HF dir (a run's final_model), hub id, .gguf file")
-    ev.add_argument("--data", required=True)
-    ev.add_argument("--max-samples", type=int, default=-1)
-    ev.add_argument("--max-new-tokens", type=int, default=256)
-    ev.add_argument("--batch-size", type=int, default=64)
-    ev.add_argument("--out")
-    ev.add_argument("overrides", nargs="*")
+    ev.add_argument("--data", required=True, help="a verl-schema parquet file (`rlanywhere prepare` writes them)")
+    ev.add_argument("--max-samples", type=int, default=-1, help="score the first N rows (-1: all)")
+    ev.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per answer at most")
+    ev.add_argument("--batch-size", type=int, default=64, help="prompts generated at once")
+    ev.add_argument("--out", help="also write the result JSON to this file")
+    ev.add_argument("overrides", nargs="*",
+                    help="dotted.key=value config overrides (e.g. custom_reward_function.path=FILE)")
 
     ch = command("chat", "talk to a model: --prompt TEXT, or type lines", cmd_chat)
     ch.add_argument("--model", required=True, help="HF dir (a run's final_model), hub id, .gguf file")
     ch.add_argument("--prompt", action="append", help="answer this and exit (repeatable)")
-    ch.add_argument("--max-new-tokens", type=int, default=128)
-    ch.add_argument("--temperature", type=float, default=0.0)
+    ch.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per answer at most")
+    ch.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
 
     prep = command("prepare", "write train/test parquet for a task", cmd_prepare)
-    prep.add_argument("task", choices=["gsm8k", "arithmetic", "generic"])
+    prep.add_argument("task", choices=["gsm8k", "arithmetic", "generic"], help="what to write")
     prep.add_argument("--src", help="gsm8k: a directory with train/test.jsonl or an HF dataset name; generic: a file")
-    prep.add_argument("--out", required=True)
-    prep.add_argument("--digits", type=int, default=2)
-    prep.add_argument("--operators", default="+")
-    prep.add_argument("--num-operands", type=int, default=2)
-    prep.add_argument("--train-size", type=int, default=2000)
-    prep.add_argument("--test-size", type=int, default=200)
-    prep.add_argument("--seed", type=int, default=0)
-    prep.add_argument("--prompt-key")
-    prep.add_argument("--answer-key")
-    prep.add_argument("--data-source", default="generic")
-    prep.add_argument("--instruction")
+    prep.add_argument("--out", required=True, help="output folder for train.parquet and test.parquet")
+    prep.add_argument("--digits", type=int, default=2, help="arithmetic: digits per operand")
+    prep.add_argument("--operators", default="+", help="arithmetic: operators to draw from, e.g. +-*")
+    prep.add_argument("--num-operands", type=int, default=2, help="arithmetic: operands per question")
+    prep.add_argument("--train-size", type=int, default=2000, help="arithmetic: training questions")
+    prep.add_argument("--test-size", type=int, default=200, help="arithmetic: test questions")
+    prep.add_argument("--seed", type=int, default=0, help="arithmetic: random seed")
+    prep.add_argument("--prompt-key",
+                      help="generic: the column holding the prompt (text or chat messages; dotted for nested)")
+    prep.add_argument("--answer-key", help="generic: the column holding the answer (the reward's ground truth)")
+    prep.add_argument("--data-source", default="generic", help="generic: the data_source written on every row")
+    prep.add_argument("--instruction", help="generic: text appended to each prompt")
 
     pl = command("plot", "PNG curves of a run", cmd_plot)
-    pl.add_argument("run_dir")
-    pl.add_argument("--out")
+    pl.add_argument("run_dir", help="the run directory (holds metrics.jsonl)")
+    pl.add_argument("--out", help="where to write the PNGs (default: RUN_DIR/plots)")
     return parser
 
 

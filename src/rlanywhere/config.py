@@ -634,7 +634,7 @@ def _vet_user_keys(user: DictConfig, notices: list[str], problems: Optional[list
             continue
         close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        problems.append(f"unknown config key {key!r}{hint} (see the config reference in README.md)")
+        problems.append(f"unknown config key {key!r}{hint} (every key: docs/reference/config.md)")
         _pop_key(user, key)
     for key, mapping in VERL_VALUE_MAP.items():
         value = OmegaConf.select(user, key)

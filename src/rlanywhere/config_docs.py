@@ -86,8 +86,6 @@ KEY_DOCS: dict[str, str] = {
     r"(actor_rollout_ref\.actor|critic)\.shuffle": "shuffle rows between mini-batches",
     r"actor_rollout_ref\.actor\.use_torch_compile": "compiled training passes where the planner plans them (CUDA "
     "with Triton, compute capability 8.0 or newer); false: eager everywhere",
-    r"actor_rollout_ref\.actor\.policy_loss\.loss_mode": "`vanilla` (PPO's per-token ratio) or `gspo` (one "
-    "length-normalised ratio per response)",
     # optimizers
     rf"{_OPTIM}\.lr": "AdamW learning rate",
     rf"{_OPTIM}\.lr_warmup_steps": "warm-up steps; -1: `lr_warmup_steps_ratio` of the run",
@@ -131,8 +129,37 @@ KEY_DOCS: dict[str, str] = {
     "for the critic",
     r"critic\.cliprange_value": "value clipping range of the critic loss",
     # rewards
-    r"reward_model\.enable": "a learned reward model; rlanywhere scores with rules or your function",
-    r"reward_model\.reward_manager": "how responses are scored: `naive` (one call per response) or `batch`",
+    r"reward_model\.enable": "score responses with a learned reward model (`reward_model.model.path`); false: the "
+    "rule for each row's `data_source`, or your function",
+    r"reward_model\.reward_manager": "verl's reward manager: how responses are handed to the reward function "
+    "(`naive`: one call per response)",
+    # reward models (reward_model.model.*, reward_model.judge.*)
+    r"reward_model\.model\.trust_remote_code": "run the reward model repository's own Python code",
+    r"reward_model\.model\.override_config": "fields that replace the reward model's own config.json values",
+    r"reward_model\.judge\.enable": "grade each response with a causal LM (`reward_model.model.path`) prompted "
+    "with `prompt_template`, reading the score from its reply",
+    r"reward_model\.judge\.prompt_template": "the judge's prompt; `{prompt}` and `{response}` are filled in",
+    r"reward_model\.judge\.verdict_function\.name": "the function's name in `verdict_function.path`",
+    r"reward_model\.judge\.max_new_tokens": "tokens the judge may write per verdict",
+    r"reward_model\.use_dynamic_bsz": "verl's token-budget switch for the reward model's passes",
+    r"reward_model\.forward_max_token_len_per_gpu": "verl's token budget for the reward model's passes",
+    # multi-turn rollouts (actor_rollout_ref.rollout.multi_turn.*)
+    r"actor_rollout_ref\.rollout\.multi_turn\.enable": "multi-turn rollouts: the model may call tools between "
+    "its turns (see the multi-turn guide)",
+    r"actor_rollout_ref\.rollout\.multi_turn\.tool_config_path": "a YAML file naming the tools the model may call",
+    r"actor_rollout_ref\.rollout\.multi_turn\.format": "the tool-call format the model writes (`hermes`)",
+    r"actor_rollout_ref\.rollout\.multi_turn\.max_parallel_calls": "tool calls run per turn at most",
+    r"actor_rollout_ref\.rollout\.multi_turn\.max_tool_response_length": "tokens of a tool's answer kept at most",
+    r"actor_rollout_ref\.rollout\.multi_turn\.tool_response_truncate_side": "where a long tool answer is cut: "
+    "`middle`, `left` or `right`",
+    r"actor_rollout_ref\.rollout\.multi_turn\.tool_timeout_s": "seconds a tool call may run",
+    r"actor_rollout_ref\.rollout\.multi_turn\.(interaction_config_path|use_inference_chat_template"
+    r"|tokenization_sanity_check_mode|completion_callback)": "verl's multi-turn setting",
+    # importance-sampling correction (algorithm.rollout_correction.*)
+    r"algorithm\.rollout_correction\.rollout_rs_threshold": "verl's rejection-sampling threshold",
+    r"algorithm\.rollout_correction\.loss_type": "verl's loss type for the corrected update (`ppo_clip`)",
+    # PF-PPO (algorithm.pf_ppo.*)
+    r"algorithm\.pf_ppo\.weight_pow": "PF-PPO: the power of the score in the `pow` reweighting",
     r"reward_model\.overlong_buffer\.enable": "DAPO's overlong shaping: a linear penalty for responses that run "
     "into the last `len` tokens before the length limit",
     r"reward_model\.overlong_buffer\.len": "tokens before the length limit where the penalty ramps up",
