@@ -67,7 +67,9 @@ def steady_summary(records: list[dict], columns: dict[str, str | None], warmup: 
     steady = [r for r in records if "perf/step_time_s" in r][warmup:]
     if not steady:
         raise SystemExit(f"no steady steps to summarise ({len(records)} records, warm-up {warmup}): raise --steps")
-    summary = {"steps_timed": len(steady)}
+    summary = {"steps_timed": len(steady),
+               # the first step: compiling, CUDA graph capture, autotuning (what a short run pays on top)
+               "1st step s": next((r["perf/step_time_s"] for r in records if "perf/step_time_s" in r), None)}
     for name, key in columns.items():
         values = [r[key] for r in steady if key and isinstance(r.get(key), (int, float))]
         summary[name] = statistics.median(values) if values else None
@@ -86,7 +88,7 @@ def with_throughput(summary: dict, samples_per_step: int, reference_samples_per_
 
 
 def format_table(rows: list[tuple[str, dict]]) -> str:
-    names = ["s/step", "samples/s", "x TRL", "generate s", "update s", "critic s", "peak GiB", "resp len"]
+    names = ["s/step", "samples/s", "x TRL", "generate s", "update s", "critic s", "peak GiB", "resp len", "1st step s"]
     width = max(len(label) for label, _ in rows) + 2
     lines = [f"{'run':<{width}}" + "".join(f"{n:>11}" for n in names)]
     for label, summary in rows:
