@@ -24,9 +24,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
+from .demo_runs import DEMO_DATA_DIR, demo_data_dir  # noqa: F401  (the demo's data folders; api's names too)
+
 log = logging.getLogger(__name__)
 
-DEMO_DATA_DIR = "data/arith"
 # The CPU demo's task (cli.demo_profile): single-digit addition, the 100 questions split 68/32.
 DEMO_CPU_TASK = {"digits": 1, "train_size": 68, "test_size": 32}
 DEMO_GPU_TASK = {"digits": 2, "train_size": 2000, "test_size": 200}
@@ -78,10 +79,6 @@ def demo_profile(on_gpu: bool) -> dict:
                     "save_freq": -1 if small else 30, "logger": ["console", "tensorboard"],
                     "val_before_train": True, "log_val_generations": 2},
     }
-
-
-def demo_data_dir(on_gpu: bool) -> str:
-    return DEMO_DATA_DIR if on_gpu else f"{DEMO_DATA_DIR}-1digit"
 
 
 def demo_config(overrides: Sequence[str] = (), on_gpu: Optional[bool] = None, new_run: bool = True,

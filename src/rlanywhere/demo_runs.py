@@ -17,6 +17,13 @@ from typing import Optional
 from .checkpoint import list_checkpoints
 from .errors import UserError
 
+DEMO_DATA_DIR = "data/arith"
+
+
+def demo_data_dir(on_gpu: bool) -> str:
+    """Where the demo's arithmetic task is written: 2-digit additions on a GPU, 1-digit on a CPU."""
+    return DEMO_DATA_DIR if on_gpu else f"{DEMO_DATA_DIR}-1digit"
+
 log = logging.getLogger(__name__)
 
 LATEST = "latest"

@@ -40,7 +40,7 @@ class InputError(UserError):
 # ---------------------------------------------------------------------------------------------- data files
 def _data_paths(value: Any) -> list[str]:
     from .config import as_list
-    from .data import _as_path_list
+    from .data.loader import _as_path_list
 
     items = as_list(value)
     paths: list[str] = []
@@ -51,7 +51,7 @@ def _data_paths(value: Any) -> list[str]:
 
 def _demo_data_to_write(path: str) -> bool:
     """The demo's arithmetic files are written by the run itself when missing (api.ensure_demo_data)."""
-    from .api import demo_data_dir
+    from .demo_runs import demo_data_dir
 
     return any(path in (f"{demo_data_dir(gpu)}/train.parquet", f"{demo_data_dir(gpu)}/test.parquet")
                for gpu in (True, False))
@@ -286,8 +286,23 @@ def input_problems(cfg, data: bool = True, model: bool = True, reward: bool = Tr
     if model:
         problems += run_model_problems(cfg, planning_only)
     if reward:
-        problems += reward_problems(cfg)
+        problems += reward_problems(cfg) + tool_problems(cfg)
     return problems + value_problems(cfg)
+
+
+def tool_problems(cfg) -> list[str]:
+    """Multi-turn rollouts: the tool config loads and every tool in it can be built (class names, configs)."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable or not mt.tool_config_path:
+        return []
+    from .tools.registry import load_tool_config
+
+    try:
+        load_tool_config(mt.tool_config_path)
+    except UserError as err:
+        return [str(err)]
+    return []
+
 
 def require_inputs(cfg, **what) -> None:
     """Raise InputError listing every problem `input_problems(cfg, **what)` finds."""

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..logprobs import default_position_ids
+from ..vocabulary import FP32
 
 NEG_INF = float("-inf")
 
@@ -195,7 +196,7 @@ def keyed_exponential(keys: torch.Tensor, position: int, vocab: int) -> torch.Te
     at_position = _mix32(low ^ (_splitmix64(position) & _MASK32))  # the row's stream at this position
     token = torch.arange(vocab, device=keys.device, dtype=torch.long)[None, :]
     bits = _mix32((_mix32(token ^ at_position) + high) & _MASK32)
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits, in (0, 1): never 0
+    uniform = ((bits >> 8).to(FP32) + 0.5) * (1.0 / (1 << 24))  # 24 bits, in (0, 1): never 0
     return -torch.log(uniform)
 
 

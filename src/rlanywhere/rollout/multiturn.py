@@ -22,7 +22,6 @@ draws for them.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -31,6 +30,8 @@ import torch
 from ..tools.base import BaseTool, call_tool_method
 from ..tools.executor import run_calls
 from ..tools.parsing import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
+from ..planner.multiturn import (MultiTurnConfigError, multiturn_values, plan_multiturn,  # noqa: F401
+                                 plan_multiturn_lengths)
 from ..vocabulary import FP32
 from .base import RolloutBatch, SamplingParams, left_pad
 
@@ -361,58 +362,14 @@ def multiturn_metrics(stats: Sequence[RowStats], prefix: str = "multi_turn") -> 
     }
 
 
-def plan_multiturn_lengths(enabled: bool, prompt_length: int, response_length: int, max_assistant_turns: int,
-                           max_user_turns: int) -> tuple[int, str]:
-    """Tokens per sequence the memory plan must hold with multi-turn rollouts, and the reason in a user's words.
-
-    Every turn, the model's and the tools', lives inside the response length (verl's rule), so the sequence is
-    prompt + response_length; the tool-describing system text adds to the prompt, which the planner counts here as
-    a quarter more prompt (at least 128 tokens)."""
-    if not enabled:
-        return prompt_length + response_length, "single-turn: prompt + response"
-    tool_text = max(128, prompt_length // 4)
-    total = prompt_length + tool_text + response_length
-    return total, (f"multi-turn: prompt ({prompt_length}) + tool descriptions (~{tool_text}) + all turns within the "
-                   f"response length ({response_length}; up to {max_assistant_turns} model turns and "
-                   f"{max_user_turns} tool results)")
-
-
 __all__ = ["MultiTurnRollout", "MultiTurnSettings", "RowStats", "multiturn_metrics", "plan_multiturn_lengths",
            "render_prompt_with_tools", "ToolMessageRenderer", "tool_prompt_text", "TOOL_CALL_OPEN"]
 
 
 # ---------------------------------------------------------------------------------------------------- from the config
-class MultiTurnConfigError(ValueError):
-    """A multi_turn setting that cannot work; the message names the key and the fix (raised as a UserError)."""
-
-
 def multiturn_settings(mt: Any) -> MultiTurnSettings:
-    """Settings from `actor_rollout_ref.rollout.multi_turn` (verl's keys; `max_turns`, older verl's name for
-    `max_assistant_turns`, is accepted), checked."""
-    from ..errors import UserError
-
-    class _Error(MultiTurnConfigError, UserError):
-        pass
-
-    key = "actor_rollout_ref.rollout.multi_turn"
-    older_name = mt.max_turns if "max_turns" in mt else None  # older verl releases' key
-    assistant = mt.max_assistant_turns if mt.max_assistant_turns is not None else older_name
-    assistant = 5 if assistant is None else int(assistant)
-    user = int(mt.max_user_turns) if mt.max_user_turns is not None else assistant
-    if str(mt.format) != "hermes":
-        raise _Error(f"{key}.format={mt.format!r} is not supported; use hermes (<tool_call>{{json}}</tool_call>)")
-    if assistant < 1 or user < 0:
-        raise _Error(f"{key}.max_assistant_turns must be >= 1 and max_user_turns >= 0; got {assistant} and {user}")
-    if mt.tool_response_truncate_side not in ("left", "middle", "right"):
-        raise _Error(f"{key}.tool_response_truncate_side={mt.tool_response_truncate_side!r}: use left, middle or "
-                     "right")
-    if int(mt.max_parallel_calls) < 1 or int(mt.max_tool_response_length) < 1 or float(mt.tool_timeout_s) <= 0:
-        raise _Error(f"{key}.max_parallel_calls, max_tool_response_length and tool_timeout_s must be positive")
-    return MultiTurnSettings(max_assistant_turns=assistant, max_user_turns=user,
-                             max_parallel_calls=int(mt.max_parallel_calls),
-                             max_tool_response_length=int(mt.max_tool_response_length),
-                             tool_response_truncate_side=str(mt.tool_response_truncate_side),
-                             tool_timeout_s=float(mt.tool_timeout_s))
+    """Settings from `actor_rollout_ref.rollout.multi_turn`, checked (planner/multiturn.py reads them)."""
+    return MultiTurnSettings(**multiturn_values(mt))
 
 
 def multiturn_from_config(cfg: Any, tokenizer: Any, eos_ids: Sequence[int]) -> Optional[MultiTurnRollout]:
@@ -425,25 +382,6 @@ def multiturn_from_config(cfg: Any, tokenizer: Any, eos_ids: Sequence[int]) -> O
     settings = multiturn_settings(mt)
     tools = load_tool_config(mt.tool_config_path) if mt.tool_config_path else []
     return MultiTurnRollout(tools, tokenizer, settings, eos_ids)
-
-
-def plan_multiturn(cfg: Any, prompt_length: int) -> tuple[int, str]:
-    """For the planner's memory estimate: (prompt tokens to plan for, reason; "" when multi-turn is off). Every turn
-    lives in the response length, so the sequence grows by the tools' descriptions in the prompt. Checks the
-    settings and the tool config before any model loads."""
-    from ..tools.registry import load_tool_config
-
-    mt = cfg.actor_rollout_ref.rollout.multi_turn
-    settings = multiturn_settings(mt)  # checked even when off: a bad value is named before it matters
-    path = mt.tool_config_path
-    if not mt.enable:
-        return prompt_length, ""
-    tools = load_tool_config(path) if path else []
-    response = int(cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length)
-    total, reason = plan_multiturn_lengths(True, prompt_length, response, settings.max_assistant_turns,
-                                           settings.max_user_turns)
-    names = ", ".join(t.name for t in tools) or "none"
-    return total - response, f"{reason}; tools: {names}"
 
 
 __all__ += ["multiturn_settings", "multiturn_from_config", "plan_multiturn", "MultiTurnConfigError"]
