@@ -7,8 +7,8 @@ import numpy as np
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rlanywhere.checkpoint import (capture_rng, find_latest_checkpoint, list_checkpoints, load_checkpoint,
-                                   restore_rng, save_checkpoint)
+from rlanywhere.checkpoint import (capture_rng, find_latest_checkpoint, list_checkpoints, load_checkpoint, restore_rng)
+from rlanywhere.checkpointer import save_checkpoint
 from rlanywhere.models import ValueModel
 
 

@@ -249,7 +249,7 @@ def test_a_closed_terminal_sighup_saves_and_exits_with_one_line(tiny_model_dir, 
 
 def test_non_finite_critic_weights_are_never_saved(tmp_path):
     """The one verification checks the critic too, whatever the layout."""
-    from rlanywhere.checkpoint import save_checkpoint
+    from rlanywhere.checkpointer import save_checkpoint
 
     actor, critic = tiny_lm(0), tiny_lm(1)
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)

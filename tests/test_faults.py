@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlanywhere.checkpoint import (MANIFEST_FILE, CheckpointError, CheckpointWriteError, list_checkpoints,
-                                   load_checkpoint, resume_latest, save_checkpoint, verify_checkpoint,
-                                   write_manifest)
+                                   load_checkpoint, resume_latest, verify_checkpoint, write_manifest)
+from rlanywhere.checkpointer import save_checkpoint
 
 from .test_checkpoint import FakeTokenizer, tiny_lm
 

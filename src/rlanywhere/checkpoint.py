@@ -186,20 +186,6 @@ def is_disk_full(exc: BaseException) -> bool:
 _is_disk_full = is_disk_full
 
 
-def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, critic=None, optimizers: dict, schedulers: dict,
-                    trainer_state: dict, export_actor=None, keep: Optional[int] = None,
-                    config_yaml: Optional[str] = None, dp=None) -> str:
-    """Write checkpoint `step` in the replicated layout; returns its directory. `export_actor` is a merged plain HF
-    model for LoRA runs. The one checkpointer (checkpointer.py) does it: refuses (CheckpointError) weights holding
-    NaN/inf; a failed write raises CheckpointWriteError after removing the partial `.tmp` directory."""
-    from .checkpointer import Checkpointer
-    from .distributed import DataParallel
-
-    return Checkpointer(run_dir, dp or DataParallel(), keep, config_yaml).save(
-        step, actor=actor, tokenizer=tokenizer, critic=critic, optimizers=optimizers, schedulers=schedulers,
-        trainer_state=trainer_state, export_actor=(lambda: export_actor) if export_actor is not None else None)
-
-
 def publish_checkpoint(run_dir: str, tmp: str, step: int, keep: Optional[int]) -> str:
     """Make the complete `tmp` directory checkpoint `step`: rename it into place, fsync, point `latest` at it, and
     keep only the newest `keep`. A crash before the rename leaves the previous checkpoints as they were."""

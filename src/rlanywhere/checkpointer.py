@@ -216,3 +216,16 @@ def _free_mib(path: str) -> float:
         return shutil.disk_usage(path).free / 2**20
     except OSError:
         return float("nan")
+
+
+def save_checkpoint(run_dir: str, step: int, *, actor, tokenizer, critic=None, optimizers: dict, schedulers: dict,
+                    trainer_state: dict, export_actor=None, keep: Optional[int] = None,
+                    config_yaml: Optional[str] = None, dp=None) -> str:
+    """Write checkpoint `step` in the replicated layout; returns its directory. `export_actor` is a merged plain HF
+    model for LoRA runs. The one checkpointer (checkpointer.py) does it: refuses (CheckpointError) weights holding
+    NaN/inf; a failed write raises CheckpointWriteError after removing the partial `.tmp` directory."""
+    from .distributed import DataParallel
+
+    return Checkpointer(run_dir, dp or DataParallel(), keep, config_yaml).save(
+        step, actor=actor, tokenizer=tokenizer, critic=critic, optimizers=optimizers, schedulers=schedulers,
+        trainer_state=trainer_state, export_actor=(lambda: export_actor) if export_actor is not None else None)

@@ -302,7 +302,7 @@ def _precision_text(plan) -> str:
 def _attention_text(card: str) -> str:
     from .vocabulary import ATTN_EAGER, ATTN_FLASH, ATTN_SDPA
 
-    names = {ATTN_SDPA: "SDPA", ATTN_FLASH: "FlashAttention-2", ATTN_EAGER: "eager"}
+    names = {ATTN_SDPA: "SDPA", ATTN_FLASH: "FlashAttention-2", ATTN_EAGER: ATTN_EAGER}
     plain = _fit_plan(card, FIT_MODELS[0], 0).attn_implementation
     with_flash = _fit_plan(card, FIT_MODELS[0], 0, flash_attn=True).attn_implementation
     if with_flash == plain:
