@@ -236,3 +236,18 @@ def test_remax_baseline_is_one_greedy_response_per_prompt_scored_and_shaped():
     assert (params.temperature, params.top_k, params.top_p, params.n, calls["n"]) == (0.0, 0, 1.0, 1, 1)
     # the second greedy response ran to the limit: -1 overlong penalty, as the samples get
     assert baselines == [1.0, 1.0, 1.0, -1.0, -1.0, -1.0]
+
+
+@pytest.mark.parametrize("mode", ["gpg", "cispo", "geo_mean"])
+def test_verls_losses_take_the_rollout_corrections_token_weights(mode):
+    """Weights of 1 change nothing; weights of 2 on every token double the loss (each loss is linear in them)."""
+    from rlanywhere.algorithms import POLICY_LOSSES
+
+    torch.manual_seed(0)
+    old, new = torch.randn(2, 4), torch.randn(2, 4)
+    advantages, mask = torch.randn(2, 4), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    loss = POLICY_LOSSES[mode]
+    plain, _ = loss(old, new, advantages, mask)
+    ones, _ = loss(old, new, advantages, mask, token_weights=torch.ones(2, 4))
+    twos, _ = loss(old, new, advantages, mask, token_weights=torch.full((2, 4), 2.0))
+    assert torch.allclose(plain, ones) and torch.allclose(twos, 2 * plain)

@@ -935,6 +935,7 @@ def gpg_policy_loss(
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
     scale: LossScale | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """GPG (Chu et al. 2025; verl's ``loss_mode=gpg``): plain policy gradient ``-A * logprob`` per token, no
     ratio and no clipping, aggregated by ``loss_agg_mode``. The clip arguments are accepted and not used; the ratio
@@ -942,7 +943,10 @@ def gpg_policy_loss(
     del clip_ratio_low, clip_ratio_high, clip_ratio_c
     _check_token_tensors(mask, old_logprob=old_logprob, logprob=logprob, advantages=advantages)
     mask_f = _as_float_mask(mask, logprob)
-    pg_loss = aggregate_loss(-advantages.detach() * logprob, mask_f, loss_agg_mode, scale)
+    per_token = -advantages.detach() * logprob
+    if token_weights is not None:  # the rollout correction's importance weights (rollout_correction.py)
+        per_token = per_token * token_weights.detach()
+    pg_loss = aggregate_loss(per_token, mask_f, loss_agg_mode, scale)
     zero = torch.zeros((), dtype=mask_f.dtype, device=mask_f.device)
     return pg_loss, _token_ratio_metrics(logprob.detach() - old_logprob.detach(), mask_f, zero)
 
@@ -958,6 +962,7 @@ def cispo_policy_loss(
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
     scale: LossScale | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """CISPO (MiniMax-M1, 2025; verl's ``loss_mode=cispo``): ``-sg(clip(ratio, 1 - low, 1 + high)) * A * logprob``.
 
@@ -973,7 +978,10 @@ def cispo_policy_loss(
     log_ratio = torch.clamp(logprob.detach() - old_logprob.detach(), min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-    pg_loss = aggregate_loss(-weight * advantages.detach() * logprob, mask_f, loss_agg_mode, scale)
+    per_token = -weight * advantages.detach() * logprob
+    if token_weights is not None:  # the rollout correction's importance weights (rollout_correction.py)
+        per_token = per_token * token_weights.detach()
+    pg_loss = aggregate_loss(per_token, mask_f, loss_agg_mode, scale)
     clipfrac = masked_mean(torch.ne(ratio, weight).to(mask_f.dtype), mask_f)
     return pg_loss, _token_ratio_metrics(log_ratio, mask_f, clipfrac)
 
@@ -989,6 +997,7 @@ def geo_mean_policy_loss(
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
     scale: LossScale | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """GMPO (Zhao et al. 2025; verl's ``loss_mode=geo_mean``): the geometric mean of the token ratios per sequence.
 
@@ -997,7 +1006,8 @@ def geo_mean_policy_loss(
     of those over its real tokens, its advantage the mean of its token advantages, its loss ``-A * ratio``; the loss
     is the mean over sequences (``loss_agg_mode`` is not used, as in verl; the mean is over the mini-batch's
     non-empty sequences via ``scale``, where verl averages each micro-batch's rows). Metrics as verl: clipped
-    tokens with ``A > 0`` (``pg_clipfrac``) and with ``A < 0`` (``pg_clipfrac_lower``).
+    tokens with ``A > 0`` (``pg_clipfrac``) and with ``A < 0`` (``pg_clipfrac_lower``). ``token_weights`` (the
+    rollout correction's) weigh a sequence's loss by their mean over its real tokens.
     """
     del clip_ratio_c, loss_agg_mode
     _check_token_tensors(mask, old_logprob=old_logprob, logprob=logprob, advantages=advantages)
@@ -1014,7 +1024,10 @@ def geo_mean_policy_loss(
     tokens = mask_f.sum(-1)
     seq_ratio = torch.exp((pessimistic * mask_f).sum(-1) / (tokens + 1e-8))
     seq_advantage = (advantages * mask_f).sum(-1) / (tokens + 1e-8)
-    pg_loss = (-seq_advantage * seq_ratio).sum() / max(scale.sequences, _MASK_SUM_FLOOR)
+    per_sequence = -seq_advantage * seq_ratio
+    if token_weights is not None:  # the rollout correction's importance weights, per sequence
+        per_sequence = per_sequence * (token_weights.detach() * mask_f).sum(-1) / (tokens + 1e-8)
+    pg_loss = per_sequence.sum() / max(scale.sequences, _MASK_SUM_FLOOR)
     with torch.no_grad():
         clipped = torch.ne(log_ratio, clamped).to(mask_f.dtype)
         metrics = _token_ratio_metrics(log_ratio.detach(), mask_f,

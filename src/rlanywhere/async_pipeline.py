@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .async_plan import OVERLAPPED, SYNC
+from .async_plan import OVERLAPPED
 from .rollout.base import RolloutBatch
 from .stepbatch import ScoredRollout
 
@@ -186,16 +186,6 @@ class RolloutPipeline:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
             if str(plan.device).startswith("cuda"):
                 self.stream = torch.cuda.Stream(plan.device)
-
-    @classmethod
-    def for_run(cls, cfg: Any, plan: Any, actor: nn.Module, loader, total_steps: int) -> Optional["RolloutPipeline"]:
-        """The pipeline a run asks for; None for trainer.async.mode=sync."""
-        if plan.async_rollout == SYNC:
-            return None
-        if plan.async_rollout == "split":  # a rollout rank generates (split_rollout.py)
-            from .split_rollout import SplitRolloutPipeline
-            return SplitRolloutPipeline(cfg, plan, actor, loader, total_steps)
-        return cls(cfg, plan, actor, loader, total_steps)
 
     def attach(self, phase, engine, run_state=None) -> "RolloutPipeline":
         """Stand in for `phase`; `run_state` (the trainer's RunState) learns when the engine is busy in the

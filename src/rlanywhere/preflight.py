@@ -275,6 +275,12 @@ def value_problems(cfg) -> list[str]:
         if lr is None or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
             problems.append(f"{key}={lr} must be a positive number (the profiles use 1e-6 to 1e-5 for full "
                             "fine-tuning)")
+    from .runfaults import check_run_names
+
+    try:
+        check_run_names(cfg)  # a run folder outside the runs folder
+    except UserError as err:
+        problems.append(str(err))
     return problems
 
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from .async_pipeline import RolloutPipeline, _Job, _prompt_keys
+from .async_plan import SYNC
 
 log = logging.getLogger(__name__)
 
@@ -133,4 +134,14 @@ def run_split(overrides: list[str], rank: int, world: int, init_method: str) -> 
         dist.destroy_process_group()
 
 
-__all__ = ["SPLIT", "SplitRolloutPipeline", "run_split", "serve_rollouts"]
+
+def rollout_pipeline_for_run(cfg: Any, plan: Any, actor, loader, total_steps: int) -> Optional[RolloutPipeline]:
+    """The pipeline a run asks for (trainer.async as planned): None for sync, the split one when a rollout rank
+    generates, else the one-process pipeline."""
+    if plan.async_rollout == SYNC:
+        return None
+    if plan.async_rollout == SPLIT:
+        return SplitRolloutPipeline(cfg, plan, actor, loader, total_steps)
+    return RolloutPipeline(cfg, plan, actor, loader, total_steps)
+
+__all__ = ["SPLIT", "SplitRolloutPipeline", "rollout_pipeline_for_run", "run_split", "serve_rollouts"]

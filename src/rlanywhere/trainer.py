@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import algorithms as algo
 from . import builders
-from .async_pipeline import RolloutPipeline
+from .split_rollout import rollout_pipeline_for_run
 from .balance import balance_rows, balance_text
 from .checkpoint import capture_rng, restore_rng
 from .checkpointer import Checkpointer
@@ -122,7 +122,7 @@ class RLTrainer(TrainerCheckpoints):
                                after_optimizer_step=self.stops.record_update, samples_per_prompt=self.n)
         # [async] one_step_off: the engine generates from its own weight copy while the actor trains; the pipeline
         # stands in for the rollout phase and draws each step's prompts a step early (async_pipeline.py)
-        self.pipeline = RolloutPipeline.for_run(cfg, plan, self.actor, self.loader, self.total_steps)
+        self.pipeline = rollout_pipeline_for_run(cfg, plan, self.actor, self.loader, self.total_steps)
         rollout_model = self.pipeline.model if self.pipeline else self.actor
         self.loader = self.pipeline.loader if self.pipeline else self.loader
         self.engine = builders.build_engine(cfg, plan, rollout_model, self.tokenizer)

@@ -82,12 +82,13 @@ def plan_multiturn(cfg: Any, prompt_length: int) -> tuple[int, str]:
     """(prompt tokens to plan for, reason; "" when multi-turn is off)."""
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     values = multiturn_values(mt)
+    tool_config = mt.tool_config_path  # read either way: a path given with multi-turn off is simply unused
     if not mt.enable:
         return prompt_length, ""
     response = int(cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length)
     total, reason = plan_multiturn_lengths(True, prompt_length, response, values["max_assistant_turns"],
                                            values["max_user_turns"])
-    return total - response, f"{reason}; tools: {', '.join(tool_names(mt.tool_config_path)) or 'none'}"
+    return total - response, f"{reason}; tools: {', '.join(tool_names(tool_config)) or 'none'}"
 
 
 __all__ = ["MultiTurnConfigError", "multiturn_values", "plan_multiturn", "plan_multiturn_lengths", "tool_names"]
