@@ -16,5 +16,6 @@ def failing_train_step(self, items):
     return original(self, items)
 
 
-trainer.RLTrainer.train_step = failing_train_step
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # reward workers start from a forkserver, which imports this file again: only run here
+    trainer.RLTrainer.train_step = failing_train_step
+    sys.exit(main(sys.argv[1:]))

@@ -27,6 +27,7 @@ def accumulate(self, model, optimizer, batch, rows, size, *args, **kwargs):
     return original_accumulate(self, model, optimizer, batch, rows, size, *args, **kwargs)
 
 
-trainer.RLTrainer.train_step = train_step
-update.Updater.accumulate = accumulate
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # reward workers start from a forkserver, which imports this file again: only run here
+    trainer.RLTrainer.train_step = train_step
+    update.Updater.accumulate = accumulate
+    sys.exit(main(sys.argv[1:]))

@@ -367,7 +367,7 @@ def test_a_step_dropped_by_sigterm_keeps_its_rollout_and_resume_is_exact(tiny_mo
 
 def _split_rank(rank, overrides, init_method):
     torch.set_num_threads(1)
-    from rlanywhere.split_rollout import run_split
+    from rlanywhere.split_run import run_split
 
     run_split(overrides, rank, 2, init_method)
 

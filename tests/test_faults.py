@@ -216,7 +216,7 @@ def test_hanging_reward_times_out_scores_zero_and_the_stuck_pool_is_replaced():
         manager.close()
 
 
-def _hang_before_starting(fn):
+def _hang_before_starting(*_initargs):
     """A pool worker stuck inside fork, as one forked while another thread held an interpreter lock: it never runs
     _init_worker, keeps its parent's process group and a Python SIGTERM handler it never gets to run."""
     import signal

@@ -106,16 +106,6 @@ def write_hf_model(directory: str, model: nn.Module, state: dict[str, torch.Tens
         tokenizer.save_pretrained(directory)
 
 
-def save_sharded(dp, run_dir: str, step: int, *, actor, tokenizer, critic, optimizers: dict, schedulers: dict,
-                 trainer_state: dict, keep: Optional[int] = None, config_yaml: Optional[str] = None) -> str:
-    """Write checkpoint `step` of a sharded run (every rank calls it) with the one checkpointer; its directory."""
-    from .checkpointer import Checkpointer
-
-    return Checkpointer(run_dir, dp, keep, config_yaml).save(
-        step, actor=actor, tokenizer=tokenizer, critic=critic, optimizers=optimizers, schedulers=schedulers,
-        trainer_state=trainer_state)
-
-
 def write_sharded_files(dp, tmp: str, step: int, *, actor, actor_full: dict, tokenizer, critic, optimizers: dict,
                         schedulers: dict, trainer_state: dict, config_yaml: Optional[str], marker: str) -> None:
     """The sharded layout's files in `tmp`: every rank its DCP shards and a marker file named by its rank under

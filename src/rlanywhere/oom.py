@@ -21,18 +21,16 @@ relaunches its own torchrun for that (cli.py); under a torchrun started by hand,
 from __future__ import annotations
 
 import gc
-import json
-import os
 import time
 import traceback
 from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
 
-from .checkpoint import CheckpointError, checkpoint_root
 from .errors import UserError
 from .plans import RuntimeSizes, SizeKind
-from .runstate import RunState
+from .runstate import (OOM_SIZES_FILE, RunState, oom_sizes_path, remember_sizes,  # noqa: F401 (oom's names too)
+                       remembered_sizes)
 
 T = TypeVar("T")
 
@@ -77,46 +75,6 @@ class OutOfMemoryAtMinimumError(RuntimeError):
 class OutOfMemoryRestart(UserError, RuntimeError):
     """Out of memory in a phase one rank cannot redo alone; the halved size is saved for the next launch. A run
     that stopped itself: one line, exit code 2 (docs/reliability.md)."""
-
-
-OOM_SIZES_FILE = "oom_sizes.json"
-
-
-def oom_sizes_path(run_dir: str) -> str:
-    """Where a stopped job leaves the sizes its next launch must not exceed (beside the checkpoints, so
-    trainer.overwrite_run_dir=true deletes it with them)."""
-    return os.path.join(checkpoint_root(run_dir), OOM_SIZES_FILE)
-
-
-def remember_sizes(run_dir: str, sizes: RuntimeSizes, event: dict, rank: int = 0) -> str:
-    """Write `sizes` (and the event that lowered them) for the next launch; atomic, any rank (two ranks that run
-    out of memory in the same phase write the same sizes). Returns the file's path."""
-    path = oom_sizes_path(run_dir)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{rank}"
-    with open(tmp, "w") as handle:
-        json.dump({"sizes": sizes.to_dict(), "event": {**event, "rank": rank}}, handle, indent=2)
-    os.replace(tmp, path)
-    return path
-
-
-def remembered_sizes(run_dir: str) -> Optional[dict]:
-    """The record `remember_sizes` left in this run dir, or None; CheckpointError naming the file when it is not
-    such a record (edited by hand, another version's)."""
-    path = oom_sizes_path(run_dir)
-    try:
-        with open(path) as handle:
-            record = json.load(handle)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not readable ({exc}); delete it to run at the planned sizes") from exc
-    sizes = record.get("sizes") if isinstance(record, dict) else None
-    known = {kind.value for kind in SizeKind}
-    if not isinstance(sizes, dict) or not set(sizes) <= known or not isinstance(record.get("event"), dict):
-        raise CheckpointError(f"{path} holds no sizes this version knows ({sorted(known)}); delete it to run at the "
-                              "planned sizes")
-    return record
 
 
 def lowered_sizes(sizes: RuntimeSizes, record: Optional[dict]) -> list[tuple[str, int, int]]:

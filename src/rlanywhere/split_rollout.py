@@ -5,7 +5,7 @@ start the next step's rollout on its own weight copy, it sends the prompts to th
 actor's weights to it (NCCL on GPUs, gloo on CPUs); the rollout rank (`serve_rollouts`) generates and scores them
 with the same seeds and sends the scored batch back. The trainer rank trains meanwhile, so the two phases overlap
 on two devices, and the batches, the weights that made them and the metrics are those of a one-process one_step_off
-run. `run_split` starts both roles in one job (world 2: rank 0 trains, rank 1 rolls out).
+run. `split_run.run_split` starts both roles in one job (world 2: rank 0 trains, rank 1 rolls out).
 
 Not yet here: several trainer ranks (data parallelism among them), several rollout ranks, the CLI's launch.
 """
@@ -108,33 +108,6 @@ def serve_rollouts(cfg: Any, plan: Any) -> int:
         rewards.close()
 
 
-def run_split(overrides: list[str], rank: int, world: int, init_method: str) -> None:
-    """One rank of a split one_step_off job: rank 0 trains, rank 1 rolls out (gloo on CPUs, NCCL on GPUs)."""
-    from .config import load_config
-    from .planner import make_plan
-    from .trainer import RLTrainer
-
-    if world != 2:
-        raise ValueError(f"split placement runs 1 trainer rank + 1 rollout rank; got a world of {world}")
-    cfg = load_config(None, overrides)
-    plan = make_plan(cfg, for_execution=True)
-    backend = "nccl" if str(plan.device).startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
-    try:
-        if rank == ROLLOUT_RANK:
-            serve_rollouts(cfg, plan)
-            return
-        plan.async_rollout = SPLIT
-        trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
-        try:
-            trainer.fit()
-        finally:
-            trainer.pipeline.close()
-    finally:
-        dist.destroy_process_group()
-
-
-
 def rollout_pipeline_for_run(cfg: Any, plan: Any, actor, loader, total_steps: int) -> Optional[RolloutPipeline]:
     """The pipeline a run asks for (trainer.async as planned): None for sync, the split one when a rollout rank
     generates, else the one-process pipeline."""
@@ -144,4 +117,4 @@ def rollout_pipeline_for_run(cfg: Any, plan: Any, actor, loader, total_steps: in
         return SplitRolloutPipeline(cfg, plan, actor, loader, total_steps)
     return RolloutPipeline(cfg, plan, actor, loader, total_steps)
 
-__all__ = ["SPLIT", "SplitRolloutPipeline", "rollout_pipeline_for_run", "run_split", "serve_rollouts"]
+__all__ = ["SPLIT", "SplitRolloutPipeline", "rollout_pipeline_for_run", "serve_rollouts"]
