@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 
 import numpy as np
 import pytest
@@ -657,26 +656,3 @@ def test_run_lock_is_shared_within_a_process_and_released(tmp_path):
     second.release()
     second.release()  # idempotent
     assert other_process().strip() == "locked"
-
-
-def _score_seven(data_source, solution_str, ground_truth, extra_info=None):
-    return 7.0
-
-
-def test_the_reward_forkserver_survives_the_sigterm_torchrun_sends_to_the_ranks_group():
-    """torchrun stops a rank with killpg(SIGTERM); the forkserver is in that group and must live on while the rank
-    saves (else the pool cannot replace a worker: ConnectionRefusedError in its maintenance thread)."""
-    import multiprocessing.forkserver as forkserver
-
-    from rlanywhere import rewards
-
-    manager = rewards.RewardManager(_score_seven, timeout_s=5.0, num_workers=1)
-    try:
-        manager._get_pool()
-        pid = forkserver._forkserver._forkserver_pid
-        with open(f"/proc/{pid}/status") as handle:
-            ignored = int(next(line for line in handle if line.startswith("SigIgn:")).split()[1], 16)
-        assert ignored & (1 << (signal.SIGTERM - 1)), "the forkserver would die with the rank's process group"
-        assert manager(["x"], ["7"], ["custom"])[0].tolist() == [7.0]  # workers still score (SIGTERM default there)
-    finally:
-        manager.close()

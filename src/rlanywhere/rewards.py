@@ -245,24 +245,6 @@ def _init_worker(fn: Callable | None, source: tuple | None = None) -> None:
     torch.set_num_threads(1)  # as DataLoader workers do: no oversubscription, no OpenMP pool inherited mid-use
 
 
-def _start_forkserver_ignoring_sigterm() -> None:
-    """Start the forkserver with SIGTERM ignored (inherited through its exec). It lives in the trainer's process
-    group, and torchrun stops a rank with killpg(SIGTERM): a server killed by it leaves the pool unable to replace a
-    worker while the trainer saves. It still exits with the trainer (when its pipe closes); workers set SIGTERM back
-    to the default in _init_worker, so Pool.terminate() ends them. Only the main thread may change a handler: from
-    another thread the server starts as it is."""
-    import multiprocessing.forkserver as forkserver
-
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()
-        return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _worker_started(pid: int) -> bool:
     """Whether the pool worker `pid` ran `_init_worker` (it leads a process group of its own from there on)."""
     try:
@@ -351,7 +333,6 @@ class RewardManager:
             context = multiprocessing.get_context(method)
             if method == "forkserver":  # the server imports this module (torch with it) once, not every worker
                 context.set_forkserver_preload(["rlanywhere.rewards"])
-                _start_forkserver_ignoring_sigterm()
             before = set(multiprocessing.active_children())
             self._pool = context.Pool(self.num_workers, initializer=_init_worker, initargs=initargs)
             self._workers = [p for p in multiprocessing.active_children() if p not in before]
