@@ -8,7 +8,11 @@ It prints one row per config: predicted peak (estimator), measured peak (torch.c
 run), their ratio, seconds per step, OOM recoveries. `--logprobs naive` swaps the chunked log-prob path for full
 logits (what most frameworks do) to measure what chunking saves. `--reward-model on` scores with a random
 sequence-classification reward model of the policy's shape (its own chat template: responses are re-templated)
-instead of the rule; `both` runs each config with the rule and with the reward model, for the step-time comparison.
+instead of the rule; `both` runs each config with the rule and with the reward model, for the step-time comparison;
+`judge` scores with a generative judge (the policy's random weights grade each response: the mechanics, the memory and
+the parse-failure count, not meaningful grades); `all` runs rule, reward model and judge. On CUDA it also prints the
+measured peak of each phase (the allocator's peak between the phase's start and end, the max over steps) beside the
+estimate's, with the estimate's largest parts: where a prediction misses, that says which term.
 
 One GPU:
     PYTHONPATH=src python bench/train_memory.py --configs ppo-0.5b,grpo-0.5b,grpo-lora-1.5b --emulate p40
@@ -142,7 +146,77 @@ def naive_response_logprobs(model, input_ids, attention_mask, response_len, temp
     return lp, entropy
 
 
-def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str, reward_model: bool = False) -> dict:
+# the trainer's phase timer names -> the estimate's phase names
+ESTIMATE_PHASE = {"rollout": "rollout", "reward": "reward", "old_log_prob": "old_log_prob",
+                  "ref_log_prob": "ref_log_prob", "values": "values", "update_actor": "actor_update",
+                  "update_critic": "critic_update"}
+
+
+class PhasePeaks:
+    """Measured peak per trainer phase: wraps stepmetrics.PhaseTimer so each outermost phase starts with the
+    allocator's peak reset and ends by reading it (the max over steps); whatever ran between phases is kept in
+    `overall`, so it still equals the whole run's peak. CUDA only."""
+
+    def __init__(self):
+        self.phases: dict[str, int] = {}
+        self.overall = 0
+        self.depth = 0
+
+    def _read(self) -> int:
+        peak = torch.cuda.max_memory_allocated()
+        self.overall = max(self.overall, peak)
+        return peak
+
+    def install(self):
+        import contextlib
+
+        from rlanywhere import stepmetrics
+
+        original = stepmetrics.PhaseTimer.__call__
+        recorder = self
+
+        @contextlib.contextmanager
+        def timed(timer, name):
+            outer = recorder.depth == 0 and torch.cuda.is_available()
+            if outer:
+                recorder._read()  # the peak since the last phase (gaps between phases)
+                torch.cuda.reset_peak_memory_stats()
+            recorder.depth += 1
+            try:
+                with original(timer, name):
+                    yield
+            finally:
+                recorder.depth -= 1
+                if outer:
+                    key = ESTIMATE_PHASE.get(name, name)
+                    recorder.phases[key] = max(recorder.phases.get(key, 0), recorder._read())
+
+        stepmetrics.PhaseTimer.__call__ = timed
+        return lambda: setattr(stepmetrics.PhaseTimer, "__call__", original)
+
+    def run_peak(self) -> int:
+        return self._read() if torch.cuda.is_available() else 0
+
+
+def phase_table(row: dict) -> list[str]:
+    """Predicted vs measured GiB per phase, with the predicted breakdown's largest parts."""
+    predicted, measured = row.get("predicted_phases_gib", {}), row.get("measured_phases_gib", {})
+    lines = [f"  {'phase':14} {'pred':>7} {'meas':>7} {'ratio':>6}  predicted parts (GiB)"]
+    for phase in sorted(set(predicted) | set(measured), key=lambda p: -predicted.get(p, 0)):
+        pred, meas = predicted.get(phase), measured.get(phase)
+        ratio = f"{pred / meas:.3f}" if pred and meas else "-"
+        parts = ", ".join(f"{k}={v}" for k, v in sorted(row.get("predicted_breakdown_gib", {}).get(phase, {}).items(),
+                                                         key=lambda kv: -kv[1]) if v >= 0.05)
+        lines.append(f"  {phase:14} {pred if pred is not None else '-'!s:>7} {meas if meas is not None else '-'!s:>7} "
+                     f"{ratio:>6}  {parts}")
+    return lines
+
+
+REWARDS = {"off": ("rule",), "on": ("rm",), "both": ("rule", "rm"), "judge": ("judge",),
+           "all": ("rule", "rm", "judge")}
+
+
+def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str, reward: str = "rule") -> dict:
     from rlanywhere import trainer as trainer_module
     from rlanywhere import update as update_module  # where the trainer's log-prob passes call response_logprobs
     from rlanywhere.config import load_config
@@ -162,8 +236,11 @@ def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str, re
         "trainer.val_before_train": False, "trainer.test_freq": -1, "trainer.save_freq": -1,
         "trainer.logger": "['console']", "trainer.default_local_dir": run_dir, "data.filter_overlong_prompts": False,
         **({"hardware.emulate": emulate} if emulate != "none" else {}), **extra}
-    if reward_model:
+    if reward == "rm":
         overrides.update({"reward_model.enable": True, "reward_model.model.path": build_reward_model_dir(shape, root)})
+    elif reward == "judge":  # the policy's random weights grade: the mechanics and the memory, not the grades
+        overrides.update({"reward_model.enable": True, "reward_model.model.path": model_dir,
+                          "reward_model.judge.enable": True, "reward_model.judge.max_new_tokens": 8})
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     try:
         plan = make_plan(cfg, for_execution=True)
@@ -177,13 +254,20 @@ def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str, re
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    row = {"config": name + ("+rm" if reward_model else ""), "logprobs": logprobs, "emulate": emulate,
+    row = {"config": name + {"rule": "", "rm": "+rm", "judge": "+judge"}[reward], "logprobs": logprobs,
+           "emulate": emulate,
            "reward_model": plan.reward_model, "predicted_phases_gib": {
-               k: round(v / 2**30, 2) for k, v in (plan.estimate or {}).get("phases", {}).items()}, "plan": {
+               k: round(v / 2**30, 2) for k, v in (plan.estimate or {}).get("phases", {}).items()},
+           "predicted_breakdown_gib": {phase: {k: round(v / 2**30, 2) for k, v in parts.items()}
+                                       for phase, parts in (plan.estimate or {}).get("breakdown", {}).items()},
+           "compile_training": plan.compile_training, "release_kv_between_phases":
+               plan.rollout.release_kv_between_phases, "plan": {
         k: getattr(plan.sizes if hasattr(plan.sizes, k) else plan, k) for k in ("precision", "attn_implementation", "gradient_checkpointing",
                                       "actor_micro_batch_size", "critic_micro_batch_size", "logprob_micro_batch_size",
                                       "rollout_batch_size", "optimizer_offload", "param_offload", "ref_device",
                                       "memory_fraction")}}
+    peaks = PhasePeaks()
+    restore_timer = peaks.install()
     try:
         trainer = trainer_module.RLTrainer(cfg, plan, run_dir)
         start = time.time()
@@ -192,16 +276,19 @@ def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str, re
         row.update({
             "steps": len(metrics), "seconds": round(time.time() - start, 1),
             "step_time_s": round(sorted(m["perf/step_time_s"] for m in metrics)[len(metrics) // 2], 2),
-            "measured_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available()
-            else None,
+            "measured_peak_gib": round(peaks.run_peak() / 2**30, 2) if torch.cuda.is_available() else None,
+            "measured_phases_gib": {k: round(v / 2**30, 2) for k, v in peaks.phases.items()},
+            "reward_model_metrics": {k: v for k, v in metrics[-1].items() if k.startswith("reward_model/")},
+            "parse_failures_all_steps": sum(m.get("reward_model/parse_failures", 0) for m in metrics),
             "oom_recoveries": len(trainer.oom_guard.events), "oom_events": trainer.oom_guard.events,
             "timings": {k: round(v, 2) for k, v in metrics[-1].items() if k.startswith("timing/")},
         })
     except Exception as exc:  # a crash is a result here: report it
         row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        row["measured_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() \
-            else None
+        row["measured_peak_gib"] = round(peaks.run_peak() / 2**30, 2) if torch.cuda.is_available() else None
+        row["measured_phases_gib"] = {k: round(v / 2**30, 2) for k, v in peaks.phases.items()}
     finally:
+        restore_timer()
         update_module.response_logprobs = original
         trainer = None
         import gc
@@ -224,15 +311,16 @@ def main() -> int:
     parser.add_argument("--logprobs", default="chunked", help="chunked, naive, or both comma-separated")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--root", default=None, help="where models/data/runs go (default: a temp dir)")
-    parser.add_argument("--reward-model", default="off", choices=("off", "on", "both"),
-                        help="score with a random reward model of the policy's shape (both: rule and model runs)")
+    parser.add_argument("--reward-model", default="off", choices=tuple(REWARDS),
+                        help="on: score with a random reward model of the policy's shape; judge: a generative judge "
+                             "(the policy's random weights); both: rule and model runs; all: rule, model, judge")
     args = parser.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="rla_mem_")
     rows = []
     for name in args.configs.split(","):
         for mode in args.logprobs.split(","):
-            for with_rm in {"off": (False,), "on": (True,), "both": (False, True)}[args.reward_model]:
-                row = run_config(name, args.emulate, args.steps, mode, root, reward_model=with_rm)
+            for reward in REWARDS[args.reward_model]:
+                row = run_config(name, args.emulate, args.steps, mode, root, reward=reward)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
@@ -243,6 +331,12 @@ def main() -> int:
         print(f"{r['config']:16} {r['logprobs']:8} {r.get('predicted_peak_gib', '-')!s:>9} "
               f"{r.get('measured_peak_gib', '-')!s:>9} {r.get('predicted_over_measured', '-')!s:>6} "
               f"{r.get('step_time_s', '-')!s:>7} {r.get('oom_recoveries', '-')!s:>4}  {r.get('error', 'ok')[:80]}")
+    for r in rows:
+        if r.get("measured_phases_gib"):
+            print(f"\n{r['config']} ({r['logprobs']}, emulate {r['emulate']}, compiled layers "
+                  f"{r.get('compile_training')}, KV cache {'freed' if r.get('release_kv_between_phases') else 'kept'} "
+                  "between phases): per phase")
+            print("\n".join(phase_table(r)))
     return 0
 
 

@@ -30,11 +30,29 @@ the compute dtype, and autocast casts the normed input separately for each proje
                                   + 2 * q_dim + 2 * kv_dim (SDPA saves q, out, and k, v after GQA repeat)
                                   + MLP_SAVED_INTERMEDIATES * I )   (gate output, SiLU output, up output)
 
-e.g. bf16 autocast with fp32 residual: 36 H + 8 I bytes; plain fp32: 44 H + 16 I bytes. The eager path and SDPA's
-math backend also keep the attention matrix: heads x seq_len x (fp32 softmax + compute-dtype probs) per token.
+e.g. bf16 autocast with fp32 residual: 36 H + 8 I bytes; plain fp32: 44 H + 16 I bytes (k and v counted repeated to
+every query head; where SDPA takes the grouped heads as they are, `Workload.kv_heads_repeated` off, 2 kv_dim). The
+eager path and SDPA's math backend also keep the attention matrix: heads x seq_len x (fp32 softmax + compute-dtype probs) per token.
 With gradient checkpointing each layer keeps only its input (H x residual bytes) and one layer is recomputed at a
-time. Logits are never materialised for the whole batch: log-probs are computed in chunks of
-`logprob_chunk_size` tokens (see logprobs.py), so only a chunk x vocab buffer set is alive.
+time.
+
+Compiled decoder layers (`Workload.compiled_layers`, plan.compile_training) keep far less: AOTAutograd's min-cut
+partitioner saves the matmul and attention outputs and recomputes the norms, casts, RoPE and residual sums in the
+backward (the same saved set in fp32, bf16 and bf16 autocast):
+
+    saved bytes = H * residual_bytes                                (the layer's input)
+                + compute_bytes * ( 2 * H                           (the normed input, cast once for q/k/v, once for
+                                                                     gate/up)
+                                  + H                               (o_proj output: the second residual is recomputed)
+                                  + 2 * q_dim + 2 * kv_dim          (q and k after RoPE, v, SDPA's output = o_proj input)
+                                  + MLP_SAVED_INTERMEDIATES * I )   (gate output, up output, SiLU(gate) * up)
+                + heads * 4 + NORMS_PER_LAYER * 4                   (SDPA's log-sum-exp, the norms' reciprocal RMS)
+
+e.g. bf16 autocast with fp32 residual and grouped k/v (q_dim = H): 14 H + 4 kv_dim + 6 I bytes (+ the statistics),
+0.6x the eager layer for Qwen2.5-0.5B.
+
+Logits are never materialised for the whole batch: log-probs are computed in chunks of `logprob_chunk_size` tokens
+(see logprobs.py), so only a chunk x vocab buffer set is alive.
 
 Sequences are assumed to be full length (prompt_length + response_length): the estimate is a worst case. With
 shared prompts (`Workload.share_prompts`, prompt_sharing.py) a micro-batch carries each distinct prompt once: its
@@ -144,6 +162,9 @@ class Workload:
     shard_world: int = 1
     gather_dtype: Optional[torch.dtype] = None  # the MixedPrecisionPolicy's param_dtype; None: param_dtype
     share_prompts: bool = False  # micro-batches carry each distinct prompt once (plan.share_prompts)
+    # the training passes' kernels (planned after the memory search, which assumes the eager defaults: a bound)
+    compiled_layers: bool = False  # decoder layers run under torch.compile (plan.compile_training)
+    kv_heads_repeated: bool = True  # SDPA gets k/v repeated per query head (False: grouped heads, plan.expand_kv_heads)
 
     @property
     def seq_len(self) -> int:
@@ -182,15 +203,27 @@ def format_bytes(num_bytes: float) -> str:
 
 
 # ----------------------------------------------------------------------------------- activation formulas
-def layer_saved_bytes_per_token(shape: ModelShape, compute_bytes: int, residual_bytes: int, autocast: bool) -> int:
-    """Bytes one decoder layer saves for backward, per token (module docstring has the derivation)."""
+def layer_saved_bytes_per_token(shape: ModelShape, compute_bytes: int, residual_bytes: int, autocast: bool,
+                                kv_heads_repeated: bool = True) -> int:
+    """Bytes one eager decoder layer saves for backward, per token (module docstring has the derivation)."""
     hidden, inter = shape.hidden_size, shape.intermediate_size
     norms = NORMS_PER_LAYER * RMSNORM_SAVED_COPIES * hidden * residual_bytes
     linear_inputs = (3 if autocast else 1) * hidden + (2 if autocast else 1) * hidden + shape.q_dim + inter
-    # HF repeats k/v to the query head count before SDPA unless the kernel does GQA natively: assume repeated.
-    attention = 2 * shape.q_dim + 2 * shape.q_dim
+    # k and v as SDPA saves them: repeated to the query head count unless the kernel takes grouped heads
+    attention = 2 * shape.q_dim + 2 * (shape.q_dim if kv_heads_repeated else shape.kv_dim)
     mlp = MLP_SAVED_INTERMEDIATES * inter
     return norms + compute_bytes * (linear_inputs + attention + mlp)
+
+
+def compiled_layer_saved_bytes_per_token(shape: ModelShape, compute_bytes: int, residual_bytes: int,
+                                         kv_heads_repeated: bool = True) -> int:
+    """Bytes one compiled decoder layer saves for backward, per token: the matmul and attention outputs only, the
+    pointwise work between them recomputed in the backward (module docstring has the derivation)."""
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    kv = shape.q_dim if kv_heads_repeated else shape.kv_dim
+    saved = (2 * hidden + hidden + 2 * shape.q_dim + 2 * kv + MLP_SAVED_INTERMEDIATES * inter) * compute_bytes
+    statistics = shape.num_heads * 4 + NORMS_PER_LAYER * 4  # fp32 log-sum-exp per head, reciprocal RMS per norm
+    return hidden * residual_bytes + saved + statistics
 
 
 def attention_scores_bytes_per_token(shape: ModelShape, seq_len: int, compute_bytes: int) -> int:
@@ -206,9 +239,12 @@ def nograd_layer_bytes_per_token(shape: ModelShape, compute_bytes: int, residual
 
 def training_activation_bytes(shape: ModelShape, tokens: int, seq_len: int, compute_bytes: int,
                               residual_bytes: int, autocast: bool, checkpointing: bool,
-                              scores_materialized: bool) -> int:
-    """Activations alive at the peak of one micro-batch's backward."""
-    per_layer = layer_saved_bytes_per_token(shape, compute_bytes, residual_bytes, autocast)
+                              scores_materialized: bool, compiled: bool = False, kv_heads_repeated: bool = True
+                              ) -> int:
+    """Activations alive at the peak of one micro-batch's backward (`compiled`: the decoder layers run compiled)."""
+    per_layer = (compiled_layer_saved_bytes_per_token(shape, compute_bytes, residual_bytes, kv_heads_repeated)
+                 if compiled else
+                 layer_saved_bytes_per_token(shape, compute_bytes, residual_bytes, autocast, kv_heads_repeated))
     if scores_materialized:
         per_layer += attention_scores_bytes_per_token(shape, seq_len, compute_bytes)
     if checkpointing:
@@ -492,7 +528,7 @@ def estimate_memory(shape: ModelShape, workload: Workload, placement: Placement,
         parts["autocast_cache"] = mem.autocast_cache
         parts["activations"] = training_activation_bytes(
             model_shape, tokens, seq, compute_bytes, residual_bytes, workload.use_autocast,
-            placement.gradient_checkpointing, scores)
+            placement.gradient_checkpointing, scores, workload.compiled_layers, workload.kv_heads_repeated)
         # shared prompts: every layer's gathered keys kept for the backward (one recomputed layer's)
         rows = max(placement.max_token_len // seq, 1) if placement.max_token_len else micro_batch
         layers = 1 if placement.gradient_checkpointing else model_shape.num_layers

@@ -34,7 +34,7 @@ from ..vocabulary import ALLOC_CONF, ATTN_EAGER, ATTN_SDPA, NoFitError, PlanErro
 from .device import Decision, Target, auto_flag, card_reason, check_real_card_runs, decide_memory_cap, make_target, \
     resolve_device
 from .memory import MemoryPlan, apply_memory, count_prompts_once, decide_reference, plan_memory, \
-    shared_prompts_note, sharded_gather_dtype
+    shared_prompts_note, sharded_gather_dtype, training_kernels_note, with_training_kernels
 from .precision import decide_attention, decide_precision, decide_rollout_dtype, decide_tf32, fp16_checks, \
     sdpa_backends
 from .rollout import DECODE_SPAN_GRANULARITY, TRITON_DECODE_MIN_CC, decide_kv_release, fp32_gemm_layouts, \
@@ -137,6 +137,11 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     plan_rollout(cfg, plan, target, shape, machine)
     plan_training_kernels(plan, backends, target.is_cuda)
     plan_training_compile(plan, bool(actor.use_torch_compile), target.is_cuda, target.cc, machine.triton_usable)
+    searched = plan.estimate or {}  # the training kernels keep fewer activations than the search assumed
+    sharding.memory = with_training_kernels(sharding.memory, plan.compile_training,
+                                            plan.expand_kv_heads or scores or attn == ATTN_EAGER)
+    plan.estimate = sharding.memory.estimate
+    plan.reasons["compile_training"] += training_kernels_note(searched, plan.estimate) if plan.compile_training else ""
     plan_prompt_sharing(plan, auto_flag(cfg.hardware.share_prompts), int(arr.rollout.n), shape.model_type,
                         flash_runs=target.is_cuda and "flash_attention" in backends)
     if plan.share_prompts:

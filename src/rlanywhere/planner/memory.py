@@ -290,6 +290,25 @@ def decide_reference(use_ref: bool, use_lora: bool, kl_loss: bool, kl_reward: bo
     return Decision(memory.ref_device, f"{why} needs a reference; " + memory.reasons.get("ref_device", ""))
 
 
+def with_training_kernels(memory: MemoryPlan, compiled_layers: bool, kv_heads_repeated: bool) -> MemoryPlan:
+    """The kept memory plan with its estimate recounted for the training kernels, which are decided after it (they
+    depend on its offload and sharding): compiled decoder layers, and k/v heads given to attention grouped or
+    repeated. The settings stay those the search chose assuming eager layers and repeated heads, the larger of
+    each, so they fit either way (also should compiling fail and the layers run eager); the recount is what the
+    run holds, for the reported peaks and the decisions made from them later (KV cache, reward model, overlap)."""
+    workload = replace(memory.workload, compiled_layers=compiled_layers, kv_heads_repeated=kv_heads_repeated)
+    estimate = est.estimate_memory(memory.shape, workload, memory.placement, memory.critic_shape, memory.budget)
+    return replace(memory, workload=workload, estimate=estimate)
+
+
+def training_kernels_note(searched: dict, recounted: dict) -> str:
+    """The compile reason's tail: the peak the run holds with compiled layers, and the one that sized the batches."""
+    if not searched.get("peak_bytes") or recounted.get("peak_bytes") == searched["peak_bytes"]:
+        return ""
+    return (f"; planned peak {est.format_bytes(recounted['peak_bytes'])} with compiled layers "
+            f"({est.format_bytes(searched['peak_bytes'])} as eager layers, which sized the micro-batches)")
+
+
 def count_prompts_once(memory: MemoryPlan) -> dict:
     """Shared prompts: the estimate of the chosen settings again with each distinct prompt counted once per
     micro-batch. The settings were searched with packed rows (sharing is decided after them, from checkpointing
