@@ -32,7 +32,8 @@ the compute dtype, and autocast casts the normed input separately for each proje
 
 e.g. bf16 autocast with fp32 residual: 36 H + 8 I bytes; plain fp32: 44 H + 16 I bytes (k and v counted repeated to
 every query head; where SDPA takes the grouped heads as they are, `Workload.kv_heads_repeated` off, 2 kv_dim). The
-eager path and SDPA's math backend also keep the attention matrix: heads x seq_len x (fp32 softmax + compute-dtype probs) per token.
+eager path and SDPA's math backend also keep the attention matrix: heads x seq_len x (fp32 softmax + compute-dtype
+probs) per token.
 With gradient checkpointing each layer keeps only its input (H x residual bytes) and one layer is recomputed at a
 time.
 
@@ -44,7 +45,7 @@ backward (the same saved set in fp32, bf16 and bf16 autocast):
                 + compute_bytes * ( 2 * H                           (the normed input, cast once for q/k/v, once for
                                                                      gate/up)
                                   + H                               (o_proj output: the second residual is recomputed)
-                                  + 2 * q_dim + 2 * kv_dim          (q and k after RoPE, v, SDPA's output = o_proj input)
+                                  + 2 * q_dim + 2 * kv_dim          (q, k after RoPE, v, SDPA's output: o_proj's input)
                                   + MLP_SAVED_INTERMEDIATES * I )   (gate output, up output, SiLU(gate) * up)
                 + heads * 4 + NORMS_PER_LAYER * 4                   (SDPA's log-sum-exp, the norms' reciprocal RMS)
 
