@@ -132,3 +132,25 @@ def test_the_plan_recounts_its_estimate_for_the_training_kernels():
     p40 = _plan("h100", True, emulate="p40")
     assert not p40.compile_training and p40.expand_kv_heads
     assert p40.estimate["breakdown"]["actor_update"]["activations"] == _update_activations(p40, False, True)
+
+
+def test_shared_prompts_keep_the_heads_repeated_in_the_recount():
+    """Shared-prompt kernels may repeat k/v per query head (the masked kernel always, varlen where torch's lacks
+    grouped heads): the recount keeps them repeated there."""
+    from rlanywhere.config import load_config
+    from rlanywhere.planner import make_plan
+
+    grpo = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
+            "data.train_batch_size=16", "data.max_prompt_length=256", "data.max_response_length=512",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.rollout.n=8"]
+    plan = make_plan(load_config(None, grpo), HardwareProbe.fake("h100", flash_attn_installed=False,
+                                                                  triton_usable=True))
+    assert plan.share_prompts and plan.compile_training and not plan.expand_kv_heads
+    layer = est.compiled_layer_saved_bytes_per_token(QWEN_05B, 2, 4, kv_heads_repeated=True)
+    grouped = est.compiled_layer_saved_bytes_per_token(QWEN_05B, 2, 4, kv_heads_repeated=False)
+    rows = plan.sizes.actor_micro_batch_size
+    tokens = est.shared_stream_tokens(rows, 8, 256, 512)
+    activations = plan.estimate["breakdown"]["actor_update"]["activations"]
+    assert activations >= tokens * 24 * layer > tokens * 24 * grouped
+    assert "with compiled layers" in plan.reasons["compile_training"]
+    assert "with each prompt once" in plan.reasons["share_prompts"]

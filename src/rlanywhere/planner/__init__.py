@@ -137,16 +137,18 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     plan_rollout(cfg, plan, target, shape, machine)
     plan_training_kernels(plan, backends, target.is_cuda)
     plan_training_compile(plan, bool(actor.use_torch_compile), target.is_cuda, target.cc, machine.triton_usable)
-    searched = plan.estimate or {}  # the training kernels keep fewer activations than the search assumed
-    sharding.memory = with_training_kernels(sharding.memory, plan.compile_training,
-                                            plan.expand_kv_heads or scores or attn == ATTN_EAGER)
-    plan.estimate = sharding.memory.estimate
-    plan.reasons["compile_training"] += training_kernels_note(searched, plan.estimate) if plan.compile_training else ""
     plan_prompt_sharing(plan, auto_flag(cfg.hardware.share_prompts), int(arr.rollout.n), shape.model_type,
                         flash_runs=target.is_cuda and "flash_attention" in backends)
+    # the estimate recounted for the training kernels decided after the search (its figure sized the micro-batches):
+    # compiled layers keep fewer activations; k/v heads stay grouped unless a kernel repeats them (shared prompts may)
+    searched = plan.estimate or {}
+    sharding.memory = with_training_kernels(sharding.memory, plan.compile_training, plan.expand_kv_heads or scores
+                                            or attn == ATTN_EAGER or plan.share_prompts)
+    plan.estimate = sharding.memory.estimate
     if plan.share_prompts:
-        packed, plan.estimate = plan.estimate or {}, count_prompts_once(sharding.memory)
+        packed, plan.estimate = searched, count_prompts_once(sharding.memory)
         reasons["share_prompts"] += shared_prompts_note(packed, plan.estimate)
+    plan.reasons["compile_training"] += training_kernels_note(searched, plan.estimate) if plan.compile_training else ""
     plan.rollout.release_kv_between_phases, plan.rollout.reasons["release_kv_between_phases"] = decide_kv_release(
         plan, target, auto_flag(arr.rollout.free_cache_engine))
     plan_async_rollout(cfg, plan)  # trainer.async: overlapped, in turn or sync (async_plan.py)
