@@ -75,6 +75,14 @@ def curve_from_rlanywhere(records: list[dict]) -> list[dict]:
     return points
 
 
+def warmup_minutes(records: list[dict]) -> dict:
+    """Training minutes an rlanywhere run spent compiling and capturing decode CUDA graphs (perf/compile_s,
+    perf/graph_capture_s summed over its steps, validation excluded): what a longer run would spread thinner."""
+    steps = {r["step"]: r for r in records if "perf/step_time_s" in r}
+    return {"compile": sum(r.get("perf/compile_s", 0.0) for r in steps.values()) / 60,
+            "graph_capture": sum(r.get("perf/graph_capture_s", 0.0) for r in steps.values()) / 60}
+
+
 def curve_from_trl(records: list[dict]) -> list[dict]:
     """The same points from the TRL side's records (evaluations carry `train_seconds` at that step)."""
     return [{"step": r["step"], "minutes": r["train_seconds"] / 60, "acc": r["val/acc"], "format": r.get("val/format")}
@@ -184,13 +192,17 @@ def run(args) -> dict:
             "trainer.val_before_train=true", f"trainer.test_freq={test_freq}"])
         points = curve_from_rlanywhere(records)
         label = f"rlanywhere {args.algo}"
+        warmup = warmup_minutes(records)
+        print(f"of the training minutes: compiling {warmup['compile']:.2f}, capturing decode graphs "
+              f"{warmup['graph_capture']:.2f}", flush=True)
     if not points:
         raise SystemExit("the run recorded no held-out accuracy")
     return {"label": label + (f" (--emulate {args.emulate})" if args.emulate else ""), "algorithm": args.algo,
             "task": f"2-digit addition ({data['val_max_samples']} held-out, greedy)",
             "model": "tiny random (--tiny)" if args.tiny else "SmolLM2-135M-Instruct",
             "hardware": hardware_label(args.emulate), "steps": points[-1]["step"], "test_freq": test_freq,
-            "process_minutes": (time.time() - started) / 60, "points": points}
+            "process_minutes": (time.time() - started) / 60, "points": points,
+            **({"warmup_minutes": warmup} if args.algo != "trl-grpo" else {})}
 
 
 def write_outputs(result: dict, out: str) -> None:

@@ -38,6 +38,15 @@ def test_steady_summary_drops_warmup_takes_medians_and_highest_peak():
                        "update s": None, "peak GiB": 12.0}
 
 
+def test_steady_summary_reports_what_the_first_step_spent_compiling_and_capturing():
+    records = [{"step": 1, "perf/step_time_s": 9.0, "perf/compile_s": 4.5, "perf/graph_capture_s": 1.25},
+               {"step": 2, "perf/step_time_s": 2.0, "perf/compile_s": 0.0, "perf/graph_capture_s": 0.0}]
+    summary = vs_trl.steady_summary(records, {"s/step": "perf/step_time_s"}, warmup=1)
+    assert (summary["1st step s"], summary["1st compile s"], summary["1st capture s"]) == (9.0, 4.5, 1.25)
+    row = vs_trl.format_table([("ours", summary)]).splitlines()[1].split()
+    assert row[-3:] == ["9.000", "4.500", "1.250"]
+
+
 def test_steady_summary_without_steady_steps_says_raise_steps():
     with pytest.raises(SystemExit, match="raise --steps"):
         vs_trl.steady_summary([{"step": 1, "perf/step_time_s": 1.0}], {"s/step": "perf/step_time_s"}, warmup=1)
@@ -111,6 +120,15 @@ def test_curve_from_rlanywhere_sums_step_times_without_validation():
         {"step": 0, "minutes": 0.0, "acc": 0.1, "format": 0.0},
         {"step": 2, "minutes": 1.0, "acc": 0.6, "format": 0.5},
         {"step": 4, "minutes": 3.0, "acc": 0.9, "format": None}]
+
+
+def test_warmup_minutes_sum_each_steps_compile_and_capture_once():
+    records = [{"step": 0, "val/acc": 0.1},
+               {"step": 1, "perf/step_time_s": 30.0, "perf/compile_s": 24.0, "perf/graph_capture_s": 3.0},
+               {"step": 2, "perf/step_time_s": 1.0, "perf/compile_s": 6.0, "perf/graph_capture_s": 0.0},
+               {"step": 2, "val/acc": 0.5},
+               {"step": 3, "perf/step_time_s": 1.0}]  # a run from before these metrics: counts 0
+    assert tta.warmup_minutes(records) == {"compile": 0.5, "graph_capture": 0.05}
 
 
 def test_curve_from_trl_reads_evaluation_records_only():
