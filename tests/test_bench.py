@@ -1,4 +1,5 @@
-"""The TRL comparison benches' own logic (bench/vs_trl.py, bench/time_to_accuracy.py, bench/sides.py), against
+"""The TRL comparison benches' own logic (bench/vs_trl.py, bench/time_to_accuracy.py, bench/sides.py,
+bench/first_steps.py), against
 hand-computed numbers; and that every override the benches pass is a key rlanywhere's config accepts."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
+import first_steps  # noqa: E402
 import sides  # noqa: E402
 import time_to_accuracy as tta  # noqa: E402
 import trace_gaps  # noqa: E402
@@ -249,3 +251,18 @@ def test_update_mfus_take_the_median_over_steady_steps():
     out = vs_trl.update_mfus(records, 1, shape, rows=4, groups=None, ppo_epochs=1, peak=1e3)
     middle = phase_mfus(records[2], shape, rows=4, groups=None, ppo_epochs=1, peak=1e3)["mfu/update_actor"]
     assert out == {"mfu/update_actor": pytest.approx(middle)}
+
+
+# ---------------------------------------------------------------- first steps: where a short run's start goes
+def test_first_step_breakdown_splits_the_process_and_the_first_step():
+    records = [{"step": 2, "perf/step_time_s": 1.5},
+               {"step": 1, "perf/step_time_s": 20.0, "perf/compile_s": 12.0, "perf/graph_capture_s": 3.0},
+               {"step": 3, "perf/step_time_s": 0.5}, {"step": 4, "perf/step_time_s": 1.0}]
+    row = first_steps.first_step_breakdown(records, process_seconds=40.0)
+    # setup: 40 - (20 + 1.5 + 0.5 + 1) = 17; first step other: 20 - 12 - 3 = 5; later steps' median: 1.0
+    assert row == {"process s": 40.0, "setup s": 17.0, "1st step s": 20.0, "compile s": 12.0, "capture s": 3.0,
+                   "1st other s": 5.0, "later step s": 1.0}
+    table = first_steps.format_rows([("cold caches", row)]).splitlines()
+    assert table[1].split()[2:] == ["40.00", "17.00", "20.00", "12.00", "3.00", "5.00", "1.00"]
+    with pytest.raises(SystemExit, match="no step"):
+        first_steps.first_step_breakdown([{"step": 0, "val/acc": 0.1}], 5.0)
