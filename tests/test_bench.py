@@ -133,6 +133,26 @@ def test_warmup_minutes_sum_each_steps_compile_and_capture_once():
     assert tta.warmup_minutes(records) == {"compile": 0.5, "graph_capture": 0.05}
 
 
+def test_trl_sweep_takes_the_micro_batch_with_the_fewest_seconds_a_step():
+    # a step is a generation and its optimizer steps (records sharing "step"); the first step is left out
+    records = [{"step": 0, "val/acc": 0.1},
+               {"step": 1, "optimizer_step": 1, "perf/step_time_s": 9.0},
+               {"step": 1, "optimizer_step": 2, "perf/step_time_s": 1.0},
+               {"step": 2, "optimizer_step": 3, "perf/step_time_s": 3.0},
+               {"step": 2, "optimizer_step": 4, "perf/step_time_s": 1.0},
+               {"step": 3, "optimizer_step": 5, "perf/step_time_s": 2.0},
+               {"step": 3, "optimizer_step": 6, "perf/step_time_s": 1.0}]
+    assert tta.trl_seconds_per_step(records) == 3.5  # median of 4.0 and 3.0
+    assert tta.trl_seconds_per_step(records[:3]) is None  # only the warm-up step
+    assert tta.fastest_micro_batch({16: 5.0, 64: 3.5, 128: None, 256: 4.0}) == 64
+    with pytest.raises(SystemExit, match="trl-sweep-steps"):
+        tta.fastest_micro_batch({16: None})
+    assert tta.micro_batches_from("128,32, 64,32") == [32, 64, 128]
+    for bad in ("", "0,64", "64,x"):
+        with pytest.raises(SystemExit, match="--trl-micro-batch"):
+            tta.micro_batches_from(bad)
+
+
 def test_curve_from_trl_reads_evaluation_records_only():
     records = [{"step": 0, "train_seconds": 0.0, "val/acc": 0.2, "val/format": 0.1},
                {"step": 1, "optimizer_step": 2, "perf/step_time_s": 90.0, "train_seconds": 90.0},
