@@ -536,7 +536,8 @@ class LlamaForward:
             decode: bool = False):
         """q [N, heads, T, D], k/v [N, kv_heads, T, D] for x [N, T, hidden], rope applied (sin: signed_sin).
         A prefill applies RoPE eagerly: it runs once a rollout, and compiling it too (RoPE over many positions is a
-        graph of its own) would cost the first step more compile time than its fused kernel ever saves."""
+        graph of its own) costs the first step seconds that its fused kernel repays only over thousands of
+        rollouts."""
         d, hf = self.dims, self.numerics.round_like_hf
         n, t = x.shape[0], x.shape[1]
         rope = self.ops["apply_rope"] if decode else apply_rope
