@@ -30,6 +30,7 @@ import argparse
 import csv
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Optional
@@ -75,10 +76,48 @@ def curve_from_rlanywhere(records: list[dict]) -> list[dict]:
     return points
 
 
+def warmup_minutes(records: list[dict]) -> dict:
+    """Training minutes an rlanywhere run spent compiling and capturing decode CUDA graphs (perf/compile_s,
+    perf/graph_capture_s summed over its steps, validation excluded): what a longer run would spread thinner."""
+    steps = {r["step"]: r for r in records if "perf/step_time_s" in r}
+    return {"compile": sum(r.get("perf/compile_s", 0.0) for r in steps.values()) / 60,
+            "graph_capture": sum(r.get("perf/graph_capture_s", 0.0) for r in steps.values()) / 60}
+
+
 def curve_from_trl(records: list[dict]) -> list[dict]:
     """The same points from the TRL side's records (evaluations carry `train_seconds` at that step)."""
     return [{"step": r["step"], "minutes": r["train_seconds"] / 60, "acc": r["val/acc"], "format": r.get("val/format")}
             for r in records if "val/acc" in r]
+
+
+def trl_seconds_per_step(records: list[dict], skip: int = 1) -> Optional[float]:
+    """Median seconds of a TRL run's steps (a step: one generation and its optimizer steps, whose records share
+    `step`), the first `skip` steps (model warm-up) left out; None when no step is left."""
+    per_step: dict[int, float] = {}
+    for record in records:
+        if "perf/step_time_s" in record:
+            per_step[record["step"]] = per_step.get(record["step"], 0.0) + record["perf/step_time_s"]
+    steady = [seconds for step, seconds in sorted(per_step.items())][skip:]
+    return statistics.median(steady) if steady else None
+
+
+def fastest_micro_batch(seconds_per_step: dict[int, Optional[float]]) -> int:
+    """The micro-batch whose short run had the fewest seconds a step (runs without a figure left out)."""
+    timed = {micro: seconds for micro, seconds in seconds_per_step.items() if seconds is not None}
+    if not timed:
+        raise SystemExit("the TRL micro-batch sweep timed no step: raise --trl-sweep-steps")
+    return min(timed, key=timed.get)
+
+
+def micro_batches_from(text: str) -> list[int]:
+    """--trl-micro-batch: one number, or a comma list to sweep."""
+    try:
+        values = sorted({int(part) for part in str(text).split(",") if part.strip()})
+    except ValueError:
+        raise SystemExit(f"--trl-micro-batch {text!r}: expected numbers separated by commas, e.g. 32,64,128")
+    if not values or min(values) < 1:
+        raise SystemExit(f"--trl-micro-batch {text!r}: expected positive numbers, e.g. 32,64,128")
+    return values
 
 
 def minutes_to_reach(points: list[dict], threshold: float) -> Optional[float]:
@@ -150,6 +189,7 @@ def run(args) -> dict:
     test_freq = args.test_freq
     data, actor = profile["data"], profile["actor_rollout_ref"]
     started = time.time()
+    sweep: dict[int, Optional[float]] = {}  # TRL micro-batch -> seconds a step in its short run
     if args.algo == "trl-grpo":
         if not sides.trl_available():
             raise SystemExit(sides.TRL_MISSING.replace("running rlanywhere alone", "cannot run trl-grpo"))
@@ -165,10 +205,20 @@ def run(args) -> dict:
                     mini_prompts=actor["actor"]["ppo_mini_batch_size"], max_new_tokens=data["max_response_length"],
                     lr=actor["actor"]["optim"]["lr"], temperature=actor["rollout"]["temperature"],
                     precision="bf16" if on_gpu else "fp32", tf32=True, gradient_checkpointing=args.trl_checkpointing,
-                    micro_batch=args.trl_micro_batch, test_freq=test_freq, cpu=not on_gpu, seed=1,
+                    test_freq=test_freq, cpu=not on_gpu, seed=1,
                     max_seconds=args.max_minutes * 60 if args.max_minutes else None)
+        micro_batches = micro_batches_from(args.trl_micro_batch)
+        if len(micro_batches) > 1:  # TRL at its fastest: a short run per micro-batch, no evaluation, then the curve
+            for micro in micro_batches:
+                sweep_spec = dict(spec, micro_batch=micro, steps=args.trl_sweep_steps, val_parquet=None,
+                                  max_seconds=None, out=os.path.join(profile_work, f"trl_sweep_{micro}.jsonl"))
+                sweep[micro] = trl_seconds_per_step(sides.start_trl(
+                    sweep_spec, os.path.join(profile_work, f"trl_sweep_{micro}_spec.json")))
+                print(f"TRL micro-batch {micro}: {sweep[micro]} s a step", flush=True)
+        spec["micro_batch"] = fastest_micro_batch(sweep) if sweep else micro_batches[0]
+        started = time.time()  # the process time of the curve's run, the sweep's processes left out
         points = curve_from_trl(sides.start_trl(spec, os.path.join(profile_work, "trl_spec.json")))
-        label = "TRL GRPOTrainer"
+        label = f"TRL GRPOTrainer (micro-batch {spec['micro_batch']}" + (", its fastest)" if sweep else ")")
     else:
         overrides = flatten_overrides({k: v for k, v in profile.items() if k != "trainer"})
         overrides += [f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={paths['train']}",
@@ -184,13 +234,18 @@ def run(args) -> dict:
             "trainer.val_before_train=true", f"trainer.test_freq={test_freq}"])
         points = curve_from_rlanywhere(records)
         label = f"rlanywhere {args.algo}"
+        warmup = warmup_minutes(records)
+        print(f"of the training minutes: compiling {warmup['compile']:.2f}, capturing decode graphs "
+              f"{warmup['graph_capture']:.2f}", flush=True)
     if not points:
         raise SystemExit("the run recorded no held-out accuracy")
     return {"label": label + (f" (--emulate {args.emulate})" if args.emulate else ""), "algorithm": args.algo,
             "task": f"2-digit addition ({data['val_max_samples']} held-out, greedy)",
             "model": "tiny random (--tiny)" if args.tiny else "SmolLM2-135M-Instruct",
             "hardware": hardware_label(args.emulate), "steps": points[-1]["step"], "test_freq": test_freq,
-            "process_minutes": (time.time() - started) / 60, "points": points}
+            "process_minutes": (time.time() - started) / 60, "points": points,
+            **({"warmup_minutes": warmup} if args.algo != "trl-grpo" else {}),
+            **({"trl_sweep_seconds_per_step": {str(k): v for k, v in sweep.items()}} if sweep else {})}
 
 
 def write_outputs(result: dict, out: str) -> None:
@@ -238,7 +293,12 @@ def main() -> int:
     run_p.add_argument("--steps", type=int, default=None, help="default: the demo profile's (60)")
     run_p.add_argument("--test-freq", type=int, default=5, help="evaluate every this many steps (and at 0, last)")
     run_p.add_argument("--emulate", default=None, help="rlanywhere --emulate CARD (e.g. p40)")
-    run_p.add_argument("--trl-micro-batch", type=int, default=64, help="TRL completions per forward/backward")
+    run_p.add_argument("--trl-micro-batch", default="64",
+                       help="TRL completions per forward/backward; a comma list (e.g. 16,32,64,128,256) first runs "
+                            "TRL --trl-sweep-steps steps per value without evaluation and takes the fastest (the "
+                            "sweep's process time is not in the curve's)")
+    run_p.add_argument("--trl-sweep-steps", type=int, default=3,
+                       help="steps per micro-batch in the sweep (the first is left out of its median)")
     run_p.add_argument("--trl-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                        help="TRL gradient checkpointing (its default: on)")
     run_p.add_argument("--max-minutes", type=float, default=None,

@@ -62,6 +62,10 @@ COLUMNS = {
 }
 
 
+# what the first step spent getting ready (rlanywhere only; TRL's records have no such keys)
+FIRST_STEP_COLUMNS = {"1st compile s": "perf/compile_s", "1st capture s": "perf/graph_capture_s"}
+
+
 def steady_summary(records: list[dict], columns: dict[str, str | None], warmup: int) -> dict:
     """Median of each column over the steps after `warmup`, and the highest peak memory over those steps."""
     steady = [r for r in records if "perf/step_time_s" in r][warmup:]
@@ -70,6 +74,11 @@ def steady_summary(records: list[dict], columns: dict[str, str | None], warmup: 
     summary = {"steps_timed": len(steady),
                # the first step: compiling, CUDA graph capture, autotuning (what a short run pays on top)
                "1st step s": next((r["perf/step_time_s"] for r in records if "perf/step_time_s" in r), None)}
+    # of which torch.compile and CUDA-graph capture (rlanywhere's perf/compile_s and perf/graph_capture_s)
+    first = next((r for r in records if "perf/step_time_s" in r), {})
+    for name, key in FIRST_STEP_COLUMNS.items():
+        if key in first:
+            summary[name] = first[key]
     for name, key in columns.items():
         values = [r[key] for r in steady if key and isinstance(r.get(key), (int, float))]
         summary[name] = statistics.median(values) if values else None
@@ -88,13 +97,15 @@ def with_throughput(summary: dict, samples_per_step: int, reference_samples_per_
 
 
 def format_table(rows: list[tuple[str, dict]]) -> str:
-    names = ["s/step", "samples/s", "x TRL", "generate s", "update s", "critic s", "peak GiB", "resp len", "1st step s"]
+    names = ["s/step", "samples/s", "x TRL", "generate s", "update s", "critic s", "peak GiB", "resp len", "1st step s",
+             *FIRST_STEP_COLUMNS]
     width = max(len(label) for label, _ in rows) + 2
-    lines = [f"{'run':<{width}}" + "".join(f"{n:>11}" for n in names)]
+    lines = [f"{'run':<{width}}" + "".join(f"{n:>14}" if n in FIRST_STEP_COLUMNS else f"{n:>11}" for n in names)]
     for label, summary in rows:
         cells = [summary.get(n) for n in names]
-        lines.append(f"{label:<{width}}" + "".join(f"{c:>11.3f}" if isinstance(c, (int, float)) else f"{'-':>11}"
-                                                   for c in cells))
+        widths = [14 if n in FIRST_STEP_COLUMNS else 11 for n in names]
+        lines.append(f"{label:<{width}}" + "".join(f"{c:>{w}.3f}" if isinstance(c, (int, float)) else f"{'-':>{w}}"
+                                                   for c, w in zip(cells, widths)))
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""The TRL comparison benches' own logic (bench/vs_trl.py, bench/time_to_accuracy.py, bench/sides.py), against
+"""The TRL comparison benches' own logic (bench/vs_trl.py, bench/time_to_accuracy.py, bench/sides.py,
+bench/first_steps.py), against
 hand-computed numbers; and that every override the benches pass is a key rlanywhere's config accepts."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
+import first_steps  # noqa: E402
 import sides  # noqa: E402
 import time_to_accuracy as tta  # noqa: E402
 import trace_gaps  # noqa: E402
@@ -36,6 +38,15 @@ def test_steady_summary_drops_warmup_takes_medians_and_highest_peak():
     # and the first step's time on its own (compiling and capture)
     assert summary == {"steps_timed": 3, "1st step s": 9.0, "s/step": 3.0, "generate s": 2.0, "critic s": None,
                        "update s": None, "peak GiB": 12.0}
+
+
+def test_steady_summary_reports_what_the_first_step_spent_compiling_and_capturing():
+    records = [{"step": 1, "perf/step_time_s": 9.0, "perf/compile_s": 4.5, "perf/graph_capture_s": 1.25},
+               {"step": 2, "perf/step_time_s": 2.0, "perf/compile_s": 0.0, "perf/graph_capture_s": 0.0}]
+    summary = vs_trl.steady_summary(records, {"s/step": "perf/step_time_s"}, warmup=1)
+    assert (summary["1st step s"], summary["1st compile s"], summary["1st capture s"]) == (9.0, 4.5, 1.25)
+    row = vs_trl.format_table([("ours", summary)]).splitlines()[1].split()
+    assert row[-3:] == ["9.000", "4.500", "1.250"]
 
 
 def test_steady_summary_without_steady_steps_says_raise_steps():
@@ -111,6 +122,35 @@ def test_curve_from_rlanywhere_sums_step_times_without_validation():
         {"step": 0, "minutes": 0.0, "acc": 0.1, "format": 0.0},
         {"step": 2, "minutes": 1.0, "acc": 0.6, "format": 0.5},
         {"step": 4, "minutes": 3.0, "acc": 0.9, "format": None}]
+
+
+def test_warmup_minutes_sum_each_steps_compile_and_capture_once():
+    records = [{"step": 0, "val/acc": 0.1},
+               {"step": 1, "perf/step_time_s": 30.0, "perf/compile_s": 24.0, "perf/graph_capture_s": 3.0},
+               {"step": 2, "perf/step_time_s": 1.0, "perf/compile_s": 6.0, "perf/graph_capture_s": 0.0},
+               {"step": 2, "val/acc": 0.5},
+               {"step": 3, "perf/step_time_s": 1.0}]  # a run from before these metrics: counts 0
+    assert tta.warmup_minutes(records) == {"compile": 0.5, "graph_capture": 0.05}
+
+
+def test_trl_sweep_takes_the_micro_batch_with_the_fewest_seconds_a_step():
+    # a step is a generation and its optimizer steps (records sharing "step"); the first step is left out
+    records = [{"step": 0, "val/acc": 0.1},
+               {"step": 1, "optimizer_step": 1, "perf/step_time_s": 9.0},
+               {"step": 1, "optimizer_step": 2, "perf/step_time_s": 1.0},
+               {"step": 2, "optimizer_step": 3, "perf/step_time_s": 3.0},
+               {"step": 2, "optimizer_step": 4, "perf/step_time_s": 1.0},
+               {"step": 3, "optimizer_step": 5, "perf/step_time_s": 2.0},
+               {"step": 3, "optimizer_step": 6, "perf/step_time_s": 1.0}]
+    assert tta.trl_seconds_per_step(records) == 3.5  # median of 4.0 and 3.0
+    assert tta.trl_seconds_per_step(records[:3]) is None  # only the warm-up step
+    assert tta.fastest_micro_batch({16: 5.0, 64: 3.5, 128: None, 256: 4.0}) == 64
+    with pytest.raises(SystemExit, match="trl-sweep-steps"):
+        tta.fastest_micro_batch({16: None})
+    assert tta.micro_batches_from("128,32, 64,32") == [32, 64, 128]
+    for bad in ("", "0,64", "64,x"):
+        with pytest.raises(SystemExit, match="--trl-micro-batch"):
+            tta.micro_batches_from(bad)
 
 
 def test_curve_from_trl_reads_evaluation_records_only():
@@ -231,3 +271,18 @@ def test_update_mfus_take_the_median_over_steady_steps():
     out = vs_trl.update_mfus(records, 1, shape, rows=4, groups=None, ppo_epochs=1, peak=1e3)
     middle = phase_mfus(records[2], shape, rows=4, groups=None, ppo_epochs=1, peak=1e3)["mfu/update_actor"]
     assert out == {"mfu/update_actor": pytest.approx(middle)}
+
+
+# ---------------------------------------------------------------- first steps: where a short run's start goes
+def test_first_step_breakdown_splits_the_process_and_the_first_step():
+    records = [{"step": 2, "perf/step_time_s": 1.5},
+               {"step": 1, "perf/step_time_s": 20.0, "perf/compile_s": 12.0, "perf/graph_capture_s": 3.0},
+               {"step": 3, "perf/step_time_s": 0.5}, {"step": 4, "perf/step_time_s": 1.0}]
+    row = first_steps.first_step_breakdown(records, process_seconds=40.0)
+    # setup: 40 - (20 + 1.5 + 0.5 + 1) = 17; first step other: 20 - 12 - 3 = 5; later steps' median: 1.0
+    assert row == {"process s": 40.0, "setup s": 17.0, "1st step s": 20.0, "compile s": 12.0, "capture s": 3.0,
+                   "1st other s": 5.0, "later step s": 1.0}
+    table = first_steps.format_rows([("cold caches", row)]).splitlines()
+    assert table[1].split()[2:] == ["40.00", "17.00", "20.00", "12.00", "3.00", "5.00", "1.00"]
+    with pytest.raises(SystemExit, match="no step"):
+        first_steps.first_step_breakdown([{"step": 0, "val/acc": 0.1}], 5.0)

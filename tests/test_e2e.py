@@ -91,6 +91,7 @@ def test_ppo_with_critic_ref_and_kl(tiny_model_dir, gsm8k_data, tmp_path):
                     "timing/update_actor"):
             assert key in row and row[key] == row[key], key  # present and not NaN
         assert row["perf/compiles"] == 0  # a CPU plan compiles nothing (plan.compile_training is for CUDA)
+        assert row["perf/compile_s"] == 0.0 and row["perf/graph_capture_s"] == 0.0  # nor captures CUDA graphs
     # Two PPO epochs: the second epoch sees a moved policy, so the ratio leaves 1 and the KL to old is non-zero.
     assert rows[1]["actor/approx_kl"] != 0.0
     # The reference starts equal to the actor: KL(actor || ref) is exactly 0 at the first step, not after.

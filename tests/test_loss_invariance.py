@@ -181,3 +181,38 @@ def test_gradient_does_not_depend_on_which_rank_holds_a_row(trainer_and_batch, m
     for rank_rows in ([every[:4], every[4:]], balanced):
         torch.testing.assert_close(summed_gradient(rank_rows), reference, **TOLERANCES[layout],
                                    msg=lambda m, rank_rows=rank_rows: f"{rank_rows}: {m}")
+
+
+def test_without_entropy_bonus_backward_skips_the_entropy(trainer_and_batch, monkeypatch):
+    """entropy_coeff = 0: the entropy stays a metric (same value), its softmax math leaves backward (the head's
+    backward gets no entropy gradient) and the gradient is the policy loss's alone; a bonus keeps it in."""
+    from rlanywhere import logprobs
+
+    trainer, batch = trainer_and_batch
+    section = trainer.cfg.actor_rollout_ref.actor
+    section.loss_agg_mode = "token-mean"
+    seen = []
+    backward = logprobs._ChunkedLogprobEntropy.backward
+
+    def recording(ctx, grad_logprobs, grad_entropy):
+        seen.append(grad_entropy is not None)
+        return backward(ctx, grad_logprobs, grad_entropy)
+
+    monkeypatch.setattr(logprobs._ChunkedLogprobEntropy, "backward", staticmethod(recording))
+    rollout_cfg, chunk = trainer.cfg.actor_rollout_ref.rollout, trainer.plan.logprob_chunk_size
+    results = {}
+    try:
+        for coeff in (0.0, 1e-300, 0.01):
+            section.entropy_coeff = coeff
+            seen.clear()
+            grad, metrics = _gradient(trainer, trainer.actor, actor_loss(batch, section, rollout_cfg, chunk, "cpu"),
+                                      batch, size=batch.rows)
+            results[coeff] = (grad, metrics, list(seen))
+    finally:
+        section.entropy_coeff = 0.01
+    assert results[0.0][2] == [False] and results[0.01][2] == [True]
+    assert results[1e-300][2] == [True]
+    # a bonus too small to move a weight: the same gradient as none, through the entropy's backward or without it
+    torch.testing.assert_close(results[0.0][0], results[1e-300][0], rtol=1e-12, atol=0)
+    assert not torch.equal(results[0.0][0], results[0.01][0])
+    assert results[0.0][1]["entropy"] == pytest.approx(results[0.01][1]["entropy"], rel=1e-12)

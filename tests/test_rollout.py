@@ -263,8 +263,8 @@ def test_decode_halves_bias_apart_and_gemm_layouts_decode_like_one_batch_and_tra
 
 @pytest.mark.slow
 def test_compiled_decode_kernels_compile_once_for_every_bucket():
-    """The compiled elementwise kernels (dynamic shapes) serve every batch bucket, span and prefill width with one
-    graph each; RoPE has two (prefill and decode: dynamo specializes the decode's single position)."""
+    """The compiled elementwise kernels (dynamic shapes) serve every batch bucket and span with one graph each:
+    residual add + norm, the decode's RoPE and SiLU*mul (the prefill's RoPE and the first norm run eagerly)."""
     from rlanywhere.compiling import compiles_so_far
 
     engine = FastEngine(tiny_model("qwen2"), None, RolloutPlan(compile_elementwise=True), pad_token_id=PAD)
@@ -273,7 +273,7 @@ def test_compiled_decode_kernels_compile_once_for_every_bucket():
     params = SamplingParams(max_new_tokens=5, temperature=1.0)
     for prompts in (PROMPTS * 2, PROMPTS[:3], PROMPTS[1:3], PROMPTS * 4):  # buckets 8, 4, 2, 16
         engine.generate(prompts, params, generator=torch.Generator().manual_seed(0))
-    assert compiles_so_far() - before == 5
+    assert compiles_so_far() - before == 3
 
 
 @pytest.mark.parametrize("engine_cls", [FastEngine, HFEngine])
@@ -724,6 +724,29 @@ def test_engine_follows_the_planners_rollout_plan():
     planned = RolloutPlan(engine="fast", dtype=torch.float32, decode_attention="sdpa")
     assert make_engine(model, None, plan=Plan(rollout=planned)).decode_attention == "sdpa"
     assert make_engine(model, None).decode_attention == "sdpa"  # no plan: RolloutPlan() defaults
+
+
+def test_compiled_elementwise_compiles_the_decode_step_only(monkeypatch):
+    """compile_elementwise compiles what a decode step runs every step: the residual add + norm, SiLU*mul and (no
+    fused RoPE + cache-write kernel here) the decode's RoPE; the prefill's RoPE and the first layer's norm run
+    eagerly: three graphs for the first step to compile, not five. Traced with dynamo's eager backend (no code
+    generation); the greedy tokens are those of the plain path."""
+    from rlanywhere import compiling
+    from rlanywhere.rollout import llama
+
+    monkeypatch.setattr(llama, "compile_dynamic", lambda fn: compiling.compile_dynamic(fn, backend="eager"))
+    torch._dynamo.reset()
+    model = tiny_model("qwen2")
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    plain = FastEngine(model, None, RolloutPlan(), pad_token_id=PAD).generate(PROMPTS, params)
+    before = compiling.compiles_so_far()
+    engine = FastEngine(model, None, RolloutPlan(compile_elementwise=True), pad_token_id=PAD)
+    assert not engine.runner.forward.kv_write_kernel and sorted(engine.runner.forward.ops) == [
+        "add_rms_norm", "apply_rope", "silu_mul"]
+    compiled = engine.generate(PROMPTS, params)
+    assert compiling.compiles_so_far() - before == 3
+    assert torch.equal(plain.response_ids, compiled.response_ids)
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow

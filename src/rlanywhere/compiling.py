@@ -85,5 +85,18 @@ def compiles_so_far() -> int:
     return int(utils.counters["frames"]["total"]) if utils is not None else 0
 
 
-__all__ = ["compile_dynamic", "compiles_so_far", "inductor_options", "persistent_compile_cache",
-           "without_duck_sizing"]
+# dynamo's timers (torch._dynamo.utils.compilation_time_metrics): a frame's whole compile (tracing, AOT autograd,
+# inductor's forward) and a backward graph's inductor compile, which runs later, at the first backward
+COMPILE_TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+
+
+def compile_seconds_so_far() -> float:
+    """Seconds this process has spent in torch.compile (frames compiled and their backward graphs); 0.0 when
+    nothing was compiled."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    timers = getattr(utils, "compilation_time_metrics", None) or {}
+    return float(sum(sum(timers.get(name, ())) for name in COMPILE_TIMERS))
+
+
+__all__ = ["compile_dynamic", "compile_seconds_so_far", "compiles_so_far", "inductor_options",
+           "persistent_compile_cache", "without_duck_sizing"]

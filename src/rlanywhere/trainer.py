@@ -58,6 +58,7 @@ from .update import Updater, actor_loss, critic_loss
 from .validation import validate
 from .verl_steps import BASELINE_KEY, pf_ppo_batch, row_baselines
 from .vocabulary import precision_name
+from .warmup_costs import WarmupClock
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,7 @@ class RLTrainer(TrainerCheckpoints):
         if self.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats(self.device)
         step_start, compiles_at_start = time.perf_counter(), compiles_so_far()
+        warmup = WarmupClock()  # compile and graph-capture seconds of this step
         items, first_prompt = self.dp.share(items)  # [distributed] this rank's block of prompts (groups whole)
 
         # 1-2. rollout (n samples per prompt from the current policy) and rule-based reward per sequence;
@@ -288,7 +290,7 @@ class RLTrainer(TrainerCheckpoints):
             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             kl_coef=self.kl_ctrl.value if algo_cfg.use_kl_in_reward else None, values=values, returns=returns,
             oom_recoveries=len(self.run.oom_events), compiles=compiles_so_far() - compiles_at_start,
-            extra={**kl_metrics, **sampling_metrics, **truncation_metrics, **balance_metrics}))
+            extra={**kl_metrics, **sampling_metrics, **truncation_metrics, **balance_metrics, **warmup.metrics()}))
         metrics.update(self.precision_guard.end_step(metrics))  # loss scale, skipped steps; stops on a tripped rail
         return metrics
 

@@ -354,8 +354,10 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
         pg_loss, means = policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low, clip_high,
                                      actor_cfg.clip_ratio_c, mode, scale, token_weights=is_weights)
         means.update(correction_means)
-        ent = algo.entropy_loss(entropy, resp_mask, mode, scale)
-        loss = pg_loss - actor_cfg.entropy_coeff * ent
+        # without an entropy bonus the entropy is a metric only: detached, so backward skips its softmax math
+        bonus = bool(actor_cfg.entropy_coeff)
+        ent = algo.entropy_loss(entropy if bonus else entropy.detach(), resp_mask, mode, scale)
+        loss = pg_loss - actor_cfg.entropy_coeff * ent if bonus else pg_loss
         shares = {"pg_loss": pg_loss.detach(), "entropy": ent.detach()}
         if compare_rollout:  # trainer vs rollout log-probs of the behaviour policy (precision_guard)
             means["rollout_logprob_gap"] = rollout_logprob_gap(old, pick(batch.rollout.response_logprobs), resp_mask)

@@ -211,17 +211,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def compiled_elementwise() -> dict[str, Any]:
-    """rms_norm, add_rms_norm, apply_rope and silu_mul compiled by torch.compile (inductor, Triton on a GPU), each
+    """add_rms_norm, apply_rope and silu_mul compiled by torch.compile (inductor, Triton on a GPU), each
     one fused kernel instead of several, with eager's rounding of every intermediate (inductor's
     emulate_precision_casts, a process-wide setting): transformers' numerics, fewer kernel launches. Shapes are
-    dynamic without duck sizing (compiling.py), so every batch bucket, span and prefill width shares one compiled
-    kernel per function."""
+    dynamic without duck sizing (compiling.py), so every batch bucket and span shares one compiled kernel per
+    function. The decode step calls them; a prefill and the first layer's norm run eagerly (LlamaForward)."""
     import torch._inductor.config as inductor_config
 
     inductor_config.emulate_precision_casts = True
     return {name: compile_dynamic(fn)
-            for name, fn in (("rms_norm", rms_norm), ("add_rms_norm", add_rms_norm), ("apply_rope", apply_rope),
-                             ("silu_mul", silu_mul))}
+            for name, fn in (("add_rms_norm", add_rms_norm), ("apply_rope", apply_rope), ("silu_mul", silu_mul))}
 
 
 def half_gemm_has_fp32_output(device: torch.device, dtype: torch.dtype) -> bool:
@@ -471,7 +470,7 @@ class LlamaForward:
                                     numerics.transpose_gate_up, layout_copies=numerics.fp32_gemm_layouts)
         # the decode step's elementwise functions: compiled (fused kernels) or as written
         self.ops = compiled_elementwise() if numerics.compile_elementwise else {
-            "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope, "silu_mul": silu_mul}
+            "add_rms_norm": add_rms_norm, "apply_rope": apply_rope, "silu_mul": silu_mul}
         # the one-kernel RoPE + cache write reads the fused QKV output; q/k norms (Qwen3) come before RoPE
         self.kv_write_kernel = numerics.fused_kv_write and numerics.fuse_weights and not self.dims.qk_norm
 
@@ -535,9 +534,13 @@ class LlamaForward:
 
     def qkv(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
             decode: bool = False):
-        """q [N, heads, T, D], k/v [N, kv_heads, T, D] for x [N, T, hidden], rope applied (sin: signed_sin)."""
+        """q [N, heads, T, D], k/v [N, kv_heads, T, D] for x [N, T, hidden], rope applied (sin: signed_sin).
+        A prefill applies RoPE eagerly: it runs once a rollout, and compiling it too (RoPE over many positions is a
+        graph of its own) costs the first step seconds that its fused kernel repays only over thousands of
+        rollouts."""
         d, hf = self.dims, self.numerics.round_like_hf
         n, t = x.shape[0], x.shape[1]
+        rope = self.ops["apply_rope"] if decode else apply_rope
         if self.numerics.fuse_weights:
             y = self.projection(x, w["qkv"], w.get("qkv_b"), decode).view(n, t, d.heads + 2 * d.kv_heads,
                                                                          d.head_dim)
@@ -545,7 +548,7 @@ class LlamaForward:
             if d.qk_norm:
                 qk = torch.cat((rms_norm(qk[:, :, : d.heads], w["q_norm"], d.eps, hf),
                                 rms_norm(qk[:, :, d.heads :], w["k_norm"], d.eps, hf)), dim=2)
-            qk = self.ops["apply_rope"](qk.transpose(1, 2), cos, sin, hf)  # q and k heads in one pass
+            qk = rope(qk.transpose(1, 2), cos, sin, hf)  # q and k heads in one pass
             q, k = qk[:, : d.heads], qk[:, d.heads :]
         else:
             q = self.projection(x, w["q"], w.get("q_b"), decode).view(n, t, d.heads, d.head_dim)
@@ -554,8 +557,8 @@ class LlamaForward:
             if d.qk_norm:
                 q = rms_norm(q, w["q_norm"], d.eps, hf)
                 k = rms_norm(k, w["k_norm"], d.eps, hf)
-            q = self.ops["apply_rope"](q.transpose(1, 2), cos, sin, hf)
-            k = self.ops["apply_rope"](k.transpose(1, 2), cos, sin, hf)
+            q = rope(q.transpose(1, 2), cos, sin, hf)
+            k = rope(k.transpose(1, 2), cos, sin, hf)
         return q, k, v.transpose(1, 2)
 
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, copies: torch.Tensor, row_start: int,
@@ -673,8 +676,8 @@ class LlamaForward:
         d, ops, hf = self.dims, self.ops, self.numerics.round_like_hf
         pending = None  # the previous layer's MLP output, not yet added to h
         for i, w in enumerate(self.weights.layers):
-            if pending is None:
-                x = ops["rms_norm"](h, w["ln1"], d.eps, hf)
+            if pending is None:  # the first layer's norm: eager, one graph fewer to compile for one kernel a step
+                x = rms_norm(h, w["ln1"], d.eps, hf)
             else:
                 h, x = ops["add_rms_norm"](h, pending, w["ln1"], d.eps, hf)
             q, keys, values = self._decode_qkv(i, x, w, cos, sin, cache, batch, slot, span)

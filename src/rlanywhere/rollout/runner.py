@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -30,6 +31,15 @@ from .fused_sampling import sample_into
 from .llama import LlamaForward, ModelDims
 
 logger = logging.getLogger(__name__)
+
+_CAPTURE_SECONDS = [0.0]  # every runner's CUDA-graph captures in this process (warm-up run included)
+
+
+def graph_capture_seconds_so_far() -> float:
+    """Seconds this process has spent capturing decode-step CUDA graphs (each graph's eager warm-up step, the
+    capture itself and the kernels first compiled in them)."""
+    return _CAPTURE_SECONDS[0]
+
 
 CACHE_SLOT_ALIGNMENT = 16  # cache length rounded up to this (aligned rows for the attention kernels)
 
@@ -330,6 +340,7 @@ class DecodeRunner:
         key = (batch, span, sample, sample and self._keyed)
         graph = self._graphs.get(key)
         if graph is None:
+            captured_from = time.perf_counter()
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             # Warm up on a side stream (lazy kernel/cuBLAS init); it recomputes exactly this step, so the cache
@@ -344,7 +355,8 @@ class DecodeRunner:
             with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
                 self._decode_into_buffer(batch, span, sample)
             self._graphs[key] = graph
+            _CAPTURE_SECONDS[0] += time.perf_counter() - captured_from
         graph.replay()
 
 
-__all__ = ["KVCache", "DecodeRunner"]
+__all__ = ["KVCache", "DecodeRunner", "graph_capture_seconds_so_far"]
