@@ -380,6 +380,87 @@ def test_reward_workers_start_from_a_fresh_server_not_a_fork_of_the_trainer(tmp_
         closure.close()
 
 
+SCORING_CHILD = """
+import sys, time
+import multiprocessing.forkserver as forkserver
+from rlanywhere.rewards import RewardManager, load_custom_reward
+from rlanywhere.runguard import StopSignals
+
+if __name__ == "__main__":
+    reward, signalled, ending = sys.argv[1:4]
+    manager = RewardManager(load_custom_reward(reward), timeout_s=60, num_workers=2)
+
+    def processes():
+        return forkserver._forkserver._forkserver_pid, sorted(worker.pid for worker in manager._pool._pool)
+
+    with StopSignals() as signals:
+        manager(["0"], ["1"], ["x"])  # the pool and its server are up
+        before = processes()
+        print("processes", *before[1], before[0], flush=True)
+        print("scoring", flush=True)
+        scores, info = manager(["2", "2"], ["1", "1"], ["x", "x"])
+        assert scores.tolist() == [1.0, 1.0] and info["num_errors"] == 0, (scores, info)
+        assert (signals.received is not None) == (signalled == "yes"), signals.received
+        time.sleep(1.0)  # the save: the pool's maintenance thread runs meanwhile
+        assert processes() == before, (before, processes())
+        print("saved", flush=True)
+    if ending == "close":  # the trainer closes its pool; a script may leave it to the interpreter's exit
+        manager.close()
+"""
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signalled,ending", [("yes", "close"), ("no", "exit")])
+def test_a_signal_to_the_trainers_process_group_leaves_the_reward_pool_working(tmp_path, signalled, ending):
+    """torchrun stops a rank with killpg(SIGTERM) and a closed terminal hangs up its whole group: the reward workers'
+    server must not die of it (the pool would take every worker for dead and start new ones from a gone server while
+    the trainer saves: a ConnectionRefusedError, then a shutdown that waits forever). With a call in flight, the
+    signal is the trainer's alone; the pool scores, keeps its processes, and the process ends promptly, its server
+    and workers with it, whether it closes the pool or leaves that to the interpreter's exit."""
+    import rlanywhere
+
+    (tmp_path / "reward.py").write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, "
+                                        "extra_info=None):\n    time.sleep(float(solution_str))\n    return 1.0\n")
+    (tmp_path / "child.py").write_text(SCORING_CHILD)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rlanywhere.__file__))}
+    child = subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "reward.py"), signalled,
+                              ending], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True)  # a group of its own, as torchrun gives each rank
+    processes = []
+    try:
+        for line in child.stdout:
+            if line.startswith("processes"):
+                processes = [int(pid) for pid in line.split()[1:]]
+            if line.startswith("scoring"):
+                time.sleep(0.5)  # inside the 2 s calls
+                if signalled == "yes":
+                    os.killpg(child.pid, signal.SIGTERM)  # what torchrun sends: the rank's whole group
+                break
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:  # a hang: end it (and what it started) so the test reports instead of waiting
+            for pid in [child.pid, *processes]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert child.returncode == 0, err[-4000:]
+    assert "saved" in out and "Traceback" not in err and "Error" not in err, err[-4000:]
+    assert ("SIGTERM received" in err) == (signalled == "yes")
+    assert len(processes) == 3  # two workers and their server
+    deadline = time.time() + 30
+    while not all(_gone(pid) for pid in processes) and time.time() < deadline:
+        time.sleep(0.2)
+    assert [pid for pid in processes if not _gone(pid)] == []  # nothing left running after the trainer ends
+
+
 # ------------------------------------------------------------------------------------------------ several ranks
 @pytest.mark.slow
 def test_two_ranks_resume_from_a_folder_with_damaged_and_later_checkpoints(tiny_model_dir, arith_data, tmp_path):
