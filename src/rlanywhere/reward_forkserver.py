@@ -17,6 +17,7 @@ gone. The workers lead process groups of their own too (``rewards._init_worker``
 from __future__ import annotations
 
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import sys
@@ -33,6 +34,7 @@ def start_server(context) -> None:
     mask is inherited through its exec, so none of them can end it before it leaves the group. A server already
     running (started earlier by other code) is kept as it is."""
     context.set_forkserver_preload([__name__, "rlanywhere.rewards"])
+    multiprocessing.resource_tracker.ensure_running()  # the server's helper, started as usual, outside the mask
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
     try:
         multiprocessing.forkserver.ensure_running()
