@@ -25,6 +25,7 @@ def shared_or_shipped(shared: Path, shipped: Path) -> Path:
 
 GSM8K_DIR = shared_or_shipped(SHARED / "data" / "gsm8k", SHIPPED / "gsm8k")
 VERL_P40_ARGS = shared_or_shipped(SHARED / "fixtures" / "verl-p40-ppo.args", SHIPPED / "fixtures" / "verl-p40-ppo.args")
+GSM8K_TOOL_CONFIG = SHIPPED / "fixtures" / "gsm8k_tool_config.yaml"  # verl's GSM8K tool config (multi-turn tests)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
@@ -102,6 +103,35 @@ def gsm8k_data(tmp_path_factory, gsm8k_subset) -> Path:
     out = tmp_path_factory.mktemp("gsm8k_parquet")
     prepare_gsm8k(str(gsm8k_subset), str(out))
     return out
+
+
+@pytest.fixture
+def preempt_while_scoring(monkeypatch):
+    """`fit_preempted(trainer)`: fit `trainer` while a SIGTERM comes as the rollout of its second step (global_step
+    1) is scored, before any update of that step (so the step is dropped); returns the RunInterrupted it stops
+    with. Scoring is itself again afterwards."""
+    import signal
+
+    from rlanywhere.rollout_phase import RolloutPhase
+    from rlanywhere.runguard import RunInterrupted
+
+    original_score = RolloutPhase.score
+
+    def fit_preempted(trainer, at_step: int = 1) -> RunInterrupted:
+        def score_then_preempted(self, items, rollout, n):
+            if trainer.global_step == at_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return original_score(self, items, rollout, n)
+
+        monkeypatch.setattr(RolloutPhase, "score", score_then_preempted)
+        try:
+            with pytest.raises(RunInterrupted) as info:
+                trainer.fit()
+        finally:
+            monkeypatch.setattr(RolloutPhase, "score", original_score)
+        return info.value
+
+    return fit_preempted
 
 
 def _threads_per_worker() -> int:

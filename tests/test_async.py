@@ -329,31 +329,15 @@ def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monk
 
 @pytest.mark.slow
 def test_a_step_dropped_by_sigterm_keeps_its_rollout_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path,
-                                                                          monkeypatch):
+                                                                          preempt_while_scoring):
     """SIGTERM while step 2's rollout-in-turn of step 3 is scored: step 2 is dropped before any update, the
     checkpoint of step 1 holds step 2's batch (made with the initial weights), and the resumed run matches."""
-    import signal
-
-    from rlanywhere.rollout_phase import RolloutPhase
-    from rlanywhere.runguard import RunInterrupted
-
     extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 3}
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra)).fit()
 
-    original_score = RolloutPhase.score
-    preempted = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
-
-    def score_then_preempted(self, items, rollout, n):
-        if preempted.global_step == 1:  # the second step, before any update: SIGTERM drops it
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original_score(self, items, rollout, n)
-
-    monkeypatch.setattr(RolloutPhase, "score", score_then_preempted)
-    with pytest.raises(RunInterrupted) as info:
-        preempted.fit()
-    monkeypatch.setattr(RolloutPhase, "score", original_score)
-    assert info.value.step == 1 and info.value.checkpoint.endswith("global_step_1")
-    with open(os.path.join(info.value.checkpoint, "trainer_state.json")) as handle:
+    stop = preempt_while_scoring(_trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)))
+    assert stop.step == 1 and stop.checkpoint.endswith("global_step_1")
+    with open(os.path.join(stop.checkpoint, "trainer_state.json")) as handle:
         saved = json.load(handle)["async_rollouts"]
     assert saved["1"]["weights_step"] == 0  # step 2's batch, from the initial weights
 

@@ -438,13 +438,13 @@ def test_a_job_stopped_by_a_sharded_oom_is_relaunched_to_resume_at_the_saved_siz
             return 1
         return 0
 
-    monkeypatch.setattr(subprocess, "call", torchrun_job)
+    monkeypatch.setattr(cli.rank_launch, "run_ranks", torchrun_job)
     assert cli.main(["train", *items]) == 0
-    assert len(launches) == 2 and "torch.distributed.run" in launches[0]
+    assert len(launches) == 2 and "rlanywhere.rank_launch" in launches[0]
     assert "trainer.resume_mode=auto" not in launches[0] and launches[1][-1] == "trainer.resume_mode=auto"
 
     launches.clear()
-    monkeypatch.setattr(subprocess, "call", lambda command: launches.append(command) or 1)
+    monkeypatch.setattr(cli.rank_launch, "run_ranks", lambda command: launches.append(command) or 1)
     assert cli.main(["train", *items]) == 1 and len(launches) == 1  # the saved sizes did not change: no relaunch
 
 

@@ -380,6 +380,87 @@ def test_reward_workers_start_from_a_fresh_server_not_a_fork_of_the_trainer(tmp_
         closure.close()
 
 
+SCORING_CHILD = """
+import sys, time
+import multiprocessing.forkserver as forkserver
+from rlanywhere.rewards import RewardManager, load_custom_reward
+from rlanywhere.runguard import StopSignals
+
+if __name__ == "__main__":
+    reward, signalled, ending = sys.argv[1:4]
+    manager = RewardManager(load_custom_reward(reward), timeout_s=60, num_workers=2)
+
+    def processes():
+        return forkserver._forkserver._forkserver_pid, sorted(worker.pid for worker in manager._pool._pool)
+
+    with StopSignals() as signals:
+        manager(["0"], ["1"], ["x"])  # the pool and its server are up
+        before = processes()
+        print("processes", *before[1], before[0], flush=True)
+        print("scoring", flush=True)
+        scores, info = manager(["2", "2"], ["1", "1"], ["x", "x"])
+        assert scores.tolist() == [1.0, 1.0] and info["num_errors"] == 0, (scores, info)
+        assert (signals.received is not None) == (signalled == "yes"), signals.received
+        time.sleep(1.0)  # the save: the pool's maintenance thread runs meanwhile
+        assert processes() == before, (before, processes())
+        print("saved", flush=True)
+    if ending == "close":  # the trainer closes its pool; a script may leave it to the interpreter's exit
+        manager.close()
+"""
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signalled,ending", [("yes", "close"), ("no", "exit")])
+def test_a_signal_to_the_trainers_process_group_leaves_the_reward_pool_working(tmp_path, signalled, ending):
+    """torchrun stops a rank with killpg(SIGTERM) and a closed terminal hangs up its whole group: the reward workers'
+    server must not die of it (the pool would take every worker for dead and start new ones from a gone server while
+    the trainer saves: a ConnectionRefusedError, then a shutdown that waits forever). With a call in flight, the
+    signal is the trainer's alone; the pool scores, keeps its processes, and the process ends promptly, its server
+    and workers with it, whether it closes the pool or leaves that to the interpreter's exit."""
+    import rlanywhere
+
+    (tmp_path / "reward.py").write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, "
+                                        "extra_info=None):\n    time.sleep(float(solution_str))\n    return 1.0\n")
+    (tmp_path / "child.py").write_text(SCORING_CHILD)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rlanywhere.__file__))}
+    child = subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "reward.py"), signalled,
+                              ending], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True)  # a group of its own, as torchrun gives each rank
+    processes = []
+    try:
+        for line in child.stdout:
+            if line.startswith("processes"):
+                processes = [int(pid) for pid in line.split()[1:]]
+            if line.startswith("scoring"):
+                time.sleep(0.5)  # inside the 2 s calls
+                if signalled == "yes":
+                    os.killpg(child.pid, signal.SIGTERM)  # what torchrun sends: the rank's whole group
+                break
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:  # a hang: end it (and what it started) so the test reports instead of waiting
+            for pid in [child.pid, *processes]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert child.returncode == 0, err[-4000:]
+    assert "saved" in out and "Traceback" not in err and "Error" not in err, err[-4000:]
+    assert ("SIGTERM received" in err) == (signalled == "yes")
+    assert len(processes) == 3  # two workers and their server
+    deadline = time.time() + 30
+    while not all(_gone(pid) for pid in processes) and time.time() < deadline:
+        time.sleep(0.2)
+    assert [pid for pid in processes if not _gone(pid)] == []  # nothing left running after the trainer ends
+
+
 # ------------------------------------------------------------------------------------------------ several ranks
 @pytest.mark.slow
 def test_two_ranks_resume_from_a_folder_with_damaged_and_later_checkpoints(tiny_model_dir, arith_data, tmp_path):
@@ -457,3 +538,95 @@ def test_a_killed_rank_is_named_in_one_line_by_the_survivor(tiny_model_dir, arit
     named = [line for line in out.splitlines() if line.startswith("error: rank 1 of 2 stopped")]
     assert len(named) == 1, out[-3000:]
     assert "error: rank 0 of 2 failed" not in out and "rlanywhere/trainer.py" not in out  # no rank-0 traceback
+
+
+def test_the_launcher_names_the_rank_that_was_killed_not_one_torchrun_stopped():
+    """torchrun's failures: the cause is the first rank that failed, not one ended by the SIGTERM torchrun sends the
+    others (its timestamps have whole seconds, so they tie); a rank that exited with a code said why itself."""
+    from types import SimpleNamespace
+
+    from rlanywhere.rank_launch import failed_rank_report
+
+    def failure(exitcode, timestamp):
+        return SimpleNamespace(exitcode=exitcode, timestamp=timestamp)
+
+    line, code = failed_rank_report({0: failure(-signal.SIGTERM, 100), 1: failure(-signal.SIGKILL, 100)}, 2)
+    assert code == 1 and line.startswith("error: rank 1 of 2 was ended by SIGKILL (kill -9, or the system's")
+    assert "Run the same command to resume" in line
+    line, _ = failed_rank_report({3: failure(-signal.SIGSEGV, 101), 2: failure(-signal.SIGKILL, 100)}, 4)
+    assert line.startswith("error: rank 2 of 4 was ended by SIGKILL")  # the earlier one
+    line, _ = failed_rank_report({1: failure(-signal.SIGSEGV, 100)}, 2)
+    assert line.startswith("error: rank 1 of 2 was ended by SIGSEGV and could not say why")
+    assert failed_rank_report({0: failure(-signal.SIGTERM, 100), 1: failure(2, 100)}, 2) == (None, 2)
+    line, _ = failed_rank_report({0: failure(-signal.SIGTERM, 100)}, 2)  # only a SIGTERM: that one is named
+    assert line.startswith("error: rank 0 of 2 was ended by SIGTERM")
+
+
+def _two_rank_cli_run(tiny_model_dir, arith_data, tmp_path):
+    """`rlanywhere train ... trainer.n_gpus_per_node=2` (it starts torchrun itself) running, its first step logged."""
+    import rlanywhere
+
+    from .test_distributed import REWARD, overrides
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    run = tmp_path / "run"
+    items = overrides(tiny_model_dir, arith_data, run, reward, **{
+        "trainer.test_freq": -1, "trainer.save_freq": -1, "trainer.total_training_steps": 200})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLA_TEST_SLOW_REWARD": "0.05",
+           "PYTHONPATH": os.path.dirname(os.path.dirname(rlanywhere.__file__))}
+    proc = subprocess.Popen([sys.executable, "-m", "rlanywhere.cli", "train", *items, "trainer.n_gpus_per_node=2"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # a terminal's foreground group of its own
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and _train_rows(run)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    return proc, run
+
+
+def _end(proc, timeout: float = 240) -> str:
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            from .test_distributed import kill_9_job
+
+            kill_9_job(proc)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_under_rlanywhere_train_is_one_line(tiny_model_dir, arith_data, tmp_path):
+    """`rlanywhere train` on 2 ranks, rank 1 killed with SIGKILL mid-run: the user sees one line naming rank 1 (no
+    torchrun report, no traceback, no log lines about stopping rank 0, no leak warnings), and exit code 1."""
+    proc, _ = _two_rank_cli_run(tiny_model_dir, arith_data, tmp_path)
+    from .test_distributed import descendants
+
+    victim = _rank_pid(proc.pid, 1)
+    assert victim is not None, descendants(proc.pid)
+    os.kill(victim, signal.SIGKILL)
+    out = _end(proc)
+    assert proc.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines()  # ours (error: ...), Python's, torchrun's log lines (E1202 ...)
+              if line.startswith(("error", "E1", "W1")) or "Error" in line or "Warning" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 of 2 was ended by SIGKILL"), out[-3000:]
+    for noise in ("Traceback", "ChildFailedError", "closing signal", "leaked", "SIGTERM received"):
+        assert noise not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_rlanywhere_train_on_two_ranks_waits_for_their_save(tiny_model_dir, arith_data, tmp_path):
+    """Ctrl-C in the terminal (SIGINT to the foreground group) of `rlanywhere train` on 2 ranks: the ranks get it
+    once, finish the step and save; `rlanywhere train` waits for them and exits 130, one line of each kind."""
+    proc, run = _two_rank_cli_run(tiny_model_dir, arith_data, tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = _end(proc)
+    assert proc.returncode == 130, out[-3000:]
+    assert out.count("SIGINT received: finishing the current step") == 1, out[-3000:]
+    stopped = [line for line in out.splitlines() if line.startswith("stopped by SIGINT at step ")]
+    assert len(stopped) == 1, out[-3000:]
+    step = int(stopped[0].split("at step ")[1].split(":")[0])
+    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
+    assert verify_checkpoint(str(run / "checkpoints" / f"global_step_{step}")) is None
+    for noise in ("Traceback", "interrupted", "SignalException", "death signal"):
+        assert noise not in out, out[-3000:]

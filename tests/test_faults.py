@@ -524,30 +524,16 @@ def test_ranks_stop_on_the_collectives_answer_even_when_a_signal_lands_during_it
 
 @pytest.mark.slow
 def test_sigterm_during_rollout_drops_the_step_saves_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path,
-                                                                         monkeypatch):
+                                                                         preempt_while_scoring):
     import signal
-
-    from rlanywhere.runguard import RunInterrupted
-    from rlanywhere.rollout_phase import RolloutPhase
 
     extra = {"trainer.total_training_steps": 3, "trainer.save_freq": -1}  # the signal's save is the only one
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra)).fit()
 
-    original_score = RolloutPhase.score
-    preempted = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
-
-    def score_then_preempted(self, items, rollout, n):
-        if preempted.global_step == 1:  # the second step, before any update: SIGTERM drops it
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original_score(self, items, rollout, n)
-
-    monkeypatch.setattr(RolloutPhase, "score", score_then_preempted)
-    with pytest.raises(RunInterrupted) as info:
-        preempted.fit()
-    assert info.value.exit_code == 143 and info.value.step == 1
-    assert info.value.checkpoint.endswith("global_step_1") and verify_checkpoint(info.value.checkpoint) is None
+    stop = preempt_while_scoring(_trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)))
+    assert stop.exit_code == 143 and stop.step == 1
+    assert stop.checkpoint.endswith("global_step_1") and verify_checkpoint(stop.checkpoint) is None
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
-    monkeypatch.setattr(RolloutPhase, "score", original_score)
 
     trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
     trainer.fit()

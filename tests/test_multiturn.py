@@ -4,7 +4,6 @@ estimators and loss modes over a response mask with holes, and the config keys (
 from __future__ import annotations
 
 import json
-import textwrap
 import time
 
 import pytest
@@ -18,6 +17,8 @@ from rlanywhere.tools import (BaseTool, CalculatorTool, Gsm8kTool, PythonSandbox
                               evaluate_expression, parse_tool_calls, run_calls, tools_from_config)
 from rlanywhere.tools.calculator import CalculatorError
 from rlanywhere.tools.parsing import ToolCall
+
+from .conftest import GSM8K_TOOL_CONFIG
 
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -154,26 +155,9 @@ def test_executor_turns_failures_into_error_texts():
 
 
 def test_verl_tool_config_and_gsm8k_semantics(tmp_path):
-    path = tmp_path / "gsm8k_tool_config.yaml"
-    path.write_text(textwrap.dedent("""\
-        tools:
-          - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
-            config:
-              type: native
-            tool_schema:
-              type: "function"
-              function:
-                name: "calc_gsm8k_reward"
-                description: "A tool for calculating the reward of gsm8k."
-                parameters:
-                  type: "object"
-                  properties:
-                    answer: {type: "string", description: "The model's answer"}
-                  required: ["answer"]
-        """))
     from rlanywhere.tools import load_tool_config
 
-    (tool,) = load_tool_config(path)
+    (tool,) = load_tool_config(GSM8K_TOOL_CONFIG)
     assert isinstance(tool, Gsm8kTool) and tool.name == "calc_gsm8k_reward"
     instance, _ = tool.create(None, create_kwargs={"ground_truth": "72"})
     assert tool.execute(instance, {"answer": "70"})[1] == -0.05  # no improvement on 0

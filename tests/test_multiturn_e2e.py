@@ -6,7 +6,6 @@ process's."""
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,6 +15,7 @@ import torch
 from rlanywhere.rollout.multiturn import MultiTurnRollout, MultiTurnSettings, render_prompt_with_tools
 from rlanywhere.tools import Gsm8kTool
 
+from .conftest import GSM8K_TOOL_CONFIG
 from .test_e2e import base_overrides, killed_then_resumed, run_training, train_rows
 from .test_multiturn import byte_tokenizer
 
@@ -23,24 +23,7 @@ pytestmark = pytest.mark.slow
 
 SYSTEM = "You are a math expert. Call calc_gsm8k_reward with your answer."
 CALL = '<tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}</tool_call>'
-TOOL_CONFIG = textwrap.dedent("""\
-    tools:
-      - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
-        config:
-          type: native
-        tool_schema:
-          type: "function"
-          function:
-            name: "calc_gsm8k_reward"
-            description: "A tool for calculating the reward of gsm8k."
-            parameters:
-              type: "object"
-              properties:
-                answer:
-                  type: "string"
-                  description: "The model's answer to the GSM8K math problem, must be a digits"
-              required: ["answer"]
-    """)
+TOOL_CONFIG = GSM8K_TOOL_CONFIG.read_text()
 
 
 def question(i: int) -> str:

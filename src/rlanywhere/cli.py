@@ -31,6 +31,8 @@ from typing import Optional
 from .api import DEMO_DATA_DIR, demo_profile  # noqa: F401  (their home before api.py; kept for callers)
 
 from .rank_layout import failed_rank_line
+from . import rank_launch
+from .rank_launch import FAILED_RANKS_NAMED
 from .runfaults import guard_output_streams
 
 log = logging.getLogger("rlanywhere")
@@ -147,7 +149,8 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
             # another rank died (killed, crashed): one line naming it, no traceback of this rank's collective
             lost = failed_rank_line(exc, rank, world)
             if lost is not None:
-                print(lost, file=sys.stderr, flush=True)
+                if not os.environ.get(FAILED_RANKS_NAMED):  # else rlanywhere's launcher names the rank itself
+                    print(lost, file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
             # torchrun ends the other ranks when this one exits; say which rank failed and why
             print(f"error: rank {rank} of {world} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -162,8 +165,6 @@ def _torchrun_until_done(cfg, relaunch_argv: list[str]) -> int:
     """Run this command line as trainer.n_gpus_per_node ranks under torchrun. When the job stopped because a
     sharded update ran out of memory (it saved smaller sizes: oom.OOMGuard.run_matched), relaunch it to resume
     from the last checkpoint at those sizes."""
-    import subprocess
-
     from . import distributed
     from .checkpoint import list_checkpoints
     from .oom import remembered_sizes
@@ -175,7 +176,7 @@ def _torchrun_until_done(cfg, relaunch_argv: list[str]) -> int:
     for _ in range(OOM_RELAUNCHES + 1):
         command = distributed.relaunch_command(int(cfg.trainer.n_gpus_per_node), argv)
         print("starting torchrun: " + " ".join(command), flush=True)
-        code = subprocess.call(command)
+        code = rank_launch.run_ranks(command)  # stop signals passed on once; it waits for the ranks' save
         after = remembered_sizes(run_dir)
         if code == 0 or after is None or after == before:
             return code

@@ -99,10 +99,11 @@ def check_world_config(cfg, world: int) -> None:
 
 
 def relaunch_command(nproc: int, argv: Sequence[str]) -> list[str]:
-    """The torchrun command that reruns this `rlanywhere` command line as `nproc` ranks on this machine."""
+    """The torchrun command that reruns this `rlanywhere` command line as `nproc` ranks on this machine (torchrun run
+    by rank_launch: a rank that dies is named in one line instead of torchrun's report)."""
     import sys
 
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    return [sys.executable, "-m", "rlanywhere.rank_launch", "--standalone", f"--nproc_per_node={nproc}",
             "-m", "rlanywhere.cli", *argv]
 
 

@@ -56,6 +56,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def a_peer_died() -> bool:
+    """Whether another rank of this job on this host has ended: torchrun then stops the others with SIGTERM, and
+    what they would save cannot be (their collectives fail); the rank that died is named once, elsewhere."""
+    import socket
+
+    host, me = socket.gethostname(), os.getpid()
+    return any(peer_host == host and pid != me and not _alive(pid) for peer_host, pid in _PEERS)
+
+
 def failed_rank_line(exc: BaseException, rank: int, world: int) -> Optional[str]:
     """One line naming the rank(s) that died when `exc` is this rank's collective failing because a peer went
     away (killed, crashed, its machine lost); None for any other error (reported as it is)."""

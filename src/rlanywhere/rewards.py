@@ -331,8 +331,10 @@ class RewardManager:
         if self._pool is None:
             method, initargs = self._pool_start()
             context = multiprocessing.get_context(method)
-            if method == "forkserver":  # the server imports this module (torch with it) once, not every worker
-                context.set_forkserver_preload(["rlanywhere.rewards"])
+            if method == "forkserver":  # one server imports this module (torch with it) for every worker
+                from .reward_forkserver import start_server
+
+                start_server(context)  # in a process group of its own: a signal to the trainer's leaves it running
             before = set(multiprocessing.active_children())
             self._pool = context.Pool(self.num_workers, initializer=_init_worker, initargs=initargs)
             self._workers = [p for p in multiprocessing.active_children() if p not in before]

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from .checkpoint import checkpoint_root, list_checkpoints
 from .errors import UserError
+from .rank_layout import a_peer_died
 from .runfaults import check_run_names
 
 log = logging.getLogger(__name__)
@@ -249,8 +250,11 @@ class StopSignals:
         # stderr directly: one line the user sees even with the progress bar, whatever the logging level; a
         # console already gone (Ctrl-C also ended `| tee`, the terminal closed) must not stop the save
         try:
-            print(f"\n{signal.Signals(signum).name} received: {what}, then saving a checkpoint "
-                  "(send it again to stop at once, without saving)", file=sys.stderr, flush=True)
+            # one voice: rank 0's (every rank gets the signal); none when torchrun is ending the job for a rank
+            # that died (nothing will be saved; that rank is named once, elsewhere)
+            if os.environ.get("RANK", "0") in ("", "0") and not a_peer_died():
+                print(f"\n{signal.Signals(signum).name} received: {what}, then saving a checkpoint "
+                      "(send it again to stop at once, without saving)", file=sys.stderr, flush=True)
         except (BrokenPipeError, OSError, ValueError):
             pass
         if self.droppable:
