@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +38,18 @@ from torch import nn
 from .async_plan import OVERLAPPED
 from .rollout.base import RolloutBatch
 from .stepbatch import ScoredRollout
+
+# How the two phases share one card and one Python process when they overlap (bench/async_overlap.py measures each):
+# - the rollout's stream runs at a higher priority than the update's: a decode step is a chain of short kernels
+#   (one CUDA graph replay per token), so each of them waiting behind the update's long GEMMs stretches the whole
+#   chain, while the update barely notices the few SMs a decode kernel takes;
+# - Python hands the GIL to a waiting thread only every `sys.getswitchinterval()` (5 ms by default) when the holder
+#   keeps re-taking it, and both threads release and re-take it around every kernel launch: the rollout thread,
+#   which needs it for every decoded token, would wait up to that long per token. A shorter interval for overlapped
+#   runs lets each thread launch its next kernels soon after the other releases it.
+ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority: lower is higher; 0 is the default streams'
+OVERLAP_SWITCH_INTERVAL_S = 2e-4
+
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
 def _tensor_state(tensor: torch.Tensor) -> dict:
@@ -185,7 +198,9 @@ class RolloutPipeline:
         if self.overlap:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
             if str(plan.device).startswith("cuda"):
-                self.stream = torch.cuda.Stream(plan.device)
+                self.stream = torch.cuda.Stream(plan.device, priority=ROLLOUT_STREAM_PRIORITY)
+            # process-wide, for the rest of the run: the two threads hand the GIL over at a finer grain
+            sys.setswitchinterval(min(sys.getswitchinterval(), OVERLAP_SWITCH_INTERVAL_S))
 
     def attach(self, phase, engine, run_state=None) -> "RolloutPipeline":
         """Stand in for `phase`; `run_state` (the trainer's RunState) learns when the engine is busy in the
