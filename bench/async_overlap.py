@@ -7,7 +7,9 @@ pipeline, so that every setting sees the same model, prompts and compiled kernel
   plain        overlapped, the rollout stream at the default priority, Python's default GIL switch interval (5 ms)
   priority     overlapped, the rollout stream at high priority only
   gil          overlapped, a 0.2 ms GIL switch interval only
-  both         overlapped, both (the pipeline's default)
+  both         overlapped, both (the pipeline's stream priority; the GIL interval is the bench's alone)
+  carveout     `both`, and the update's cuBLAS GEMMs told to leave --carveout SMs free for the decode kernels
+               (torch._C._set_sm_carveout_experimental: PyTorch's experimental knob, set for that group's steps)
 
 Per setting it prints the medians over the group's steps (its first step left out: its batch was generated under
 the previous setting): step time, the update's time, the rollout's wall time (in the background when overlapped),
@@ -33,14 +35,16 @@ sys.path.insert(0, HERE)
 import sides  # noqa: E402
 from vs_trl import grpo_overrides  # noqa: E402
 
-# name -> (overlapped, rollout stream priority, GIL switch interval in seconds)
+# name -> (overlapped, rollout stream priority, GIL switch interval in seconds, SMs the update's GEMMs leave free)
 SETTINGS = {
-    "in_turn": (False, None, None),
-    "plain": (True, 0, 5e-3),
-    "priority": (True, -1, 5e-3),
-    "gil": (True, 0, 2e-4),
-    "both": (True, -1, 2e-4),
+    "in_turn": (False, None, 5e-3, None),
+    "plain": (True, 0, 5e-3, None),
+    "priority": (True, -1, 5e-3, None),
+    "gil": (True, 0, 2e-4, None),
+    "both": (True, -1, 2e-4, None),
+    "carveout": (True, -1, 2e-4, "carveout"),
 }
+DEFAULT_SETTINGS = ("in_turn", "plain", "priority", "gil", "both")
 COLUMNS = {"s/step": "perf/step_time_s", "update s": "timing/update_actor", "old logp s": "timing/old_log_prob",
            "rollout s": "async/rollout_s", "wait s": "timing/rollout_wait",
            "start s": "timing/rollout_weight_sync"}
@@ -78,16 +82,17 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def apply_setting(pipeline, name: str, executor) -> None:
+def apply_setting(pipeline, name: str, executor, carveout_sms: int) -> None:
     import torch
 
-    overlapped, priority, interval = SETTINGS[name]
+    overlapped, priority, interval, carveout = SETTINGS[name]
     pipeline.overlap = overlapped
     pipeline.executor = executor if overlapped else None
     if overlapped and pipeline.stream is not None:
         pipeline.stream = torch.cuda.Stream(pipeline.plan.device, priority=priority)
-    if interval is not None:
-        sys.setswitchinterval(interval)
+    sys.setswitchinterval(interval)
+    if torch.cuda.is_available():
+        torch._C._set_sm_carveout_experimental(carveout_sms if carveout else None)
 
 
 def main() -> int:
@@ -96,7 +101,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {list(SETTINGS)}")
+    parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma list of {list(SETTINGS)}")
+    parser.add_argument("--carveout", type=int, default=16, help="SMs the `carveout` setting leaves free")
     parser.add_argument("--per-setting", type=int, default=4, help="steps per setting (its first left out)")
     parser.add_argument("--warmup", type=int, default=2, help="steps before the first setting's (compiling)")
     parser.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU")
@@ -139,7 +145,7 @@ def main() -> int:
 
         def step(items):
             name = plan_of_steps[trainer.global_step]
-            apply_setting(pipeline, name, executor)
+            apply_setting(pipeline, name, executor, args.carveout)
             metrics = train_step(items)
             records.append({"step": trainer.global_step + 1, "setting": name,
                             **{key: metrics.get(key) for key in COLUMNS.values()}})
@@ -151,8 +157,9 @@ def main() -> int:
         trainer.train_step = step
         trainer.fit()
     samples = args.prompts * args.n
-    summary = summarise(records[args.warmup:], samples)
-    print(f"\n{samples} samples/step; medians per setting (first step of each left out)")
+    # the run's last step starts no rollout beside its update: left out too
+    summary = summarise(records[args.warmup:-1], samples)
+    print(f"\n{samples} samples/step; medians per setting (first step of each and the run's last left out)")
     print(format_table(summary))
     if args.out:
         with open(args.out, "w") as handle:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,16 +38,11 @@ from .async_plan import OVERLAPPED
 from .rollout.base import RolloutBatch
 from .stepbatch import ScoredRollout
 
-# How the two phases share one card and one Python process when they overlap (bench/async_overlap.py measures each):
-# - the rollout's stream runs at a higher priority than the update's: a decode step is a chain of short kernels
-#   (one CUDA graph replay per token), so each of them waiting behind the update's long GEMMs stretches the whole
-#   chain, while the update barely notices the few SMs a decode kernel takes;
-# - Python hands the GIL to a waiting thread only every `sys.getswitchinterval()` (5 ms by default) when the holder
-#   keeps re-taking it, and both threads release and re-take it around every kernel launch: the rollout thread,
-#   which needs it for every decoded token, would wait up to that long per token. A shorter interval for overlapped
-#   runs lets each thread launch its next kernels soon after the other releases it.
+# The rollout's stream runs at a higher priority than the update's: a decode step is a chain of short kernels (one
+# CUDA graph replay per token), each of which would otherwise queue behind the update's GEMM blocks. Measured on an
+# H200 (bench/async_overlap.py) it changes little: the block scheduler cannot take SMs back from GEMM blocks already
+# running, so a decode kernel still waits for some to finish (docs/async.md, "Why the phases slow each other").
 ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority: lower is higher; 0 is the default streams'
-OVERLAP_SWITCH_INTERVAL_S = 2e-4
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
@@ -199,8 +193,6 @@ class RolloutPipeline:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
             if str(plan.device).startswith("cuda"):
                 self.stream = torch.cuda.Stream(plan.device, priority=ROLLOUT_STREAM_PRIORITY)
-            # process-wide, for the rest of the run: the two threads hand the GIL over at a finer grain
-            sys.setswitchinterval(min(sys.getswitchinterval(), OVERLAP_SWITCH_INTERVAL_S))
 
     def attach(self, phase, engine, run_state=None) -> "RolloutPipeline":
         """Stand in for `phase`; `run_state` (the trainer's RunState) learns when the engine is busy in the
