@@ -134,7 +134,10 @@ def test_async_and_correction_keys_and_their_errors():
                              (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=2"],
                               "max_staleness=2: only one_step_off's bound of 1"),
                              (["trainer.async.overlap=maybe"], "trainer.async.overlap='maybe'"),
-                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2"], "2 ranks"),
+                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4"], "asks for 4 ranks"),
+                             (["trainer.async.mode=one_step_off", "trainer.async.rollout_ranks=2"],
+                              "rollout_ranks=2 is not available"),
+                             (["trainer.async.rollout_ranks=1"], "set trainer.async.mode=one_step_off"),
                              (["algorithm.rollout_correction.rollout_is=seq"], "rollout_is='seq' is not valid"),
                              (["algorithm.rollout_correction.rollout_rs=token_k1"], "rejection sampling"),
                              (["algorithm.rollout_correction.rollout_is=token",
@@ -177,6 +180,24 @@ def test_plan_says_whether_the_rollout_overlaps(card, expected):
     plan = make_plan(cfg, for_execution=False)
     assert plan.async_rollout == expected
     assert "async rollout" in plan.summary() and plan.reasons["async_rollout"].startswith("one_step_off")
+
+
+def test_one_step_off_on_two_ranks_is_a_split_placement():
+    from rlanywhere.async_plan import SPLIT
+    from rlanywhere.planner import make_plan
+    from rlanywhere.split_run import split_world
+
+    base = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
+            "data.train_batch_size=16", "trainer.async.mode=one_step_off", "hardware.emulate=h100"]
+    plan = make_plan(load_config(None, base + ["trainer.n_gpus_per_node=2"]), for_execution=False)
+    assert plan.async_rollout == SPLIT and "rank 1 generates" in plan.reasons["async_rollout"]
+    assert make_plan(load_config(None, base), for_execution=False).async_rollout == OVERLAPPED
+    # the command line: 2 ranks of one_step_off split; rollout_ranks=1 alone asks for the 2 ranks (a relaunch)
+    assert split_world(load_config(None, base), 2, True) == (True, 2)
+    assert split_world(load_config(None, base), 1, False) == (False, 1)
+    cfg = load_config(None, base + ["trainer.async.rollout_ranks=1"])
+    assert split_world(cfg, 1, False) == (True, 2) and cfg.trainer.n_gpus_per_node == 2
+    assert split_world(load_config(None, base[:-2]), 2, True) == (False, 2)  # sync: data parallelism
 
 
 # ------------------------------------------------------------------------------------------------ pipeline parts
@@ -382,6 +403,30 @@ def test_split_placement_matches_the_one_process_pipeline(tiny_model_dir, arith_
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
     overrides = _overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra)
     mp.spawn(_split_rank, args=(overrides, f"file://{tmp_path / 'rendezvous'}"), nprocs=2, join=True)
+    one, split = _rows(tmp_path / "one"), _rows(tmp_path / "split")
+    assert sorted(split) == [1, 2, 3]
+    assert [split[k]["async/staleness"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step in (1, 2, 3):
+        for key in KEYS + ("actor/rollout_is_mean", "actor/rollout_is_capped_frac"):
+            assert split[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)
+
+
+@pytest.mark.slow
+def test_split_placement_from_the_command_line_under_torchrun(tiny_model_dir, arith_data, tmp_path):
+    """`rlanywhere train ... trainer.async.mode=one_step_off` under torchrun with 2 CPU ranks (gloo): rank 1
+    generates, rank 0 trains; samples and metrics are those of the one-process one_step_off run."""
+    import subprocess
+    import sys
+
+    extra = {"trainer.async.mode": "one_step_off", "algorithm.rollout_correction.rollout_is": "token"}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "rlanywhere.cli", "train", *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra)]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-4000:]
+    with open(tmp_path / "split" / "plan.json") as handle:
+        assert json.load(handle)["async_rollout"] == "split"
     one, split = _rows(tmp_path / "one"), _rows(tmp_path / "split")
     assert sorted(split) == [1, 2, 3]
     assert [split[k]["async/staleness"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]

@@ -7,12 +7,14 @@ with the same seeds and sends the scored batch back. The trainer rank trains mea
 on two devices, and the batches, the weights that made them and the metrics are those of a one-process one_step_off
 run. `split_run.run_split` starts both roles in one job (world 2: rank 0 trains, rank 1 rolls out).
 
-Not yet here: several trainer ranks (data parallelism among them), several rollout ranks, the CLI's launch.
+`rlanywhere train` under torchrun with 2 ranks runs it (split_run.run_split_rank). Not yet here: several trainer
+ranks (data parallelism among them), several rollout ranks.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from concurrent.futures import Future
 from typing import Any, Optional
 
@@ -20,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from .async_pipeline import RolloutPipeline, _Job, _prompt_keys
-from .async_plan import SYNC
+from .async_plan import SPLIT, SYNC
 
 log = logging.getLogger(__name__)
 
 TRAINER_RANK, ROLLOUT_RANK = 0, 1
-SPLIT = "split"
+_OPEN: "weakref.WeakSet[SplitRolloutPipeline]" = weakref.WeakSet()  # pipelines whose rollout rank still serves
 
 
 def _broadcast_weights(model: torch.nn.Module, src: int) -> None:
@@ -55,6 +57,14 @@ class SplitRolloutPipeline(RolloutPipeline):
         plan.async_rollout = "in turn"  # no local thread: the other rank is the overlap
         super().__init__(cfg, plan, actor, loader, total_steps)
         plan.async_rollout = SPLIT
+        self.closed = False
+        _OPEN.add(self)
+
+    def rollout_and_score(self, items: list[dict], timer, step: int = 0, first_prompt: int = 0):
+        result = super().rollout_and_score(items, timer, step, first_prompt)
+        if step + 1 >= self.total_steps and not self.jobs:  # the last batch is here: the rollout rank may go
+            self.close()
+        return result
 
     def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False) -> _Job:
         dist.send_object_list([("generate", step, items, first_prompt)], dst=ROLLOUT_RANK)
@@ -65,10 +75,20 @@ class SplitRolloutPipeline(RolloutPipeline):
         return job
 
     def close(self) -> None:
-        """The rollout rank's loop ends (after the last rollout was received)."""
+        """The rollout rank's loop ends (after the rollouts in flight were received). Once."""
+        if self.closed:
+            return
+        self.closed = True
+        _OPEN.discard(self)
         for job in self.jobs.values():
             job.wait()
         dist.send_object_list([("stop",)], dst=ROLLOUT_RANK)
+
+
+def close_split_pipelines() -> None:
+    """End the rollout rank's loop of every split pipeline not closed yet (a run that ended early, or failed)."""
+    for pipeline in list(_OPEN):
+        pipeline.close()
 
 
 def serve_rollouts(cfg: Any, plan: Any) -> int:
@@ -117,4 +137,4 @@ def rollout_pipeline_for_run(cfg: Any, plan: Any, actor, loader, total_steps: in
         return SplitRolloutPipeline(cfg, plan, actor, loader, total_steps)
     return RolloutPipeline(cfg, plan, actor, loader, total_steps)
 
-__all__ = ["SPLIT", "SplitRolloutPipeline", "rollout_pipeline_for_run", "serve_rollouts"]
+__all__ = ["SPLIT", "SplitRolloutPipeline", "close_split_pipelines", "rollout_pipeline_for_run", "serve_rollouts"]
