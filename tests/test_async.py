@@ -435,6 +435,39 @@ def test_split_placement_from_the_command_line_under_torchrun(tiny_model_dir, ar
             assert split[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)
 
 
+def test_only_bypass_mode_without_weights_skips_the_old_policys_log_probs():
+    from rlanywhere.rollout_correction import recomputes_old_logprobs
+
+    def section(*overrides):
+        return load_config(None, list(overrides)).algorithm.rollout_correction
+
+    assert recomputes_old_logprobs(section())
+    assert recomputes_old_logprobs(section("algorithm.rollout_correction.rollout_is=token"))
+    assert not recomputes_old_logprobs(section("algorithm.rollout_correction.bypass_mode=true"))
+    assert recomputes_old_logprobs(section("algorithm.rollout_correction.bypass_mode=true",
+                                           "algorithm.rollout_correction.rollout_is=token"))
+
+
+@pytest.mark.slow
+def test_bypass_mode_trains_as_before_without_the_old_log_prob_forward(tiny_model_dir, arith_data, tmp_path,
+                                                                        monkeypatch):
+    """Bypass mode without importance weights (the PPO ratio against the rollout's own log-probs), two mini-batches:
+    the trainer's forward for the old policy is skipped, and the losses and gradients are those of a run that
+    still computes it (nothing read it)."""
+    from rlanywhere import trainer as trainer_module
+
+    extra = {"algorithm.rollout_correction.bypass_mode": True, "trainer.total_training_steps": 2,
+             "actor_rollout_ref.actor.ppo_mini_batch_size": 2}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "skip", **extra)).fit()
+    monkeypatch.setattr(trainer_module, "recomputes_old_logprobs", lambda section: True)
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "forward", **extra)).fit()
+    skip, forward = _rows(tmp_path / "skip"), _rows(tmp_path / "forward")
+    for step in (1, 2):
+        assert "timing/old_log_prob" not in skip[step] and "timing/old_log_prob" in forward[step]
+        for key in KEYS:
+            assert skip[step][key] == pytest.approx(forward[step][key], rel=1e-6, abs=1e-8), (step, key)
+
+
 @pytest.mark.slow
 def test_oom_recovery_in_the_pipelines_rollout(tiny_model_dir, arith_data, tmp_path):
     """An out-of-memory error in the rollout of step 2 (started during step 1): the guard halves the rollout batch
