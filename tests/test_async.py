@@ -487,3 +487,24 @@ def test_oom_recovery_in_the_pipelines_rollout(tiny_model_dir, arith_data, tmp_p
     rows = _rows(tmp_path / "run")
     assert sorted(rows) == [1, 2, 3] and calls[2] == calls[1] // 2
     assert trainer.oom_guard.events and trainer.oom_guard.events[0]["phase"] == "rollout"
+
+
+# ------------------------------------------------------------------------------------------------ the overlap bench
+def test_overlap_bench_schedule_and_medians_by_hand():
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import async_overlap
+
+    assert async_overlap.schedule(["in_turn", "both"], 2, 3) == ["in_turn"] * 5 + ["both"] * 3
+    records = [{"setting": "in_turn", "perf/step_time_s": 9.0, "timing/update_actor": 5.0},  # its batch: another's
+               {"setting": "in_turn", "perf/step_time_s": 1.0, "timing/update_actor": 0.5},
+               {"setting": "in_turn", "perf/step_time_s": 2.0, "timing/update_actor": 0.7},
+               {"setting": "both", "perf/step_time_s": 7.0},
+               {"setting": "both", "perf/step_time_s": 0.8, "timing/rollout_wait": 0.1}]
+    summary = async_overlap.summarise(records, samples=16)
+    # in_turn: steps 2-3 -> medians 1.5 s and 0.6 s, 16 / 1.5 samples/s; both: its second step alone
+    assert summary["in_turn"]["s/step"] == pytest.approx(1.5) and summary["in_turn"]["update s"] == pytest.approx(0.6)
+    assert summary["in_turn"]["samples/s"] == pytest.approx(16 / 1.5) and summary["in_turn"]["steps"] == 2
+    assert summary["both"]["s/step"] == 0.8 and summary["both"]["wait s"] == 0.1 and summary["both"]["update s"] is None
+    assert "in_turn" in async_overlap.format_table(summary)
