@@ -131,8 +131,9 @@ def test_async_and_correction_keys_and_their_errors():
     assert cfg.algorithm.rollout_correction.rollout_is_threshold == 3.0
     assert load_config(None, []).trainer["async"].mode == "sync"
     for overrides, match in [(["trainer.async.mode=fully"], "trainer.async.mode='fully' is not valid"),
-                             (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=2"],
-                              "max_staleness=2: only one_step_off's bound of 1"),
+                             (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=2",
+                               "trainer.n_gpus_per_node=2"], "the split placement keeps one rollout ahead"),
+                             (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=0"], "must be >= 1"),
                              (["trainer.async.overlap=maybe"], "trainer.async.overlap='maybe'"),
                              (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4"], "asks for 4 ranks"),
                              (["trainer.async.mode=one_step_off", "trainer.async.rollout_ranks=2"],
@@ -167,6 +168,7 @@ def test_decide_async_rollout():
     estimate = {"phases": {"rollout": 50, "old_log_prob": 60, "actor_update": 100},
                 "breakdown": {"rollout": {"actor_weights": 8, "kv_cache": 5, "prefill_or_sampling": 3}}}
     assert overlap_bytes(estimate) == 100 + 5 + 3 + 8
+    assert overlap_bytes(estimate, snapshots=2) == 100 + 5 + 3 + 8 * 3  # two queued rollouts' weights
 
 
 @pytest.mark.parametrize("card, expected", [("h100", OVERLAPPED), ("p40", IN_TURN)])
@@ -241,6 +243,10 @@ def test_lookahead_loader_state_is_the_trained_steps():
     loader.peek()
     loader.load_state_dict({"epoch": 0, "position": 2})  # a dropped step rewinds: the peeked batch is drawn again
     assert loader.next_batch() == [3] and loader.batch_size == 1
+    # two steps ahead (max_staleness=2): the state stays the trained step's until each peeked batch is trained
+    assert loader.peek(2) == [5] and loader.peek(1) == [4] and loader.state_dict() == {"epoch": 0, "position": 3}
+    assert loader.next_batch() == [4] and loader.state_dict() == {"epoch": 0, "position": 4}
+    assert loader.peek(2) == [6] and loader.next_batch() == [5] and loader.next_batch() == [6]
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -304,6 +310,28 @@ def test_one_step_off_trains_on_the_previous_steps_weights(tiny_model_dir, arith
     for step in (1, 2, 3):
         for key in KEYS + ("actor/rollout_is_mean",):
             assert t[step][key] == pytest.approx(o[step][key], rel=1e-6, abs=1e-8), (step, key)
+
+
+@pytest.mark.slow
+def test_a_deeper_queue_trains_on_batches_two_versions_old(tiny_model_dir, arith_data, tmp_path):
+    """max_staleness=2: the rollouts of steps 2 and 3 are both made with the initial weights, that of step 4 with
+    step 2's (staleness 0, 1, 2, 2). Step 2 trains on the batch one_step_off trains on (the same weights made it and
+    train on it); step 3 on an older one. Rollouts queued behind a running one in a background thread load their
+    weights from a snapshot: the same batches and metrics as the phases in turn."""
+    extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 4,
+             "algorithm.rollout_correction.rollout_is": "token"}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
+    deep = {**extra, "trainer.async.max_staleness": 2}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "two", **deep)).fit()
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "thread", **deep), overlapped=True).fit()
+    one, two, thread = _rows(tmp_path / "one"), _rows(tmp_path / "two"), _rows(tmp_path / "thread")
+    assert [two[k]["async/staleness"] for k in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
+    for key in KEYS + ("actor/rollout_is_mean",):
+        for step in (1, 2):
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)
+        for step in (1, 2, 3, 4):
+            assert thread[step][key] == pytest.approx(two[step][key], rel=1e-6, abs=1e-8), (step, key)
+    assert two[3]["actor/pg_loss"] != pytest.approx(one[3]["actor/pg_loss"], rel=1e-6, abs=1e-8)
 
 
 @pytest.mark.slow

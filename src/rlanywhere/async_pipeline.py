@@ -9,7 +9,9 @@ next step's rollout in flight:
              start the rollout of batch k+1 on that copy                     <- on its own CUDA stream, in a thread
              train on batch k -> the weights of step k+1                     <- meanwhile
 
-so each trained batch is at most one policy version stale (verl's one-step-off-policy recipe, on one GPU). The
+so each trained batch is at most one policy version stale (verl's one-step-off-policy recipe, on one GPU). With
+`trainer.async.max_staleness=K` the rollouts of the next K steps are kept in flight (each batch K versions old); one
+queued behind a running one loads a snapshot of the weights it was started with when its turn comes. The
 correction for that staleness is the rollout correction (rollout_correction.py: truncated importance weights between
 the rollout's and the trainer's log-probs). Whether the two phases truly overlap on the card is the planner's
 decision (`plan_async_rollout`: it must pay and fit: two weight copies, the KV cache and the update's memory at
@@ -75,37 +77,39 @@ def scored_from(state: dict) -> ScoredRollout:
 
 # ---------------------------------------------------------------------------------------------------- the loader
 class LookaheadLoader:
-    """The prompt loader, able to draw the next step's prompts early (`peek`). Its state, its epoch and the batch
-    `next_batch` returns are those of the step being trained: a checkpoint resumes at the peeked batch."""
+    """The prompt loader, able to draw the prompts of the steps to come early (`peek`). Its state, its epoch and the
+    batch `next_batch` returns are those of the step being trained: a checkpoint resumes at the first peeked batch."""
 
     def __init__(self, loader):
         self.inner = loader
-        self.ahead: Optional[tuple[list[dict], dict]] = None  # the peeked batch and the state before drawing it
+        self.ahead: list[tuple[list[dict], dict]] = []  # peeked batches, each with the state before drawing it
 
     def next_batch(self) -> list[dict]:
-        if self.ahead is not None:
-            items, self.ahead = self.ahead[0], None
-            return items
+        if self.ahead:
+            return self.ahead.pop(0)[0]
         return self.inner.next_batch()
 
-    def peek(self) -> list[dict]:
-        if self.ahead is None:
+    def peek(self, steps: int = 1) -> list[dict]:
+        """The batch `steps` steps after the one being trained (1: the next one)."""
+        while len(self.ahead) < steps:
             state = self.inner.state_dict()
-            self.ahead = (self.inner.next_batch(), state)
-        return self.ahead[0]
+            self.ahead.append((self.inner.next_batch(), state))
+        return self.ahead[steps - 1][0]
 
     def state_dict(self) -> dict:
-        return dict(self.ahead[1]) if self.ahead is not None else self.inner.state_dict()
+        return dict(self.ahead[0][1]) if self.ahead else self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.ahead = None
+        self.ahead = []
         self.inner.load_state_dict(state)
 
     @property
     def epoch(self) -> int:
-        return int(self.ahead[1]["epoch"]) if self.ahead is not None else self.inner.epoch
+        return int(self.ahead[0][1]["epoch"]) if self.ahead else self.inner.epoch
 
     def __getattr__(self, name: str):  # batch_size, steps_per_epoch, ...
+        if name == "ahead":  # before __init__ set it (copy, pickle)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
@@ -165,11 +169,12 @@ def rollout_model_copy(actor: nn.Module) -> nn.Module:
     return model.eval()
 
 
-def copy_weights(source: nn.Module, target: nn.Module) -> None:
-    """target's parameters and buffers <- source's, in place (the engine's tensors keep their addresses)."""
+def copy_weights(source: nn.Module | dict, target: nn.Module) -> None:
+    """target's parameters and buffers <- source's (a module or a state dict), in place (the engine's tensors keep
+    their addresses)."""
     with torch.no_grad():
         target_state = target.state_dict()
-        for name, tensor in source.state_dict().items():
+        for name, tensor in (source if isinstance(source, dict) else source.state_dict()).items():
             target_state[name].copy_(tensor)
 
 
@@ -180,6 +185,8 @@ class RolloutPipeline:
 
     def __init__(self, cfg: Any, plan: Any, actor: nn.Module, loader, total_steps: int):
         self.cfg, self.plan, self.actor, self.total_steps = cfg, plan, actor, total_steps
+        # rollouts kept ahead of the step being trained: each batch is made with weights this many updates old
+        self.depth = int(cfg.trainer["async"].max_staleness)
         self.overlap = plan.async_rollout == OVERLAPPED
         self.model = rollout_model_copy(actor)
         self.loader = LookaheadLoader(loader)
@@ -208,8 +215,9 @@ class RolloutPipeline:
     # ------------------------------------------------------------------------------------------ the trainer's calls
     def rollout_and_score(self, items: list[dict], timer, step: int = 0,
                           first_prompt: int = 0) -> tuple[ScoredRollout, dict, int]:
-        """Step `step`'s scored batch (started a step ago, or now when none is: the first step, a resumed run
-        without a saved one), after starting the next step's rollout from the weights as they are now."""
+        """Step `step`'s scored batch (started `depth` steps ago, or now when none is: the first step, a resumed run
+        without a saved one), after starting the rollouts of the steps to come (up to `depth` ahead) from the weights
+        as they are now."""
         self.settled = False
         job = self.jobs.get(step)
         if job is None or job.keys != _prompt_keys(items):
@@ -217,9 +225,11 @@ class RolloutPipeline:
                 job = self._start(step, items, first_prompt)
         with timer("rollout_wait"):
             scored, metrics, first = job.wait()
-        if step + 1 < self.total_steps and step + 1 not in self.jobs:
-            with timer("rollout_weight_sync"):
-                self._start(step + 1, self.loader.peek(), 0, background=True)
+        for ahead in range(1, self.depth + 1):
+            later = step + ahead
+            if later < self.total_steps and later not in self.jobs:
+                with timer("rollout_weight_sync"):
+                    self._start(later, self.loader.peek(ahead), 0, background=True, weights_step=step)
         # kept until now: a step dropped by a stop signal before this point finds its batch again
         self.jobs.pop(step, None)
         self._publish_busy()
@@ -267,21 +277,36 @@ class RolloutPipeline:
         copy_weights(self.actor, self.model)
         self.engine.sync_weights()
 
-    def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False) -> _Job:
-        """The rollout of `step`'s prompts from the actor's weights as they are now."""
-        self._refresh()
-        job = _Job(step, step - 1 if background else step, _prompt_keys(items), None)
+    def _running(self) -> list[_Job]:
+        return [job for job in self.jobs.values() if isinstance(job.result, Future) and not job.result.done()]
+
+    def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False,
+               weights_step: Optional[int] = None) -> _Job:
+        """The rollout of `step`'s prompts from the actor's weights as they are now (those of step `weights_step`,
+        default `step`). A background rollout queued behind one still running takes a snapshot of them, which it
+        loads into the engine's copy when its turn comes (the copy is in use until then)."""
+        job = _Job(step, step if weights_step is None else weights_step, _prompt_keys(items), None)
+        snapshot = None
+        if background and self.executor is not None and self._running():
+            snapshot = {name: tensor.detach().clone() for name, tensor in self.actor.state_dict().items()}
+        else:
+            for running in self._running():  # the engine's copy is about to change under it
+                running.wait()
+            self._refresh()
 
         def run() -> tuple[ScoredRollout, dict, int]:
             start = time.perf_counter()
             stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
             with stream:
+                if snapshot is not None:
+                    copy_weights(snapshot, self.model)
+                    self.engine.sync_weights()
                 result = self.phase.rollout_and_score(items, _WallTimer(), step, first_prompt)
             job.seconds = time.perf_counter() - start
             return result
 
         if background and self.executor is not None:
-            if self.stream is not None:  # the refreshed weights first
+            if self.stream is not None:  # the refreshed weights (or the snapshot) first
                 self.stream.wait_stream(torch.cuda.current_stream(self.plan.device))
             job.result = self.executor.submit(run)
         else:

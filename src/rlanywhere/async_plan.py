@@ -39,9 +39,6 @@ def check_async_config(cfg: Any) -> None:
     check_split_world(cfg, int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node))
     if section.mode == "sync":
         return
-    if int(section.max_staleness) != 1:
-        raise UserError(f"trainer.async.max_staleness={section.max_staleness}: only one_step_off's bound of 1 is "
-                        "available (deeper pipelines are not); set trainer.async.max_staleness=1")
     if cfg.algorithm.filter_groups.enable:
         raise UserError("trainer.async.mode=one_step_off with dynamic sampling (algorithm.filter_groups.enable) is "
                         "not available: dynamic sampling draws more prompts during the rollout; use one of the two")
@@ -65,22 +62,26 @@ def check_split_world(cfg: Any, world: int) -> None:
             raise UserError("trainer.async.rollout_ranks=1 places the rollout of trainer.async.mode=one_step_off on "
                             "its own rank; set trainer.async.mode=one_step_off with it")
         return
+    if int(section.max_staleness) > 1 and (ranks == 1 or world == SPLIT_WORLD):
+        raise UserError(f"trainer.async.max_staleness={section.max_staleness}: the split placement keeps one rollout "
+                        "ahead (max_staleness=1); deeper queues run in one process")
     if world > SPLIT_WORLD:
         raise UserError(f"trainer.async.mode=one_step_off runs in one process, or on 2 ranks (one trains, one "
                         f"generates); this run asks for {world} ranks (trainer.nnodes x trainer.n_gpus_per_node): "
                         "use 2 ranks, or trainer.async.mode=sync with data parallelism")
 
 
-def overlap_bytes(estimate: Optional[dict]) -> Optional[int]:
+def overlap_bytes(estimate: Optional[dict], snapshots: int = 0) -> Optional[int]:
     """Memory the overlapped pipeline holds at its peak: the update's phase (weights, gradients, optimizer,
     activations, engine weights) plus, at the same time, the rollout's KV cache and sampling buffers and a second
-    copy of the actor's weights for the engine to read. None without an estimate."""
+    copy of the actor's weights for the engine to read, and `snapshots` more copies (the weights of rollouts queued
+    behind a running one, with max_staleness > 1). None without an estimate."""
     if not estimate or "phases" not in estimate:
         return None
     phases, breakdown = estimate["phases"], estimate.get("breakdown", {})
     rollout = breakdown.get("rollout", {})
     training = max(value for name, value in phases.items() if name != "rollout")
-    copy_bytes = rollout.get("actor_weights", 0)
+    copy_bytes = rollout.get("actor_weights", 0) * (1 + snapshots)
     return int(training + rollout.get("kv_cache", 0) + rollout.get("prefill_or_sampling", 0) + copy_bytes)
 
 
@@ -120,7 +121,7 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
         return
     on_cuda = str(plan.device).startswith("cuda") or bool(plan.emulated)
     half = plan.precision in ("bf16", "fp16")
-    need = overlap_bytes(plan.estimate)
+    need = overlap_bytes(plan.estimate, snapshots=int(section.max_staleness) - 1)
     plan.async_rollout, plan.reasons["async_rollout"] = decide_async_rollout(
         section.mode, _overlap_setting(section.overlap), on_cuda, half, need, plan.memory_budget_bytes)
     if plan.async_rollout == OVERLAPPED and plan.rollout.release_kv_between_phases:

@@ -66,10 +66,12 @@ class SplitRolloutPipeline(RolloutPipeline):
             self.close()
         return result
 
-    def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False) -> _Job:
+    def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False,
+               weights_step: Optional[int] = None) -> _Job:
         dist.send_object_list([("generate", step, items, first_prompt)], dst=ROLLOUT_RANK)
         _broadcast_weights(self.actor, src=TRAINER_RANK)
-        job = _Job(step, step - 1 if background else step, _prompt_keys(items), _RemoteResult(ROLLOUT_RANK))
+        job = _Job(step, step if weights_step is None else weights_step, _prompt_keys(items),
+                   _RemoteResult(ROLLOUT_RANK))
         if background:
             self.jobs[step] = job
         return job
