@@ -335,9 +335,11 @@ def test_a_deeper_queue_trains_on_batches_two_versions_old(tiny_model_dir, arith
 
 
 @pytest.mark.slow
-def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monkeypatch):
-    """Stopped after step 2 (Ctrl-C during its update): the checkpoint holds step 3's finished rollout, made with
-    step 2's weights, which no checkpoint holds; the resumed run trains on it and matches an uninterrupted run."""
+@pytest.mark.parametrize("depth, saved_weights", [(1, {"2": 1}), (2, {"2": 0, "3": 1})])
+def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monkeypatch, depth, saved_weights):
+    """Stopped after step 2 (Ctrl-C during its update): the checkpoint holds the finished rollouts of the steps to
+    come (max_staleness=1: step 3's, made with step 2's weights, which no checkpoint holds; 2: steps 3 and 4's, made
+    with step 1's and step 2's); the resumed run trains on them and matches an uninterrupted run."""
     import signal
 
     from rlanywhere.checkpoint import verify_checkpoint
@@ -345,7 +347,7 @@ def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monk
     from rlanywhere.update import Updater
 
     extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 4,
-             "algorithm.rollout_correction.rollout_is": "sequence"}
+             "algorithm.rollout_correction.rollout_is": "sequence", "trainer.async.max_staleness": depth}
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra)).fit()
 
     original_step = Updater.optimizer_step
@@ -366,7 +368,7 @@ def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monk
     assert info.value.step == 2 and verify_checkpoint(info.value.checkpoint) is None
     with open(os.path.join(info.value.checkpoint, "trainer_state.json")) as handle:
         saved = json.load(handle)["async_rollouts"]
-    assert list(saved) == ["2"] and saved["2"]["weights_step"] == 1  # step 3's batch, from step 2's weights
+    assert {step: job["weights_step"] for step, job in saved.items()} == saved_weights
 
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
     a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
