@@ -47,13 +47,13 @@ def check_async_config(cfg: Any) -> None:
 def wants_split(cfg: Any, world: int) -> bool:
     """Whether this run is a split placement: one_step_off on 2 ranks (or trainer.async.rollout_ranks=1)."""
     section = cfg.trainer["async"]
-    return section.mode == "one_step_off" and (world == SPLIT_WORLD or int(section.get("rollout_ranks", 0)) == 1)
+    return section.mode == "one_step_off" and (world == SPLIT_WORLD or int(section.rollout_ranks) == 1)
 
 
 def check_split_world(cfg: Any, world: int) -> None:
     """What the ranks of a one_step_off run can be: one process, or 1 trainer + 1 rollout rank."""
     section = cfg.trainer["async"]
-    ranks = int(section.get("rollout_ranks", 0))
+    ranks = int(section.rollout_ranks)
     if ranks not in (0, 1):
         raise UserError(f"trainer.async.rollout_ranks={ranks} is not available: one rank generates for one trainer "
                         "rank (rollout_ranks=1, 2 ranks in all) or none does (0)")
