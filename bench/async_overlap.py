@@ -140,6 +140,8 @@ def main() -> int:
         pipeline = trainer.pipeline
         print(f"async rollout: {plan.async_rollout} ({plan.reasons.get('async_rollout')})", flush=True)
         executor = pipeline.executor
+        if executor is None:
+            print("the plan runs the phases in turn here (no CUDA overlap): every setting below is in turn", flush=True)
         records: list[dict] = []
         train_step = trainer.train_step
 
