@@ -416,6 +416,46 @@ def test_a_step_dropped_by_sigterm_keeps_its_rollout_and_resume_is_exact(tiny_mo
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
+@pytest.mark.slow
+def test_a_step_dropped_after_its_rollout_keeps_its_batch_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path,
+                                                                               monkeypatch):
+    """SIGTERM in step 2's old-policy log-probs (after the pipeline handed it its batch, before the update): the step
+    is dropped, its batch (made with the initial weights) goes back into the pipeline and into the checkpoint, and
+    the resumed run trains on it: the same as an uninterrupted run."""
+    import signal
+
+    from rlanywhere.runguard import RunInterrupted
+    from rlanywhere.trainer import RLTrainer
+
+    extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 3,
+             "actor_rollout_ref.actor.ppo_mini_batch_size": 2}  # two mini-batches: the old log-probs are computed
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra)).fit()
+
+    original_logprobs = RLTrainer.logprobs
+    preempted = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
+
+    def logprobs_then_preempted(self, model, batch):
+        if preempted.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_logprobs(self, model, batch)
+
+    monkeypatch.setattr(RLTrainer, "logprobs", logprobs_then_preempted)
+    with pytest.raises(RunInterrupted) as info:
+        preempted.fit()
+    monkeypatch.setattr(RLTrainer, "logprobs", original_logprobs)
+    assert info.value.step == 1
+    with open(os.path.join(info.value.checkpoint, "trainer_state.json")) as handle:
+        saved = json.load(handle)["async_rollouts"]
+    assert {step: job["weights_step"] for step, job in saved.items()} == {"1": 0, "2": 1}
+
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert sorted(b) == [1, 2, 3]
+    for step in (2, 3):
+        for key in KEYS + ("async/staleness",):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
 def _split_rank(rank, overrides, init_method):
     torch.set_num_threads(1)
     from rlanywhere.split_run import run_split
@@ -496,6 +536,49 @@ def test_bypass_mode_trains_as_before_without_the_old_log_prob_forward(tiny_mode
         assert "timing/old_log_prob" not in skip[step] and "timing/old_log_prob" in forward[step]
         for key in KEYS:
             assert skip[step][key] == pytest.approx(forward[step][key], rel=1e-6, abs=1e-8), (step, key)
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_split_job_saves_the_batch_in_flight_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path):
+    """SIGTERM to torchrun during a split job: the trainer rank saves (the rollout rank finishes the batch in flight,
+    which the checkpoint keeps), every rank exits, and the resumed job trains like an uninterrupted one process."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    steps = 5
+    extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": steps}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
+    slow_reward = tmp_path / "slow_parity_reward.py"  # the parity reward, slowed down so that a step can be hit
+    slow_reward.write_text("import os, time\n" + PARITY_REWARD.replace(
+        "    return", "    time.sleep(float(os.environ.get('RLA_TEST_SLOW_REWARD', 0)))\n    return"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "rlanywhere.cli", "train", *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra),
+               f"custom_reward_function.path={slow_reward}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, env={**env, "RLA_TEST_SLOW_REWARD": "0.3"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline, metrics = time.time() + 600, tmp_path / "split" / "metrics.jsonl"
+    while not (metrics.exists() and "reward/mean" in metrics.read_text()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert "stopped by SIGTERM at step" in out and "error: rank" not in out, out[-6000:]
+    step = int(out.split("stopped by SIGTERM at step ")[1].split(":")[0])
+    assert 1 <= step < steps
+    checkpoint = tmp_path / "split" / "checkpoints" / f"global_step_{step}"
+    with open(checkpoint / "trainer_state.json") as handle:
+        saved = json.load(handle)["async_rollouts"]
+    assert str(step) in saved  # the next step's batch, made on the rollout rank before it stopped
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:]
+    one, split = _rows(tmp_path / "one"), _rows(tmp_path / "split")
+    assert sorted(split) == list(range(1, steps + 1))
+    for later in range(step + 1, steps + 1):
+        for key in KEYS + ("async/staleness",):
+            assert split[later][key] == pytest.approx(one[later][key], rel=1e-5, abs=1e-7), (later, key)
 
 
 @pytest.mark.slow

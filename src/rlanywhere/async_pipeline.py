@@ -80,9 +80,10 @@ class LookaheadLoader:
     """The prompt loader, able to draw the prompts of the steps to come early (`peek`). Its state, its epoch and the
     batch `next_batch` returns are those of the step being trained: a checkpoint resumes at the first peeked batch."""
 
-    def __init__(self, loader):
+    def __init__(self, loader, on_rewind=None):
         self.inner = loader
         self.ahead: list[tuple[list[dict], dict]] = []  # peeked batches, each with the state before drawing it
+        self.on_rewind = on_rewind  # called when a dropped step rewinds the loader
 
     def next_batch(self) -> list[dict]:
         if self.ahead:
@@ -102,13 +103,15 @@ class LookaheadLoader:
     def load_state_dict(self, state: dict) -> None:
         self.ahead = []
         self.inner.load_state_dict(state)
+        if self.on_rewind is not None:
+            self.on_rewind()
 
     @property
     def epoch(self) -> int:
         return int(self.ahead[0][1]["epoch"]) if self.ahead else self.inner.epoch
 
     def __getattr__(self, name: str):  # batch_size, steps_per_epoch, ...
-        if name == "ahead":  # before __init__ set it (copy, pickle)
+        if name in ("ahead", "inner", "on_rewind"):  # before __init__ set them (copy, pickle)
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -189,8 +192,9 @@ class RolloutPipeline:
         self.depth = int(cfg.trainer["async"].max_staleness)
         self.overlap = plan.async_rollout == OVERLAPPED
         self.model = rollout_model_copy(actor)
-        self.loader = LookaheadLoader(loader)
+        self.loader = LookaheadLoader(loader, on_rewind=self._restore_taken)
         self.jobs: dict[int, _Job] = {}
+        self.taken: Optional[tuple[int, _Job]] = None  # the batch handed to the step being trained
         self.settled = False  # the engine holds the actor's weights as they are now (until the next step starts)
         self.phase = None
         self.engine = None
@@ -201,10 +205,11 @@ class RolloutPipeline:
             if str(plan.device).startswith("cuda"):
                 self.stream = torch.cuda.Stream(plan.device, priority=ROLLOUT_STREAM_PRIORITY)
 
-    def attach(self, phase, engine, run_state=None) -> "RolloutPipeline":
+    def attach(self, phase, engine, run_state=None, stops=None) -> "RolloutPipeline":
         """Stand in for `phase`; `run_state` (the trainer's RunState) learns when the engine is busy in the
-        background, so that OOM relief never frees the KV cache of a rollout in flight."""
-        self.phase, self.engine, self.run_state = phase, engine, run_state
+        background, so that OOM relief never frees the KV cache of a rollout in flight; `stops` (its RunStops):
+        what a stop signal may drop (the split placement keeps its messages whole)."""
+        self.phase, self.engine, self.run_state, self.stops = phase, engine, run_state, stops
         phase.reward_manager = _LockedRewards(phase.reward_manager)
         return self
 
@@ -219,6 +224,7 @@ class RolloutPipeline:
         without a saved one), after starting the rollouts of the steps to come (up to `depth` ahead) from the weights
         as they are now."""
         self.settled = False
+        self.taken = None  # the previous step was trained (a dropped one gave its batch back on rewinding)
         job = self.jobs.get(step)
         if job is None or job.keys != _prompt_keys(items):
             with timer("rollout"):
@@ -230,7 +236,9 @@ class RolloutPipeline:
             if later < self.total_steps and later not in self.jobs:
                 with timer("rollout_weight_sync"):
                     self._start(later, self.loader.peek(ahead), 0, background=True, weights_step=step)
-        # kept until now: a step dropped by a stop signal before this point finds its batch again
+        # kept until now: a step dropped by a stop signal before this point finds its batch again, and one dropped
+        # later (before its update) gets it back when the trainer rewinds the loader (`_restore_taken`)
+        self.taken = (step, job)
         self.jobs.pop(step, None)
         self._publish_busy()
         metrics = {**metrics, "async/staleness": float(step - job.weights_step),
@@ -251,7 +259,8 @@ class RolloutPipeline:
 
     def __getattr__(self, name: str):
         """Validation's calls (generate, sampling_params, score, ...): the engine settled on the current weights."""
-        if name.startswith("__") or name in ("phase", "jobs", "settled") or self.__dict__.get("phase") is None:
+        if name.startswith("__") or name in ("phase", "jobs", "settled", "stops", "taken") or \
+                self.__dict__.get("phase") is None:
             raise AttributeError(name)
         self.settle()
         return getattr(self.phase, name)
@@ -273,6 +282,15 @@ class RolloutPipeline:
         self._publish_busy()
 
     # ------------------------------------------------------------------------------------------ internals
+    def _restore_taken(self) -> None:
+        """A stop signal dropped the step being trained (the trainer rewinds the loader to redo it): its batch is
+        the one to train on again, so a checkpoint saves it and the resumed step trains on it."""
+        if self.taken is not None:
+            step, job = self.taken
+            self.jobs.setdefault(step, job)
+            self.taken = None
+            self._publish_busy()
+
     def _refresh(self) -> None:
         copy_weights(self.actor, self.model)
         self.engine.sync_weights()

@@ -13,6 +13,7 @@ ranks (data parallelism among them), several rollout ranks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from concurrent.futures import Future
@@ -37,17 +38,35 @@ def _broadcast_weights(model: torch.nn.Module, src: int) -> None:
             dist.broadcast(tensor, src=src)
 
 
-class _RemoteResult(Future):
-    """A rollout running on the rollout rank: its scored batch arrives on the first `result()`."""
+@contextlib.contextmanager
+def _not_dropped(stops):
+    """No stop signal drops the step in here (the trainer's RunStops): a message half sent or half received would
+    leave the two ranks out of step. A signal received meanwhile lets the step finish; the run stops after it."""
+    signals = getattr(stops, "signals", None)
+    if signals is None or not signals.droppable:
+        yield
+        return
+    signals.droppable = False
+    try:
+        yield
+    finally:
+        signals.droppable = signals.received is None
 
-    def __init__(self, src: int):
+
+class _RemoteResult(Future):
+    """A rollout running on the rollout rank: its scored batch arrives on the first `result()` (and is kept)."""
+
+    def __init__(self, src: int, stops=None):
         super().__init__()
-        self.src = src
+        self.src, self.stops, self.received = src, stops, None
 
     def result(self, timeout=None):  # noqa: ARG002 - the collective has its own timeout
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=self.src)
-        return box[0]
+        if self.received is None:
+            with _not_dropped(self.stops):
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=self.src)
+                self.received = (box[0],)
+        return self.received[0]
 
 
 class SplitRolloutPipeline(RolloutPipeline):
@@ -68,12 +87,15 @@ class SplitRolloutPipeline(RolloutPipeline):
 
     def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False,
                weights_step: Optional[int] = None) -> _Job:
-        dist.send_object_list([("generate", step, items, first_prompt)], dst=ROLLOUT_RANK)
-        _broadcast_weights(self.actor, src=TRAINER_RANK)
-        job = _Job(step, step if weights_step is None else weights_step, _prompt_keys(items),
-                   _RemoteResult(ROLLOUT_RANK))
+        stops = getattr(self, "stops", None)
+        with _not_dropped(stops):  # the request, the weights and the job that expects the answer: all or none
+            dist.send_object_list([("generate", step, items, first_prompt)], dst=ROLLOUT_RANK)
+            _broadcast_weights(self.actor, src=TRAINER_RANK)
+            job = _Job(step, step if weights_step is None else weights_step, _prompt_keys(items),
+                       _RemoteResult(ROLLOUT_RANK, stops))
+            self.jobs[step] = job  # also this step's own: a checkpoint must receive every answer on its way
         if background:
-            self.jobs[step] = job
+            self._publish_busy()
         return job
 
     def close(self) -> None:
@@ -84,7 +106,8 @@ class SplitRolloutPipeline(RolloutPipeline):
         _OPEN.discard(self)
         for job in self.jobs.values():
             job.wait()
-        dist.send_object_list([("stop",)], dst=ROLLOUT_RANK)
+        with _not_dropped(getattr(self, "stops", None)):
+            dist.send_object_list([("stop",)], dst=ROLLOUT_RANK)
 
 
 def close_split_pipelines() -> None:

@@ -13,6 +13,7 @@ Kept apart from split_rollout.py because it builds the trainer, which itself bui
 from __future__ import annotations
 
 import os
+import signal
 from typing import Optional
 
 import torch
@@ -74,6 +75,9 @@ def run_split_rank(cfg, notices: list[str], emulate: Optional[str], rank: int,
     cfg.trainer["async"].rollout_ranks = 1
     try:
         if rank == ROLLOUT_RANK:
+            # a stop signal (torchrun passes it to every rank) is the trainer rank's to handle: it saves, which
+            # finishes the rollout in flight here, then releases this rank (torchrun kills it 30 s on at the latest)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             serve_rollouts(cfg, api.plan(cfg, emulate=emulate))
             return 0
         try:

@@ -130,7 +130,8 @@ class RLTrainer(TrainerCheckpoints):
         self.write_plan_record()  # after the engine is known: the record shows what runs
         self.rollouts = RolloutPhase(cfg, plan, self.engine, rollout_model, self.tokenizer, self.reward_manager,
                                      self.oom_guard, self.loader.next_batch, self.dp)
-        self.rollouts = self.pipeline.attach(self.rollouts, self.engine, self.run) if self.pipeline else self.rollouts
+        self.rollouts = self.pipeline.attach(self.rollouts, self.engine, self.run, self.stops) if self.pipeline \
+            else self.rollouts
         self.global_step = 0
         self.first_step = 0  # the step this launch starts at (a resume's)
         self.tracker: Optional[Tracker] = None
