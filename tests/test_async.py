@@ -131,10 +131,14 @@ def test_async_and_correction_keys_and_their_errors():
     assert cfg.algorithm.rollout_correction.rollout_is_threshold == 3.0
     assert load_config(None, []).trainer["async"].mode == "sync"
     for overrides, match in [(["trainer.async.mode=fully"], "trainer.async.mode='fully' is not valid"),
-                             (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=2"],
-                              "max_staleness=2: only one_step_off's bound of 1"),
+                             (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=2",
+                               "trainer.n_gpus_per_node=2"], "the split placement keeps one rollout ahead"),
+                             (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=0"], "must be >= 1"),
                              (["trainer.async.overlap=maybe"], "trainer.async.overlap='maybe'"),
-                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2"], "2 ranks"),
+                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4"], "asks for 4 ranks"),
+                             (["trainer.async.mode=one_step_off", "trainer.async.rollout_ranks=2"],
+                              "rollout_ranks=2 is not available"),
+                             (["trainer.async.rollout_ranks=1"], "set trainer.async.mode=one_step_off"),
                              (["algorithm.rollout_correction.rollout_is=seq"], "rollout_is='seq' is not valid"),
                              (["algorithm.rollout_correction.rollout_rs=token_k1"], "rejection sampling"),
                              (["algorithm.rollout_correction.rollout_is=token",
@@ -164,6 +168,7 @@ def test_decide_async_rollout():
     estimate = {"phases": {"rollout": 50, "old_log_prob": 60, "actor_update": 100},
                 "breakdown": {"rollout": {"actor_weights": 8, "kv_cache": 5, "prefill_or_sampling": 3}}}
     assert overlap_bytes(estimate) == 100 + 5 + 3 + 8
+    assert overlap_bytes(estimate, snapshots=2) == 100 + 5 + 3 + 8 * 3  # two queued rollouts' weights
 
 
 @pytest.mark.parametrize("card, expected", [("h100", OVERLAPPED), ("p40", IN_TURN)])
@@ -177,6 +182,24 @@ def test_plan_says_whether_the_rollout_overlaps(card, expected):
     plan = make_plan(cfg, for_execution=False)
     assert plan.async_rollout == expected
     assert "async rollout" in plan.summary() and plan.reasons["async_rollout"].startswith("one_step_off")
+
+
+def test_one_step_off_on_two_ranks_is_a_split_placement():
+    from rlanywhere.async_plan import SPLIT
+    from rlanywhere.planner import make_plan
+    from rlanywhere.split_run import split_world
+
+    base = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
+            "data.train_batch_size=16", "trainer.async.mode=one_step_off", "hardware.emulate=h100"]
+    plan = make_plan(load_config(None, base + ["trainer.n_gpus_per_node=2"]), for_execution=False)
+    assert plan.async_rollout == SPLIT and "rank 1 generates" in plan.reasons["async_rollout"]
+    assert make_plan(load_config(None, base), for_execution=False).async_rollout == OVERLAPPED
+    # the command line: 2 ranks of one_step_off split; rollout_ranks=1 alone asks for the 2 ranks (a relaunch)
+    assert split_world(load_config(None, base), 2, True) == (True, 2)
+    assert split_world(load_config(None, base), 1, False) == (False, 1)
+    cfg = load_config(None, base + ["trainer.async.rollout_ranks=1"])
+    assert split_world(cfg, 1, False) == (True, 2) and cfg.trainer.n_gpus_per_node == 2
+    assert split_world(load_config(None, base[:-2]), 2, True) == (False, 2)  # sync: data parallelism
 
 
 # ------------------------------------------------------------------------------------------------ pipeline parts
@@ -220,6 +243,10 @@ def test_lookahead_loader_state_is_the_trained_steps():
     loader.peek()
     loader.load_state_dict({"epoch": 0, "position": 2})  # a dropped step rewinds: the peeked batch is drawn again
     assert loader.next_batch() == [3] and loader.batch_size == 1
+    # two steps ahead (max_staleness=2): the state stays the trained step's until each peeked batch is trained
+    assert loader.peek(2) == [5] and loader.peek(1) == [4] and loader.state_dict() == {"epoch": 0, "position": 3}
+    assert loader.next_batch() == [4] and loader.state_dict() == {"epoch": 0, "position": 4}
+    assert loader.peek(2) == [6] and loader.next_batch() == [5] and loader.next_batch() == [6]
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -286,9 +313,33 @@ def test_one_step_off_trains_on_the_previous_steps_weights(tiny_model_dir, arith
 
 
 @pytest.mark.slow
-def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monkeypatch):
-    """Stopped after step 2 (Ctrl-C during its update): the checkpoint holds step 3's finished rollout, made with
-    step 2's weights, which no checkpoint holds; the resumed run trains on it and matches an uninterrupted run."""
+def test_a_deeper_queue_trains_on_batches_two_versions_old(tiny_model_dir, arith_data, tmp_path):
+    """max_staleness=2: the rollouts of steps 2 and 3 are both made with the initial weights, that of step 4 with
+    step 2's (staleness 0, 1, 2, 2). Step 2 trains on the batch one_step_off trains on (the same weights made it and
+    train on it); step 3 on an older one. Rollouts queued behind a running one in a background thread load their
+    weights from a snapshot: the same batches and metrics as the phases in turn."""
+    extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 4,
+             "algorithm.rollout_correction.rollout_is": "token"}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
+    deep = {**extra, "trainer.async.max_staleness": 2}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "two", **deep)).fit()
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "thread", **deep), overlapped=True).fit()
+    one, two, thread = _rows(tmp_path / "one"), _rows(tmp_path / "two"), _rows(tmp_path / "thread")
+    assert [two[k]["async/staleness"] for k in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
+    for key in KEYS + ("actor/rollout_is_mean",):
+        for step in (1, 2):
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)
+        for step in (1, 2, 3, 4):
+            assert thread[step][key] == pytest.approx(two[step][key], rel=1e-6, abs=1e-8), (step, key)
+    assert two[3]["actor/pg_loss"] != pytest.approx(one[3]["actor/pg_loss"], rel=1e-6, abs=1e-8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("depth, saved_weights", [(1, {"2": 1}), (2, {"2": 0, "3": 1})])
+def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monkeypatch, depth, saved_weights):
+    """Stopped after step 2 (Ctrl-C during its update): the checkpoint holds the finished rollouts of the steps to
+    come (max_staleness=1: step 3's, made with step 2's weights, which no checkpoint holds; 2: steps 3 and 4's, made
+    with step 1's and step 2's); the resumed run trains on them and matches an uninterrupted run."""
     import signal
 
     from rlanywhere.checkpoint import verify_checkpoint
@@ -296,7 +347,7 @@ def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monk
     from rlanywhere.update import Updater
 
     extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 4,
-             "algorithm.rollout_correction.rollout_is": "sequence"}
+             "algorithm.rollout_correction.rollout_is": "sequence", "trainer.async.max_staleness": depth}
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra)).fit()
 
     original_step = Updater.optimizer_step
@@ -317,7 +368,7 @@ def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monk
     assert info.value.step == 2 and verify_checkpoint(info.value.checkpoint) is None
     with open(os.path.join(info.value.checkpoint, "trainer_state.json")) as handle:
         saved = json.load(handle)["async_rollouts"]
-    assert list(saved) == ["2"] and saved["2"]["weights_step"] == 1  # step 3's batch, from step 2's weights
+    assert {step: job["weights_step"] for step, job in saved.items()} == saved_weights
 
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
     a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
@@ -340,6 +391,46 @@ def test_a_step_dropped_by_sigterm_keeps_its_rollout_and_resume_is_exact(tiny_mo
     with open(os.path.join(stop.checkpoint, "trainer_state.json")) as handle:
         saved = json.load(handle)["async_rollouts"]
     assert saved["1"]["weights_step"] == 0  # step 2's batch, from the initial weights
+
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert sorted(b) == [1, 2, 3]
+    for step in (2, 3):
+        for key in KEYS + ("async/staleness",):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+@pytest.mark.slow
+def test_a_step_dropped_after_its_rollout_keeps_its_batch_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path,
+                                                                               monkeypatch):
+    """SIGTERM in step 2's old-policy log-probs (after the pipeline handed it its batch, before the update): the step
+    is dropped, its batch (made with the initial weights) goes back into the pipeline and into the checkpoint, and
+    the resumed run trains on it: the same as an uninterrupted run."""
+    import signal
+
+    from rlanywhere.runguard import RunInterrupted
+    from rlanywhere.trainer import RLTrainer
+
+    extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 3,
+             "actor_rollout_ref.actor.ppo_mini_batch_size": 2}  # two mini-batches: the old log-probs are computed
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra)).fit()
+
+    original_logprobs = RLTrainer.logprobs
+    preempted = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra))
+
+    def logprobs_then_preempted(self, model, batch):
+        if preempted.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_logprobs(self, model, batch)
+
+    monkeypatch.setattr(RLTrainer, "logprobs", logprobs_then_preempted)
+    with pytest.raises(RunInterrupted) as info:
+        preempted.fit()
+    monkeypatch.setattr(RLTrainer, "logprobs", original_logprobs)
+    assert info.value.step == 1
+    with open(os.path.join(info.value.checkpoint, "trainer_state.json")) as handle:
+        saved = json.load(handle)["async_rollouts"]
+    assert {step: job["weights_step"] for step, job in saved.items()} == {"1": 0, "2": 1}
 
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
     a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
@@ -375,6 +466,106 @@ def test_split_placement_matches_the_one_process_pipeline(tiny_model_dir, arith_
 
 
 @pytest.mark.slow
+def test_split_placement_from_the_command_line_under_torchrun(tiny_model_dir, arith_data, tmp_path):
+    """`rlanywhere train ... trainer.async.mode=one_step_off` under torchrun with 2 CPU ranks (gloo): rank 1
+    generates, rank 0 trains; samples and metrics are those of the one-process one_step_off run."""
+    import subprocess
+    import sys
+
+    extra = {"trainer.async.mode": "one_step_off", "algorithm.rollout_correction.rollout_is": "token"}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "rlanywhere.cli", "train", *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra)]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-4000:]
+    with open(tmp_path / "split" / "plan.json") as handle:
+        assert json.load(handle)["async_rollout"] == "split"
+    one, split = _rows(tmp_path / "one"), _rows(tmp_path / "split")
+    assert sorted(split) == [1, 2, 3]
+    assert [split[k]["async/staleness"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step in (1, 2, 3):
+        for key in KEYS + ("actor/rollout_is_mean", "actor/rollout_is_capped_frac"):
+            assert split[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)
+
+
+def test_only_bypass_mode_without_weights_skips_the_old_policys_log_probs():
+    from rlanywhere.rollout_correction import recomputes_old_logprobs
+
+    def section(*overrides):
+        return load_config(None, list(overrides)).algorithm.rollout_correction
+
+    assert recomputes_old_logprobs(section())
+    assert recomputes_old_logprobs(section("algorithm.rollout_correction.rollout_is=token"))
+    assert not recomputes_old_logprobs(section("algorithm.rollout_correction.bypass_mode=true"))
+    assert recomputes_old_logprobs(section("algorithm.rollout_correction.bypass_mode=true",
+                                           "algorithm.rollout_correction.rollout_is=token"))
+
+
+@pytest.mark.slow
+def test_bypass_mode_trains_as_before_without_the_old_log_prob_forward(tiny_model_dir, arith_data, tmp_path,
+                                                                        monkeypatch):
+    """Bypass mode without importance weights (the PPO ratio against the rollout's own log-probs), two mini-batches:
+    the trainer's forward for the old policy is skipped, and the losses and gradients are those of a run that
+    still computes it (nothing read it)."""
+    from rlanywhere import trainer as trainer_module
+
+    extra = {"algorithm.rollout_correction.bypass_mode": True, "trainer.total_training_steps": 2,
+             "actor_rollout_ref.actor.ppo_mini_batch_size": 2}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "skip", **extra)).fit()
+    monkeypatch.setattr(trainer_module, "recomputes_old_logprobs", lambda section: True)
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "forward", **extra)).fit()
+    skip, forward = _rows(tmp_path / "skip"), _rows(tmp_path / "forward")
+    for step in (1, 2):
+        assert "timing/old_log_prob" not in skip[step] and "timing/old_log_prob" in forward[step]
+        for key in KEYS:
+            assert skip[step][key] == pytest.approx(forward[step][key], rel=1e-6, abs=1e-8), (step, key)
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_split_job_saves_the_batch_in_flight_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path):
+    """SIGTERM to torchrun during a split job: the trainer rank saves (the rollout rank finishes the batch in flight,
+    which the checkpoint keeps), every rank exits, and the resumed job trains like an uninterrupted one process."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    steps = 5
+    extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": steps}
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
+    slow_reward = tmp_path / "slow_parity_reward.py"  # the parity reward, slowed down so that a step can be hit
+    slow_reward.write_text("import os, time\n" + PARITY_REWARD.replace(
+        "    return", "    time.sleep(float(os.environ.get('RLA_TEST_SLOW_REWARD', 0)))\n    return"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "rlanywhere.cli", "train", *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra),
+               f"custom_reward_function.path={slow_reward}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, env={**env, "RLA_TEST_SLOW_REWARD": "0.3"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline, metrics = time.time() + 600, tmp_path / "split" / "metrics.jsonl"
+    while not (metrics.exists() and "reward/mean" in metrics.read_text()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert "stopped by SIGTERM at step" in out and "error: rank" not in out, out[-6000:]
+    step = int(out.split("stopped by SIGTERM at step ")[1].split(":")[0])
+    assert 1 <= step < steps
+    checkpoint = tmp_path / "split" / "checkpoints" / f"global_step_{step}"
+    with open(checkpoint / "trainer_state.json") as handle:
+        saved = json.load(handle)["async_rollouts"]
+    assert str(step) in saved  # the next step's batch, made on the rollout rank before it stopped
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:]
+    one, split = _rows(tmp_path / "one"), _rows(tmp_path / "split")
+    assert sorted(split) == list(range(1, steps + 1))
+    for later in range(step + 1, steps + 1):
+        for key in KEYS + ("async/staleness",):
+            assert split[later][key] == pytest.approx(one[later][key], rel=1e-5, abs=1e-7), (later, key)
+
+
+@pytest.mark.slow
 def test_oom_recovery_in_the_pipelines_rollout(tiny_model_dir, arith_data, tmp_path):
     """An out-of-memory error in the rollout of step 2 (started during step 1): the guard halves the rollout batch
     and redoes it, and the run goes on."""
@@ -393,3 +584,24 @@ def test_oom_recovery_in_the_pipelines_rollout(tiny_model_dir, arith_data, tmp_p
     rows = _rows(tmp_path / "run")
     assert sorted(rows) == [1, 2, 3] and calls[2] == calls[1] // 2
     assert trainer.oom_guard.events and trainer.oom_guard.events[0]["phase"] == "rollout"
+
+
+# ------------------------------------------------------------------------------------------------ the overlap bench
+def test_overlap_bench_schedule_and_medians_by_hand():
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import async_overlap
+
+    assert async_overlap.schedule(["in_turn", "both"], 2, 3) == ["in_turn"] * 5 + ["both"] * 3
+    records = [{"setting": "in_turn", "perf/step_time_s": 9.0, "timing/update_actor": 5.0},  # its batch: another's
+               {"setting": "in_turn", "perf/step_time_s": 1.0, "timing/update_actor": 0.5},
+               {"setting": "in_turn", "perf/step_time_s": 2.0, "timing/update_actor": 0.7},
+               {"setting": "both", "perf/step_time_s": 7.0},
+               {"setting": "both", "perf/step_time_s": 0.8, "timing/rollout_wait": 0.1}]
+    summary = async_overlap.summarise(records, samples=16)
+    # in_turn: steps 2-3 -> medians 1.5 s and 0.6 s, 16 / 1.5 samples/s; both: its second step alone
+    assert summary["in_turn"]["s/step"] == pytest.approx(1.5) and summary["in_turn"]["update s"] == pytest.approx(0.6)
+    assert summary["in_turn"]["samples/s"] == pytest.approx(16 / 1.5) and summary["in_turn"]["steps"] == 2
+    assert summary["both"]["s/step"] == 0.8 and summary["both"]["wait s"] == 0.1 and summary["both"]["update s"] is None
+    assert "in_turn" in async_overlap.format_table(summary)

@@ -9,7 +9,9 @@ next step's rollout in flight:
              start the rollout of batch k+1 on that copy                     <- on its own CUDA stream, in a thread
              train on batch k -> the weights of step k+1                     <- meanwhile
 
-so each trained batch is at most one policy version stale (verl's one-step-off-policy recipe, on one GPU). The
+so each trained batch is at most one policy version stale (verl's one-step-off-policy recipe, on one GPU). With
+`trainer.async.max_staleness=K` the rollouts of the next K steps are kept in flight (each batch K versions old); one
+queued behind a running one loads a snapshot of the weights it was started with when its turn comes. The
 correction for that staleness is the rollout correction (rollout_correction.py: truncated importance weights between
 the rollout's and the trainer's log-probs). Whether the two phases truly overlap on the card is the planner's
 decision (`plan_async_rollout`: it must pay and fit: two weight copies, the KV cache and the update's memory at
@@ -37,6 +39,13 @@ from torch import nn
 from .async_plan import OVERLAPPED
 from .rollout.base import RolloutBatch
 from .stepbatch import ScoredRollout
+
+# The rollout's stream runs at a higher priority than the update's: a decode step is a chain of short kernels (one
+# CUDA graph replay per token), each of which would otherwise queue behind the update's GEMM blocks. Measured on an
+# H200 (bench/async_overlap.py) it changes little: the block scheduler cannot take SMs back from GEMM blocks already
+# running, so a decode kernel still waits for some to finish (docs/async.md, "Why the phases slow each other").
+ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority: lower is higher; 0 is the default streams'
+
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
 def _tensor_state(tensor: torch.Tensor) -> dict:
@@ -68,37 +77,42 @@ def scored_from(state: dict) -> ScoredRollout:
 
 # ---------------------------------------------------------------------------------------------------- the loader
 class LookaheadLoader:
-    """The prompt loader, able to draw the next step's prompts early (`peek`). Its state, its epoch and the batch
-    `next_batch` returns are those of the step being trained: a checkpoint resumes at the peeked batch."""
+    """The prompt loader, able to draw the prompts of the steps to come early (`peek`). Its state, its epoch and the
+    batch `next_batch` returns are those of the step being trained: a checkpoint resumes at the first peeked batch."""
 
-    def __init__(self, loader):
+    def __init__(self, loader, on_rewind=None):
         self.inner = loader
-        self.ahead: Optional[tuple[list[dict], dict]] = None  # the peeked batch and the state before drawing it
+        self.ahead: list[tuple[list[dict], dict]] = []  # peeked batches, each with the state before drawing it
+        self.on_rewind = on_rewind  # called when a dropped step rewinds the loader
 
     def next_batch(self) -> list[dict]:
-        if self.ahead is not None:
-            items, self.ahead = self.ahead[0], None
-            return items
+        if self.ahead:
+            return self.ahead.pop(0)[0]
         return self.inner.next_batch()
 
-    def peek(self) -> list[dict]:
-        if self.ahead is None:
+    def peek(self, steps: int = 1) -> list[dict]:
+        """The batch `steps` steps after the one being trained (1: the next one)."""
+        while len(self.ahead) < steps:
             state = self.inner.state_dict()
-            self.ahead = (self.inner.next_batch(), state)
-        return self.ahead[0]
+            self.ahead.append((self.inner.next_batch(), state))
+        return self.ahead[steps - 1][0]
 
     def state_dict(self) -> dict:
-        return dict(self.ahead[1]) if self.ahead is not None else self.inner.state_dict()
+        return dict(self.ahead[0][1]) if self.ahead else self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.ahead = None
+        self.ahead = []
         self.inner.load_state_dict(state)
+        if self.on_rewind is not None:
+            self.on_rewind()
 
     @property
     def epoch(self) -> int:
-        return int(self.ahead[1]["epoch"]) if self.ahead is not None else self.inner.epoch
+        return int(self.ahead[0][1]["epoch"]) if self.ahead else self.inner.epoch
 
     def __getattr__(self, name: str):  # batch_size, steps_per_epoch, ...
+        if name in ("ahead", "inner", "on_rewind"):  # before __init__ set them (copy, pickle)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
@@ -158,11 +172,12 @@ def rollout_model_copy(actor: nn.Module) -> nn.Module:
     return model.eval()
 
 
-def copy_weights(source: nn.Module, target: nn.Module) -> None:
-    """target's parameters and buffers <- source's, in place (the engine's tensors keep their addresses)."""
+def copy_weights(source: nn.Module | dict, target: nn.Module) -> None:
+    """target's parameters and buffers <- source's (a module or a state dict), in place (the engine's tensors keep
+    their addresses)."""
     with torch.no_grad():
         target_state = target.state_dict()
-        for name, tensor in source.state_dict().items():
+        for name, tensor in (source if isinstance(source, dict) else source.state_dict()).items():
             target_state[name].copy_(tensor)
 
 
@@ -173,10 +188,13 @@ class RolloutPipeline:
 
     def __init__(self, cfg: Any, plan: Any, actor: nn.Module, loader, total_steps: int):
         self.cfg, self.plan, self.actor, self.total_steps = cfg, plan, actor, total_steps
+        # rollouts kept ahead of the step being trained: each batch is made with weights this many updates old
+        self.depth = int(cfg.trainer["async"].max_staleness)
         self.overlap = plan.async_rollout == OVERLAPPED
         self.model = rollout_model_copy(actor)
-        self.loader = LookaheadLoader(loader)
+        self.loader = LookaheadLoader(loader, on_rewind=self._restore_taken)
         self.jobs: dict[int, _Job] = {}
+        self.taken: Optional[tuple[int, _Job]] = None  # the batch handed to the step being trained
         self.settled = False  # the engine holds the actor's weights as they are now (until the next step starts)
         self.phase = None
         self.engine = None
@@ -185,12 +203,13 @@ class RolloutPipeline:
         if self.overlap:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
             if str(plan.device).startswith("cuda"):
-                self.stream = torch.cuda.Stream(plan.device)
+                self.stream = torch.cuda.Stream(plan.device, priority=ROLLOUT_STREAM_PRIORITY)
 
-    def attach(self, phase, engine, run_state=None) -> "RolloutPipeline":
+    def attach(self, phase, engine, run_state=None, stops=None) -> "RolloutPipeline":
         """Stand in for `phase`; `run_state` (the trainer's RunState) learns when the engine is busy in the
-        background, so that OOM relief never frees the KV cache of a rollout in flight."""
-        self.phase, self.engine, self.run_state = phase, engine, run_state
+        background, so that OOM relief never frees the KV cache of a rollout in flight; `stops` (its RunStops):
+        what a stop signal may drop (the split placement keeps its messages whole)."""
+        self.phase, self.engine, self.run_state, self.stops = phase, engine, run_state, stops
         phase.reward_manager = _LockedRewards(phase.reward_manager)
         return self
 
@@ -201,19 +220,25 @@ class RolloutPipeline:
     # ------------------------------------------------------------------------------------------ the trainer's calls
     def rollout_and_score(self, items: list[dict], timer, step: int = 0,
                           first_prompt: int = 0) -> tuple[ScoredRollout, dict, int]:
-        """Step `step`'s scored batch (started a step ago, or now when none is: the first step, a resumed run
-        without a saved one), after starting the next step's rollout from the weights as they are now."""
+        """Step `step`'s scored batch (started `depth` steps ago, or now when none is: the first step, a resumed run
+        without a saved one), after starting the rollouts of the steps to come (up to `depth` ahead) from the weights
+        as they are now."""
         self.settled = False
+        self.taken = None  # the previous step was trained (a dropped one gave its batch back on rewinding)
         job = self.jobs.get(step)
         if job is None or job.keys != _prompt_keys(items):
             with timer("rollout"):
                 job = self._start(step, items, first_prompt)
         with timer("rollout_wait"):
             scored, metrics, first = job.wait()
-        if step + 1 < self.total_steps and step + 1 not in self.jobs:
-            with timer("rollout_weight_sync"):
-                self._start(step + 1, self.loader.peek(), 0, background=True)
-        # kept until now: a step dropped by a stop signal before this point finds its batch again
+        for ahead in range(1, self.depth + 1):
+            later = step + ahead
+            if later < self.total_steps and later not in self.jobs:
+                with timer("rollout_weight_sync"):
+                    self._start(later, self.loader.peek(ahead), 0, background=True, weights_step=step)
+        # kept until now: a step dropped by a stop signal before this point finds its batch again, and one dropped
+        # later (before its update) gets it back when the trainer rewinds the loader (`_restore_taken`)
+        self.taken = (step, job)
         self.jobs.pop(step, None)
         self._publish_busy()
         metrics = {**metrics, "async/staleness": float(step - job.weights_step),
@@ -234,7 +259,8 @@ class RolloutPipeline:
 
     def __getattr__(self, name: str):
         """Validation's calls (generate, sampling_params, score, ...): the engine settled on the current weights."""
-        if name.startswith("__") or name in ("phase", "jobs", "settled") or self.__dict__.get("phase") is None:
+        if name.startswith("__") or name in ("phase", "jobs", "settled", "stops", "taken") or \
+                self.__dict__.get("phase") is None:
             raise AttributeError(name)
         self.settle()
         return getattr(self.phase, name)
@@ -256,25 +282,49 @@ class RolloutPipeline:
         self._publish_busy()
 
     # ------------------------------------------------------------------------------------------ internals
+    def _restore_taken(self) -> None:
+        """A stop signal dropped the step being trained (the trainer rewinds the loader to redo it): its batch is
+        the one to train on again, so a checkpoint saves it and the resumed step trains on it."""
+        if self.taken is not None:
+            step, job = self.taken
+            self.jobs.setdefault(step, job)
+            self.taken = None
+            self._publish_busy()
+
     def _refresh(self) -> None:
         copy_weights(self.actor, self.model)
         self.engine.sync_weights()
 
-    def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False) -> _Job:
-        """The rollout of `step`'s prompts from the actor's weights as they are now."""
-        self._refresh()
-        job = _Job(step, step - 1 if background else step, _prompt_keys(items), None)
+    def _running(self) -> list[_Job]:
+        return [job for job in self.jobs.values() if isinstance(job.result, Future) and not job.result.done()]
+
+    def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False,
+               weights_step: Optional[int] = None) -> _Job:
+        """The rollout of `step`'s prompts from the actor's weights as they are now (those of step `weights_step`,
+        default `step`). A background rollout queued behind one still running takes a snapshot of them, which it
+        loads into the engine's copy when its turn comes (the copy is in use until then)."""
+        job = _Job(step, step if weights_step is None else weights_step, _prompt_keys(items), None)
+        snapshot = None
+        if background and self.executor is not None and self._running():
+            snapshot = {name: tensor.detach().clone() for name, tensor in self.actor.state_dict().items()}
+        else:
+            for running in self._running():  # the engine's copy is about to change under it
+                running.wait()
+            self._refresh()
 
         def run() -> tuple[ScoredRollout, dict, int]:
             start = time.perf_counter()
             stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
             with stream:
+                if snapshot is not None:
+                    copy_weights(snapshot, self.model)
+                    self.engine.sync_weights()
                 result = self.phase.rollout_and_score(items, _WallTimer(), step, first_prompt)
             job.seconds = time.perf_counter() - start
             return result
 
         if background and self.executor is not None:
-            if self.stream is not None:  # the refreshed weights first
+            if self.stream is not None:  # the refreshed weights (or the snapshot) first
                 self.stream.wait_stream(torch.cuda.current_stream(self.plan.device))
             job.result = self.executor.submit(run)
         else:

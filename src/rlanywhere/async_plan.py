@@ -10,7 +10,8 @@ from .errors import UserError
 from .estimator import format_bytes
 
 MODES = ("sync", "one_step_off")
-SYNC, IN_TURN, OVERLAPPED = "sync", "in turn", "overlapped"
+SYNC, IN_TURN, OVERLAPPED, SPLIT = "sync", "in turn", "overlapped", "split"
+SPLIT_WORLD = 2  # split placement: one trainer rank and one rollout rank
 
 
 # ---------------------------------------------------------------------------------------------------- config, plan
@@ -35,30 +36,52 @@ def check_async_config(cfg: Any) -> None:
     if int(section.max_staleness) < 1:
         raise UserError(f"trainer.async.max_staleness={section.max_staleness} must be >= 1 (policy versions a "
                         "trained batch may lag the weights that generated it)")
+    check_split_world(cfg, int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node))
     if section.mode == "sync":
         return
-    if int(section.max_staleness) != 1:
-        raise UserError(f"trainer.async.max_staleness={section.max_staleness}: only one_step_off's bound of 1 is "
-                        "available (deeper pipelines are not); set trainer.async.max_staleness=1")
     if cfg.algorithm.filter_groups.enable:
         raise UserError("trainer.async.mode=one_step_off with dynamic sampling (algorithm.filter_groups.enable) is "
                         "not available: dynamic sampling draws more prompts during the rollout; use one of the two")
-    world = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
-    if world > 1:
-        raise UserError(f"trainer.async.mode=one_step_off runs in one process; this run asks for {world} ranks "
-                        "(trainer.nnodes x trainer.n_gpus_per_node): use trainer.async.mode=sync there")
 
 
-def overlap_bytes(estimate: Optional[dict]) -> Optional[int]:
+def wants_split(cfg: Any, world: int) -> bool:
+    """Whether this run is a split placement: one_step_off on 2 ranks (or trainer.async.rollout_ranks=1)."""
+    section = cfg.trainer["async"]
+    return section.mode == "one_step_off" and (world == SPLIT_WORLD or int(section.rollout_ranks) == 1)
+
+
+def check_split_world(cfg: Any, world: int) -> None:
+    """What the ranks of a one_step_off run can be: one process, or 1 trainer + 1 rollout rank."""
+    section = cfg.trainer["async"]
+    ranks = int(section.rollout_ranks)
+    if ranks not in (0, 1):
+        raise UserError(f"trainer.async.rollout_ranks={ranks} is not available: one rank generates for one trainer "
+                        "rank (rollout_ranks=1, 2 ranks in all) or none does (0)")
+    if section.mode == "sync":
+        if ranks:
+            raise UserError("trainer.async.rollout_ranks=1 places the rollout of trainer.async.mode=one_step_off on "
+                            "its own rank; set trainer.async.mode=one_step_off with it")
+        return
+    if int(section.max_staleness) > 1 and (ranks == 1 or world == SPLIT_WORLD):
+        raise UserError(f"trainer.async.max_staleness={section.max_staleness}: the split placement keeps one rollout "
+                        "ahead (max_staleness=1); deeper queues run in one process")
+    if world > SPLIT_WORLD:
+        raise UserError(f"trainer.async.mode=one_step_off runs in one process, or on 2 ranks (one trains, one "
+                        f"generates); this run asks for {world} ranks (trainer.nnodes x trainer.n_gpus_per_node): "
+                        "use 2 ranks, or trainer.async.mode=sync with data parallelism")
+
+
+def overlap_bytes(estimate: Optional[dict], snapshots: int = 0) -> Optional[int]:
     """Memory the overlapped pipeline holds at its peak: the update's phase (weights, gradients, optimizer,
     activations, engine weights) plus, at the same time, the rollout's KV cache and sampling buffers and a second
-    copy of the actor's weights for the engine to read. None without an estimate."""
+    copy of the actor's weights for the engine to read, and `snapshots` more copies (the weights of rollouts queued
+    behind a running one, with max_staleness > 1). None without an estimate."""
     if not estimate or "phases" not in estimate:
         return None
     phases, breakdown = estimate["phases"], estimate.get("breakdown", {})
     rollout = breakdown.get("rollout", {})
     training = max(value for name, value in phases.items() if name != "rollout")
-    copy_bytes = rollout.get("actor_weights", 0)
+    copy_bytes = rollout.get("actor_weights", 0) * (1 + snapshots)
     return int(training + rollout.get("kv_cache", 0) + rollout.get("prefill_or_sampling", 0) + copy_bytes)
 
 
@@ -86,12 +109,19 @@ def decide_async_rollout(mode: str, overlap: Optional[bool], on_cuda: bool, half
                         f"update runs: {why}")
 
 
+SPLIT_REASON = ("one_step_off on 2 ranks: rank 1 generates each next batch with the weights rank 0 broadcasts after "
+                "each update, while rank 0 trains on the previous one (at most one version stale)")
+
+
 def plan_async_rollout(cfg: Any, plan: Any) -> None:
     """The planner's call: plan.async_rollout and its reason."""
     section = cfg.trainer["async"]
+    if wants_split(cfg, int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)):
+        plan.async_rollout, plan.reasons["async_rollout"] = SPLIT, SPLIT_REASON
+        return
     on_cuda = str(plan.device).startswith("cuda") or bool(plan.emulated)
     half = plan.precision in ("bf16", "fp16")
-    need = overlap_bytes(plan.estimate)
+    need = overlap_bytes(plan.estimate, snapshots=int(section.max_staleness) - 1)
     plan.async_rollout, plan.reasons["async_rollout"] = decide_async_rollout(
         section.mode, _overlap_setting(section.overlap), on_cuda, half, need, plan.memory_budget_bytes)
     if plan.async_rollout == OVERLAPPED and plan.rollout.release_kv_between_phases:
@@ -100,5 +130,5 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
         plan.rollout.reasons["release_kv_between_phases"] = "kept: the next rollout decodes while the update runs"
 
 
-__all__ = ["IN_TURN", "MODES", "OVERLAPPED", "SYNC", "check_async_config", "decide_async_rollout", "overlap_bytes",
-           "plan_async_rollout"]
+__all__ = ["IN_TURN", "MODES", "OVERLAPPED", "SPLIT", "SPLIT_WORLD", "SYNC", "check_async_config", "check_split_world",
+           "decide_async_rollout", "overlap_bytes", "plan_async_rollout", "wants_split"]

@@ -126,7 +126,12 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
     # [distributed] torchrun's launch sets the world; trainer.n_gpus_per_node > 1 without torchrun relaunches via it
     distributed.reconcile_world(cfg)
     world = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
-    distributed.check_world_config(cfg, world)
+    # [async] one_step_off on 2 ranks: one trains, one generates (split_run.py), instead of data parallelism
+    from .split_run import run_split_rank, split_world
+
+    split, world = split_world(cfg, world, distributed.launched_by_torchrun())
+    if not split:
+        distributed.check_world_config(cfg, world)
     if world > 1 and not distributed.launched_by_torchrun():
         if int(cfg.trainer.nnodes) > 1 or relaunch_argv is None:
             raise distributed.UserError(
@@ -143,7 +148,7 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
         logging.getLogger().setLevel(logging.ERROR)
         logging.getLogger("rlanywhere").setLevel(logging.ERROR)
     try:
-        return _run_rank(cfg, notices, emulate, rank, resume_command)
+        return (run_split_rank if split else _run_rank)(cfg, notices, emulate, rank, resume_command)
     except BaseException as exc:
         if world > 1 and not isinstance(exc, SystemExit):
             # another rank died (killed, crashed): one line naming it, no traceback of this rank's collective

@@ -246,8 +246,9 @@ class AsyncConfig:
     docs/async.md)."""
 
     mode: str = "sync"  # sync | one_step_off
-    max_staleness: int = 1  # policy versions a trained batch may lag its generation weights (one_step_off: 1)
+    max_staleness: int = 1  # rollouts kept ahead of the update: each batch this many policy versions old at most
     overlap: Any = "auto"  # one GPU: generation on its own CUDA stream beside the update; auto: the planner
+    rollout_ranks: int = 0  # ranks that only generate: 1 = split placement (2 ranks); one_step_off on 2 ranks sets it
 
 
 def _add_keyword_field(cls: type, name: str, default: Any) -> None:

@@ -117,6 +117,13 @@ class RolloutCorrection:
         return rollout_is_weights(old_logprob, rollout_logprob, mask, self.level, self.threshold)
 
 
+def recomputes_old_logprobs(section: Any) -> bool:
+    """Whether the trainer's log-probs of the sampled tokens (the old policy) are needed: not in bypass mode without
+    importance weights, where the PPO ratio is taken against the rollout's own log-probs and nothing else reads them
+    (verl skips that forward there too)."""
+    return not (section.bypass_mode and section.rollout_is is None)
+
+
 def check_rollout_correction(section: Any, top_k: Optional[int], top_p: Optional[float]) -> None:
     """Config errors of `algorithm.rollout_correction`, before anything loads."""
     if section.rollout_is is not None and section.rollout_is not in IS_LEVELS:
@@ -145,4 +152,4 @@ def check_rollout_correction(section: Any, top_k: Optional[int], top_p: Optional
 
 
 __all__ = ["IS_LEVELS", "LOG_RATIO_BOUND", "RolloutCorrection", "check_rollout_correction", "offpolicy_gap",
-           "rollout_is_weights"]
+           "recomputes_old_logprobs", "rollout_is_weights"]

@@ -7,12 +7,15 @@ with the same seeds and sends the scored batch back. The trainer rank trains mea
 on two devices, and the batches, the weights that made them and the metrics are those of a one-process one_step_off
 run. `split_run.run_split` starts both roles in one job (world 2: rank 0 trains, rank 1 rolls out).
 
-Not yet here: several trainer ranks (data parallelism among them), several rollout ranks, the CLI's launch.
+`rlanywhere train` under torchrun with 2 ranks runs it (split_run.run_split_rank). Not yet here: several trainer
+ranks (data parallelism among them), several rollout ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import weakref
 from concurrent.futures import Future
 from typing import Any, Optional
 
@@ -20,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from .async_pipeline import RolloutPipeline, _Job, _prompt_keys
-from .async_plan import SYNC
+from .async_plan import SPLIT, SYNC
 
 log = logging.getLogger(__name__)
 
 TRAINER_RANK, ROLLOUT_RANK = 0, 1
-SPLIT = "split"
+_OPEN: "weakref.WeakSet[SplitRolloutPipeline]" = weakref.WeakSet()  # pipelines whose rollout rank still serves
 
 
 def _broadcast_weights(model: torch.nn.Module, src: int) -> None:
@@ -35,17 +38,35 @@ def _broadcast_weights(model: torch.nn.Module, src: int) -> None:
             dist.broadcast(tensor, src=src)
 
 
-class _RemoteResult(Future):
-    """A rollout running on the rollout rank: its scored batch arrives on the first `result()`."""
+@contextlib.contextmanager
+def _not_dropped(stops):
+    """No stop signal drops the step in here (the trainer's RunStops): a message half sent or half received would
+    leave the two ranks out of step. A signal received meanwhile lets the step finish; the run stops after it."""
+    signals = getattr(stops, "signals", None)
+    if signals is None or not signals.droppable:
+        yield
+        return
+    signals.droppable = False
+    try:
+        yield
+    finally:
+        signals.droppable = signals.received is None
 
-    def __init__(self, src: int):
+
+class _RemoteResult(Future):
+    """A rollout running on the rollout rank: its scored batch arrives on the first `result()` (and is kept)."""
+
+    def __init__(self, src: int, stops=None):
         super().__init__()
-        self.src = src
+        self.src, self.stops, self.received = src, stops, None
 
     def result(self, timeout=None):  # noqa: ARG002 - the collective has its own timeout
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=self.src)
-        return box[0]
+        if self.received is None:
+            with _not_dropped(self.stops):
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=self.src)
+                self.received = (box[0],)
+        return self.received[0]
 
 
 class SplitRolloutPipeline(RolloutPipeline):
@@ -55,20 +76,44 @@ class SplitRolloutPipeline(RolloutPipeline):
         plan.async_rollout = "in turn"  # no local thread: the other rank is the overlap
         super().__init__(cfg, plan, actor, loader, total_steps)
         plan.async_rollout = SPLIT
+        self.closed = False
+        _OPEN.add(self)
 
-    def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False) -> _Job:
-        dist.send_object_list([("generate", step, items, first_prompt)], dst=ROLLOUT_RANK)
-        _broadcast_weights(self.actor, src=TRAINER_RANK)
-        job = _Job(step, step - 1 if background else step, _prompt_keys(items), _RemoteResult(ROLLOUT_RANK))
+    def rollout_and_score(self, items: list[dict], timer, step: int = 0, first_prompt: int = 0):
+        result = super().rollout_and_score(items, timer, step, first_prompt)
+        if step + 1 >= self.total_steps and not self.jobs:  # the last batch is here: the rollout rank may go
+            self.close()
+        return result
+
+    def _start(self, step: int, items: list[dict], first_prompt: int, background: bool = False,
+               weights_step: Optional[int] = None) -> _Job:
+        stops = getattr(self, "stops", None)
+        with _not_dropped(stops):  # the request, the weights and the job that expects the answer: all or none
+            dist.send_object_list([("generate", step, items, first_prompt)], dst=ROLLOUT_RANK)
+            _broadcast_weights(self.actor, src=TRAINER_RANK)
+            job = _Job(step, step if weights_step is None else weights_step, _prompt_keys(items),
+                       _RemoteResult(ROLLOUT_RANK, stops))
+            self.jobs[step] = job  # also this step's own: a checkpoint must receive every answer on its way
         if background:
-            self.jobs[step] = job
+            self._publish_busy()
         return job
 
     def close(self) -> None:
-        """The rollout rank's loop ends (after the last rollout was received)."""
+        """The rollout rank's loop ends (after the rollouts in flight were received). Once."""
+        if self.closed:
+            return
+        self.closed = True
+        _OPEN.discard(self)
         for job in self.jobs.values():
             job.wait()
-        dist.send_object_list([("stop",)], dst=ROLLOUT_RANK)
+        with _not_dropped(getattr(self, "stops", None)):
+            dist.send_object_list([("stop",)], dst=ROLLOUT_RANK)
+
+
+def close_split_pipelines() -> None:
+    """End the rollout rank's loop of every split pipeline not closed yet (a run that ended early, or failed)."""
+    for pipeline in list(_OPEN):
+        pipeline.close()
 
 
 def serve_rollouts(cfg: Any, plan: Any) -> int:
@@ -117,4 +162,4 @@ def rollout_pipeline_for_run(cfg: Any, plan: Any, actor, loader, total_steps: in
         return SplitRolloutPipeline(cfg, plan, actor, loader, total_steps)
     return RolloutPipeline(cfg, plan, actor, loader, total_steps)
 
-__all__ = ["SPLIT", "SplitRolloutPipeline", "rollout_pipeline_for_run", "serve_rollouts"]
+__all__ = ["SPLIT", "SplitRolloutPipeline", "close_split_pipelines", "rollout_pipeline_for_run", "serve_rollouts"]

@@ -43,7 +43,7 @@ from .offload import on_device
 from .oom import OOMGuard
 from .precision_guard import PrecisionGuard
 from .profiling import maybe_profile, profile_step_set
-from .rollout_correction import RolloutCorrection
+from .rollout_correction import RolloutCorrection, recomputes_old_logprobs
 from .rollout_phase import RolloutPhase, response_length
 from .sharding import sync_engine
 from .rank_layout import register_ranks
@@ -131,7 +131,8 @@ class RLTrainer(TrainerCheckpoints):
         self.write_plan_record()  # after the engine is known: the record shows what runs
         self.rollouts = RolloutPhase(cfg, plan, self.engine, rollout_model, self.tokenizer, self.reward_manager,
                                      self.oom_guard, self.loader.next_batch, self.dp)
-        self.rollouts = self.pipeline.attach(self.rollouts, self.engine, self.run) if self.pipeline else self.rollouts
+        self.rollouts = self.pipeline.attach(self.rollouts, self.engine, self.run, self.stops) if self.pipeline \
+            else self.rollouts
         self.global_step = 0
         self.first_step = 0  # the step this launch starts at (a resume's)
         self.tracker: Optional[Tracker] = None
@@ -226,7 +227,8 @@ class RLTrainer(TrainerCheckpoints):
         # With a single on-policy optimizer step the old policy *is* the current one: its log-probs are the
         # detached log-probs of the update's own forward, so we skip a full forward pass here.
         single_update = actor_cfg.ppo_epochs == 1 and actor_cfg.ppo_mini_batch_size >= len(items) * self.dp.world
-        if not single_update:
+        # [async] bypass mode without importance weights: the rollout's own log-probs are the old policy
+        if not single_update and recomputes_old_logprobs(algo_cfg.rollout_correction):
             with timer("old_log_prob"):
                 batch.old_logprobs = self.logprobs(self.actor, batch)
         if self.plan.use_ref:

@@ -1,0 +1,175 @@
+"""Where the time goes when the next rollout overlaps the update (`trainer.async.mode=one_step_off`, one GPU).
+
+One process, one model build: a one_step_off run whose steps are run in groups, each group under one setting of the
+pipeline, so that every setting sees the same model, prompts and compiled kernels:
+
+  in_turn      the same pipeline with the phases one after another: each phase's time alone (what sync pays)
+  plain        overlapped, the rollout stream at the default priority, Python's default GIL switch interval (5 ms)
+  priority     overlapped, the rollout stream at high priority only
+  gil          overlapped, a 0.2 ms GIL switch interval only
+  both         overlapped, both (the pipeline's stream priority; the GIL interval is the bench's alone)
+  carveout     `both`, and the update's cuBLAS GEMMs told to leave --carveout SMs free for the decode kernels
+               (torch._C._set_sm_carveout_experimental: PyTorch's experimental knob, set for that group's steps)
+
+Per setting it prints the medians over the group's steps (its first step left out: its batch was generated under
+the previous setting): step time, the update's time, the rollout's wall time (in the background when overlapped),
+the wait for it, and samples/s. The model is the vs_trl.py GRPO bench's (Qwen2.5-0.5B shape, random weights, the
+SmolLM2 tokenizer via RLANYWHERE_BENCH_TOKENIZER):
+
+    python bench/async_overlap.py --out overlap.json                 # H200: 16 prompts x 8, 256 new tokens, bf16
+    python bench/async_overlap.py --tiny --per-setting 2              # CPU smoke run (no overlap on a CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import sides  # noqa: E402
+from vs_trl import grpo_overrides  # noqa: E402
+
+# name -> (overlapped, rollout stream priority, GIL switch interval in seconds, SMs the update's GEMMs leave free)
+SETTINGS = {
+    "in_turn": (False, None, 5e-3, None),
+    "plain": (True, 0, 5e-3, None),
+    "priority": (True, -1, 5e-3, None),
+    "gil": (True, 0, 2e-4, None),
+    "both": (True, -1, 2e-4, None),
+    "carveout": (True, -1, 2e-4, "carveout"),
+}
+DEFAULT_SETTINGS = ("in_turn", "plain", "priority", "gil", "both")
+COLUMNS = {"s/step": "perf/step_time_s", "update s": "timing/update_actor", "old logp s": "timing/old_log_prob",
+           "rollout s": "async/rollout_s", "wait s": "timing/rollout_wait",
+           "start s": "timing/rollout_weight_sync"}
+
+
+def schedule(settings: list[str], warmup: int, per_setting: int) -> list[str]:
+    """The setting of each step: warm-up steps under the first setting, then `per_setting` steps of each."""
+    return [settings[0]] * warmup + [name for name in settings for _ in range(per_setting)]
+
+
+def summarise(records: list[dict], samples: int) -> dict:
+    """Medians per setting over its steps but the first (whose batch came from the previous setting)."""
+    out: dict = {}
+    by_setting: dict[str, list[dict]] = {}
+    for record in records:
+        by_setting.setdefault(record["setting"], []).append(record)
+    for name, rows in by_setting.items():
+        rows = rows[1:] if len(rows) > 1 else rows
+        summary = {}
+        for column, key in COLUMNS.items():
+            values = [row[key] for row in rows if isinstance(row.get(key), (int, float))]
+            summary[column] = statistics.median(values) if values else None
+        summary["samples/s"] = samples / summary["s/step"] if summary["s/step"] else None
+        summary["steps"] = len(rows)
+        out[name] = summary
+    return out
+
+
+def format_table(summary: dict) -> str:
+    names = ["s/step", "samples/s", "update s", "old logp s", "rollout s", "wait s", "start s", "steps"]
+    lines = [f"{'setting':<10}" + "".join(f"{n:>11}" for n in names)]
+    for setting, row in summary.items():
+        lines.append(f"{setting:<10}" + "".join(f"{row[n]:>11.3f}" if isinstance(row.get(n), float)
+                                                 else f"{row.get(n, '-')!s:>11}" for n in names))
+    return "\n".join(lines)
+
+
+def apply_setting(pipeline, name: str, executor, carveout_sms: int) -> None:
+    import torch
+
+    overlapped, priority, interval, carveout = SETTINGS[name]
+    pipeline.overlap = overlapped
+    pipeline.executor = executor if overlapped else None
+    if overlapped and pipeline.stream is not None:
+        pipeline.stream = torch.cuda.Stream(pipeline.plan.device, priority=priority)
+    sys.setswitchinterval(interval)
+    if torch.cuda.is_available():
+        torch._C._set_sm_carveout_experimental(carveout_sms if carveout else None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-0.5b", help=f"random-weight shape {sorted(sides.SHAPES)}")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma list of {list(SETTINGS)}")
+    parser.add_argument("--carveout", type=int, default=16, help="SMs the `carveout` setting leaves free")
+    parser.add_argument("--per-setting", type=int, default=4, help="steps per setting (its first left out)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before the first setting's (compiling)")
+    parser.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU")
+    parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--out", default=None, help="write per-step records and the summary as JSON")
+    args = parser.parse_args()
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"--settings: unknown {unknown}; choose from {list(SETTINGS)}")
+
+    import torch
+    from rlanywhere.config import load_config
+    from rlanywhere.planner import make_plan
+    from rlanywhere.trainer import RLTrainer
+
+    if args.tiny:
+        args.model, args.prompts, args.n, args.new_tokens = "tiny", 2, 2, 8
+    plan_of_steps = schedule(settings, args.warmup, args.per_setting)
+    with tempfile.TemporaryDirectory(prefix="async_overlap_") as tmp:
+        root = args.work_dir or tmp
+        model_dir = sides.materialize_model(os.path.join(root, f"model-{args.model}"), args.model)
+        parquet, what = sides.prepare_prompts(root, args.prompts, sides.default_gsm8k_dir())
+        work = dict(prompts=args.prompts, n=args.n, new_tokens=args.new_tokens, max_prompt_length=256)
+        on_gpu = torch.cuda.is_available() and not args.tiny
+        overrides = [*sides.BENCH_RUN_OVERRIDES, f"trainer.default_local_dir={os.path.join(root, 'run')}",
+                     *grpo_overrides(work, model_dir, parquet, 1e-6, len(plan_of_steps)),
+                     "hardware.precision=bf16" if on_gpu else "hardware.device=cpu",
+                     "trainer.async.mode=one_step_off", "trainer.async.overlap=" + ("true" if on_gpu else "false")]
+        print(f"prompts: {what}; model {args.model}; {args.prompts} x {args.n}, {args.new_tokens} new tokens",
+              flush=True)
+        cfg = load_config(None, overrides)
+        plan = make_plan(cfg, for_execution=True)
+        trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
+        pipeline = trainer.pipeline
+        print(f"async rollout: {plan.async_rollout} ({plan.reasons.get('async_rollout')})", flush=True)
+        executor = pipeline.executor
+        if executor is None:
+            print("the plan runs the phases in turn here (no CUDA overlap): every setting below is in turn", flush=True)
+        records: list[dict] = []
+        train_step = trainer.train_step
+
+        def step(items):
+            name = plan_of_steps[trainer.global_step]
+            apply_setting(pipeline, name, executor, args.carveout)
+            metrics = train_step(items)
+            records.append({"step": trainer.global_step + 1, "setting": name,
+                            **{key: metrics.get(key) for key in COLUMNS.values()}})
+            print(f"step {trainer.global_step + 1} [{name}] " + " ".join(
+                f"{column}={metrics[key]:.3f}" for column, key in COLUMNS.items()
+                if isinstance(metrics.get(key), float)), flush=True)
+            return metrics
+
+        trainer.train_step = step
+        trainer.fit()
+    samples = args.prompts * args.n
+    # the run's last step starts no rollout beside its update: left out too
+    summary = summarise(records[args.warmup:-1], samples)
+    print(f"\n{samples} samples/step; medians per setting (first step of each and the run's last left out)")
+    print(format_table(summary))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"records": records, "summary": summary, "settings": {k: SETTINGS[k] for k in settings},
+                       "device": torch.cuda.get_device_name(0) if on_gpu else "CPU"}, handle, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
