@@ -1,0 +1,133 @@
+"""Multi-turn rollouts, continued: the tools' calc_reward reaching the reward function (verl's
+extra_info["rollout_reward_scores"] and num_turns), the calculator demo's task and reward, and rollout.stop strings
+on FastEngine's KV-continuation path equal to the re-prefill driver."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rlanywhere.rollout.multiturn import MultiTurnRollout, MultiTurnSettings, RowStats, reward_extra_infos
+from rlanywhere.tools import CalculatorTool
+
+from .test_multiturn import ScriptedEngine, byte_tokenizer, call, items_for, params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def demo_reward():
+    spec = importlib.util.spec_from_file_location("tool_arith_reward", ROOT / "examples" / "tool_arith_reward.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.compute_score
+
+
+def test_calc_reward_reaches_extra_info(tok):
+    """Row 0 evaluates 12*34 (calc_reward 1.0), row 1's call fails (0.0), row 2 calls nothing (no score)."""
+    def script(context, turn):
+        if "first" in context:
+            return call("calculator", expression="12*34") if turn == 0 else "#### 408"
+        if "second" in context:
+            return call("calculator", expression="12/0") if turn == 0 else "#### 1"
+        return "#### 7"
+    engine = ScriptedEngine(tok, script)
+    driver = MultiTurnRollout([CalculatorTool()], tok, MultiTurnSettings(), engine.eos_ids)
+    items = items_for(tok, ["first", "second", "third"])
+    batch = driver.generate(engine, items, params())
+    infos = reward_extra_infos([item["extra_info"] for item in items], driver.last_stats)
+    assert [info["rollout_reward_scores"] for info in infos] == [{"calculator": 1.0}, {"calculator": 0.0}, {}]
+    # num_turns as verl counts it: the prompt + each assistant turn + each tool turn
+    assert [info["num_turns"] for info in infos] == [4, 4, 2]
+    assert all("tools_kwargs" in info for info in infos)  # the row's own extra_info is kept
+    assert "num_turns" not in items[0]["extra_info"]  # copies: the dataset's dicts are not changed
+    # the demo's reward: 1.0 for a right answer + 0.1 for a calculator call that evaluated
+    score = demo_reward()
+    texts = batch.decode(tok)
+    results = [score("arithmetic", text, truth, info) for text, truth, info in zip(texts, ["408", "408", "7"], infos)]
+    assert [r["score"] for r in results] == [1.1, 0.0, 1.0]
+    assert [r["tool_used"] for r in results] == [1.0, 0.0, 0.0]
+
+
+def test_reward_extra_infos_checks_lengths():
+    with pytest.raises(ValueError, match="2 extra_info rows for 1 rollout rows"):
+        reward_extra_infos([{}, {}], [RowStats()])
+    stats = RowStats(assistant_turns=3, user_turns=2, reward_scores={"gsm8k": 0.5})
+    assert reward_extra_infos([None], [stats]) == [{"num_turns": 6, "rollout_reward_scores": {"gsm8k": 0.5}}]
+
+
+def test_calculator_calc_reward_per_instance():
+    tool = CalculatorTool()
+    a, _ = tool.create()
+    b, _ = tool.create()
+    tool.execute(a, {"expression": "2+2"})
+    with pytest.raises(Exception):
+        tool.execute(b, {"expression": "__import__('os')"})
+    assert (tool.calc_reward(a), tool.calc_reward(b)) == (1.0, 0.0)
+    tool.release(a)
+    assert tool.calc_reward(a) == 0.0
+
+
+def test_tool_arithmetic_task_shows_one_worked_call(tmp_path):
+    from rlanywhere.data import prepare_arithmetic
+    from rlanywhere.data.tool_arith import prepare_tool_arithmetic
+
+    paths = prepare_tool_arithmetic(tmp_path / "tool", train_size=6, test_size=3, digits=3)
+    plain = prepare_arithmetic(tmp_path / "plain", train_size=6, test_size=3, digits=3, operators="*")
+    for split in ("train", "test"):
+        rows, plain_rows = pq.read_table(paths[split]).to_pylist(), pq.read_table(plain[split]).to_pylist()
+        assert [r["reward_model"] for r in rows] == [r["reward_model"] for r in plain_rows]  # same questions
+        for row in rows:
+            roles = [m["role"] for m in row["prompt"]]
+            assert roles == ["user", "assistant", "tool", "assistant", "user"]
+            assert row["prompt"][1]["content"] == call("calculator", expression="12 * 34")
+            assert row["prompt"][-1]["content"] == row["extra_info"]["question"]
+            a, b = (int(x) for x in row["extra_info"]["question"][len("What is "):-1].split(" * "))
+            assert str(a * b) == row["reward_model"]["ground_truth"]
+
+
+@pytest.mark.slow
+def test_stop_strings_on_the_kv_path_equal_re_prefill(tmp_path):
+    """rollout.stop ends a turn on FastEngine's KV path as on the re-prefill path: '</tool_call>' ends the calling
+    turn (its call runs, the model goes on), '####' ends the answering turn (no call: the row ends)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlanywhere.plans import RolloutPlan
+    from rlanywhere.rollout.base import SamplingParams
+    from rlanywhere.rollout.fast import FastEngine
+    from rlanywhere.tools import Gsm8kTool
+
+    from .test_multiturn_e2e import SYSTEM, build_tool_model, question
+
+    model_dir = build_tool_model(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = FastEngine(AutoModelForCausalLM.from_pretrained(model_dir).eval(), tok, RolloutPlan(engine="fast"))
+    items = [{"input_ids": [], "raw_prompt": [{"role": "system", "content": SYSTEM},
+                                             {"role": "user", "content": question(i)}],
+              "extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}}
+             for i in range(1, 3)]
+    sampling = SamplingParams(max_new_tokens=100, temperature=0.0, n=2, stop_strings=("</tool_call>", "####"))
+    results = {}
+    for kv in (True, False):
+        driver = MultiTurnRollout([Gsm8kTool()], tok, MultiTurnSettings(), engine.eos_ids, kv_continuation=kv)
+        with torch.no_grad():
+            batch = driver.generate(engine, items, sampling)
+        results[kv] = batch, [(s.assistant_turns, s.user_turns, s.tool_calls) for s in driver.last_stats]
+    (kv_batch, kv_stats), (re_batch, re_stats) = results[True], results[False]
+    assert kv_stats == re_stats == [(2, 1, 1)] * 4
+    assert torch.equal(kv_batch.response_ids, re_batch.response_ids)
+    assert torch.equal(kv_batch.response_mask, re_batch.response_mask)
+    assert torch.allclose(kv_batch.response_logprobs, re_batch.response_logprobs, atol=1e-4)
+    for row in range(4):  # each turn stops at its stop string: the call's EOS never generated, the answer cut
+        text = tok.decode(kv_batch.response_ids[row][kv_batch.response_ids[row] != tok.pad_token_id])
+        assert text.endswith("####") and "</tool_call><|im_end|>\n<|im_start|>tool" in text
+        generated = kv_batch.response_ids[row][kv_batch.response_mask[row].bool()].tolist()
+        assert tok.eos_token_id not in generated
