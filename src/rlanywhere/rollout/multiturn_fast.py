@@ -81,10 +81,11 @@ def _run_wave(driver, engine, wave, rows, prompts, params, gen, out: RequestOutp
             if forced[t - 1, r]:
                 continue  # a tool token: already in the row's history
             rows[r].add([token], True)
-            if token in eos or (stop_strings and stop_strings.ends_with_stop(rows[r].tokens[rows[r].turn_start:])):
+            # a turn ends at EOS, at a stop string, or at the response budget (then its calls, cut off, are
+            # counted as the re-prefill driver counts them, and the row ends)
+            if (token in eos or t == budget
+                    or (stop_strings and stop_strings.ends_with_stop(rows[r].tokens[rows[r].turn_start:]))):
                 ended.append((i, r))
-            elif t == budget:
-                lengths[r] = budget
         if ended:
             _end_turns(driver, rows, ended, budget, t, state, queues, lengths)
         if t == budget:
