@@ -194,3 +194,30 @@ def test_verl_sglang_multiturn_script_trains_a_cpu_step(layout, tmp_path, capsys
     trained = [row for row in rows if "actor/pg_loss" in row]
     assert len(trained) == 1
     assert trained[0]["multi_turn/tool_calls/total"] > 0 and trained[0]["multi_turn/assistant_turns/mean"] > 1
+
+
+def test_rollout_phase_score_passes_tool_rewards(tok):
+    """RolloutPhase.score (train steps and validation) hands the reward function each row's extra_info with the
+    row's num_turns and rollout_reward_scores, n rows per prompt in rollout order."""
+    from types import SimpleNamespace
+
+    from rlanywhere.rollout_phase import RolloutPhase
+
+    engine = ScriptedEngine(tok, lambda context, turn: call("calculator", expression="6*7") if turn == 0 and
+                            "alpha" in context else "#### 42")
+    driver = MultiTurnRollout([CalculatorTool()], tok, MultiTurnSettings(), engine.eos_ids)
+    items = items_for(tok, ["alpha", "beta"])
+    for item in items:
+        item["ground_truth"] = "42"
+    batch = driver.generate(engine, items, params(n=2))
+    seen = {}
+
+    def reward_manager(texts, truths, sources, extra_infos):
+        seen["extra_infos"] = extra_infos
+        return torch.ones(len(texts)), {"acc": [1.0] * len(texts)}
+
+    phase = SimpleNamespace(tokenizer=tok, reward_manager=reward_manager, multiturn=driver)
+    scores, info, texts = RolloutPhase.score(phase, items, batch, 2)
+    assert [(e["num_turns"], e["rollout_reward_scores"]) for e in seen["extra_infos"]] == \
+        [(4, {"calculator": 1.0})] * 2 + [(2, {})] * 2
+    assert all(t.endswith("#### 42") for t in texts)
