@@ -105,6 +105,12 @@ def cmd_prepare(args) -> int:
         paths = data.prepare_arithmetic(args.out, train_size=args.train_size, test_size=args.test_size,
                                         digits=args.digits, operators=args.operators,
                                         num_operands=args.num_operands, seed=args.seed)
+    elif args.task == "tool-arithmetic":  # the calculator demo: the prompt shows one worked tool call
+        from .data.tool_arith import prepare_tool_arithmetic
+
+        paths = prepare_tool_arithmetic(args.out, train_size=args.train_size, test_size=args.test_size,
+                                        digits=args.digits, operators=args.operators,
+                                        num_operands=args.num_operands, seed=args.seed)
     else:
         if not args.src or not args.prompt_key or not args.answer_key:
             from .errors import UserError
@@ -458,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
 
     prep = command("prepare", "write train/test parquet for a task", cmd_prepare)
-    prep.add_argument("task", choices=["gsm8k", "arithmetic", "generic"], help="what to write")
+    prep.add_argument("task", choices=["gsm8k", "arithmetic", "tool-arithmetic", "generic"], help="what to write")
     prep.add_argument("--src", help="gsm8k: a directory with train/test.jsonl or an HF dataset name; generic: a file")
     prep.add_argument("--out", required=True, help="output folder for train.parquet and test.parquet")
     prep.add_argument("--digits", type=int, default=2, help="arithmetic: digits per operand")

@@ -19,7 +19,7 @@ from .errors import UserError
 from .oom import OOMGuard
 from .plans import Plan, SizeKind
 from .rollout.base import RolloutBatch, RowStreams, SamplingParams, StopStringMatcher, collect_eos_ids
-from .rollout.multiturn import multiturn_from_config, multiturn_metrics
+from .rollout.multiturn import multiturn_from_config, multiturn_metrics, reward_extra_infos
 from .sharding import weights_for_rollout
 from .stepbatch import ScoredRollout
 from .vocabulary import STATISTICS_DTYPE
@@ -101,7 +101,10 @@ class RolloutPhase:
         expand = lambda key: [item[key] for item in items for _ in range(n)]  # noqa: E731
         # a reward model re-templates the conversation: it gets the prompts' messages too (reward_model.py)
         prompts = {"prompts": expand("raw_prompt")} if getattr(self.reward_manager, "needs_prompts", False) else {}
-        scores, info = self.reward_manager(texts, expand("ground_truth"), expand("data_source"), expand("extra_info"),
+        extra_info = expand("extra_info")
+        if self.multiturn is not None:  # verl: num_turns and the tools' calc_reward reach the reward function
+            extra_info = reward_extra_infos(extra_info, self.multiturn.last_stats)
+        scores, info = self.reward_manager(texts, expand("ground_truth"), expand("data_source"), extra_info,
                                            **prompts)
         return scores.float(), info, texts
 

@@ -62,6 +62,7 @@ class RowStats:
     tool_errors: int = 0
     tool_latency_s: list = field(default_factory=list)
     tool_reward: float = 0.0
+    reward_scores: dict = field(default_factory=dict)  # tool name -> calc_reward at the row's end (verl's layout)
 
 
 @dataclass
@@ -317,8 +318,13 @@ class MultiTurnRollout:
         return row.instances[call.name]
 
     def _release(self, rows: list[_Row]) -> None:
+        """Score each row's tool instances (`calc_reward`, verl's reward_scores) and release them."""
         for row in rows:
             for name, instance_id in row.instances.items():
+                try:
+                    row.stats.reward_scores[name] = float(call_tool_method(self.tools[name].calc_reward, instance_id))
+                except Exception as err:  # noqa: BLE001 - a tool that cannot score: no score, the run goes on
+                    log.warning("tool %s: calc_reward failed (%s)", name, err)
                 try:
                     call_tool_method(self.tools[name].release, instance_id)
                 except Exception as err:  # noqa: BLE001 - release problems must not stop the run
@@ -337,6 +343,17 @@ class MultiTurnRollout:
             logprobs[k, :len(r.logprobs)] = torch.tensor(r.logprobs, dtype=FP32)
         prompt_ids, prompt_mask = left_pad([r.prompt for r in rows], pad)
         return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, num_prompts, n)
+
+
+# ---------------------------------------------------------------------------------------------------- reward inputs
+def reward_extra_infos(extra_infos: Sequence[Optional[dict]], stats: Sequence[RowStats]) -> list[dict]:
+    """Each row's `extra_info` for the reward function with what verl's reward managers add after a multi-turn
+    rollout: `num_turns` (the prompt, every assistant and tool turn) and `rollout_reward_scores` (tool name ->
+    the tool's `calc_reward` for that row). Copies: rows of one prompt share its extra_info dict."""
+    if len(extra_infos) != len(stats):
+        raise ValueError(f"reward_extra_infos got {len(extra_infos)} extra_info rows for {len(stats)} rollout rows")
+    return [{**(info or {}), "num_turns": s.assistant_turns + s.user_turns + 1,
+             "rollout_reward_scores": dict(s.reward_scores)} for info, s in zip(extra_infos, stats)]
 
 
 # ---------------------------------------------------------------------------------------------------- metrics / plan
@@ -362,7 +379,7 @@ def multiturn_metrics(stats: Sequence[RowStats], prefix: str = "multi_turn") -> 
     }
 
 
-__all__ = ["MultiTurnRollout", "MultiTurnSettings", "RowStats", "multiturn_metrics", "plan_multiturn_lengths",
+__all__ = ["MultiTurnRollout", "MultiTurnSettings", "RowStats", "multiturn_metrics", "reward_extra_infos", "plan_multiturn_lengths",
            "render_prompt_with_tools", "ToolMessageRenderer", "tool_prompt_text", "TOOL_CALL_OPEN"]
 
 

@@ -8,6 +8,8 @@ such row of the step in parallel threads), and the rendered tool messages become
 following step the row's sampled token is replaced by the next tool token, so the decode step writes the tool
 tokens' keys and values into the row's cache one step after another, while the other rows of the wave go on
 sampling. The model's next turn then starts right after the last tool token. Tool tokens get mask 0 and log-prob 0.
+A turn also ends where it ends with one of `rollout.stop`'s strings (as each turn of the re-prefill driver does):
+its calls run and the model goes on, or, without calls, the row ends there.
 
 Every turn of every row stays in the wave's lockstep slots, so nothing about the cache or the graphs changes; a tool
 result costs one decode step per token (no prompt-sized re-prefill), and the wave waits for the tools of a step (a
@@ -59,6 +61,8 @@ def _run_wave(driver, engine, wave, rows, prompts, params, gen, out: RequestOutp
               forced: torch.Tensor, lengths: list[int]) -> None:
     scheduler, runner, budget = engine.scheduler, engine.runner, params.max_new_tokens
     eos = set(engine.eos_ids)
+    # rollout.stop: checked on the row's current turn at every look (the re-prefill driver's turns stop there too)
+    stop_strings = StopStringMatcher(driver.tokenizer, tuple(params.stop_strings or ()))
     state = scheduler._prefill(wave, prompts, params, gen, out, stop)
     fused = scheduler.fused_sampling_for(params)
     if fused:
@@ -77,10 +81,11 @@ def _run_wave(driver, engine, wave, rows, prompts, params, gen, out: RequestOutp
             if forced[t - 1, r]:
                 continue  # a tool token: already in the row's history
             rows[r].add([token], True)
-            if token in eos:
+            # a turn ends at EOS, at a stop string, or at the response budget (then its calls, cut off, are
+            # counted as the re-prefill driver counts them, and the row ends)
+            if (token in eos or t == budget
+                    or (stop_strings and stop_strings.ends_with_stop(rows[r].tokens[rows[r].turn_start:]))):
                 ended.append((i, r))
-            elif t == budget:
-                lengths[r] = budget
         if ended:
             _end_turns(driver, rows, ended, budget, t, state, queues, lengths)
         if t == budget:

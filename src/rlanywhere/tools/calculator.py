@@ -71,7 +71,14 @@ def format_number(value: int | float) -> str:
 
 
 class CalculatorTool(BaseTool):
-    """`calculator(expression)`: the value of an arithmetic expression, or an error text."""
+    """`calculator(expression)`: the value of an arithmetic expression, or an error text.
+
+    `calc_reward` is 1.0 for a row whose calls evaluated at least one expression, else 0.0: a tool-use signal a
+    reward function can read from `extra_info["rollout_reward_scores"]["calculator"]` (verl's layout)."""
+
+    def __init__(self, config: dict | None = None, tool_schema: Any = None):
+        super().__init__(config, tool_schema)
+        self._evaluated: dict[str, int] = {}  # instance -> expressions evaluated without error
 
     @classmethod
     def default_schema(cls) -> ToolSchema:
@@ -84,7 +91,15 @@ class CalculatorTool(BaseTool):
         expression = parameters.get("expression", parameters.get("expr"))
         if expression is None:
             raise CalculatorError("missing argument 'expression'")
-        return ToolResponse(format_number(evaluate_expression(str(expression)))), 0.0, {}
+        value = format_number(evaluate_expression(str(expression)))
+        self._evaluated[instance_id] = self._evaluated.get(instance_id, 0) + 1
+        return ToolResponse(value), 0.0, {}
+
+    def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        return 1.0 if self._evaluated.get(instance_id) else 0.0
+
+    def release(self, instance_id: str, **kwargs: Any) -> None:
+        self._evaluated.pop(instance_id, None)
 
 
 __all__ = ["CalculatorTool", "CalculatorError", "evaluate_expression", "format_number"]
