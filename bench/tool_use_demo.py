@@ -49,6 +49,13 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
+def card_label(emulate) -> str:
+    """What the run ran on, for the plot's legend: the GPU's name (or the CPU), and the card it emulated."""
+    import torch
+    card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    return f"{card} as a {emulate.upper()}" if emulate else card
+
+
 def run(args, extra: list[str]) -> None:
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     prep = [sys.executable, "-m", "rlanywhere.cli", "prepare"]
@@ -57,8 +64,9 @@ def run(args, extra: list[str]) -> None:
     subprocess.run(prep + ["arithmetic", "--out", PLAIN_DATA, "--digits", "3", "--operators", "*"], check=True,
                    env=env, cwd=ROOT)
     emulate = ["--emulate", args.emulate] if args.emulate else []
-    result = {"task": "3-digit multiplication, 100 held-out prompts, greedy", "model": "SmolLM2-135M-Instruct",
-              "hardware": args.hardware, "steps": args.steps, "overrides": extra}
+    hardware = args.hardware or card_label(args.emulate)
+    result = {"task": "3-digit multiplication, held-out prompts, greedy", "model": "SmolLM2-135M-Instruct",
+              "hardware": hardware, "steps": args.steps, "overrides": extra}
     if not args.skip_baseline:
         out = subprocess.run([sys.executable, os.path.join(HERE, "tool_use_eval.py"), "--data",
                               f"{TOOL_DATA}/test.parquet", "--plain-data", f"{PLAIN_DATA}/test.parquet", "--samples",
@@ -122,7 +130,7 @@ def main() -> None:
     r.add_argument("--out", required=True)
     r.add_argument("--steps", type=int, default=30)
     r.add_argument("--emulate")
-    r.add_argument("--hardware", default="H200")
+    r.add_argument("--hardware", help="the label of the run (default: the card, or '<card> as a P40' with --emulate)")
     r.add_argument("--run-dir", default="/tmp/tool-demo-run")
     r.add_argument("--timeout", type=int, default=900, help="seconds the training run may take")
     r.add_argument("--skip-baseline", action="store_true")
