@@ -61,10 +61,12 @@ def flatten_overrides(tree: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def curve_from_rlanywhere(records: list[dict]) -> list[dict]:
-    """(step, training minutes, val/acc, val/format) at every validation in an rlanywhere metrics.jsonl.
+def curve_from_rlanywhere(records: list[dict], fields: Optional[dict] = None) -> list[dict]:
+    """(step, training minutes, val/acc, and `fields` {name: metric}, by default val/format) at every validation in
+    an rlanywhere metrics.jsonl.
 
     Training minutes at step s are the sum of perf/step_time_s over steps 1..s (validation time excluded)."""
+    fields = {"format": "val/format"} if fields is None else fields
     points, seconds, seen = [], 0.0, set()
     for record in sorted(records, key=lambda r: r["step"]):
         if "perf/step_time_s" in record and record["step"] not in seen:
@@ -72,7 +74,7 @@ def curve_from_rlanywhere(records: list[dict]) -> list[dict]:
             seconds += record["perf/step_time_s"]
         if "val/acc" in record:
             points.append({"step": record["step"], "minutes": seconds / 60, "acc": record["val/acc"],
-                           "format": record.get("val/format")})
+                           **{name: record.get(metric) for name, metric in fields.items()}})
     return points
 
 

@@ -26,20 +26,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CONFIG = os.path.join(ROOT, "examples", "tool_arith.yaml")
 TOOL_DATA, PLAIN_DATA = "data/tool-arith", "data/arith-mul3"
+sys.path.insert(0, HERE)
+from time_to_accuracy import curve_from_rlanywhere  # noqa: E402  (the same training-minutes curve)
 
 
 def curve(records: list[dict]) -> list[dict]:
     """(step, training minutes, held-out accuracy, tool-call rate) at every validation of a metrics.jsonl."""
-    points, seconds, seen = [], 0.0, set()
-    for record in sorted(records, key=lambda r: r["step"]):
-        if "perf/step_time_s" in record and record["step"] not in seen:
-            seen.add(record["step"])
-            seconds += record["perf/step_time_s"]
-        if "val/acc" in record:
-            points.append({"step": record["step"], "minutes": seconds / 60, "acc": record["val/acc"],
-                           "tool_call_rate": record.get("val/multi_turn/tool_call_rate"),
-                           "tool_calls": record.get("val/multi_turn/tool_calls/mean")})
-    return points
+    return curve_from_rlanywhere(records, {"tool_call_rate": "val/multi_turn/tool_call_rate",
+                                           "tool_calls": "val/multi_turn/tool_calls/mean"})
 
 
 def read_jsonl(path: str) -> list[dict]:

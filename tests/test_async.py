@@ -392,12 +392,7 @@ def test_a_step_dropped_by_sigterm_keeps_its_rollout_and_resume_is_exact(tiny_mo
         saved = json.load(handle)["async_rollouts"]
     assert saved["1"]["weights_step"] == 0  # step 2's batch, from the initial weights
 
-    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
-    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
-    assert sorted(b) == [1, 2, 3]
-    for step in (2, 3):
-        for key in KEYS + ("async/staleness",):
-            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+    _resume_and_match_the_uninterrupted_run(tiny_model_dir, arith_data, tmp_path, extra)
 
 
 @pytest.mark.slow
@@ -432,12 +427,7 @@ def test_a_step_dropped_after_its_rollout_keeps_its_batch_and_resume_is_exact(ti
         saved = json.load(handle)["async_rollouts"]
     assert {step: job["weights_step"] for step, job in saved.items()} == {"1": 0, "2": 1}
 
-    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
-    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
-    assert sorted(b) == [1, 2, 3]
-    for step in (2, 3):
-        for key in KEYS + ("async/staleness",):
-            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+    _resume_and_match_the_uninterrupted_run(tiny_model_dir, arith_data, tmp_path, extra)
 
 
 def _split_rank(rank, overrides, init_method):
@@ -457,12 +447,7 @@ def test_split_placement_matches_the_one_process_pipeline(tiny_model_dir, arith_
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
     overrides = _overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra)
     mp.spawn(_split_rank, args=(overrides, f"file://{tmp_path / 'rendezvous'}"), nprocs=2, join=True)
-    one, split = _rows(tmp_path / "one"), _rows(tmp_path / "split")
-    assert sorted(split) == [1, 2, 3]
-    assert [split[k]["async/staleness"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]
-    for step in (1, 2, 3):
-        for key in KEYS + ("actor/rollout_is_mean", "actor/rollout_is_capped_frac"):
-            assert split[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)
+    _assert_split_matches_one_process(tmp_path / "one", tmp_path / "split")
 
 
 @pytest.mark.slow
@@ -481,12 +466,7 @@ def test_split_placement_from_the_command_line_under_torchrun(tiny_model_dir, ar
     assert done.returncode == 0, done.stdout[-4000:]
     with open(tmp_path / "split" / "plan.json") as handle:
         assert json.load(handle)["async_rollout"] == "split"
-    one, split = _rows(tmp_path / "one"), _rows(tmp_path / "split")
-    assert sorted(split) == [1, 2, 3]
-    assert [split[k]["async/staleness"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]
-    for step in (1, 2, 3):
-        for key in KEYS + ("actor/rollout_is_mean", "actor/rollout_is_capped_frac"):
-            assert split[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)
+    _assert_split_matches_one_process(tmp_path / "one", tmp_path / "split")
 
 
 def test_only_bypass_mode_without_weights_skips_the_old_policys_log_probs():
@@ -605,3 +585,23 @@ def test_overlap_bench_schedule_and_medians_by_hand():
     assert summary["in_turn"]["samples/s"] == pytest.approx(16 / 1.5) and summary["in_turn"]["steps"] == 2
     assert summary["both"]["s/step"] == 0.8 and summary["both"]["wait s"] == 0.1 and summary["both"]["update s"] is None
     assert "in_turn" in async_overlap.format_table(summary)
+
+
+def _resume_and_match_the_uninterrupted_run(tiny_model_dir, arith_data, tmp_path, extra):
+    """Resume the stopped run in tmp_path/b and check its steps 2-3 against the uninterrupted run in tmp_path/a."""
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert sorted(b) == [1, 2, 3]
+    for step in (2, 3):
+        for key in KEYS + ("async/staleness",):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def _assert_split_matches_one_process(one_dir, split_dir):
+    """The split run's steps 1-3: staleness 0, 1, 1 and the one-process one_step_off run's samples and metrics."""
+    one, split = _rows(one_dir), _rows(split_dir)
+    assert sorted(split) == [1, 2, 3]
+    assert [split[k]["async/staleness"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step in (1, 2, 3):
+        for key in KEYS + ("actor/rollout_is_mean", "actor/rollout_is_capped_frac"):
+            assert split[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)
