@@ -14,6 +14,12 @@ import pytest
 # when it is imported: set before any test imports it (the tests use no GPU).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Subprocesses (`python -m rlanywhere.cli`, torchrun's ranks, the examples) import this checkout too, as the tests
+# themselves do (pyproject: pythonpath = src), not whatever copy is installed.
+SRC = Path(__file__).resolve().parents[1] / "src"
+if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != str(SRC):
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 SHIPPED = Path(__file__).resolve().parent / "data"  # a fresh clone's small copies (see tests/data/README.md)
 
