@@ -14,6 +14,17 @@ import pytest
 # when it is imported: set before any test imports it (the tests use no GPU).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Subprocesses (`python -m rlanywhere.cli`, torchrun's ranks, the examples) import this checkout too, as the tests
+# themselves do (pyproject: pythonpath = src), not whatever copy is installed.
+SRC = Path(__file__).resolve().parents[1] / "src"
+if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != str(SRC):
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+# A subprocess (a CLI run, torchrun's ranks, mp.spawn's, the reward workers) runs beside the test process and often
+# beside a sibling: one torch thread each. Tiny models gain nothing from a second thread, and OpenMP threads that
+# outnumber the cores wait for each other at every op. (The test process itself: _quiet_threads below.)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 SHIPPED = Path(__file__).resolve().parent / "data"  # a fresh clone's small copies (see tests/data/README.md)
 

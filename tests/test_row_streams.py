@@ -18,9 +18,11 @@ from .test_rollout import PAD, PROMPTS, chi_square_pvalue, responses, tiny_model
 PARAMS = SamplingParams(10, temperature=1.0, n=3, ignore_eos=True)
 
 
-def splits(engine, streams: RowStreams) -> dict[str, list[list[int]]]:
-    """The same request whole, in waves of 3 rows (one prompt each), and as two "ranks" of two prompts each."""
-    whole = engine.generate(PROMPTS, PARAMS, generator=streams)
+def splits(engine, streams: RowStreams, whole=None) -> dict[str, list[list[int]]]:
+    """The same request whole (or `whole`, its batch generated already), in waves of 3 rows (one prompt each), and
+    as two "ranks" of two prompts each."""
+    if whole is None:
+        whole = engine.generate(PROMPTS, PARAMS, generator=streams)
     waves = engine.generate(PROMPTS, PARAMS, generator=streams, rows_per_wave=3)
     ranks = [engine.generate(PROMPTS[:2], PARAMS, generator=streams),
              engine.generate(PROMPTS[2:], PARAMS, generator=streams.offset(2), rows_per_wave=2)]
@@ -89,10 +91,10 @@ def test_fused_sampler_rows_draw_the_same_whatever_the_split():
 
     model = tiny_model("qwen2")
     engine = FastEngine(model, None, RolloutPlan(fused_sampling=True, check_every=2), pad_token_id=PAD)
-    got = splits(engine, RowStreams(seed=11))
+    batch = engine.generate(PROMPTS, PARAMS, generator=RowStreams(seed=11))  # whole, kept for its log-probs
+    got = splits(engine, RowStreams(seed=11), whole=batch)
     assert got["whole"] == got["waves"] == got["ranks"]
     assert len({tuple(r) for r in got["whole"]}) > 6
-    batch = engine.generate(PROMPTS, PARAMS, generator=RowStreams(seed=11))
     width, mask = batch.prompt_ids.shape[1], batch.response_mask.bool()
     expected = torch.log_softmax(forward_logits(model, batch)[:, width - 1: width - 1 + PARAMS.max_new_tokens], -1)
     expected = expected.gather(2, batch.response_ids[..., None]).squeeze(2)
