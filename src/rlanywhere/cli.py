@@ -154,7 +154,9 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
         logging.getLogger().setLevel(logging.ERROR)
         logging.getLogger("rlanywhere").setLevel(logging.ERROR)
     try:
-        return (run_split_rank if split else _run_rank)(cfg, notices, emulate, rank, resume_command)
+        if split:  # the trainer rank runs as any rank does (_run_rank), its rollouts made on the other
+            return run_split_rank(cfg, notices, emulate, rank, resume_command, train_rank=_run_rank)
+        return _run_rank(cfg, notices, emulate, rank, resume_command)
     except BaseException as exc:
         if world > 1 and not isinstance(exc, SystemExit):
             # another rank died (killed, crashed): one line naming it, no traceback of this rank's collective

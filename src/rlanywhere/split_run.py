@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,10 +53,9 @@ def _split_device(cfg, local_rank: int) -> str:
 
 
 def run_split_rank(cfg, notices: list[str], emulate: Optional[str], rank: int,
-                   resume_command: Optional[str] = None) -> int:
-    """`rlanywhere train` under torchrun for a split placement: rank 0 trains (the usual run, its rollouts made on
-    rank 1), rank 1 generates and scores. Returns the exit code."""
-    from .cli import _run_rank
+                   resume_command: Optional[str] = None, *, train_rank: Callable[..., int]) -> int:
+    """`rlanywhere train` under torchrun for a split placement: rank 0 trains (`train_rank`, the CLI's usual run of
+    a rank, its rollouts made on rank 1), rank 1 generates and scores. Returns the exit code."""
     from .distributed import COLLECTIVE_TIMEOUT, env_world
     from . import api
 
@@ -81,7 +80,7 @@ def run_split_rank(cfg, notices: list[str], emulate: Optional[str], rank: int,
             serve_rollouts(cfg, api.plan(cfg, emulate=emulate))
             return 0
         try:
-            return _run_rank(cfg, notices, emulate, rank, resume_command)
+            return train_rank(cfg, notices, emulate, rank, resume_command)
         finally:
             close_split_pipelines()  # the rollout rank's loop ends (also when this rank failed)
     finally:
