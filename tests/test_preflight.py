@@ -156,3 +156,16 @@ def test_chat_with_no_demo_yet_says_how_latest_appears(tmp_path, capsys, monkeyp
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: model runs/demo/latest/final_model does not exist")
     assert "rlanywhere demo" in lines[0]
+
+
+def test_a_mistyped_key_and_bad_inputs_come_in_one_answer(tmp_path, capsys, no_loading):
+    """A configuration problem does not hide the inputs' problems: both come in one answer, before anything loads."""
+    code = main(["train", "optim.lr=1e-6", f"data.train_files={tmp_path / 'missing.parquet'}",
+                 f"custom_reward_function.path={tmp_path / 'missing.py'}", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert all(line.startswith("error: ") for line in lines), lines
+    assert "unknown config key 'optim.lr'" in lines[0]
+    assert any("data.train_files" in line and "missing.parquet" in line for line in lines[1:]), lines
+    assert any("custom_reward_function" in line and "missing.py" in line for line in lines[1:]), lines
+    assert not (tmp_path / "run").exists()

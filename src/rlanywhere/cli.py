@@ -277,10 +277,22 @@ def _verbose_argv(args) -> list[str]:
     return ["-v"] if getattr(args, "verbose", False) else []
 
 
+def _load_checking_inputs(args, **what):
+    """`_load`, whose configuration problems come in one answer with those of the inputs the configuration names
+    (a mistyped key and a missing data file are fixed in one go)."""
+    from .config import ConfigError
+    from .preflight import with_input_problems
+
+    try:
+        return _load(args.items, args.emulate, _hydra(args))
+    except ConfigError as error:
+        raise with_input_problems(error, **what) from None
+
+
 def cmd_train(args) -> int:
     if not args.items and not args.emulate and not args.config_name:
         return cmd_demo(args)  # `rlanywhere train` alone is the demo, as before `rlanywhere demo` existed
-    cfg, notices = _load(args.items, args.emulate, _hydra(args))
+    cfg, notices = _load_checking_inputs(args)
     # options before the overrides: a relaunch appends overrides
     argv = _verbose_argv(args) + ["train"] + (["--emulate", args.emulate] if args.emulate else []) + (
         [f"--config-path={args.config_path or '.'}", f"--config-name={args.config_name}"] if args.config_name
@@ -392,8 +404,9 @@ def plan_main(config=None, overrides: Optional[list[str]] = None, emulate: Optio
 def cmd_plan(args) -> int:
     from .preflight import require_inputs
 
-    cfg, _ = _load(args.items, args.emulate, _hydra(args))
-    require_inputs(cfg, data=False, reward=False, planning_only=True)  # planning reads the model's shape only
+    what = dict(data=False, reward=False, planning_only=True)  # planning reads the model's shape only
+    cfg, _ = _load_checking_inputs(args, **what)
+    require_inputs(cfg, **what)
     return plan_main(cfg, json_out=args.json)
 
 

@@ -37,7 +37,11 @@ log = logging.getLogger(__name__)
 
 
 class ConfigError(UserError, ValueError):
-    """A config problem, with the fix in the message."""
+    """A config problem, with the fix in the message. From `load_config`: `problems` (one line each) and `partial`,
+    the configuration with the faulty keys left out, so the inputs it names can be checked in the same answer."""
+
+    problems: list = []
+    partial: Optional[DictConfig] = None
 
 
 # --------------------------------------------------------------------------------------------------- schema
@@ -703,7 +707,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     problems.extend(_value_problems(cfg))
     problems.extend(verl_runtime_problems(cfg, notices))  # loggers, sandbox URL: checked before anything loads
     if problems:
-        raise ConfigError(_problems_text(problems))
+        error = ConfigError(_problems_text(problems))
+        error.problems, error.partial = list(problems), cfg
+        raise error
     notices.extend(_differences_from_verl(cfg))
     for line in notices:
         log.warning("notice: %s", line)

@@ -310,6 +310,19 @@ def tool_problems(cfg) -> list[str]:
     return []
 
 
+def with_input_problems(error, **what):
+    """A configuration's problems (a ConfigError from load_config) and those of the inputs it names, in one answer:
+    the inputs are checked on the configuration without its faulty keys (`error.partial`). The error as it was
+    when there is nothing more to say."""
+    if getattr(error, "partial", None) is None or not error.problems:
+        return error
+    try:
+        more = [problem for problem in input_problems(error.partial, **what) if problem not in error.problems]
+    except Exception:  # noqa: BLE001 - a configuration with faulty keys left out may not hold together
+        return error
+    return InputError(list(error.problems) + more) if more else error
+
+
 def require_inputs(cfg, **what) -> None:
     """Raise InputError listing every problem `input_problems(cfg, **what)` finds."""
     problems = input_problems(cfg, **what)
