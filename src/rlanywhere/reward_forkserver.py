@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import select
 import signal
 import sys
 
@@ -64,5 +65,45 @@ def _leave_the_trainers_group() -> None:
         signal.signal(sig, handler)
 
 
-if _imported_by_the_forkserver():
+def end_with_the_server() -> None:
+    """In a worker forked by the server: be killed when the server ends. The server ends the moment its trainer
+    does (its pipe from the trainer closes), so a trainer that dies (SIGKILL, the OOM killer) takes its workers
+    with it, before one of them can print a BrokenPipeError traceback for a result nobody reads any more. Linux
+    only (prctl); elsewhere, and in a worker the trainer forked itself, nothing changes."""
+    if not IN_SERVER or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the parent is the server
+    except (OSError, AttributeError):  # no prctl: the worker ends as before, when its next read finds no trainer
+        return
+    if os.getppid() == 1:  # the server was already gone before the signal was armed
+        os._exit(0)
+    try:  # the server outlives its trainer by the milliseconds its shutdown takes: watch the trainer itself too
+        sys.stderr = _QuietOnceTheTrainerIsGone(sys.stderr, os.pidfd_open(TRAINER_PID))
+    except (AttributeError, OSError, TypeError):  # no pidfd (an old kernel): the signal above is what there is
+        pass
+
+
+class _QuietOnceTheTrainerIsGone:
+    """A worker's stderr that ends the worker, silently, at the first write after its trainer is gone: a result
+    sent to a dead trainer raises BrokenPipeError, whose traceback would follow the one line the launcher prints
+    about the rank that died."""
+
+    def __init__(self, stream, trainer_pidfd: int):
+        self._stream, self._trainer_pidfd = stream, trainer_pidfd
+
+    def write(self, text: str) -> int:
+        if select.select([self._trainer_pidfd], [], [], 0)[0]:  # readable: the trainer process has exited
+            os._exit(0)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+IN_SERVER = _imported_by_the_forkserver()  # True in the server, and in the workers it forks
+TRAINER_PID = os.getppid() if IN_SERVER else None  # the server's parent: the trainer that started it
+if IN_SERVER:
     _leave_the_trainers_group()

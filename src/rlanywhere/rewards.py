@@ -239,6 +239,9 @@ def _init_worker(fn: Callable | None, source: tuple | None = None) -> None:
     # terminal's Ctrl-C) is the trainer's to handle; a worker killed by it would leave the pool waiting forever
     # for its result, and the trainer could never save. Pool.terminate() still ends the worker by its pid.
     os.setpgid(0, 0)
+    from .reward_forkserver import end_with_the_server
+
+    end_with_the_server()  # out of the trainer's group, but not outliving it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal reaches the whole group: the parent handles it
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's save-and-stop handler, inherited by fork
     signal.signal(signal.SIGALRM, _raise_timeout)
