@@ -66,10 +66,12 @@ def _leave_the_trainers_group() -> None:
 
 
 def end_with_the_server() -> None:
-    """In a worker forked by the server: be killed when the server ends. The server ends the moment its trainer
-    does (its pipe from the trainer closes), so a trainer that dies (SIGKILL, the OOM killer) takes its workers
-    with it, before one of them can print a BrokenPipeError traceback for a result nobody reads any more. Linux
-    only (prctl); elsewhere, and in a worker the trainer forked itself, nothing changes."""
+    """In a worker forked by the server: be killed when the server ends. The server ends soon after its trainer
+    does (when its pipe from the trainer closes, a few milliseconds later), so a trainer that dies (SIGKILL, the OOM
+    killer) takes its workers with it; for those milliseconds the worker also watches the trainer itself, and ends
+    silently at its first write after the trainer is gone, so that none prints a BrokenPipeError traceback for a
+    result nobody reads any more. Linux only (prctl, pidfd); elsewhere, and in a worker the trainer forked itself,
+    nothing changes."""
     if not IN_SERVER or not sys.platform.startswith("linux"):
         return
     import ctypes
