@@ -127,7 +127,7 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma list of {list(SETTINGS)}")
-    parser.add_argument("--carveout", type=int, default=16, help="SMs the `carveout` setting leaves free")
+    parser.add_argument("--carveout", type=int, default=16, help="SMs the `carveout` and `green` settings leave free")
     parser.add_argument("--per-setting", type=int, default=4, help="steps per setting (its first left out)")
     parser.add_argument("--warmup", type=int, default=2, help="steps before the first setting's (compiling)")
     parser.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU")
