@@ -629,8 +629,9 @@ def _assert_split_matches_one_process(one_dir, split_dir):
 
 
 def test_the_rollout_thread_may_call_compiled_ops_while_the_update_compiles(monkeypatch):
-    """torch.compile's FX trace of the update sets a flag that every thread sees: a compiled op that the overlapped
-    rollout calls meanwhile must run (uncompiled), not stop the run (it did, on the demo with bypass_mode)."""
+    """torch.compile's FX trace sets a flag that every thread sees: a compiled op that the overlapped rollout calls
+    while the update compiles must run (uncompiled), not stop the run (it did, on the demo with bypass_mode), and
+    the same for the trainer's calls while the rollout compiles."""
     import torch._dynamo
     import torch.fx._symbolic_trace as fx_trace
     from types import SimpleNamespace
@@ -648,5 +649,6 @@ def test_the_rollout_thread_may_call_compiled_ops_while_the_update_compiles(monk
     pipeline = RolloutPipeline(cfg, plan, torch.nn.Linear(2, 2), loader=None, total_steps=2)
     try:
         assert torch.equal(pipeline.executor.submit(op, x).result(), x * 2 + 1)  # on the rollout's thread
+        assert torch.equal(op(x), x * 2 + 1)  # on the trainer's, while the rollout's thread compiles a decode op
     finally:
         pipeline.executor.shutdown()

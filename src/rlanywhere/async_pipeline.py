@@ -48,13 +48,13 @@ ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority: lower is higher; 0 is the 
 
 
 def allow_compiled_calls_beside_tracing() -> None:
-    """Let the rollout's thread call compiled kernels while the update compiles. torch.compile traces the update with
-    FX, and FX's "tracing" flag is one for the whole process: a compiled decode op called meanwhile from the rollout's
-    thread refuses to run ("Detected that you are using FX to symbolically trace a dynamo-optimized function") and
-    the run stops. Told not to refuse, that call runs its Python code uncompiled instead: the same result (the trace
-    in the other thread does not record it: its modes are per thread), a little slower, and only while a compile of
-    the update is under way (its first step, a new shape). Called on the rollout's thread: recent PyTorch keeps this
-    setting per thread, so the trainer's own thread keeps the default."""
+    """Let this thread call compiled ops while the other one compiles. torch.compile traces with FX, and FX's
+    "tracing" flag is one for the whole process: a compiled decode op that the rollout's thread calls while the
+    update compiles (or a compiled training op the trainer calls while a new decode shape compiles) refuses to run
+    ("Detected that you are using FX to symbolically trace a dynamo-optimized function") and the run stops. Told not
+    to refuse, that call runs its Python code uncompiled instead: the same result (the trace in the other thread
+    does not record it: its modes are per thread), a little slower, and only while a compile is under way. Called on
+    both threads: recent PyTorch keeps this setting per thread."""
     import torch._dynamo
 
     torch._dynamo.config.error_on_nested_fx_trace = False
@@ -214,6 +214,7 @@ class RolloutPipeline:
         self.executor: Optional[ThreadPoolExecutor] = None
         self.stream = None
         if self.overlap:
+            allow_compiled_calls_beside_tracing()  # the trainer's thread (this one) and the rollout's, below
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout",
                                                initializer=allow_compiled_calls_beside_tracing)
             if str(plan.device).startswith("cuda"):
