@@ -10,6 +10,9 @@ pipeline, so that every setting sees the same model, prompts and compiled kernel
   both         overlapped, both (the pipeline's stream priority; the GIL interval is the bench's alone)
   carveout     `both`, and the update's cuBLAS GEMMs told to leave --carveout SMs free for the decode kernels
                (torch._C._set_sm_carveout_experimental: PyTorch's experimental knob, set for that group's steps)
+  green        `both`, and the whole training step on a stream of a CUDA green context holding all SMs but
+               --carveout (torch.cuda.green_contexts, beta): no kernel of the update lands on the SMs left over, which
+               the rollout's kernels (on the ordinary context) can always use
 
 Per setting it prints the medians over the group's steps (its first step left out: its batch was generated under
 the previous setting): step time, the update's time, the rollout's wall time (in the background when overlapped),
@@ -23,6 +26,7 @@ SmolLM2 tokenizer via RLANYWHERE_BENCH_TOKENIZER):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -43,6 +47,7 @@ SETTINGS = {
     "gil": (True, 0, 2e-4, None),
     "both": (True, -1, 2e-4, None),
     "carveout": (True, -1, 2e-4, "carveout"),
+    "green": (True, -1, 2e-4, "green"),
 }
 DEFAULT_SETTINGS = ("in_turn", "plain", "priority", "gil", "both")
 COLUMNS = {"s/step": "perf/step_time_s", "update s": "timing/update_actor", "old logp s": "timing/old_log_prob",
@@ -82,17 +87,37 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def green_stream(free_sms: int):
+    """A stream of a CUDA green context with all SMs but `free_sms` (torch.cuda.green_contexts; the API changed
+    between releases: keyword or positional arguments, a Stream() method or not)."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    green = torch.cuda.green_contexts.GreenContext
+    try:
+        context = green.create(num_sms=total - free_sms, device_id=0)
+    except TypeError:
+        context = green.create(total - free_sms, 0)
+    return context, context.Stream()
+
+
 def apply_setting(pipeline, name: str, executor, carveout_sms: int) -> None:
     import torch
 
-    overlapped, priority, interval, carveout = SETTINGS[name]
+    overlapped, priority, interval, partition = SETTINGS[name]
     pipeline.overlap = overlapped
     pipeline.executor = executor if overlapped else None
     if overlapped and pipeline.stream is not None:
         pipeline.stream = torch.cuda.Stream(pipeline.plan.device, priority=priority)
     sys.setswitchinterval(interval)
     if torch.cuda.is_available():
-        torch._C._set_sm_carveout_experimental(carveout_sms if carveout else None)
+        torch._C._set_sm_carveout_experimental(carveout_sms if partition == "carveout" else None)
+
+
+def write(path: str, records: list[dict], summary: dict, settings: list[str], device: str) -> None:
+    with open(path, "w") as handle:
+        json.dump({"records": records, "summary": summary, "settings": {k: SETTINGS[k] for k in settings},
+                   "device": device}, handle, indent=2)
 
 
 def main() -> int:
@@ -102,7 +127,7 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma list of {list(SETTINGS)}")
-    parser.add_argument("--carveout", type=int, default=16, help="SMs the `carveout` setting leaves free")
+    parser.add_argument("--carveout", type=int, default=16, help="SMs the `carveout` and `green` settings leave free")
     parser.add_argument("--per-setting", type=int, default=4, help="steps per setting (its first left out)")
     parser.add_argument("--warmup", type=int, default=2, help="steps before the first setting's (compiling)")
     parser.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU")
@@ -144,29 +169,37 @@ def main() -> int:
             print("the plan runs the phases in turn here (no CUDA overlap): every setting below is in turn", flush=True)
         records: list[dict] = []
         train_step = trainer.train_step
+        device = torch.cuda.get_device_name(0) if on_gpu else "CPU"
+        green = green_stream(args.carveout) if on_gpu and "green" in settings else None
 
         def step(items):
             name = plan_of_steps[trainer.global_step]
             apply_setting(pipeline, name, executor, args.carveout)
-            metrics = train_step(items)
+            in_green = SETTINGS[name][3] == "green" and green is not None
+            if in_green:  # the step's own work (update, log-probs) on the green context's SMs
+                green[1].wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(green[1]) if in_green else contextlib.nullcontext():
+                metrics = train_step(items)
+            if in_green:
+                torch.cuda.current_stream().wait_stream(green[1])
             records.append({"step": trainer.global_step + 1, "setting": name,
                             **{key: metrics.get(key) for key in COLUMNS.values()}})
             print(f"step {trainer.global_step + 1} [{name}] " + " ".join(
                 f"{column}={metrics[key]:.3f}" for column, key in COLUMNS.items()
                 if isinstance(metrics.get(key), float)), flush=True)
+            if args.out:  # every step: a later setting that fails leaves the earlier ones' figures
+                write(args.out, records, summarise(records[args.warmup:], samples), settings, device)
             return metrics
 
+        samples = args.prompts * args.n
         trainer.train_step = step
         trainer.fit()
-    samples = args.prompts * args.n
     # the run's last step starts no rollout beside its update: left out too
     summary = summarise(records[args.warmup:-1], samples)
     print(f"\n{samples} samples/step; medians per setting (first step of each and the run's last left out)")
     print(format_table(summary))
     if args.out:
-        with open(args.out, "w") as handle:
-            json.dump({"records": records, "summary": summary, "settings": {k: SETTINGS[k] for k in settings},
-                       "device": torch.cuda.get_device_name(0) if on_gpu else "CPU"}, handle, indent=2)
+        write(args.out, records, summary, settings, device)
         print(f"wrote {args.out}")
     return 0
 

@@ -86,6 +86,24 @@ def warmup_minutes(records: list[dict]) -> dict:
             "graph_capture": sum(r.get("perf/graph_capture_s", 0.0) for r in steps.values()) / 60}
 
 
+STEP_COLUMNS = {"s_per_step": "perf/step_time_s", "rollout_s": "timing/rollout", "old_log_prob_s": "timing/old_log_prob",
+                "update_s": "timing/update_actor", "background_rollout_s": "async/rollout_s",
+                "rollout_wait_s": "timing/rollout_wait", "peak_memory_gib": "perf/peak_memory_gib"}
+
+
+def step_summary(records: list[dict], first_step: int = 3) -> dict:
+    """Medians per step from `first_step` on (the first steps compile and capture graphs): step time, phases and
+    peak memory; a phase the run never timed is left out."""
+    steps = {r["step"]: r for r in records if "perf/step_time_s" in r and r["step"] >= first_step}
+    summary = {}
+    for name, key in STEP_COLUMNS.items():
+        values = [r[key] for r in steps.values() if isinstance(r.get(key), (int, float))]
+        if values:
+            summary[name] = statistics.median(values)
+    summary["steps"] = len(steps)
+    return summary
+
+
 def curve_from_trl(records: list[dict]) -> list[dict]:
     """The same points from the TRL side's records (evaluations carry `train_seconds` at that step)."""
     return [{"step": r["step"], "minutes": r["train_seconds"] / 60, "acc": r["val/acc"], "format": r.get("val/format")}
@@ -237,6 +255,8 @@ def run(args) -> dict:
         points = curve_from_rlanywhere(records)
         label = f"rlanywhere {args.algo}"
         warmup = warmup_minutes(records)
+        timing = step_summary(records)
+        print("step medians (steps 3..): " + ", ".join(f"{k} {v:.3f}" for k, v in timing.items()), flush=True)
         print(f"of the training minutes: compiling {warmup['compile']:.2f}, capturing decode graphs "
               f"{warmup['graph_capture']:.2f}", flush=True)
     if not points:
@@ -246,7 +266,7 @@ def run(args) -> dict:
             "model": "tiny random (--tiny)" if args.tiny else "SmolLM2-135M-Instruct",
             "hardware": hardware_label(args.emulate), "steps": points[-1]["step"], "test_freq": test_freq,
             "process_minutes": (time.time() - started) / 60, "points": points,
-            **({"warmup_minutes": warmup} if args.algo != "trl-grpo" else {}),
+            **({"warmup_minutes": warmup, "step_medians": timing} if args.algo != "trl-grpo" else {}),
             **({"trl_sweep_seconds_per_step": {str(k): v for k, v in sweep.items()}} if sweep else {})}
 
 

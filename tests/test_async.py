@@ -184,6 +184,27 @@ def test_plan_says_whether_the_rollout_overlaps(card, expected):
     assert "async rollout" in plan.summary() and plan.reasons["async_rollout"].startswith("one_step_off")
 
 
+@pytest.mark.parametrize("extra, stays", [
+    ([], True),  # two mini-batches a step: the old policy's log-probs are a forward of their own
+    (["algorithm.rollout_correction.bypass_mode=true"], False),  # the PPO ratio against the rollout's log-probs
+    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"], True),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], False),  # one optimizer step: the update's own forward
+])
+def test_plan_says_what_stays_on_the_critical_path(extra, stays):
+    from rlanywhere.async_plan import old_policy_forward_stays
+    from rlanywhere.planner import make_plan
+
+    cfg = load_config(None, ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
+                             "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                             "trainer.async.mode=one_step_off", "hardware.emulate=h100", *extra])
+    assert old_policy_forward_stays(cfg) is stays
+    why = make_plan(cfg, for_execution=False).reasons["async_rollout"]
+    assert ("bypass_mode=true skips it" in why) is stays
+    sync = load_config(None, ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "hardware.emulate=h100",
+                              "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8"])
+    assert "bypass_mode" not in make_plan(sync, for_execution=False).reasons["async_rollout"]
+
+
 def test_one_step_off_on_two_ranks_is_a_split_placement():
     from rlanywhere.async_plan import SPLIT
     from rlanywhere.planner import make_plan
@@ -605,3 +626,29 @@ def _assert_split_matches_one_process(one_dir, split_dir):
     for step in (1, 2, 3):
         for key in KEYS + ("actor/rollout_is_mean", "actor/rollout_is_capped_frac"):
             assert split[step][key] == pytest.approx(one[step][key], rel=1e-6, abs=1e-8), (step, key)
+
+
+def test_the_rollout_thread_may_call_compiled_ops_while_the_update_compiles(monkeypatch):
+    """torch.compile's FX trace sets a flag that every thread sees: a compiled op that the overlapped rollout calls
+    while the update compiles must run (uncompiled), not stop the run (it did, on the demo with bypass_mode), and
+    the same for the trainer's calls while the rollout compiles."""
+    import torch._dynamo
+    import torch.fx._symbolic_trace as fx_trace
+    from types import SimpleNamespace
+
+    from rlanywhere.async_pipeline import RolloutPipeline
+
+    monkeypatch.setattr(torch._dynamo.config, "error_on_nested_fx_trace", True)  # torch's default
+    op = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    x = torch.arange(4.0)
+    monkeypatch.setattr(fx_trace, "_is_fx_tracing_flag", True)  # as while the main thread traces the update
+    with pytest.raises(RuntimeError, match="symbolically trace"):
+        op(x)
+    cfg = SimpleNamespace(trainer={"async": SimpleNamespace(max_staleness=1)})
+    plan = SimpleNamespace(async_rollout=OVERLAPPED, device="cpu")
+    pipeline = RolloutPipeline(cfg, plan, torch.nn.Linear(2, 2), loader=None, total_steps=2)
+    try:
+        assert torch.equal(pipeline.executor.submit(op, x).result(), x * 2 + 1)  # on the rollout's thread
+        assert torch.equal(op(x), x * 2 + 1)  # on the trainer's, while the rollout's thread compiles a decode op
+    finally:
+        pipeline.executor.shutdown()

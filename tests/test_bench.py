@@ -133,6 +133,18 @@ def test_warmup_minutes_sum_each_steps_compile_and_capture_once():
     assert tta.warmup_minutes(records) == {"compile": 0.5, "graph_capture": 0.05}
 
 
+def test_step_medians_leave_out_the_first_steps_and_phases_never_timed():
+    records = [{"step": 0, "val/acc": 0.1},
+               {"step": 1, "perf/step_time_s": 30.0, "timing/rollout": 9.0},  # compiling: left out
+               {"step": 2, "perf/step_time_s": 20.0, "timing/rollout": 8.0},
+               {"step": 3, "perf/step_time_s": 0.5, "timing/rollout": 0.2, "timing/update_actor": 0.3},
+               {"step": 4, "perf/step_time_s": 0.7, "timing/rollout": 0.1, "perf/peak_memory_gib": 9.5},
+               {"step": 4, "val/acc": 0.6},
+               {"step": 5, "perf/step_time_s": 0.6, "timing/rollout": 0.3, "timing/update_actor": 0.5}]
+    assert tta.step_summary(records) == {"s_per_step": pytest.approx(0.6), "rollout_s": pytest.approx(0.2),
+                                         "update_s": pytest.approx(0.4), "peak_memory_gib": 9.5, "steps": 3}
+
+
 def test_trl_sweep_takes_the_micro_batch_with_the_fewest_seconds_a_step():
     # a step is a generation and its optimizer steps (records sharing "step"); the first step is left out
     records = [{"step": 0, "val/acc": 0.1},

@@ -47,6 +47,19 @@ from .stepbatch import ScoredRollout
 ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority: lower is higher; 0 is the default streams'
 
 
+def allow_compiled_calls_beside_tracing() -> None:
+    """Let this thread call compiled ops while the other one compiles. torch.compile traces with FX, and FX's
+    "tracing" flag is one for the whole process: a compiled decode op that the rollout's thread calls while the
+    update compiles (or a compiled training op the trainer calls while a new decode shape compiles) refuses to run
+    ("Detected that you are using FX to symbolically trace a dynamo-optimized function") and the run stops. Told not
+    to refuse, that call runs its Python code uncompiled instead: the same result (the trace in the other thread
+    does not record it: its modes are per thread), a little slower, and only while a compile is under way. Called on
+    both threads: recent PyTorch keeps this setting per thread."""
+    import torch._dynamo
+
+    torch._dynamo.config.error_on_nested_fx_trace = False
+
+
 # ---------------------------------------------------------------------------------------------------- checkpoints
 def _tensor_state(tensor: torch.Tensor) -> dict:
     return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
@@ -201,7 +214,9 @@ class RolloutPipeline:
         self.executor: Optional[ThreadPoolExecutor] = None
         self.stream = None
         if self.overlap:
-            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+            allow_compiled_calls_beside_tracing()  # the trainer's thread (this one) and the rollout's, below
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout",
+                                               initializer=allow_compiled_calls_beside_tracing)
             if str(plan.device).startswith("cuda"):
                 self.stream = torch.cuda.Stream(plan.device, priority=ROLLOUT_STREAM_PRIORITY)
 
@@ -335,4 +350,4 @@ class RolloutPipeline:
         return job
 
 
-__all__ = ["LookaheadLoader", "RolloutPipeline", "copy_weights", "rollout_model_copy", "scored_from", "scored_state"]
+__all__ = ["LookaheadLoader", "RolloutPipeline", "allow_compiled_calls_beside_tracing", "copy_weights", "rollout_model_copy", "scored_from", "scored_state"]

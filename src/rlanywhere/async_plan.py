@@ -113,17 +113,36 @@ SPLIT_REASON = ("one_step_off on 2 ranks: rank 1 generates each next batch with 
                 "each update, while rank 0 trains on the previous one (at most one version stale)")
 
 
+def old_policy_forward_stays(cfg: Any) -> bool:
+    """Whether each step runs the trainer's forward for the old policy's log-probs, which the background cannot take:
+    it needs the weights the previous update produced. Skipped with one optimizer step a step (the update's own
+    forward gives them) and in bypass mode without importance weights (rollout_correction.recomputes_old_logprobs)."""
+    actor, correction = cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
+    single_update = int(actor.ppo_epochs) == 1 and int(actor.ppo_mini_batch_size) >= int(cfg.data.train_batch_size)
+    bypassed = bool(correction.bypass_mode) and correction.rollout_is is None
+    return not single_update and not bypassed
+
+
+CRITICAL_PATH_NOTE = ("; the trainer's forward for the old policy's log-probs stays on each step's critical path "
+                      "(it needs the weights of the update before): algorithm.rollout_correction.bypass_mode=true "
+                      "skips it, taking the PPO ratio against the rollout's own log-probs")
+
+
 def plan_async_rollout(cfg: Any, plan: Any) -> None:
     """The planner's call: plan.async_rollout and its reason."""
     section = cfg.trainer["async"]
     if wants_split(cfg, int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)):
         plan.async_rollout, plan.reasons["async_rollout"] = SPLIT, SPLIT_REASON
+        if old_policy_forward_stays(cfg):
+            plan.reasons["async_rollout"] += CRITICAL_PATH_NOTE
         return
     on_cuda = str(plan.device).startswith("cuda") or bool(plan.emulated)
     half = plan.precision in ("bf16", "fp16")
     need = overlap_bytes(plan.estimate, snapshots=int(section.max_staleness) - 1)
     plan.async_rollout, plan.reasons["async_rollout"] = decide_async_rollout(
         section.mode, _overlap_setting(section.overlap), on_cuda, half, need, plan.memory_budget_bytes)
+    if plan.async_rollout == OVERLAPPED and old_policy_forward_stays(cfg):
+        plan.reasons["async_rollout"] += CRITICAL_PATH_NOTE
     if plan.async_rollout == OVERLAPPED and plan.rollout.release_kv_between_phases:
         # the cache is in use while the update runs: counted in the overlap's memory above
         plan.rollout.release_kv_between_phases = False
@@ -131,4 +150,5 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
 
 
 __all__ = ["IN_TURN", "MODES", "OVERLAPPED", "SPLIT", "SPLIT_WORLD", "SYNC", "check_async_config", "check_split_world",
-           "decide_async_rollout", "overlap_bytes", "plan_async_rollout", "wants_split"]
+           "decide_async_rollout", "old_policy_forward_stays", "overlap_bytes", "plan_async_rollout",
+           "wants_split"]
