@@ -117,3 +117,13 @@ def test_fp32_keeps_the_compiled_kernels_and_the_separate_attention():
     engine = FastEngine(tiny_model("qwen2"), None, FUSED, pad_token_id=PAD)
     assert not engine.forward.triton_elementwise and not engine.forward.rope_attention_kernel
     assert engine.forward.kv_write_kernel
+
+
+def test_half_precision_attention_takes_the_nearest_number_of_splits():
+    """A second split costs a merge kernel: half precision rounds programs wanted / (row, KV head) pairs to the
+    nearest whole number instead of up (fp32 keeps rounding up)."""
+    assert attention.plan_splits(512, 384, 528) == (2, 192)  # 1.03 pairs per program wanted: up to 2
+    assert attention.plan_splits(512, 384, 528, nearest=True) == (1, 384)  # one split, no merge
+    assert attention.plan_splits(256, 384, 528, nearest=True) == (2, 192)
+    assert attention.plan_splits(128, 768, 528, nearest=True) == (4, 192)
+    assert attention.plan_splits(4096, 384, 528, nearest=True) == (1, 384)
