@@ -1,11 +1,12 @@
 """Where a FastEngine decode step spends its time, and how fast each of its GEMM shapes can run.
 
-Prints (1) a kernel-level profile of one decode step (torch.profiler, eager, CUDA time per kernel family) and
-(2) a micro-benchmark of every GEMM shape in the step under several formulations (cuBLAS / cuBLASLt, weight
-layout, split-K), in TFLOP/s, so the step time can be compared with what the GEMMs alone need.
+Prints (1) a kernel-level profile of one decode step (torch.profiler, eager, CUDA time per kernel family), (2) the
+step as a rollout runs it (its CUDA graph, sampling inside) and (3) a micro-benchmark of every GEMM shape in the
+step under several formulations (cuBLAS / cuBLASLt, weight layout, split-K), in TFLOP/s, and of the decode attention,
+so the step time can be compared with its floor: the GEMMs in their best formulation plus the Triton attention.
 
     python bench/decode_profile.py --dtype fp32 --no-tf32 --batch 64          # the Tesla P40 path
-    python bench/decode_profile.py --dtype bf16 --batch 256
+    python bench/decode_profile.py --dtype bf16 --batch 256,512,1024 --span 384 --formulations triton
 
 Needs a CUDA GPU. Uses the random-weight Qwen2.5-0.5B-shaped model of bench/rollout.py.
 """
@@ -67,6 +68,38 @@ def profile_step(engine: FastEngine, batch: int, span: int) -> None:
     print("  top kernels (ms/step, calls/step):")
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:14]:
         print(f"  {ms:7.3f}  {counts[name] // 5:4d}  {name[:110]}")
+    once = {name: ms for name, ms in totals.items() if counts[name] // 5 <= 3}
+    print(f"  kernels run at most 3 times a step (embedding, first norm, final norm, LM head, copies): "
+          f"{sum(once.values()):.3f} ms")
+    for name, ms in sorted(once.items(), key=lambda kv: -kv[1]):
+        print(f"  {ms:7.3f}  {counts[name] // 5:4d}  {name[:110]}")
+
+
+def time_step(engine: FastEngine, batch: int, span: int) -> float:
+    """Milliseconds of one decode step as a rollout runs it: its CUDA graph, sampling inside where planned."""
+    runner = engine.runner
+    runner.cuda_graphs = True
+    sample = runner.fused_sampling
+    if sample:
+        runner.set_sampling(torch.zeros(1, dtype=torch.long, device="cuda"), 1.0)
+
+    def step():
+        if sample:
+            runner.decode_sample(batch, span - 1, span=span)
+        else:
+            runner.decode_step(batch, span - 1, span=span)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    runner.cuda_graphs = False
+    return start.elapsed_time(end) / 20
 
 
 def time_graph(fn, iters: int = 10, replays: int = 10) -> float:
@@ -110,7 +143,7 @@ def gemm_variants(x: torch.Tensor, weights: list[torch.Tensor], weights_t: list[
     return {name: time_graph(fn, iters=2) / count for name, fn in variants.items()}
 
 
-def gemm_bench(rows: int, dtype: torch.dtype, shapes: dict[str, tuple[int, int, int]]) -> None:
+def gemm_bench(rows: int, dtype: torch.dtype, shapes: dict[str, tuple[int, int, int]]) -> float:
     print(f"\n== GEMMs of one decode step at {rows} rows ({dtype}), CUDA-graph timed, distinct weights per layer ==")
     names = None
     best_total = default_total = 0.0
@@ -132,10 +165,11 @@ def gemm_bench(rows: int, dtype: torch.dtype, shapes: dict[str, tuple[int, int, 
         default_total += count * results["linear"]
         del weights, weights_t
     print(f"  GEMM time per step: F.linear {default_total:.3f} ms; best formulation per shape {best_total:.3f} ms")
+    return best_total
 
 
 def attention_bench(rows: int, dtype: torch.dtype, kv_heads: int, groups: int, head_dim: int, span: int,
-                    layers: int) -> None:
+                    layers: int, only: set[str] | None = None) -> dict[str, float]:
     """Decode attention formulations for one step: q [rows, kv, G, D] against [rows, kv, span, D] K/V per layer."""
     print(f"\n== decode attention, {rows} rows x {kv_heads} kv heads x {groups} q/kv, span {span} ({dtype}) ==")
     scale = head_dim**-0.5
@@ -208,22 +242,30 @@ def attention_bench(rows: int, dtype: torch.dtype, kv_heads: int, groups: int, h
         if dtype == torch.float32 and torch.cuda.get_device_capability() >= (8, 0):
             formulations.append(("tf32x3", triton_tf32x3))
     ref = sdpa()[0].float()
+    times = {}
     for name, fn in formulations:
+        if only and name not in only:
+            continue
         got = fn()[0].reshape(ref.shape).float()
-        ms = time_graph(fn, iters=2) / layers
+        times[name] = ms = time_graph(fn, iters=2) / layers
         kv_bytes = 2 * ks[0].numel() * ks[0].element_size()
         print(f"  {name:8s} {1000 * ms:7.1f} us/layer  ({kv_bytes / ms / 1e6:6.0f} GB/s of K+V)  "
               f"max|diff vs sdpa| {(got - ref).abs().max().item():.1e}")
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--no-tf32", action="store_true")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", default="64", help="rows of the step; several: comma-separated")
     parser.add_argument("--span", type=int, default=512)
     parser.add_argument("--attention", default="auto", choices=["auto", "sdpa", "matmul", "triton"])
     parser.add_argument("--skip-profile", action="store_true")
+    parser.add_argument("--skip-floor", action="store_true", help="profile and step time only (no GEMM and "
+                                                                  "attention micro-benchmarks)")
+    parser.add_argument("--formulations", default="", help="attention formulations to time, comma-separated "
+                                                           "(default all; e.g. triton)")
     args = parser.parse_args()
     if args.no_tf32:
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -232,12 +274,27 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     model, _ = qwen25_05b_shape("cuda", dtype)
     attention = {} if args.attention == "auto" else {"decode_attention": args.attention}
+    only = set(filter(None, args.formulations.split(",")))
+    for batch in [int(b) for b in args.batch.split(",")]:
+        profile_batch(model, dtype, batch, args.span, attention, args.skip_profile, args.skip_floor, only)
+
+
+def profile_batch(model, dtype: torch.dtype, batch: int, span: int, attention: dict, skip_profile: bool,
+                  skip_floor: bool, only: set[str]) -> None:
     engine = FastEngine(model, None, fast_plan(model, cuda_graphs=False, **attention))
-    prompts = torch.randint(10, 1000, (args.batch, 128)).tolist()
+    prompts = torch.randint(10, 1000, (batch, 128)).tolist()
     engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.0))
-    engine.runner.reserve(args.batch, args.span)
-    if not args.skip_profile:
-        profile_step(engine, args.batch, args.span)
+    engine.runner.reserve(batch, span)
+    if not skip_profile:
+        profile_step(engine, batch, span)
+    step_ms = time_step(engine, batch, span)
+    inside = ", sampling inside" if engine.runner.fused_sampling else ""
+    print(f"\n== decode step as a rollout runs it (CUDA graph{inside}), batch {batch}, span {span}: "
+          f"{step_ms:.3f} ms ==")
+    del engine
+    torch.cuda.empty_cache()
+    if skip_floor:
+        return
     cfg = model.config
     kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
     shapes = {
@@ -247,12 +304,18 @@ def main() -> None:
         "down": (cfg.intermediate_size, cfg.hidden_size, cfg.num_hidden_layers),
         "lm_head": (cfg.hidden_size, cfg.vocab_size, 1),
     }
-    gemm_bench(args.batch, dtype, shapes)
+    gemm_ms = gemm_bench(batch, dtype, shapes)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    for span in sorted({256, args.span}):
-        attention_bench(args.batch, dtype, cfg.num_key_value_heads,
-                        cfg.num_attention_heads // cfg.num_key_value_heads, head_dim, span, cfg.num_hidden_layers)
-
+    attention_ms = {}
+    for at_span in sorted({256, span}):
+        attention_ms[at_span] = attention_bench(batch, dtype, cfg.num_key_value_heads,
+                                                cfg.num_attention_heads // cfg.num_key_value_heads, head_dim, at_span,
+                                                cfg.num_hidden_layers, only)
+    if "triton" in attention_ms[span]:
+        floor = gemm_ms + cfg.num_hidden_layers * attention_ms[span]["triton"]
+        print(f"\n== floor at batch {batch}, span {span}: GEMMs {gemm_ms:.3f} + attention "
+              f"{cfg.num_hidden_layers} x {1000 * attention_ms[span]['triton']:.1f} us = {floor:.3f} ms; "
+              f"the step {step_ms:.3f} ms is {step_ms / floor:.2f}x of it ==")
 
 if __name__ == "__main__":
     main()

@@ -752,7 +752,9 @@ def test_compiled_elementwise_compiles_the_decode_step_only(monkeypatch):
 @pytest.mark.slow
 def test_compiled_elementwise_decode_matches_the_plain_decode():
     """RolloutPlan.compile_elementwise: the decode step's norms, RoPE, SiLU*mul and residual adds compiled by
-    torch.compile (C++ here, Triton on a GPU) with eager's rounding. Same samples and log-probs as the plain path:
+    torch.compile (C++ here, Triton on a GPU) with eager's rounding; in bf16, where Triton runs (here its
+    interpreter), the norms and SiLU*mul are hand-written Triton kernels instead. Same samples and log-probs as
+    the plain path:
     fp32 to float rounding, bf16 (transformers' rounding of every intermediate) to the reduction order of a norm."""
     params = SamplingParams(max_new_tokens=12, temperature=1.0)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-3)):

@@ -154,6 +154,10 @@ def rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype],
     rollout.span_granularity = DECODE_SPAN_GRANULARITY if on_cuda else 256
     rollout.compile_elementwise = triton_runs
     reasons["compile_elementwise"] = (
+        f"on: {dtype_text} decode steps run each residual add + RMSNorm and SiLU*mul as one Triton kernel (the "
+        "embedding gather inside the first norm), rounding as eager does, nothing to compile (the RoPE of models "
+        "with q/k norms stays a compiled kernel)"
+        if rollout.compile_elementwise and half else
         "on: the decode step's norms, RoPE, SiLU*mul and residual adds as fused torch.compile kernels that keep "
         "eager's rounding: shorter decode steps for a few seconds of compilation once"
         if rollout.compile_elementwise else
@@ -161,7 +165,8 @@ def rollout_policy(rollout: RolloutPlan, *, weight_dtype: Optional[torch.dtype],
     rollout.fused_kv_write = triton_runs
     reasons["fused_kv_write"] = (
         "on: the decode step's RoPE and K/V cache writes as one Triton kernel per layer instead of three (models "
-        "with fused QKV weights and no q/k norms; others keep the separate kernels)" if rollout.fused_kv_write else
+        "with fused QKV weights and no q/k norms; others keep the separate kernels)"
+        + (", in half precision inside the attention kernel itself" if half else "") if rollout.fused_kv_write else
         "off: CPU" if not on_cuda else f"off: {refusal}")
     # cuBLASLt's bias epilogue picks a much slower fp32 GEMM at decode shapes; bf16 and training shapes unaffected
     rollout.qkv_bias_apart = on_cuda and not half and fast

@@ -22,9 +22,10 @@ import torch.nn.functional as F
 
 from ..compiling import compile_dynamic
 from ..lora import unwrap_peft
-from ..vocabulary import ACCUMULATE_DTYPE, DECODE_SDPA, DECODE_TRITON, FP32
+from ..vocabulary import ACCUMULATE_DTYPE, DECODE_SDPA, DECODE_TRITON, FP32, is_half
+from . import decode_elementwise
 from .decode_attention import decode_attention as triton_decode_attention
-from .decode_attention import rope_and_store
+from .decode_attention import rope_and_store, rope_store_attention, triton_interpreting, triton_usable
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -471,8 +472,16 @@ class LlamaForward:
         # the decode step's elementwise functions: compiled (fused kernels) or as written
         self.ops = compiled_elementwise() if numerics.compile_elementwise else {
             "add_rms_norm": add_rms_norm, "apply_rope": apply_rope, "silu_mul": silu_mul}
+        # half precision: the residual adds + norms and SiLU*mul as hand-written Triton kernels instead (no
+        # compilation; the embedding gather inside the first norm); fp32 keeps the compiled ones
+        self.triton_elementwise = (numerics.compile_elementwise and is_half(dtype) and triton_usable()
+                                   and (device.type == "cuda" or triton_interpreting()))
         # the one-kernel RoPE + cache write reads the fused QKV output; q/k norms (Qwen3) come before RoPE
         self.kv_write_kernel = numerics.fused_kv_write and numerics.fuse_weights and not self.dims.qk_norm
+        # half precision with the Triton attention: RoPE, cache write and attention in one kernel (the bias, if
+        # any, stays in the QKV GEMM)
+        self.rope_attention_kernel = (self.kv_write_kernel and numerics.decode_attention == DECODE_TRITON
+                                      and is_half(dtype) and not numerics.qkv_bias_apart)
 
     def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [length, head_dim] in the engine dtype, from the model's own rotary embedding."""
@@ -491,16 +500,26 @@ class LlamaForward:
             return fp32_logits(last, head, self.numerics.out_dtype_gemm)
         return F.linear(last, head).to(FP32)
 
+    def fused_gate_up(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[..., 2 x intermediate]: gate then up, one GEMM over the fused weights."""
+        if self.numerics.transpose_gate_up:  # weight stored [hidden, 2 * intermediate]
+            y = torch.matmul(x, w["gate_up"])
+            return y if w.get("gate_up_b") is None else y + w["gate_up_b"]
+        return F.linear(x, w["gate_up"], w.get("gate_up_b"))
+
     def gate_up(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """SwiGLU's two projections of x: (gate, up), from one fused GEMM when the weights are fused."""
         if self.numerics.fuse_weights:
-            if self.numerics.transpose_gate_up:  # weight stored [hidden, 2 * intermediate]
-                y = torch.matmul(x, w["gate_up"])
-                y = y if w.get("gate_up_b") is None else y + w["gate_up_b"]
-            else:
-                y = F.linear(x, w["gate_up"], w.get("gate_up_b"))
-            return y.chunk(2, dim=-1)
+            return self.fused_gate_up(x, w).chunk(2, dim=-1)
         return F.linear(x, w["gate"], w.get("gate_b")), F.linear(x, w["up"], w.get("up_b"))
+
+    def decode_activation(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A decode step's SiLU(gate(x)) * up(x): with the Triton elementwise kernels and fused weights, one kernel
+        over the fused gate/up output; else the planned silu_mul of the two halves."""
+        if self.triton_elementwise and self.numerics.fuse_weights:
+            y = self.fused_gate_up(x, w)
+            return decode_elementwise.silu_mul(y, y.shape[-1] // 2)
+        return self.ops["silu_mul"](*self.gate_up(x, w))
 
     def mlp_residual(self, h: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """h + SwiGLU(x)."""
@@ -604,10 +623,9 @@ class LlamaForward:
         mask = self._decode_mask(cols, starts, slot)
         cos = rope[0][positions][:, None, None]  # [batch, 1, 1, D]
         sin = rope[1][positions][:, None, None]
-        # [batch, 1, hidden], a tensor of its own: a view here would give the compiled add_rms_norm a second graph
-        h = F.embedding(tokens[:, None], self.weights.globals["embed"])
         if self.numerics.compile_elementwise:
-            return self._decode_fused(h, cos, sin, mask, starts, slot, batch, span, cache)
+            return self._decode_fused(tokens, cos, sin, mask, starts, slot, batch, span, cache)
+        h = F.embedding(tokens[:, None], self.weights.globals["embed"])  # [batch, 1, hidden]
         for i, w in enumerate(self.weights.layers):
             x = rms_norm(h, w["ln1"], d.eps, hf)
             q, keys, values = self._decode_qkv(i, x, w, cos, sin, cache, batch, slot, span)
@@ -668,24 +686,43 @@ class LlamaForward:
             a = torch.bmm(scores.softmax(dim=-1, dtype=ACCUMULATE_DTYPE).to(self.dtype), values)
         return a.reshape(batch, 1, d.heads * d.head_dim)
 
-    def _decode_fused(self, h, cos, sin, mask, starts, slot, batch: int, span: int, cache: Any) -> torch.Tensor:
-        """The decode layers with compiled elementwise kernels: each residual add runs inside the next norm's
-        kernel (the last MLP output is added inside the final norm), RoPE and SiLU*mul are one kernel each.
-        Residual adds round after the GEMM (transformers' order) in every dtype: fp32 matches the default path to
-        an ulp; half precision with round_like_hf matches it exactly (inductor rounds every intermediate)."""
-        d, ops, hf = self.dims, self.ops, self.numerics.round_like_hf
+    def _decode_fused(self, tokens, cos, sin, mask, starts, slot, batch: int, span: int, cache: Any) -> torch.Tensor:
+        """The decode layers with fused elementwise kernels (compiled, or the Triton ones in half precision): each
+        residual add runs inside the next norm's kernel (the last MLP output is added inside the final norm), RoPE
+        and SiLU*mul are one kernel each. Residual adds round after the GEMM (transformers' order) in every dtype:
+        fp32 matches the default path to an ulp; half precision with round_like_hf matches it exactly (inductor
+        rounds every intermediate, the Triton kernels round as eager does)."""
+        d, hf, globals_ = self.dims, self.numerics.round_like_hf, self.weights.globals
+        add_norm = decode_elementwise.add_rms_norm if self.triton_elementwise else self.ops["add_rms_norm"]
         pending = None  # the previous layer's MLP output, not yet added to h
         for i, w in enumerate(self.weights.layers):
-            if pending is None:  # the first layer's norm: eager, one graph fewer to compile for one kernel a step
+            if pending is not None:
+                h, x = add_norm(h, pending, w["ln1"], d.eps, hf)
+            elif self.triton_elementwise:  # the embedding rows and the first norm: one kernel
+                h, x = decode_elementwise.embed_rms_norm(tokens[:, None], globals_["embed"], w["ln1"], d.eps, hf)
+            else:  # eager: one graph fewer to compile for one kernel a step
+                h = F.embedding(tokens[:, None], globals_["embed"])  # [batch, 1, hidden]
                 x = rms_norm(h, w["ln1"], d.eps, hf)
+            if self.rope_attention_kernel:
+                a = self._decode_rope_attention(i, x, w, cos, sin, starts, cache, batch, slot, span)
             else:
-                h, x = ops["add_rms_norm"](h, pending, w["ln1"], d.eps, hf)
-            q, keys, values = self._decode_qkv(i, x, w, cos, sin, cache, batch, slot, span)
-            a = self._decode_attention(q, keys, values, mask, starts, slot, batch, span)
-            h, x = ops["add_rms_norm"](h, self.decode_o(a, w), w["ln2"], d.eps, hf)
-            pending = self.decode_down(ops["silu_mul"](*self.gate_up(x, w)), w)
-        _, x = ops["add_rms_norm"](h, pending, self.weights.globals["norm"], d.eps, hf)
+                q, keys, values = self._decode_qkv(i, x, w, cos, sin, cache, batch, slot, span)
+                a = self._decode_attention(q, keys, values, mask, starts, slot, batch, span)
+            h, x = add_norm(h, self.decode_o(a, w), w["ln2"], d.eps, hf)
+            pending = self.decode_down(self.decode_activation(x, w), w)
+        _, x = add_norm(h, pending, globals_["norm"], d.eps, hf)
         return self.logits(x[:, 0], decode=True)
+
+    def _decode_rope_attention(self, i: int, x, w, cos, sin, starts, cache: Any, batch: int, slot,
+                               span: int) -> torch.Tensor:
+        """Layer i's attention output [batch, 1, heads x D] from its fused QKV projection of x: RoPE, the cache
+        write at `slot` and the attention in one Triton kernel (half precision)."""
+        d = self.dims
+        y = F.linear(x, w["qkv"], w.get("qkv_b")).view(batch, d.heads + 2 * d.kv_heads, d.head_dim)
+        cache_k, cache_v = cache.layer(i)
+        a = rope_store_attention(y, cos.view(batch, d.head_dim), sin.view(batch, d.head_dim), cache_k, cache_v,
+                                 starts, slot, d.heads, span, d.scaling, self.numerics.round_like_hf)
+        return a.reshape(batch, 1, d.heads * d.head_dim)
 
 
 __all__ = ["LlamaForward", "LlamaWeights", "ModelDims", "Numerics", "supports", "rms_norm", "apply_rope",
