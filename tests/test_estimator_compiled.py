@@ -215,3 +215,27 @@ def test_eager_layers_keep_the_eager_search(tmp_path):
     assert not plan.compile_training and not plan.share_prompts
     assert plan.sizes.actor_micro_batch_size == 32
     assert "micro-batches sized for" not in plan.reasons["compile_training"]
+
+
+def test_eager_passes_keep_the_first_search_with_shared_prompts(tmp_path):
+    """Where nothing compiles (a P40: fp32, Pascal), shared prompts alone do not resize the update: its micro-batch
+    is the search's, as with packed rows."""
+    import json
+
+    from rlanywhere.config import load_config
+    from rlanywhere.planner import make_plan
+
+    smollm2 = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
+                   num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                   max_position_embeddings=4096, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(smollm2))
+    job = [f"actor_rollout_ref.model.path={tmp_path}", "algorithm.adv_estimator=grpo", "data.train_batch_size=64",
+           "data.max_prompt_length=128", "data.max_response_length=96", "actor_rollout_ref.rollout.n=8",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.use_kl_loss=false"]
+    probe = HardwareProbe.fake("h100", flash_attn_installed=False, triton_usable=True)
+    shared = make_plan(load_config(None, job), probe, for_execution=False, emulate="p40")
+    packed = make_plan(load_config(None, [*job, "hardware.share_prompts=false"]), probe, for_execution=False,
+                       emulate="p40")
+    assert shared.share_prompts and not shared.compile_training and not packed.share_prompts
+    assert shared.sizes.actor_micro_batch_size == packed.sizes.actor_micro_batch_size
+    assert "micro-batches sized for" not in shared.reasons["share_prompts"]

@@ -334,8 +334,9 @@ def refit_for_kernels(plan: Plan, memory: MemoryPlan, kernels: TrainingKernels,
     far less than planned (Qwen2.5-1.5B's shape, bf16 on an H200: 51 GiB counted for 82 GiB searched), and the
     update ran smaller micro-batches, or checkpointed, for memory it never used. The refit is kept only when it
     changes no more than the micro-batches and checkpointing, and when `decide_kernels` (compiling, prompt sharing)
-    decides the same kernels from its settings: the plan then counts what runs."""
-    if kernels == TrainingKernels() or memory.workload.use_dynamic_bsz:
+    decides the same kernels from its settings: the plan then counts what runs. Only for compiled layers (measured
+    on an H200): eager passes (Pascal, Turing, CPU) keep the first search's sizes."""
+    if not kernels.compiled_layers or memory.workload.use_dynamic_bsz:
         return None
     try:
         refit = search()
