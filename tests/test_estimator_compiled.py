@@ -239,3 +239,11 @@ def test_eager_passes_keep_the_first_search_with_shared_prompts(tmp_path):
     assert shared.share_prompts and not shared.compile_training and not packed.share_prompts
     assert shared.sizes.actor_micro_batch_size == packed.sizes.actor_micro_batch_size
     assert "micro-batches sized for" not in shared.reasons["share_prompts"]
+
+
+def test_the_refit_keeps_the_reference_and_its_reason(tmp_path):
+    """A KL term: the refit resizes the update and keeps the reference where the first search put it, with the
+    reference's own reason (what needs it)."""
+    plan = _plan_15b(tmp_path, "actor_rollout_ref.actor.use_kl_loss=true", "data.max_prompt_length=128")
+    assert "micro-batches sized for" in plan.reasons["compile_training"]
+    assert plan.ref_device.startswith("cuda") and plan.reasons["ref_device"].startswith("use_kl_loss needs a reference")

@@ -155,6 +155,7 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     if refit is not None:
         sharding.memory = refit
         apply_memory(plan, refit)
+        plan.ref_device, reasons["ref_device"] = decide_reference(use_ref, use_lora, kl_loss, kl_reward, refit)
         decide_kernels(plan)  # the same decisions (refit_for_kernels checked), their reasons for the new settings
         plan.reasons["compile_training" if plan.compile_training else "share_prompts"] += refit_note(searched, refit)
     else:
