@@ -87,6 +87,12 @@ def steady_summary(records: list[dict], columns: dict[str, str | None], warmup: 
     return summary
 
 
+def planned_peak_gib(plan: dict) -> float | None:
+    """The plan's predicted peak (its memory estimate over every phase, full-length rows), in GiB."""
+    peak = (plan.get("estimate") or {}).get("peak_bytes")
+    return peak / 2**30 if peak else None
+
+
 def with_throughput(summary: dict, samples_per_step: int, reference_samples_per_s: float | None) -> dict:
     """Add samples/s (sequences trained per second) and the ratio to the reference run's samples/s."""
     out = dict(summary)
@@ -298,6 +304,7 @@ def main() -> int:
                     "share_prompts": plan.get("share_prompts"),
                     "rollout_engine": plan.get("rollout", {}).get("engine"),
                     "kv_cache_freed_each_step": plan.get("rollout", {}).get("release_kv_between_phases")}
+                results[run]["planned peak GiB"] = planned_peak_gib(plan)
 
     reference = None
     best = fastest_trl(results, "trl")
@@ -316,6 +323,9 @@ def main() -> int:
         print(f"  {run}: {RUNS[run.split('@')[0]]}"
               + (f" (micro-batch {run.split('@')[1]})" if "@" in run else "")
               + (f"; plan {results[run]['plan']}" if "plan" in results[run] else ""))
+        if results[run].get("planned peak GiB"):
+            print(f"    memory: planned peak {results[run]['planned peak GiB']:.2f} GiB (the estimate, full-length "
+                  f"rows), measured peak {results[run]['peak GiB']:.2f} GiB")
         if results[run].get("mfu"):
             print("    MFU " + ", ".join(f"{k.split('/', 1)[1]} {v:.1%}" for k, v in results[run]["mfu"].items())
                   + f" (of {precision} peak)")

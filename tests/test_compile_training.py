@@ -163,9 +163,16 @@ def test_inductor_caches_go_to_rlanywheres_cache_unless_the_user_chose(monkeypat
 
     from rlanywhere.compiling import persistent_compile_cache
 
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setenv("RLANYWHERE_CACHE", str(tmp_path / "cache"))
     assert persistent_compile_cache() == str(tmp_path / "cache" / "compile")
     assert cache_dir() == str(tmp_path / "cache" / "compile")  # what inductor itself will use
+    # Triton's kernels beside inductor's, for inductor and for the decode step's own Triton kernels
+    assert triton_cache_dir(0) == str(tmp_path / "cache" / "compile" / "triton")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "my-triton"))
     assert persistent_compile_cache() == str(tmp_path / "mine")
+    assert triton_cache_dir(0) == str(tmp_path / "my-triton")

@@ -161,6 +161,29 @@ def test_shared_prompt_formula_bounds_measured_saved_tensors(rows, n, prompt, re
     assert measured <= predicted <= 1.25 * measured, (measured, predicted)
 
 
+@pytest.mark.parametrize("rows,n,prompt,response", [(16, 8, 20, 30), (4, 8, 150, 10)])
+def test_varlen_shared_prompts_count_the_keys_the_layout_gathers(rows, n, prompt, response):
+    """Varlen flash shared prompts gather each sequence's keys unpadded (each prompt's own, each row's prompt and
+    response); queries and outputs stay in the stream. The estimate's extra is those keys and values, and less than
+    the masked kernel's padded slots."""
+    from rlanywhere.prompt_sharing import VARLEN, pack_shared_prompts
+    from rlanywhere.vocabulary import SHARED_PROMPTS_VARLEN
+
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, 100, (max(1, rows // n), prompt), generator=g).repeat_interleave(n, 0)[:rows]
+    response_ids = torch.randint(3, 100, (rows, response), generator=g)
+    micro = pack_shared_prompts(prompt_ids, torch.ones_like(prompt_ids), response_ids, torch.ones_like(response_ids),
+                                list(range(rows)), 0, 1, VARLEN)
+    keys = micro.layout.key_gather.numel()
+    shape = shape_of(tiny_qwen2_config(1, hidden=128, inter=384))
+    masked = workload(samples_per_prompt=n, prompt_length=prompt, response_length=response, share_prompts=True)
+    varlen = dataclasses.replace(masked, shared_prompt_kernel=SHARED_PROMPTS_VARLEN)
+    for repeated, width in ((True, shape.q_dim), (False, shape.kv_dim)):
+        counted = est.shared_attention_bytes(shape, dataclasses.replace(varlen, kv_heads_repeated=repeated), rows, 2)
+        assert counted == keys * 2 * width * 2
+    assert est.shared_attention_bytes(shape, varlen, rows, 2) < est.shared_attention_bytes(shape, masked, rows, 2)
+
+
 def test_layer_formula_closed_forms():
     # Module docstring: plain fp32 -> 44 H + 16 I bytes; bf16 autocast with fp32 residual -> 36 H + 8 I.
     h, i = QWEN_05B.hidden_size, QWEN_05B.intermediate_size

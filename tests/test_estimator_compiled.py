@@ -152,5 +152,98 @@ def test_shared_prompts_keep_the_heads_repeated_in_the_recount():
     tokens = est.shared_stream_tokens(rows, 8, 256, 512)
     activations = plan.estimate["breakdown"]["actor_update"]["activations"]
     assert activations >= tokens * 24 * layer > tokens * 24 * grouped
-    assert "with compiled layers" in plan.reasons["compile_training"]
-    assert "with each prompt once" in plan.reasons["share_prompts"]
+    # the update's micro-batch was searched again for these kernels (test_the_update_is_sized_for_the_kernels_it_runs)
+    assert "micro-batches sized for compiled layers and each prompt once" in plan.reasons["compile_training"]
+
+
+# Qwen2.5-1.5B's body with the SmolLM2 vocabulary (bench/sides.py "qwen2.5-1.5b"), GRPO 16 prompts x 8 samples,
+# prompts and responses of up to 256 tokens (bench/vs_trl.py), bf16 on an H200's memory
+QWEN_15B_CONFIG = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=49152, hidden_size=1536,
+                       num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
+                       max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6)
+GRPO_15B = ["algorithm.adv_estimator=grpo", "data.train_batch_size=16", "data.max_prompt_length=256",
+            "data.max_response_length=256", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.use_kl_loss=false",
+            "algorithm.use_kl_in_reward=false", "hardware.precision=bf16", "hardware.memory_budget_gib=139.8"]
+
+
+def _plan_15b(tmp_path, *overrides):
+    import json
+
+    from rlanywhere.config import load_config
+    from rlanywhere.planner import make_plan
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_15B_CONFIG))
+    probe = HardwareProbe.fake("h100", flash_attn_installed=False, triton_usable=True)
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={tmp_path}", *GRPO_15B, *overrides])
+    return make_plan(cfg, probe, for_execution=False)
+
+
+def test_the_update_is_sized_for_the_kernels_it_runs(tmp_path):
+    """The memory search counts eager layers and a prompt per row; compiled layers and shared prompts, decided after
+    it, keep far less. The update's micro-batch is searched again for them: Qwen2.5-1.5B's shape gets 64 rows instead
+    of 32, its estimate counted for the kernels that run, and still under the roomy limit."""
+    plan = _plan_15b(tmp_path)
+    assert plan.compile_training and plan.share_prompts and not plan.gradient_checkpointing
+    assert plan.sizes.actor_micro_batch_size == 64
+    budget = plan.memory_budget_bytes
+    assert plan.estimate["phases"]["actor_update"] <= est.ROOMY_PEAK_FRACTION * budget
+    assert "micro-batches sized for compiled layers and each prompt once" in plan.reasons["compile_training"]
+    # the same estimate from its parts: compiled layers and the varlen stream at 64 rows
+    shape = est.ModelShape("q15", 1536, 28, 12, 2, 8960, 49152, True, attention_bias=True, model_type="qwen2")
+    workload = est.Workload(param_dtype=torch.float32, compute_dtype=torch.bfloat16, rollout_dtype=torch.bfloat16,
+                            use_autocast=True, prompts_per_step=16, samples_per_prompt=8, prompt_length=256,
+                            response_length=256, actor_mini_batch=128, critic_mini_batch=128, has_critic=False,
+                            has_ref=False, share_prompts=True, compiled_layers=True,
+                            shared_prompt_kernel=plan.shared_prompt_kernel)
+    tokens = est.micro_batch_tokens(workload, 64)
+    layers = (est.training_activation_bytes(shape, tokens, 512, 2, 4, True, False, False, True, True)
+              + 28 * est.shared_attention_bytes(shape, workload, 64, 2))
+    assert plan.estimate["breakdown"]["actor_update"]["activations"] == layers
+
+
+def test_forced_rows_fit_without_checkpointing_with_the_kernels_that_run(tmp_path):
+    """64 rows asked for: counted as eager layers with packed rows they needed checkpointing; compiled with shared
+    prompts they fit without it (the forward runs once)."""
+    plan = _plan_15b(tmp_path, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64")
+    assert plan.sizes.actor_micro_batch_size == 64 and not plan.gradient_checkpointing
+
+
+def test_eager_layers_keep_the_eager_search(tmp_path):
+    """Nothing compiled, nothing shared: the search already counted what runs, and the plan is the search's."""
+    plan = _plan_15b(tmp_path, "actor_rollout_ref.actor.use_torch_compile=false", "hardware.share_prompts=false")
+    assert not plan.compile_training and not plan.share_prompts
+    assert plan.sizes.actor_micro_batch_size == 32
+    assert "micro-batches sized for" not in plan.reasons["compile_training"]
+
+
+def test_eager_passes_keep_the_first_search_with_shared_prompts(tmp_path):
+    """Where nothing compiles (a P40: fp32, Pascal), shared prompts alone do not resize the update: its micro-batch
+    is the search's, as with packed rows."""
+    import json
+
+    from rlanywhere.config import load_config
+    from rlanywhere.planner import make_plan
+
+    smollm2 = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
+                   num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                   max_position_embeddings=4096, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(smollm2))
+    job = [f"actor_rollout_ref.model.path={tmp_path}", "algorithm.adv_estimator=grpo", "data.train_batch_size=64",
+           "data.max_prompt_length=128", "data.max_response_length=96", "actor_rollout_ref.rollout.n=8",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.use_kl_loss=false"]
+    probe = HardwareProbe.fake("h100", flash_attn_installed=False, triton_usable=True)
+    shared = make_plan(load_config(None, job), probe, for_execution=False, emulate="p40")
+    packed = make_plan(load_config(None, [*job, "hardware.share_prompts=false"]), probe, for_execution=False,
+                       emulate="p40")
+    assert shared.share_prompts and not shared.compile_training and not packed.share_prompts
+    assert shared.sizes.actor_micro_batch_size == packed.sizes.actor_micro_batch_size
+    assert "micro-batches sized for" not in shared.reasons["share_prompts"]
+
+
+def test_the_refit_keeps_the_reference_and_its_reason(tmp_path):
+    """A KL term: the refit resizes the update and keeps the reference where the first search put it, with the
+    reference's own reason (what needs it)."""
+    plan = _plan_15b(tmp_path, "actor_rollout_ref.actor.use_kl_loss=true", "data.max_prompt_length=128")
+    assert "micro-batches sized for" in plan.reasons["compile_training"]
+    assert plan.ref_device.startswith("cuda") and plan.reasons["ref_device"].startswith("use_kl_loss needs a reference")

@@ -687,9 +687,13 @@ def test_update_micro_batches_grow_past_the_cap_only_with_room_to_spare():
         assert update <= est.ROOMY_PEAK_FRACTION * plan.memory_budget_bytes or \
             plan.sizes.actor_micro_batch_size == capped
         assert not plan.rollout.release_kv_between_phases  # growing never costs the rollout its cache
-    assert not big.gradient_checkpointing and big.sizes.actor_micro_batch_size == 2 * capped
+    # sized for the compiled layers and shared prompts that run (the whole mini-batch of 128 rows on an H200)
+    assert big.compile_training and big.share_prompts
+    assert not big.gradient_checkpointing and big.sizes.actor_micro_batch_size == 4 * capped
     assert "past the 16384-token cap" in big.reasons["actor_micro_batch_size"]
-    assert eighty.sizes.actor_micro_batch_size == capped  # a 2x micro-batch would take > 60% of 80 GB
+    assert eighty.sizes.actor_micro_batch_size == 2 * capped  # 4x would take > 60% of 80 GB
+    eager = make_plan(cfg_of(*job, "actor_rollout_ref.actor.use_torch_compile=false"), fake("h100"))
+    assert eager.sizes.actor_micro_batch_size == capped  # eager layers with packed rows: 2x would take > 60%
     checkpointed = make_plan(cfg_of(*job, "actor_rollout_ref.model.enable_gradient_checkpointing=true"), fake("h100"))
     assert checkpointed.sizes.actor_micro_batch_size == 128  # the whole mini-batch: recompute keeps it small
 

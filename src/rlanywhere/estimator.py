@@ -70,6 +70,7 @@ from typing import Any, Optional
 import torch
 
 from .model_shape import NORMS_PER_LAYER, ModelShape
+from .vocabulary import SHARED_PROMPTS_MASKED, SHARED_PROMPTS_VARLEN
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -166,6 +167,7 @@ class Workload:
     # the training passes' kernels (planned after the memory search, which assumes the eager defaults: a bound)
     compiled_layers: bool = False  # decoder layers run under torch.compile (plan.compile_training)
     kv_heads_repeated: bool = True  # SDPA gets k/v repeated per query head (False: grouped heads, plan.expand_kv_heads)
+    shared_prompt_kernel: str = SHARED_PROMPTS_MASKED  # shared prompts' attention (plan.shared_prompt_kernel)
 
     @property
     def seq_len(self) -> int:
@@ -303,14 +305,19 @@ def micro_batch_tokens(workload: Workload, rows: int) -> int:
 
 def shared_attention_bytes(shape: ModelShape, workload: Workload, rows: int, compute_bytes: int) -> int:
     """Shared prompts, per layer: what the stream's attention keeps for the backward beyond a packed row's per-token
-    tensors: the keys and values it gathers for its sequences (repeated per query head) and the queries and outputs
-    in their padded slots. A sequence per row (its prompt and response) and per chunk of each prompt, each as long
-    as the longest: the masked kernel's layout, the larger of the two (prompt_sharing.py). 0 for packed rows."""
+    tensors, 0 for packed rows. It gathers every sequence's keys and values from the stream: a sequence per row (its
+    prompt and response) and one per prompt (the prompt's own queries). The masked kernel lays them out as long as
+    the longest, prompts in chunks about a response long, queries and outputs in padded slots too; varlen flash
+    gathers each sequence's keys unpadded, and its queries and outputs are the stream's own (prompt_sharing.py)."""
     if not workload.share_prompts:
         return 0
     prompt, response = workload.prompt_length, workload.response_length
+    prompts = prompts_per_micro_batch(rows, workload.samples_per_prompt)
+    if workload.shared_prompt_kernel == SHARED_PROMPTS_VARLEN:
+        kv_width = shape.q_dim if workload.kv_heads_repeated else shape.kv_dim
+        return (prompts * prompt + rows * workload.seq_len) * 2 * kv_width * compute_bytes
     chunk = max(response, PROMPT_CHUNK_MIN)
-    sequences = rows + prompts_per_micro_batch(rows, workload.samples_per_prompt) * math.ceil(prompt / chunk)
+    sequences = rows + prompts * math.ceil(prompt / chunk)
     queries = max(min(chunk, prompt), response)
     return sequences * (workload.seq_len + queries) * 2 * shape.q_dim * compute_bytes
 

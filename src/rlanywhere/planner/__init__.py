@@ -33,8 +33,9 @@ from ..vocabulary import ALLOC_CONF, ATTN_EAGER, ATTN_SDPA, NoFitError, PlanErro
     RolloutEngineName
 from .device import Decision, Target, auto_flag, card_reason, check_real_card_runs, decide_memory_cap, make_target, \
     resolve_device
-from .memory import MemoryPlan, apply_memory, count_prompts_once, decide_reference, plan_memory, \
-    shared_prompts_note, sharded_gather_dtype, training_kernels_note, with_training_kernels
+from .memory import MemoryPlan, TrainingKernels, apply_memory, count_prompts_once, decide_reference, plan_memory, \
+    refit_for_kernels, refit_note, shared_prompts_note, sharded_gather_dtype, training_kernels_note, \
+    with_training_kernels
 from .precision import decide_attention, decide_precision, decide_rollout_dtype, decide_tf32, fp16_checks, \
     sdpa_backends
 from .rollout import DECODE_SPAN_GRANULARITY, TRITON_DECODE_MIN_CC, decide_kv_release, fp32_gemm_layouts, \
@@ -136,19 +137,37 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     plan_data_parallel(cfg, plan, machine, for_execution)
     plan_rollout(cfg, plan, target, shape, machine)
     plan_training_kernels(plan, backends, target.is_cuda)
-    plan_training_compile(plan, bool(actor.use_torch_compile), target.is_cuda, target.cc, machine.triton_usable)
-    plan_prompt_sharing(plan, auto_flag(cfg.hardware.share_prompts), int(arr.rollout.n), shape.model_type,
-                        flash_runs=target.is_cuda and "flash_attention" in backends)
-    # the estimate recounted for the training kernels decided after the search (its figure sized the micro-batches):
-    # compiled layers keep fewer activations; k/v heads stay grouped unless a kernel repeats them (shared prompts may)
+
+    def decide_kernels(decided: Plan) -> None:
+        plan_training_compile(decided, bool(actor.use_torch_compile), target.is_cuda, target.cc, machine.triton_usable)
+        plan_prompt_sharing(decided, auto_flag(cfg.hardware.share_prompts), int(arr.rollout.n), shape.model_type,
+                            flash_runs=target.is_cuda and "flash_attention" in backends)
+
+    decide_kernels(plan)
+    kernels = TrainingKernels(plan.compile_training, plan.expand_kv_heads or scores or attn == ATTN_EAGER
+                              or plan.share_prompts, plan.share_prompts, plan.shared_prompt_kernel)
     searched = plan.estimate or {}
-    sharding.memory = with_training_kernels(sharding.memory, plan.compile_training, plan.expand_kv_heads or scores
-                                            or attn == ATTN_EAGER or plan.share_prompts)
-    plan.estimate = sharding.memory.estimate
-    if plan.share_prompts:
-        packed, plan.estimate = searched, count_prompts_once(sharding.memory)
-        reasons["share_prompts"] += shared_prompts_note(packed, plan.estimate)
-    plan.reasons["compile_training"] += training_kernels_note(searched, plan.estimate) if plan.compile_training else ""
+    # the search counted eager layers and packed rows; the update's micro-batch and checkpointing searched again for
+    # the kernels decided since, kept when those kernels still follow from the new settings
+    refit = refit_for_kernels(plan, sharding.memory, kernels, decide_kernels, lambda: plan_memory(
+        cfg, plan, target, shape, critic_shape, scores, critic_lora, use_ref and not use_lora,
+        shard_world=sharding.memory.shard_world, host_ram_bytes=host_ram, kernels=kernels))
+    if refit is not None:
+        sharding.memory = refit
+        apply_memory(plan, refit)
+        plan.ref_device, reasons["ref_device"] = decide_reference(use_ref, use_lora, kl_loss, kl_reward, refit)
+        decide_kernels(plan)  # the same decisions (refit_for_kernels checked), their reasons for the new settings
+        plan.reasons["compile_training" if plan.compile_training else "share_prompts"] += refit_note(searched, refit)
+    else:
+        # the estimate recounted for the training kernels (the search's figure sized the micro-batches): compiled
+        # layers keep fewer activations; k/v heads stay grouped unless a kernel repeats them (shared prompts may)
+        sharding.memory = with_training_kernels(sharding.memory, kernels.compiled_layers, kernels.kv_heads_repeated)
+        plan.estimate = sharding.memory.estimate
+        if plan.share_prompts:
+            packed, plan.estimate = searched, count_prompts_once(sharding.memory, plan.shared_prompt_kernel)
+            reasons["share_prompts"] += shared_prompts_note(packed, plan.estimate)
+        plan.reasons["compile_training"] += (training_kernels_note(searched, plan.estimate)
+                                             if plan.compile_training else "")
     plan.rollout.release_kv_between_phases, plan.rollout.reasons["release_kv_between_phases"] = decide_kv_release(
         plan, target, auto_flag(arr.rollout.free_cache_engine))
     plan_async_rollout(cfg, plan)  # trainer.async: overlapped, in turn or sync (async_plan.py)

@@ -8,14 +8,15 @@ it, so no reason can describe an attempt that was discarded."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .. import estimator as est
 from ..model_shape import ModelShape
 from ..plans import Plan
-from ..vocabulary import NoFitError
+from ..vocabulary import SHARED_PROMPTS_MASKED, NoFitError
 from .device import Decision, Target, auto_flag
 from .multiturn import plan_multiturn
 from .rollout import fp32_gemm_layouts
@@ -49,6 +50,18 @@ class MemoryPlan:
         return (f"per-rank peak {_gib(peak)} of {_gib(self.budget)}" if peak else "per-rank memory not estimated")
 
 
+@dataclass(frozen=True)
+class TrainingKernels:
+    """The training passes' kernels as the memory estimate counts them (est.Workload's fields of the same names).
+    The defaults are the heaviest: eager decoder layers, k/v heads repeated per query head, every row its own
+    prompt."""
+
+    compiled_layers: bool = False
+    kv_heads_repeated: bool = True
+    share_prompts: bool = False
+    shared_prompt_kernel: str = SHARED_PROMPTS_MASKED  # plan.shared_prompt_kernel: what the gathered keys take
+
+
 def _gib(value) -> str:
     return f"{value / 2**30:.2f} GiB" if value else "?"
 
@@ -63,10 +76,12 @@ def _first(*values: Any) -> Any:
 
 def plan_memory(cfg: Any, plan: Plan, target: Target, shape: ModelShape, critic_shape: Optional[ModelShape],
                 scores_materialized: bool, critic_lora: int, separate_ref: bool, shard_world: int = 1,
-                host_ram_bytes: Optional[int] = None) -> MemoryPlan:
+                host_ram_bytes: Optional[int] = None, kernels: Optional[TrainingKernels] = None) -> MemoryPlan:
     """The memory plan for `cfg` with the models sharded over `shard_world` ranks (1: a full replica per rank).
     Reads the decisions already in `plan` (dtypes, engine, which models exist), writes nothing. Raises NoFitError
-    when nothing fits, naming what would."""
+    when nothing fits, naming what would. `kernels`: the training kernels the search counts (default: eager layers,
+    repeated k/v heads, packed rows, the largest of each)."""
+    kernels = kernels or TrainingKernels()
     hcfg = cfg.hardware
     arr = cfg.actor_rollout_ref
     actor, critic = arr.actor, cfg.critic
@@ -110,7 +125,9 @@ def plan_memory(cfg: Any, plan: Plan, target: Target, shape: ModelShape, critic_
         rollout_layout_copies=fp32_gemm_layouts(plan.rollout.dtype or plan.param_dtype, target.is_cuda, target.cc,
                                                 plan.rollout.engine, shape, budget).value,
         # FSDP2 sharding: weights/grads/Adam divided by the ranks, gathered weights counted
-        shard_world=shard_world, gather_dtype=sharded_gather_dtype(plan) if shard_world > 1 else None)
+        shard_world=shard_world, gather_dtype=sharded_gather_dtype(plan) if shard_world > 1 else None,
+        compiled_layers=kernels.compiled_layers, kv_heads_repeated=kernels.kv_heads_repeated,
+        share_prompts=kernels.share_prompts, shared_prompt_kernel=kernels.shared_prompt_kernel)
 
     fixed: dict[str, Any] = {
         "gradient_checkpointing": auto_flag(arr.model.enable_gradient_checkpointing),
@@ -301,6 +318,50 @@ def with_training_kernels(memory: MemoryPlan, compiled_layers: bool, kv_heads_re
     return replace(memory, workload=workload, estimate=estimate)
 
 
+# what the refit may change: the update's micro-batches and checkpointing, the no-grad passes' micro-batch. The
+# rest was decided from the first search (rollout batch, offload, where the reference lives) and must stay.
+REFIT_KEEPS = ("optimizer_offload", "param_offload", "ref_on_device", "rollout_batch", "logprob_chunk_size")
+
+
+def refit_for_kernels(plan: Plan, memory: MemoryPlan, kernels: TrainingKernels,
+                      decide_kernels: Callable[[Plan], None], search: Callable[[], MemoryPlan]) -> Optional[MemoryPlan]:
+    """The memory plan searched again for the training kernels the run will have (`search()`: plan_memory with
+    `kernels`), or None to keep `memory`, the search for the heaviest kernels.
+
+    The first search counts eager decoder layers and a full prompt per row, because compiling and prompt sharing are
+    decided after it (from its offload and checkpointing). Compiled layers keep about 0.6x an eager layer's
+    activations and shared prompts carry a group's prompt once, so at the first search's micro-batch the run holds
+    far less than planned (Qwen2.5-1.5B's shape, bf16 on an H200: 51 GiB counted for 82 GiB searched), and the
+    update ran smaller micro-batches, or checkpointed, for memory it never used. The refit is kept only when it
+    changes no more than the micro-batches and checkpointing, and when `decide_kernels` (compiling, prompt sharing)
+    decides the same kernels from its settings: the plan then counts what runs. Only for compiled layers (measured
+    on an H200): eager passes (Pascal, Turing, CPU) keep the first search's sizes."""
+    if not kernels.compiled_layers or memory.workload.use_dynamic_bsz:
+        return None
+    try:
+        refit = search()
+    except NoFitError:
+        return None
+    if any(getattr(refit.placement, key) != getattr(memory.placement, key) for key in REFIT_KEEPS):
+        return None
+    if refit.placement == memory.placement:
+        return None
+    trial = copy.deepcopy(plan)
+    apply_memory(trial, refit)
+    decide_kernels(trial)
+    decided = (trial.compile_training, trial.share_prompts, trial.shared_prompt_kernel)
+    return refit if decided == (plan.compile_training, plan.share_prompts, plan.shared_prompt_kernel) else None
+
+
+def refit_note(searched: dict, refit: MemoryPlan) -> str:
+    """The kernel reason's tail when the refit sized the micro-batches."""
+    kernels = " and ".join(name for name, on in (("compiled layers", refit.workload.compiled_layers),
+                                                ("each prompt once", refit.workload.share_prompts)) if on)
+    return (f"; micro-batches sized for {kernels}: planned peak {est.format_bytes(refit.estimate['peak_bytes'])}"
+            + (f" (the eager, packed-row search: {est.format_bytes(searched['peak_bytes'])} at its smaller "
+               "micro-batches)" if searched.get("peak_bytes") else ""))
+
+
 def training_kernels_note(searched: dict, recounted: dict) -> str:
     """The compile reason's tail: the peak the run holds with compiled layers, and the one that sized the batches."""
     if not searched.get("peak_bytes") or recounted.get("peak_bytes") == searched["peak_bytes"]:
@@ -309,12 +370,13 @@ def training_kernels_note(searched: dict, recounted: dict) -> str:
             f"({est.format_bytes(searched['peak_bytes'])} as eager layers, which sized the micro-batches)")
 
 
-def count_prompts_once(memory: MemoryPlan) -> dict:
+def count_prompts_once(memory: MemoryPlan, kernel: str = SHARED_PROMPTS_MASKED) -> dict:
     """Shared prompts: the estimate of the chosen settings again with each distinct prompt counted once per
     micro-batch. The settings were searched with packed rows (sharing is decided after them, from checkpointing
     and compiling), a bound that holds either way; the recount is what the run will hold, for the KV-cache decision
     and the reported peaks."""
-    return est.estimate_memory(memory.shape, replace(memory.workload, share_prompts=True), memory.placement,
+    workload = replace(memory.workload, share_prompts=True, shared_prompt_kernel=kernel)
+    return est.estimate_memory(memory.shape, workload, memory.placement,
                                memory.critic_shape, memory.budget)
 
 
