@@ -220,7 +220,7 @@ class _Wave:
         """Rows whose turn ended at `step`: run their tools (in parallel) and feed the results from step + 1 on,
         or finish the rows."""
         rows = self.rows
-        self.history.at(step)
+        self.history.at(step)  # the budget's last step: _look ended its rows without reading the step's tokens
         for r in members:
             self._catch_up(r, step)
             rows[r].done = False
