@@ -92,8 +92,8 @@ class Script:
             self.pending = runner._buffers["positions"][:batch] + 1 - prompt_len
             return logits
 
-        def scripted_sample(batch, slot, span=None, eager=False):
-            tok, logp = decode_sample(batch, slot, span, eager)
+        def scripted_sample(batch, slot, span=None, eager=False, position=0):
+            tok, logp = decode_sample(batch, slot, span, eager, position)
             return self.at(runner._buffers["positions"][:batch] + 1 - prompt_len), logp
 
         runner.prefill, runner.decode_step, runner.decode_sample = scripted_prefill, scripted_step, scripted_sample
@@ -101,8 +101,8 @@ class Script:
     def at(self, positions):
         return self.script[positions.clamp(0, len(self.script) - 1)]
 
-    def sample(self, logits, params, gen):
-        tok, logp = self._sample(logits, params, gen)
+    def sample(self, logits, params, gen, row_keys=None, position=0):
+        tok, logp = self._sample(logits, params, gen, row_keys, position)
         if self.pending is not None and self.pending.numel() == tok.numel():
             tok = self.at(self.pending.to(tok.device))
         self.pending = None

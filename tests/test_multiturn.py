@@ -4,6 +4,7 @@ estimators and loss modes over a response mask with holes, and the config keys (
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -154,6 +155,34 @@ def test_executor_turns_failures_into_error_texts():
     assert len(results[3].text) < 200 and results[3].reward == 0.5
 
 
+class Sleeps(BaseTool):
+    threads: list = []
+
+    def execute(self, instance_id, parameters, **kwargs):
+        self.threads.append(threading.current_thread())
+        time.sleep(0.3)
+        return "slept"
+
+
+def test_executor_runs_calls_in_parallel_on_reused_threads():
+    """Every call gets a thread at once (8 sleeps of 0.3 s take about 0.3 s); the threads are kept for the next
+    calls; a hung call keeps its thread, and the next calls do not wait for it."""
+    tools = {name: cls(None, {"type": "function", "function": {"name": name}})
+             for name, cls in (("sleeps", Sleeps), ("hangs", Hangs))}
+    sleeps = [(tools["sleeps"], "id", ToolCall("sleeps", {}))] * 8
+    for _ in range(2):
+        start = time.perf_counter()
+        assert [r.text for r in run_calls(sleeps)] == ["slept"] * 8
+        assert time.perf_counter() - start < 1.5
+        time.sleep(0.1)  # the threads are back
+    first, second = Sleeps.threads[:8], Sleeps.threads[8:]
+    assert len(set(first)) == 8 and set(second) == set(first)  # 8 threads at once, the same ones again
+    assert run_calls([(tools["hangs"], "id", ToolCall("hangs", {}))], timeout_s=0.5)[0].error
+    start = time.perf_counter()
+    assert [r.text for r in run_calls(sleeps)] == ["slept"] * 8
+    assert time.perf_counter() - start < 1.5
+
+
 def test_verl_tool_config_and_gsm8k_semantics(tmp_path):
     from rlanywhere.tools import load_tool_config
 
@@ -195,6 +224,10 @@ def test_tool_messages_rendered_with_the_chat_template(tok):
     renderer = ToolMessageRenderer(tok, "<|im_end|>")
     assert renderer.text(["42"], True) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     assert renderer.text(["1", "2"], False).startswith("<|im_end|>\n<|im_start|>tool\n1<|im_end|>\n")
+    ids = renderer.ids(["42"], True)  # remembered: the same ids again, and a caller's edits do not stick
+    assert tok.decode(ids) == renderer.text(["42"], True)
+    ids.append(0)
+    assert renderer.ids(["42"], True) == ids[:-1] and renderer.ids(["42"], False) != ids[:-1]
     ids = render_prompt_with_tools(tok, [{"role": "user", "content": "hi"}], [CalculatorTool()])
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>system\nYou can call tools") and '"name": "calculator"' in text

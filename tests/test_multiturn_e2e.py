@@ -194,3 +194,82 @@ def test_fast_engine_kv_continuation_equals_re_prefill(tool_model_dir):
     assert torch.equal(kv_batch.response_mask, re_batch.response_mask)
     assert (kv_batch.response_mask == 0).any()  # tool tokens are in there
     assert torch.allclose(kv_batch.response_logprobs, re_batch.response_logprobs, atol=1e-4)
+
+
+def kv_and_re_prefill(engine, tok, sampling, rows_per_wave=None, prompts=range(1, 4), paths=(True, False)):
+    """FastEngine's paths on the same rows: {kv_continuation: (batch, per-row turn and call counts)}."""
+    items = [{"input_ids": [], "raw_prompt": [{"role": "system", "content": SYSTEM},
+                                             {"role": "user", "content": question(i)}],
+              "extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}}
+             for i in prompts]
+    results = {}
+    for kv in paths:
+        driver = MultiTurnRollout([Gsm8kTool()], tok, MultiTurnSettings(), engine.eos_ids, kv_continuation=kv)
+        with torch.no_grad():
+            batch = driver.generate(engine, items, sampling, rows_per_wave=rows_per_wave)
+        results[kv] = batch, [(s.assistant_turns, s.user_turns, s.tool_calls, s.tool_errors)
+                              for s in driver.last_stats]
+    return results
+
+
+def turn_ends(batch, row):
+    """Response positions where one of the row's model turns ends (its last generated token)."""
+    mask = batch.response_mask[row].tolist()
+    return [i for i, bit in enumerate(mask) if bit and (i + 1 == len(mask) or not mask[i + 1])]
+
+
+def test_kv_continuation_with_the_lagged_look_equals_re_prefill_at_the_edges(tool_model_dir):
+    """The KV path looks at step t-1's tokens while step t computes. Greedy, it still gives re-prefill's tokens,
+    masks and log-probs: a turn ending on the last step of the budget, a row cut off at the budget while others
+    end, rows finishing at different steps (compaction to a smaller batch), two waves."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlanywhere.plans import RolloutPlan
+    from rlanywhere.rollout.base import SamplingParams
+    from rlanywhere.rollout.fast import FastEngine
+
+    tok = AutoTokenizer.from_pretrained(tool_model_dir)
+    engine = FastEngine(AutoModelForCausalLM.from_pretrained(tool_model_dir).eval(), tok, RolloutPlan(engine="fast"))
+    full = kv_and_re_prefill(engine, tok, SamplingParams(max_new_tokens=100, temperature=0.0, n=2))[False][0]
+    first_end = turn_ends(full, 0)[0]
+    lengths = full.response_mask.shape[1] - full.response_mask.flip(1).argmax(1)  # each row's last model token + 1
+    assert lengths.min() < lengths.max(), lengths  # rows finish at different steps: the wave is compacted
+    cases = [(100, None), (100, 4), (first_end + 1, None), (int(lengths.min()), 4)]
+    for budget, rows_per_wave in cases:
+        results = kv_and_re_prefill(engine, tok, SamplingParams(max_new_tokens=budget, temperature=0.0, n=2),
+                                    rows_per_wave)
+        assert_same_rollouts(results[True], results[False], (budget, rows_per_wave))
+    cut = kv_and_re_prefill(engine, tok, SamplingParams(max_new_tokens=first_end + 1, temperature=0.0, n=2))[True]
+    assert turn_ends(cut[0], 0) == [first_end] and cut[1][0][1] == 0  # the turn ended on the last step: no tool ran
+
+
+def assert_same_rollouts(a, b, case):
+    (a_batch, a_stats), (b_batch, b_stats) = a, b
+    assert a_stats == b_stats, case
+    assert torch.equal(a_batch.response_ids, b_batch.response_ids), case
+    assert torch.equal(a_batch.response_mask, b_batch.response_mask), case
+    assert torch.allclose(a_batch.response_logprobs, b_batch.response_logprobs, atol=1e-4), case
+
+
+def test_kv_continuation_with_the_fused_sampler_equals_re_prefill(tool_model_dir):
+    """The fused sampler's step (tokens drawn inside the decode step, then the tool tokens put in their place) on
+    the KV path, greedy: re-prefill's rollout (Triton's CPU interpreter: a short budget, one tool turn)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlanywhere.plans import RolloutPlan
+    from rlanywhere.rollout.base import SamplingParams
+    from rlanywhere.rollout.fast import FastEngine
+
+    from .test_decode_attention import interpreter_runs
+
+    if not interpreter_runs():
+        pytest.skip("the fused sampler on the CPU needs triton >= 3.9 and TRITON_INTERPRET=1")
+    tok = AutoTokenizer.from_pretrained(tool_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    sampling = SamplingParams(max_new_tokens=28, temperature=0.0, n=2)
+    fused = kv_and_re_prefill(FastEngine(model, tok, RolloutPlan(engine="fast", fused_sampling=True)), tok,
+                              sampling, prompts=[1], paths=(True,))
+    assert fused[True][1][0][1] == 1  # a tool answered, and the model went on
+    plain = kv_and_re_prefill(FastEngine(model, tok, RolloutPlan(engine="fast")), tok, sampling, prompts=[1],
+                              paths=(False,))
+    assert_same_rollouts(fused[True], plain[False], "fused")

@@ -3,10 +3,15 @@
 A call that raises, returns something that is not (text, reward, metrics), or runs over `timeout_s` gives the model
 an error text instead and is counted as an error; a hung call's thread is left behind (daemon: it cannot keep the
 process alive) and the rollout goes on. Tools' own isolation (the Python sandbox's subprocess) is what bounds memory.
+
+The threads are kept for the next calls (`_Workers`): starting 128 threads costs tens of milliseconds, which a
+multi-turn rollout would pay at every turn end while the GPU waits.
 """
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +48,40 @@ def _as_response(value: Any) -> tuple[str, float]:
     return text, reward
 
 
+class _Workers:
+    """Daemon threads that run one job at a time, reused: every submitted job gets a thread of its own at once (an
+    idle one, else a new one), so calls still run all in parallel; a thread stuck in a hung call stays busy and is
+    never counted idle again."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, jobs: list) -> None:
+        with self._lock:
+            start = max(len(jobs) - self._idle, 0)
+            self._idle -= len(jobs) - start
+        for _ in range(start):
+            threading.Thread(target=self._loop, daemon=True, name="tool-worker").start()
+        for job in jobs:
+            self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._idle += 1
+
+
+_WORKERS = [_Workers()]
+if hasattr(os, "register_at_fork"):  # a forked child has none of its parent's threads
+    os.register_at_fork(after_in_child=lambda: _WORKERS.__setitem__(0, _Workers()))
+
+
 def run_calls(jobs: Sequence[tuple[BaseTool | None, str, ToolCall]], timeout_s: float = 30.0,
               max_chars: int = 256, truncate_side: str = "middle") -> list[CallResult]:
     """Execute (tool, instance_id, call) jobs in parallel; one CallResult per job, in order."""
@@ -62,13 +101,14 @@ def run_calls(jobs: Sequence[tuple[BaseTool | None, str, ToolCall]], timeout_s: 
             done[i].set()
 
     started = time.perf_counter()
+    runs = []
     for i, (tool, instance_id, call) in enumerate(jobs):
         if call.error is not None or tool is None:
             results[i] = CallResult(call.error or f"Error: unknown tool {call.name!r}", 0.0, True, 0.0)
             done[i].set()
             continue
-        threading.Thread(target=work, args=(i, tool, instance_id, call), daemon=True,
-                         name=f"tool-{tool.name}").start()
+        runs.append(lambda i=i, tool=tool, instance_id=instance_id, call=call: work(i, tool, instance_id, call))
+    _WORKERS[0].submit(runs)
     for i, event in enumerate(done):
         if not event.wait(max(timeout_s - (time.perf_counter() - started), 0.0)):
             results[i] = CallResult(f"Error: the tool did not answer within {timeout_s:g} s", 0.0, True, timeout_s)
