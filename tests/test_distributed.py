@@ -60,6 +60,12 @@ def overrides(model_dir, data_dir, run_dir, reward_file, **extra) -> list[str]:
         **extra})
 
 
+# Tests whose subject is how ranks train (against one process) score in each trainer's own process, both sides: a
+# rank's reward pool starts a server process that imports torch again, seconds of CPU per rank and launch. The pool
+# under torchrun stays covered where it matters, by the kill, signal and failure tests, which keep it.
+SCORED_IN_PROCESS = {"custom_reward_function.timeout_s": 0}
+
+
 def single_process(items: list[str], rollout_batch_size: int | None = None) -> RLTrainer:
     """One process, its plan's rollout batch (or `rollout_batch_size` sequences at a time, as an OOM halving sets)."""
     cfg = load_config(None, items)
@@ -242,7 +248,7 @@ def test_ppo_with_critic_and_adaptive_kl_on_two_ranks_matches_one_process(tiny_m
              "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.05,
              "algorithm.kl_ctrl.target_kl": 0.01, "algorithm.kl_ctrl.horizon": 10,
              "actor_rollout_ref.actor.ppo_epochs": 2, "critic.optim.lr": 1e-3,
-             "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 2}
+             "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 2, **SCORED_IN_PROCESS}
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlanywhere.cli", "train",
@@ -294,7 +300,7 @@ def test_two_nodes_with_one_rendezvous_train_like_one_process(tiny_model_dir, ar
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    short = {"trainer.total_training_steps": 2, "trainer.test_freq": 2}
+    short = {"trainer.total_training_steps": 2, "trainer.test_freq": 2, **SCORED_IN_PROCESS}
     nodes = [torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **short), nproc=1,
                       launcher=("--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                                 "--rdzv_id=two-nodes")) for _ in range(2)]
@@ -348,7 +354,7 @@ def test_dynamic_sampling_on_two_ranks_matches_one_process(tiny_model_dir, arith
     extra = {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "seq_reward",
              "algorithm.filter_groups.max_num_gen_batches": 3, "data.gen_batch_size": 8,
              "data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
-             "trainer.total_training_steps": 3, "trainer.test_freq": 3, "trainer.save_freq": 3}
+             "trainer.total_training_steps": 3, "trainer.test_freq": 3, "trainer.save_freq": 3, **SCORED_IN_PROCESS}
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra))
     reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
@@ -515,17 +521,26 @@ def _collectives_worker(rank: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
 
 
-def run_two_gloo_ranks(worker, out_dir: Path) -> tuple[dict, dict]:
-    """Spawn `worker(rank, port, out_dir)` as 2 processes on a free local port; each writes out_dir/<rank>.json,
-    returned as (rank 0's, rank 1's)."""
-    import socket
-
+def forked_ranks(worker, args: tuple, nprocs: int = 2) -> None:
+    """Run `worker(rank, *args)` in `nprocs` processes forked from this one, and wait for them (an error in one is
+    raised here). For tests of the collectives themselves, not of how ranks are launched: a fork starts with torch,
+    transformers and rlanywhere already imported, where a spawned process imports them again (seconds of CPU each).
+    (The launches themselves, torchrun and `rlanywhere train`, are tested with real launches.)"""
     import torch.multiprocessing as mp
 
+    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="fork")
+
+
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(worker, args=(port, str(out_dir)), nprocs=2, join=True)
+        return sock.getsockname()[1]
+
+
+def run_two_gloo_ranks(worker, out_dir: Path) -> tuple[dict, dict]:
+    """Run `worker(rank, port, out_dir)` as 2 processes on a free local port; each writes out_dir/<rank>.json,
+    returned as (rank 0's, rank 1's)."""
+    forked_ranks(worker, (free_port(), str(out_dir)))
     first, second = (json.loads((Path(out_dir) / f"{r}.json").read_text()) for r in (0, 1))
     return first, second
 

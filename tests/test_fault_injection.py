@@ -466,12 +466,13 @@ def test_a_signal_to_the_trainers_process_group_leaves_the_reward_pool_working(t
 def test_two_ranks_resume_from_a_folder_with_damaged_and_later_checkpoints(tiny_model_dir, arith_data, tmp_path):
     """Both ranks share the run folder: rank 0 alone moves checkpoints aside (damaged, then later than the resumed
     step), the other waits for it; no rank deletes or renames what the other just moved."""
-    from .test_distributed import REWARD, finish, overrides, torchrun
+    from .test_distributed import REWARD, SCORED_IN_PROCESS, finish, overrides, torchrun
 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     run = tmp_path / "run"
-    finish(torchrun(overrides(tiny_model_dir, arith_data, run, reward, **{"trainer.test_freq": -1})))
+    no_validation_no_pool = {"trainer.test_freq": -1, **SCORED_IN_PROCESS}
+    finish(torchrun(overrides(tiny_model_dir, arith_data, run, reward, **no_validation_no_pool)))
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("global_step_")) == [
         "global_step_1", "global_step_2", "global_step_3"]
@@ -480,14 +481,14 @@ def test_two_ranks_resume_from_a_folder_with_damaged_and_later_checkpoints(tiny_
         handle.truncate(weights.stat().st_size // 2)
 
     # the damaged newest one is named and moved aside; both ranks resume from step 2 and train step 3 again
-    out = finish(torchrun(overrides(tiny_model_dir, arith_data, run, reward, **{"trainer.test_freq": -1})))
+    out = finish(torchrun(overrides(tiny_model_dir, arith_data, run, reward, **no_validation_no_pool)))
     assert "resumed from" in out and "global_step_2" in out and "Traceback" not in out
     assert (checkpoints / "global_step_3.damaged").is_dir() and (checkpoints / "global_step_3").is_dir()
     assert verify_checkpoint(str(checkpoints / "global_step_3")) is None
 
     # resumed by name from step 1: the later checkpoints (2 and 3) are moved aside once, by rank 0
-    out = finish(torchrun(overrides(tiny_model_dir, arith_data, run, reward, **{
-        "trainer.test_freq": -1, "trainer.total_training_steps": 1, "trainer.resume_mode": "resume_path",
+    out = finish(torchrun(overrides(tiny_model_dir, arith_data, run, reward, **no_validation_no_pool, **{
+        "trainer.total_training_steps": 1, "trainer.resume_mode": "resume_path",
         "trainer.resume_from_path": str(checkpoints / "global_step_1")})))
     assert "Traceback" not in out
     assert (checkpoints / "global_step_2.stale").is_dir() and (checkpoints / "global_step_3.stale").is_dir()

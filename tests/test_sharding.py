@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,15 @@ import torch
 from rlanywhere.config import load_config
 from rlanywhere.tracking import read_metrics
 
-from .test_distributed import (actor_weights, assert_same_metrics, assert_same_weights, finish,
-                               kill_9_after_checkpoint_2, overrides, reward_file, single_process, torchrun)
+from .test_distributed import (SCORED_IN_PROCESS, actor_weights, assert_same_metrics, assert_same_weights, finish,
+                               forked_ranks, free_port, kill_9_after_checkpoint_2, overrides, reward_file,
+                               single_process, torchrun)
 
 pytestmark = pytest.mark.slow
 _ = reward_file  # the fixture, imported for the tests below
 
 SHARD = {"hardware.data_parallel": "shard"}
+NO_POOL = SCORED_IN_PROCESS  # rewards scored in the trainer process, every run below (test_distributed says why)
 
 
 def plan_record(run_dir) -> dict:
@@ -39,14 +40,15 @@ def test_grpo_sharded_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_
     """GRPO, 3 steps, sharded: killed with SIGKILL inside step 3 (after the DCP checkpoint of step 2), resumed on 2
     ranks: steps 0-3 equal one process; the same checkpoint resumed by one process gives the same step 3."""
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
-    kill_9_after_checkpoint_2(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD), dist_dir)
+    kill_9_after_checkpoint_2(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD, **NO_POOL),
+                              dist_dir)
     checkpoint = dist_dir / "checkpoints" / "global_step_2"
     assert (checkpoint / "dcp" / ".metadata").exists(), sorted(os.listdir(checkpoint))
     assert (checkpoint / "actor" / "model.safetensors").exists()  # the HF-format actor, written once by rank 0
     shutil.copytree(dist_dir, tmp_path / "dist_copy")
 
-    resume = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD))
-    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file))
+    resume = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD, **NO_POOL))
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **NO_POOL))
     out = finish(resume)
     assert "resumed from" in out and "global_step_2" in out
     assert plan_record(dist_dir)["data_parallel"] == "shard"
@@ -58,7 +60,7 @@ def test_grpo_sharded_on_two_ranks_matches_one_process_and_survives_kill_9(tiny_
 
     # the 2-rank sharded checkpoint resumed by one process (DCP reshards to the world size that loads it)
     copy = tmp_path / "dist_copy"
-    single_process(overrides(tiny_model_dir, arith_data, copy, reward_file))
+    single_process(overrides(tiny_model_dir, arith_data, copy, reward_file, **NO_POOL))
     assert_same_metrics(read_metrics(copy), want, steps=(3,))
 
 
@@ -70,9 +72,9 @@ def test_an_oom_in_a_sharded_update_stops_the_job_and_the_restart_resumes_at_hal
     micro-batch split)."""
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     worker = Path(__file__).with_name("dist_oom_worker.py")
-    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD), script=[str(worker)],
-                    launcher=("--standalone", "--max-restarts=1"), cwd=str(tmp_path))
-    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file))
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD, **NO_POOL),
+                    script=[str(worker)], launcher=("--standalone", "--max-restarts=1"), cwd=str(tmp_path))
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **NO_POOL))
     out = finish(proc)
     assert "OutOfMemoryRestart" in out and "actor_micro_batch_size=1 is saved in" in out
     assert "resumed from" in out and "global_step_1" in out
@@ -97,10 +99,10 @@ def test_fp16_sharded_with_one_rank_overflowing_matches_one_process(tiny_model_d
 
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     worker = Path(__file__).with_name("dist_fp16_worker.py")
-    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD), script=[str(worker)],
-                    cwd=str(tmp_path))
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD, **NO_POOL),
+                    script=[str(worker)], cwd=str(tmp_path))
     dist_fp16_worker.install(monkeypatch.setattr)
-    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file))
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **NO_POOL))
     finish(proc)
     assert reference.plan.use_grad_scaler and plan_record(dist_dir)["precision"] == "fp16"
     want = read_metrics(single_dir)
@@ -131,10 +133,11 @@ def test_a_replicated_checkpoint_resumes_sharded(tiny_model_dir, arith_data, tmp
     Adam state (the critic's too; LoRA runs: the actor's and the critic's adapters, the value head, their Adam
     state) and keeps its shards; step 3 and its weights equal one process's."""
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
-    kill_9_after_checkpoint_2(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra), dist_dir)
+    kill_9_after_checkpoint_2(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **NO_POOL),
+                              dist_dir)
     assert not (dist_dir / "checkpoints" / "global_step_2" / "dcp").exists()  # the replicated layout
-    resume = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **SHARD))
-    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
+    resume = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **SHARD, **NO_POOL))
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra, **NO_POOL))
     out = finish(resume)
     assert "resumed from" in out and "global_step_2" in out
     assert plan_record(dist_dir)["data_parallel"] == "shard"
@@ -161,8 +164,8 @@ def test_ppo_sharded_with_critic_and_reference_matches_one_process(tiny_model_di
              "actor_rollout_ref.model.enable_gradient_checkpointing": True,
              "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 0}
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
-    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **SHARD))
-    single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **SHARD, **NO_POOL))
+    single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra, **NO_POOL))
     finish(proc)
     assert plan_record(dist_dir)["data_parallel"] == "shard"
     want = read_metrics(single_dir)
@@ -181,8 +184,8 @@ def test_lora_sharded_matches_one_process_and_exports_merged_weights(tiny_model_
              "actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.kl_loss_coef": 0.1,
              "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 2}
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
-    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **SHARD))
-    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra, **SHARD, **NO_POOL))
+    reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra, **NO_POOL))
     finish(proc)
     assert plan_record(dist_dir)["data_parallel"] == "shard"
     want = read_metrics(single_dir)
@@ -227,15 +230,11 @@ def _sharded_head_worker(rank: int, port: int, model_dir: str, out_dir: str) -> 
 
 
 def test_sharded_chunked_logprob_gradients_equal_one_process(tiny_model_dir, tmp_path):
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
     from rlanywhere.logprobs import response_logprobs
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_sharded_head_worker, args=(port, str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    forked_ranks(_sharded_head_worker, (free_port(), str(tiny_model_dir), str(tmp_path)))
     got = torch.load(tmp_path / "sharded.pt", weights_only=True)
     torch.manual_seed(0)
     ids = torch.randint(4, 200, (4, 12))
@@ -343,7 +342,7 @@ def test_hsdp_on_four_ranks_matches_one_process_and_resumes_in_one(tiny_model_di
     from rlanywhere.trainer import RLTrainer
 
     def one_process(run_dir, steps: int) -> RLTrainer:
-        cfg = load_config(None, overrides(tiny_model_dir, arith_data, run_dir, reward_file, **{
+        cfg = load_config(None, overrides(tiny_model_dir, arith_data, run_dir, reward_file, **NO_POOL, **{
             "trainer.total_training_steps": steps, "trainer.test_freq": 2}))
         plan = make_plan(cfg, for_execution=True)
         trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
@@ -351,7 +350,7 @@ def test_hsdp_on_four_ranks_matches_one_process_and_resumes_in_one(tiny_model_di
         return trainer
 
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
-    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD, **{
+    proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD, **NO_POOL, **{
         "actor_rollout_ref.actor.fsdp_config.fsdp_size": 2, "trainer.total_training_steps": 2,
         "trainer.test_freq": 2}), nproc=4)
     reference = one_process(single_dir, steps=3)
