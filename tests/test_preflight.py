@@ -80,6 +80,7 @@ def test_hub_id_without_network_is_one_line_at_once(tmp_path, capsys, monkeypatc
 def test_data_file_problems_name_file_and_fix(tmp_path):
     missing = preflight.data_file_problems(str(tmp_path / "nope.parquet"), "data.train_files", "prompt", "data_source")
     assert len(missing) == 1 and "does not exist" in missing[0] and "rlanywhere prepare" in missing[0]
+    assert all(task in missing[0] for task in ("gsm8k", "arithmetic", "tool-arithmetic", "generic"))  # every task
     (tmp_path / "text.parquet").write_text("question,answer\n1+1,2\n")
     unreadable = preflight.data_file_problems(str(tmp_path / "text.parquet"), "data.train_files", "prompt",
                                               "data_source")

@@ -31,7 +31,7 @@ from typing import Optional
 from .api import DEMO_DATA_DIR, demo_profile  # noqa: F401  (their home before api.py; kept for callers)
 
 from .rank_layout import failed_rank_line
-from . import rank_launch
+from . import rank_launch, vocabulary
 from .rank_launch import FAILED_RANKS_NAMED
 from .runfaults import guard_output_streams
 
@@ -479,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
 
     prep = command("prepare", "write train/test parquet for a task", cmd_prepare)
-    prep.add_argument("task", choices=["gsm8k", "arithmetic", "tool-arithmetic", "generic"], help="what to write")
+    prep.add_argument("task", choices=vocabulary.PREPARE_TASKS, help="what to write")
     prep.add_argument("--src", help="gsm8k: a directory with train/test.jsonl or an HF dataset name; generic: a file")
     prep.add_argument("--out", required=True, help="output folder for train.parquet and test.parquet")
     prep.add_argument("--digits", type=int, default=2, help="arithmetic: digits per operand")

@@ -77,8 +77,10 @@ def data_file_problems(path: str, key: str, prompt_key: str, reward_fn_key: str)
     if not file.exists():
         if _demo_data_to_write(path):
             return []
-        return [f"{key}: {path} does not exist. Create it with `rlanywhere prepare arithmetic|gsm8k|generic --out "
-                f"DIR`, or point {key} at an existing parquet file"]
+        from .vocabulary import PREPARE_TASKS
+
+        return [f"{key}: {path} does not exist. Create it with `rlanywhere prepare {'|'.join(PREPARE_TASKS)} --out "
+                f"DIR` (the task your config was written for), or point {key} at an existing parquet file"]
     if not file.is_file():
         return [f"{key}: {path} is a directory, not a parquet file; name the file (e.g. {path}/train.parquet)"]
     try:

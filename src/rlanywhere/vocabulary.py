@@ -138,6 +138,9 @@ DECODE_HALF_MIN_ROWS = 64
 SDPA_BACKEND_NAMES = ("flash_attention", "efficient_attention", "cudnn_attention", "math")
 CUDNN_SDPA = "cudnn_attention"
 
+# `rlanywhere prepare TASK`: the datasets it writes (the CLI's choices; named in hints about missing data)
+PREPARE_TASKS = ("gsm8k", "arithmetic", "tool-arithmetic", "generic")
+
 ALLOC_CONF = "expandable_segments:True"  # fewer fragmentation OOMs when phase shapes change
 
 # Dynamic loss scaling for fp16 (torch.amp.GradScaler). An RL run takes a few optimizer steps per RL step, so
