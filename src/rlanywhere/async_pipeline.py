@@ -350,4 +350,5 @@ class RolloutPipeline:
         return job
 
 
-__all__ = ["LookaheadLoader", "RolloutPipeline", "allow_compiled_calls_beside_tracing", "copy_weights", "rollout_model_copy", "scored_from", "scored_state"]
+__all__ = ["LookaheadLoader", "RolloutPipeline", "allow_compiled_calls_beside_tracing", "copy_weights",
+           "rollout_model_copy", "scored_from", "scored_state"]
