@@ -101,9 +101,14 @@ def _merge(kernels, buffers, out: torch.Tensor, splits: int, g_pad: int, block_d
         SPLITS=splits, G_PAD=g_pad, BLOCK_D=block_d)
 
 
+def pow2_block(width: int) -> int:
+    """The power of two at or above `width`, at least 16: a Triton block over `width` entries (tl.dot needs 16)."""
+    return max(16, 1 << (width - 1).bit_length())
+
+
 def _pads(groups: int, head_dim: int) -> tuple[int, int]:
     """(G_PAD, BLOCK_D): tl.dot needs 16 rows; head dims padded to a power of two."""
-    return max(16, 1 << (groups - 1).bit_length()), max(16, 1 << (head_dim - 1).bit_length())
+    return pow2_block(groups), pow2_block(head_dim)
 
 
 def _splits(rows_x_heads: int, span: int, device: torch.device, half: bool, splits: int | None) -> tuple[int, int]:
@@ -207,5 +212,5 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tenso
     return q
 
 
-__all__ = ["decode_attention", "rope_and_store", "rope_store_attention", "plan_chunks", "plan_splits",
+__all__ = ["decode_attention", "rope_and_store", "rope_store_attention", "plan_chunks", "plan_splits", "pow2_block",
            "programs_wanted", "triton_usable", "triton_interpreting", "BLOCK_SLOTS"]

@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from .decode_attention import _kernels, pow2_block
+
 SILU_BLOCK = 1024  # intermediate entries per program
-
-
-def _kernels():
-    from . import decode_kernels as kernels  # imports triton: only where the kernels run
-
-    return kernels
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -30,10 +26,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     if flat.stride(-1) != 1:
         raise ValueError("decode_elementwise: tensors need a contiguous last dimension")
     return flat
-
-
-def _block(width: int) -> int:
-    return max(16, 1 << (width - 1).bit_length())
 
 
 def _norm(source: torch.Tensor, delta: torch.Tensor | None, tokens: torch.Tensor | None, weight: torch.Tensor,
@@ -46,7 +38,7 @@ def _norm(source: torch.Tensor, delta: torch.Tensor | None, tokens: torch.Tensor
     _kernels().add_rms_norm_kernel[(rows,)](
         source, delta_rows, tokens if tokens is not None else source, weight, h_out, x_out, source.stride(0),
         delta_rows.stride(0), h_out.stride(0), x_out.stride(0), hidden, float(eps), HAS_DELTA=delta is not None,
-        GATHER=tokens is not None, MATCH_HF=bool(match_hf), BLOCK=_block(hidden))
+        GATHER=tokens is not None, MATCH_HF=bool(match_hf), BLOCK=pow2_block(hidden))
     return h_out.view(shape), x_out.view(shape)
 
 
