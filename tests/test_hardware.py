@@ -579,6 +579,35 @@ def test_sdpa_backend_probe_runs_math_everywhere():
     assert "math" in backends and set(backends) <= set(machine.SDPA_BACKEND_NAMES)
 
 
+
+def test_a_cards_kernel_probe_is_kept_on_disk_per_card_driver_and_build(tmp_path, monkeypatch):
+    """The GPU probe's result is reused from the cache file by a later process on the same card, driver and torch
+    build; another fingerprint, a fresh probe (the doctor) or a damaged file runs the kernels again."""
+    monkeypatch.setenv("RLANYWHERE_CACHE", str(tmp_path))
+    assert machine.cuda_fingerprint("cpu") is None  # the CPU's probe is cheap: never cached
+    fingerprint = {"now": "H200 | sm_90 | driver 1 | torch 2.11"}
+    monkeypatch.setattr(machine, "cuda_fingerprint", lambda device: fingerprint["now"])
+    runs = []
+
+    def probe():
+        runs.append(1)
+        return ("flash_attention", "math")
+
+    assert machine._remembered("cuda:0", "sdpa/bfloat16/64", probe) == ("flash_attention", "math")
+    assert machine._remembered("cuda:0", "sdpa/bfloat16/64", probe) == ("flash_attention", "math")
+    assert len(runs) == 1  # the second process found it on disk
+    assert machine._remembered("cuda:0", "sdpa/float16/64", probe) and len(runs) == 2  # another dtype: its own
+    fingerprint["now"] = "H200 | sm_90 | driver 2 | torch 2.11"  # a driver update
+    machine._remembered("cuda:0", "sdpa/bfloat16/64", probe)
+    assert len(runs) == 3
+    monkeypatch.setattr(machine, "_fresh_probes", True)  # `rlanywhere doctor`
+    machine._remembered("cuda:0", "sdpa/bfloat16/64", probe)
+    assert len(runs) == 4
+    monkeypatch.setattr(machine, "_fresh_probes", False)
+    machine.kernel_probe_cache_path().write_text("{not json")
+    assert machine._remembered("cuda:0", "sdpa/bfloat16/64", probe) == ("flash_attention", "math")
+    assert len(runs) == 5 and json.loads(machine.kernel_probe_cache_path().read_text())  # rewritten whole
+
 def test_named_shape_from_hub_style_name():
     shape = model_shape.read_model_shape("Qwen/Qwen2.5-0.5B-Instruct")
     assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (896, 24, 14, 2)

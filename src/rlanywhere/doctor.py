@@ -335,7 +335,7 @@ def run_doctor(cfg: Any = None, emulate: Optional[str] = None, machine: Optional
     """Probe, plan, run every check on the planned path; print everything. ok is False on any failure."""
     report: list[dict] = []
     start = time.perf_counter()
-    machine = machine if machine is not None else probe_machine()
+    machine = machine if machine is not None else probe_machine(fresh=True)  # the doctor runs every kernel again
     report.append({"name": "probe", "status": "pass", "detail": machine.summary().splitlines()[0],
                    "seconds": round(time.perf_counter() - start, 3)})
     print_fn("machine:\n" + machine.summary())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import math
 import os
 import re
@@ -82,13 +83,75 @@ def card_spec(name: str) -> CardSpec:
 
 
 
+# ------------------------------------------------------------------------------------ kernel probe cache
+# The probe's kernels take seconds on a GPU (CUDA's first launches of each SDPA backend, forward and backward, in
+# three dtypes), at the start of every run. What they find depends only on the card, its driver and the torch build,
+# so it is kept on disk under those and reused; `rlanywhere doctor` always runs them again.
+KERNEL_PROBE_FILE = "kernel-probe.json"
+_fresh_probes = False
+
+
+def kernel_probe_cache_path() -> Path:
+    from .models import cache_dir  # rlanywhere's cache folder ($RLANYWHERE_CACHE)
+
+    return cache_dir() / KERNEL_PROBE_FILE
+
+
+def cuda_fingerprint(device: str) -> Optional[str]:
+    """What a kernel probe's result depends on for a CUDA device: card, driver, CUDA, cuDNN and torch. None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    props = torch.cuda.get_device_properties(torch.device(device))
+    driver = ""
+    try:  # Linux: the loaded kernel module's version line
+        driver = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        pass
+    return " | ".join(str(part) for part in (
+        props.name, f"sm_{props.major}{props.minor}", props.total_memory, driver, torch.__version__,
+        torch.version.cuda, torch.backends.cudnn.version()))
+
+
+def _remembered(device: str, what: str, probe: Callable[[], tuple]) -> tuple:
+    """probe()'s result for this CUDA device, from the cache file when the card, driver and builds are the same;
+    else run it and store it. Off CUDA (a cheap probe) or with an unreadable cache, it just runs."""
+    fingerprint = cuda_fingerprint(device)
+    if fingerprint is None:
+        return probe()
+    key = f"{fingerprint} | {what}"
+    path = kernel_probe_cache_path()
+    stored = _read_probe_cache(path)
+    if key in stored and not _fresh_probes:
+        return tuple(stored[key])
+    found = probe()
+    stored[key] = list(found)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        os.replace(partial, path)  # whole or not at all: ranks may write it at once
+    except OSError:
+        pass  # a read-only home: the probe just runs again next time
+    return found
+
+
+def _read_probe_cache(path: Path) -> dict:
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
 # ------------------------------------------------------------------------------------------------ probe
 
 
 def sdpa_backends_that_run(dtype: torch.dtype, head_dim: int, device: Union[str, torch.device] = "cpu"
                            ) -> list[str]:
     """SDPA backends whose forward and backward run on a tiny causal input of this dtype / head size here."""
-    return list(_sdpa_backends_cached(dtype_name(dtype), int(head_dim), str(torch.device(device))))
+    device = str(torch.device(device))
+    return list(_remembered(device, f"sdpa/{dtype_name(dtype)}/{int(head_dim)}",
+                            lambda: _sdpa_backends_cached(dtype_name(dtype), int(head_dim), device)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,7 +187,8 @@ def fp16_problems(device: Union[str, torch.device]) -> list[str]:
     3. a GradScaler step whose fp16 gradient overflowed is skipped and halves the scale, and the next, finite one
        is applied unscaled.
     The planner runs this (through the probe) before choosing fp16 automatically; `rlanywhere doctor` reports it."""
-    return list(_fp16_problems_cached(str(torch.device(device))))
+    device = str(torch.device(device))
+    return list(_remembered(device, "fp16", lambda: _fp16_problems_cached(device)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -344,8 +408,14 @@ def flash_attn_status() -> tuple[bool, Optional[str], Optional[str]]:
 PROBE_HEAD_DIM = 64
 
 
-def probe_machine(measure_sdpa: bool = True) -> HardwareProbe:
-    """Probe CUDA devices, CPU and RAM of this machine (works without CUDA)."""
+def probe_machine(measure_sdpa: bool = True, fresh: bool = False) -> HardwareProbe:
+    """Probe CUDA devices, CPU and RAM of this machine (works without CUDA). The kernel probes' results come from
+    the cache file when this card, driver and torch build were probed before, unless `fresh`."""
+    global _fresh_probes
+    if fresh:
+        _fresh_probes = True  # this process re-runs every kernel probe (and refreshes the cache file)
+        _sdpa_backends_cached.cache_clear()
+        _fp16_problems_cached.cache_clear()
     total, available = _read_meminfo()
     flash_ok, flash_version, _ = flash_attn_status()
     machine = HardwareProbe(cpu_cores=_cpu_cores(), ram_total_bytes=total, ram_available_bytes=available,
