@@ -344,8 +344,12 @@ def test_api_plan_under_torchrun_plans_for_the_launch_world(monkeypatch):
     import rlanywhere
     from rlanywhere.config import load_config
 
+    from rlanywhere import machine
+
     for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
+    # the CPU plan's budget is the RAM free now: fixed here, so that cores busy with other jobs do not make it shard
+    monkeypatch.setattr(machine, "_read_meminfo", lambda: (24 * 2**30, 16 * 2**30))
     cfg = load_config(None, ["hardware.device=cpu", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
                              "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
     plan = rlanywhere.plan(cfg)
