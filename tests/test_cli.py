@@ -137,3 +137,18 @@ def test_demo_with_overrides_is_a_new_run_with_a_summary(tiny_model_dir, arith_d
     config = OmegaConf.load(runs[0] / "config.yaml")  # the demo profile under the overrides
     assert config.actor_rollout_ref.rollout.n == 8 and config.algorithm.adv_estimator == "grpo"
     assert config.data.train_batch_size == 4 and config.trainer.total_training_steps == 1
+
+
+def test_help_version_and_command_line_errors_answer_without_importing_torch():
+    """`rlanywhere --help`, `--version` and a mistyped command line answer in a fraction of a second: torch (about
+    3 s to import) loads only when a command needs it."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom rlanywhere import cli\nfor argv in (['--help'], ['train', '--help'], ['--version'], "
+             "['prepare', 'no-such-task'], ['train', '--no-such-option']):\n"
+             "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
+             "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout[-2000:]

@@ -99,7 +99,7 @@ FUSED = RolloutPlan(decode_attention="triton", fuse_weights=True, fused_kv_write
 
 def test_bf16_engine_with_the_fused_kernels_samples_as_the_unfused_one():
     model = with_random_biases(tiny_model("qwen2")).to(torch.bfloat16)
-    params = SamplingParams(max_new_tokens=10, temperature=0)
+    params = SamplingParams(max_new_tokens=6, temperature=0)  # 5 decode steps (each a second under the interpreter)
     fused = FastEngine(model, None, FUSED, pad_token_id=PAD)
     assert fused.forward.triton_elementwise and fused.forward.rope_attention_kernel
     plain = FastEngine(model, None, dataclasses.replace(FUSED, compile_elementwise=False, fused_kv_write=False),

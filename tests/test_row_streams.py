@@ -5,6 +5,7 @@ checked against the exponential distribution."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -18,14 +19,14 @@ from .test_rollout import PAD, PROMPTS, chi_square_pvalue, responses, tiny_model
 PARAMS = SamplingParams(10, temperature=1.0, n=3, ignore_eos=True)
 
 
-def splits(engine, streams: RowStreams, whole=None) -> dict[str, list[list[int]]]:
+def splits(engine, streams: RowStreams, whole=None, params: SamplingParams = PARAMS) -> dict[str, list[list[int]]]:
     """The same request whole (or `whole`, its batch generated already), in waves of 3 rows (one prompt each), and
     as two "ranks" of two prompts each."""
     if whole is None:
-        whole = engine.generate(PROMPTS, PARAMS, generator=streams)
-    waves = engine.generate(PROMPTS, PARAMS, generator=streams, rows_per_wave=3)
-    ranks = [engine.generate(PROMPTS[:2], PARAMS, generator=streams),
-             engine.generate(PROMPTS[2:], PARAMS, generator=streams.offset(2), rows_per_wave=2)]
+        whole = engine.generate(PROMPTS, params, generator=streams)
+    waves = engine.generate(PROMPTS, params, generator=streams, rows_per_wave=3)
+    ranks = [engine.generate(PROMPTS[:2], params, generator=streams),
+             engine.generate(PROMPTS[2:], params, generator=streams.offset(2), rows_per_wave=2)]
     return {"whole": responses(whole), "waves": responses(waves),
             "ranks": responses(ranks[0]) + responses(ranks[1])}
 
@@ -91,11 +92,14 @@ def test_fused_sampler_rows_draw_the_same_whatever_the_split():
 
     model = tiny_model("qwen2")
     engine = FastEngine(model, None, RolloutPlan(fused_sampling=True, check_every=2), pad_token_id=PAD)
-    batch = engine.generate(PROMPTS, PARAMS, generator=RowStreams(seed=11))  # whole, kept for its log-probs
-    got = splits(engine, RowStreams(seed=11), whole=batch)
+    # 6 tokens, not 10: the same waves, blocks and row keys, and a check of finished rows every 2 steps, in fewer
+    # steps of the interpreted sampler (each a second of CPU over the four generate calls)
+    params = dataclasses.replace(PARAMS, max_new_tokens=6)
+    batch = engine.generate(PROMPTS, params, generator=RowStreams(seed=11))  # whole, kept for its log-probs
+    got = splits(engine, RowStreams(seed=11), whole=batch, params=params)
     assert got["whole"] == got["waves"] == got["ranks"]
     assert len({tuple(r) for r in got["whole"]}) > 6
     width, mask = batch.prompt_ids.shape[1], batch.response_mask.bool()
-    expected = torch.log_softmax(forward_logits(model, batch)[:, width - 1: width - 1 + PARAMS.max_new_tokens], -1)
+    expected = torch.log_softmax(forward_logits(model, batch)[:, width - 1: width - 1 + params.max_new_tokens], -1)
     expected = expected.gather(2, batch.response_ids[..., None]).squeeze(2)
     assert (batch.response_logprobs - expected)[mask].abs().max() < 1e-4

@@ -1,7 +1,7 @@
 """The vocabulary: the choices a config may name (as enums), dtype and attention names, capability rules, and the
 planner's errors.
 
-A leaf module (it imports only torch and rlanywhere.errors) so every other module can name a dtype, an attention
+A leaf module (it imports only rlanywhere.errors, and torch when a dtype is first named) so every other module can name a dtype, an attention
 implementation or a config choice without importing the planner. Only this module writes dtype literals
 (torch.bfloat16, ...) and attention-implementation names ("flash_attention_2", ...); tests/test_vocabulary.py
 checks that. Config validation (config.py) takes its lists of valid values from the enums here.
@@ -10,12 +10,15 @@ checks that. Config validation (config.py) takes its lists of valid values from 
 from __future__ import annotations
 
 import re
+import sys
 from enum import Enum
-from typing import Any, Optional, Union
-
-import torch
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 # ------------------------------------------------------------------------------------------ config choices
 class Choice(str, Enum):
@@ -102,14 +105,6 @@ class Truncation(Choice):
 
 
 # ------------------------------------------------------------------------------ dtype and attention names
-FP32 = torch.float32
-BF16 = torch.bfloat16
-FP16 = torch.float16
-ACCUMULATE_DTYPE = torch.float32  # log-softmax, advantages, losses: always reduced in fp32
-REFERENCE_DTYPE = torch.float64  # numerical references (doctor, tests)
-STATISTICS_DTYPE = torch.float64  # sums of many terms (advantages, token counts across ranks): exact in fp64
-EXCHANGE_DTYPE = torch.float64  # per-row numbers moved between ranks (balance_batch): fp32 and floats kept exact
-PRECISION_DTYPES = {Precision.FP32.value: FP32, Precision.BF16.value: BF16, Precision.FP16.value: FP16}
 
 # plain strings (what transformers and the Plan carry): the enum members' values
 ATTN_FLASH = AttnImplementation.FLASH.value
@@ -150,23 +145,52 @@ LOSS_SCALE_INIT = 2.0 ** 16
 LOSS_SCALE_GROWTH_INTERVAL = 100
 FP16_MATMUL_TOLERANCE = 5e-3  # relative error of a fp16-autocast matmul against fp64 (the doctor uses it too)
 
-_DTYPE_ALIASES = {
-    FP32: ("fp32", "float32", "float", "f32", "torch.float32", "32"),
-    BF16: ("bf16", "bfloat16", "torch.bfloat16"),
-    FP16: ("fp16", "float16", "half", "f16", "torch.float16", "16"),
-}
-_DTYPE_BY_NAME = {alias: dtype for dtype, aliases in _DTYPE_ALIASES.items() for alias in aliases}
-_PRECISION_BY_DTYPE = {dtype: name for name, dtype in PRECISION_DTYPES.items()}
+# The dtype names are torch objects, made when one is first named (from this module or through __getattr__): the
+# CLI's commands that load no model (`--help`, `demo --list`, errors in the command line) start without torch.
+DTYPE_CONSTANTS = ("FP32", "BF16", "FP16", "ACCUMULATE_DTYPE", "REFERENCE_DTYPE", "STATISTICS_DTYPE",
+                   "EXCHANGE_DTYPE", "PRECISION_DTYPES")
+
+
+@lru_cache(maxsize=None)
+def _dtypes() -> dict[str, Any]:
+    import torch
+
+    fp32, bf16, fp16 = torch.float32, torch.bfloat16, torch.float16
+    named = dict(
+        FP32=fp32, BF16=bf16, FP16=fp16,
+        ACCUMULATE_DTYPE=torch.float32,  # log-softmax, advantages, losses: always reduced in fp32
+        REFERENCE_DTYPE=torch.float64,  # numerical references (doctor, tests)
+        STATISTICS_DTYPE=torch.float64,  # sums of many terms (advantages, token counts across ranks): exact in fp64
+        EXCHANGE_DTYPE=torch.float64,  # per-row numbers moved between ranks (balance_batch): fp32 and floats exact
+        PRECISION_DTYPES={Precision.FP32.value: fp32, Precision.BF16.value: bf16, Precision.FP16.value: fp16},
+    )
+    aliases = {
+        fp32: ("fp32", "float32", "float", "f32", "torch.float32", "32"),
+        bf16: ("bf16", "bfloat16", "torch.bfloat16"),
+        fp16: ("fp16", "float16", "half", "f16", "torch.float16", "16"),
+    }
+    named["by_name"] = {alias: dtype for dtype, names in aliases.items() for alias in names}
+    named["precision_by_dtype"] = {dtype: name for name, dtype in named["PRECISION_DTYPES"].items()}
+    return named
+
+
+def __getattr__(name: str) -> Any:
+    """vocabulary.FP32 and the other DTYPE_CONSTANTS (importing torch the first time)."""
+    if name in DTYPE_CONSTANTS:
+        return _dtypes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_from_name(name: Union[str, torch.dtype]) -> torch.dtype:
     """'fp32' / 'float32' / 'bfloat16' / 'bf16' / 'fp16' / 'half' / a torch.dtype -> torch.dtype."""
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
-    key = str(name).strip().lower()
-    if key not in _DTYPE_BY_NAME:
+    key, by_name = str(name).strip().lower(), _dtypes()["by_name"]
+    if key not in by_name:
         raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16 (or float32, bfloat16, float16)")
-    return _DTYPE_BY_NAME[key]
+    return by_name[key]
 
 
 def dtype_name(dtype: Union[str, torch.dtype]) -> str:
@@ -176,11 +200,11 @@ def dtype_name(dtype: Union[str, torch.dtype]) -> str:
 
 def precision_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> 'bf16'."""
-    return _PRECISION_BY_DTYPE.get(dtype, dtype_name(dtype))
+    return _dtypes()["precision_by_dtype"].get(dtype, dtype_name(dtype))
 
 
 def is_half(dtype: torch.dtype) -> bool:
-    return dtype in (BF16, FP16)
+    return dtype in (_dtypes()["BF16"], _dtypes()["FP16"])
 
 
 def to_jsonable(value: Any) -> Any:
@@ -189,7 +213,8 @@ def to_jsonable(value: Any) -> Any:
         return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_jsonable(v) for v in value]
-    if isinstance(value, torch.dtype):
+    torch = sys.modules.get("torch")  # a torch.dtype exists only once torch is loaded
+    if torch is not None and isinstance(value, torch.dtype):
         return dtype_name(value)
     return value
 
