@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn as nn
+
+from .cache import cache_dir
 
 Compilable = TypeVar("Compilable", nn.Module, Callable[..., Any])
 
@@ -65,13 +66,12 @@ def inductor_options() -> dict:
 
 
 def persistent_compile_cache() -> str:
-    """Inductor's cache directory, set to rlanywhere's cache folder (same root as models.cache_dir) unless the
+    """Inductor's cache directory, set to rlanywhere's cache folder (cache.cache_dir) unless the
     user chose one with TORCHINDUCTOR_CACHE_DIR; Triton's compiled kernels (inductor's and the decode step's own
     Triton kernels) in its `triton` folder unless TRITON_CACHE_DIR is set. Without it the decode kernels would go
     to ~/.triton until inductor's first compile points Triton at its own folder: one cache for both, kept together."""
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        root = Path(os.environ.get("RLANYWHERE_CACHE", Path.home() / ".cache" / "rlanywhere"))
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "compile")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "compile")
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "triton")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]

@@ -24,6 +24,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from . import estimator as est
+from .cache import cache_dir
 from .vocabulary import (
     BF16, CUDNN_SDPA, FP16, FP16_MATMUL_TOLERANCE, FP32, LOSS_SCALE_GROWTH_INTERVAL, LOSS_SCALE_INIT, REFERENCE_DTYPE,
     SDPA_BACKEND_NAMES, PlanError,
@@ -92,8 +93,6 @@ _fresh_probes = False
 
 
 def kernel_probe_cache_path() -> Path:
-    from .models import cache_dir  # rlanywhere's cache folder ($RLANYWHERE_CACHE)
-
     return cache_dir() / KERNEL_PROBE_FILE
 
 

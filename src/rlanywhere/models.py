@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .cache import cache_dir
 from .compiling import compile_dynamic
 from .errors import UserError
 from .logprobs import decoder_hidden, default_position_ids, head_dtype, no_autocast, response_window
@@ -42,10 +43,6 @@ class ModelFilesError(UserError, FileNotFoundError):
 
 class DemoDownloadError(UserError, RuntimeError):
     """The demo model could not be fetched (no network to PyPI): the message says what to pass instead."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RLANYWHERE_CACHE", Path.home() / ".cache" / "rlanywhere"))
 
 
 @dataclass
