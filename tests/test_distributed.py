@@ -31,6 +31,7 @@ from rlanywhere.planner import make_plan
 from rlanywhere.tracking import read_metrics
 from rlanywhere.trainer import RLTrainer
 
+from . import warm_ranks
 from .test_e2e import base_overrides
 
 pytestmark = pytest.mark.slow
@@ -79,9 +80,11 @@ def single_process(items: list[str], rollout_batch_size: int | None = None) -> R
 
 def torchrun(items: list[str], env_extra: dict | None = None, script: list[str] | None = None, nproc: int = 2,
              launcher: tuple[str, ...] = ("--standalone",), **popen):
+    """torchrun running `rlanywhere.cli train ITEMS` (or `script`) on `nproc` ranks. Its ranks start warm, with
+    torch and rlanywhere already imported (tests/warm_ranks.py; RLANYWHERE_TEST_COLD_RANKS=1: cold)."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *launcher,
-               *(script or ["-m", "rlanywhere.cli"]), "train", *items]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+               *(script or warm_ranks.rank_program()), "train", *items]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if script else warm_ranks.rank_env()), **(env_extra or {})}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **popen)
 
