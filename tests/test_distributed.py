@@ -531,7 +531,14 @@ def forked_ranks(worker, args: tuple, nprocs: int = 2) -> None:
     (The launches themselves, torchrun and `rlanywhere train`, are tested with real launches.)"""
     import torch.multiprocessing as mp
 
-    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="fork")
+    mp.start_processes(_one_thread, args=(worker, *args), nprocs=nprocs, join=True, start_method="fork")
+
+
+def _one_thread(rank: int, worker, *args) -> None:
+    """A forked rank runs its ops on one thread: this process's OpenMP pool (2 threads under `pytest -n 0`) did not
+    survive the fork, and an op that waited for it would hang."""
+    torch.set_num_threads(1)
+    worker(rank, *args)
 
 
 def free_port() -> int:
