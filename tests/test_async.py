@@ -19,6 +19,8 @@ from rlanywhere.rollout.base import RolloutBatch
 from rlanywhere.rollout_correction import RolloutCorrection, rollout_is_weights
 from rlanywhere.stepbatch import ScoredRollout
 
+from . import warm_ranks
+
 LOG = math.log
 
 
@@ -480,10 +482,11 @@ def test_split_placement_from_the_command_line_under_torchrun(tiny_model_dir, ar
 
     extra = {"trainer.async.mode": "one_step_off", "algorithm.rollout_correction.rollout_is": "token"}
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-               "rlanywhere.cli", "train", *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra)]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=1200)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               *warm_ranks.rank_program(), "train",
+               *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra)]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", **warm_ranks.rank_env()},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-4000:]
     with open(tmp_path / "split" / "plan.json") as handle:
         assert json.load(handle)["async_rollout"] == "split"
@@ -538,10 +541,11 @@ def test_sigterm_to_a_split_job_saves_the_batch_in_flight_and_resume_is_exact(ti
     slow_reward = tmp_path / "slow_parity_reward.py"  # the parity reward, slowed down so that a step can be hit
     slow_reward.write_text("import os, time\n" + PARITY_REWARD.replace(
         "    return", "    time.sleep(float(os.environ.get('RLA_TEST_SLOW_REWARD', 0)))\n    return"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-               "rlanywhere.cli", "train", *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               *warm_ranks.rank_program(), "train",
+               *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra),
                f"custom_reward_function.path={slow_reward}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **warm_ranks.rank_env()}
     proc = subprocess.Popen(command, env={**env, "RLA_TEST_SLOW_REWARD": "0.3"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline, metrics = time.time() + 600, tmp_path / "split" / "metrics.jsonl"

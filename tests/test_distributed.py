@@ -31,6 +31,7 @@ from rlanywhere.planner import make_plan
 from rlanywhere.tracking import read_metrics
 from rlanywhere.trainer import RLTrainer
 
+from . import warm_ranks
 from .test_e2e import base_overrides
 
 pytestmark = pytest.mark.slow
@@ -79,9 +80,11 @@ def single_process(items: list[str], rollout_batch_size: int | None = None) -> R
 
 def torchrun(items: list[str], env_extra: dict | None = None, script: list[str] | None = None, nproc: int = 2,
              launcher: tuple[str, ...] = ("--standalone",), **popen):
+    """torchrun running `rlanywhere.cli train ITEMS` (or `script`) on `nproc` ranks. Its ranks start warm, with
+    torch and rlanywhere already imported (tests/warm_ranks.py; RLANYWHERE_TEST_COLD_RANKS=1: cold)."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *launcher,
-               *(script or ["-m", "rlanywhere.cli"]), "train", *items]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+               *(script or warm_ranks.rank_program()), "train", *items]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if script else warm_ranks.rank_env()), **(env_extra or {})}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **popen)
 
@@ -528,7 +531,14 @@ def forked_ranks(worker, args: tuple, nprocs: int = 2) -> None:
     (The launches themselves, torchrun and `rlanywhere train`, are tested with real launches.)"""
     import torch.multiprocessing as mp
 
-    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="fork")
+    mp.start_processes(_one_thread, args=(worker, *args), nprocs=nprocs, join=True, start_method="fork")
+
+
+def _one_thread(rank: int, worker, *args) -> None:
+    """A forked rank runs its ops on one thread: this process's OpenMP pool (2 threads under `pytest -n 0`) did not
+    survive the fork, and an op that waited for it would hang."""
+    torch.set_num_threads(1)
+    worker(rank, *args)
 
 
 def free_port() -> int:

@@ -1,0 +1,328 @@
+"""Warm rank processes for the tests' torchrun jobs: each rank starts with torch, transformers and rlanywhere already
+imported, instead of importing them again (4-5 s of CPU per rank).
+
+torchrun itself runs as in any launch (its agent, rendezvous, restarts, signals). Its rank program is
+tests/warm_rank_client.py, a stdlib-only script (about 20 ms to start) that asks a "zygote" to run
+`python -m rlanywhere.cli ...` for it:
+
+- the zygote is a fresh interpreter started from this file (never forked from pytest, which has run OpenMP work),
+  with pytest's environment when the first job starts. It imports what a training rank imports, runs no
+  tensor code, sets nothing, and waits on a unix socket. There are two zygotes per pytest process, one for even
+  RANKs and one for odd ones, so the two ranks of a job do not share one string-hash seed (a rank's sets of strings
+  iterate in a different order from another rank's, as they do in separate interpreters).
+- the client sends the zygote its argv, environment, working directory, umask, ignored and blocked signals, and its
+  stdin/stdout/stderr descriptors (SCM_RIGHTS). The zygote forks a child that takes all of them (a session of its
+  own, as torchrun gives a rank), closes the zygote's sockets, and runs the module as `python -m` does
+  (runpy._run_module_as_main, in a clean __main__): the same exit codes, and an exception prints its traceback and
+  exits 1 through the interpreter's own exit, which also runs atexit handlers and joins threads.
+- the client forwards the signals it gets (HUP, INT, QUIT, USR1, USR2, TERM) to the child, and ends as the child
+  did: the same exit code, or killed by the same signal. torchrun, and tests that look for the rank among torchrun's
+  descendants (its environment has RANK, its command line `rlanywhere.cli`), see the client; a signal sent to it
+  reaches the rank.
+- if the client dies (SIGKILL), the zygote kills the child and every process under it at once, as `kill -9` of a
+  job's whole process tree would. A zygote ends with the pytest process that started it.
+
+A rank runs warm only when its environment differs from the zygote's in nothing but variables read after start-up
+(torchrun's RANK, MASTER_PORT, TORCHELASTIC_*..., the tests' RLA_TEST_*; see LATE_READ). Any other difference
+(another PYTHONPATH, OMP_NUM_THREADS, TORCH_LOGS...) could have been read during the imports: the zygote declines and
+the client execs `python -m rlanywhere.cli` itself, as torchrun would have started it. A variable the imports set
+(torch._dynamo sets TORCHINDUCTOR_CACHE_DIR when it is unset) is set in the rank as its own imports would have set
+it. Other differences from a cold rank, none of which the tests read: sys.flags (the zygote has no -u; the rank's
+streams are unbuffered as with -u), sys.orig_argv, modules imported before the rank's own code runs, tracebacks
+with the zygote's frames above runpy's, and a signal sent to the client's process group reaches the rank alone, not
+the rest of the rank's group (its multiprocessing resource tracker, which ignores SIGINT and SIGTERM; the reward
+server and workers leave the group anyway).
+
+RLANYWHERE_TEST_COLD_RANKS=1 turns this off: torchrun then runs `python -m rlanywhere.cli` for each rank, to compare
+or to debug. Each zygote's stderr is in its folder (zygote-<n>.log, removed when pytest ends): one line for each rank,
+started warm or (with the differing variables) cold.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+COLD = os.environ.get("RLANYWHERE_TEST_COLD_RANKS", "") not in ("", "0")
+SOCKETS_ENV = "RLANYWHERE_TEST_ZYGOTES"  # the folder of the zygotes' sockets; the client removes it from the env
+CLIENT = Path(__file__).with_name("warm_rank_client.py")
+ZYGOTES = 2  # even and odd RANKs
+
+# What a rank imports before and while it trains (sys.modules at the end of the ranks of a 2-rank job): the rest
+# costs under 0.1 s of CPU.
+PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.optimization", "safetensors.torch", "peft", "pyarrow.compute", "torch.nn.attention.varlen",
+           "rlanywhere.cli", "rlanywhere.trainer", "rlanywhere.distributed", "rlanywhere.preflight",
+           "rlanywhere.split_run", "rlanywhere.rewards", "rlanywhere.reward_forkserver", "rlanywhere.plotting")
+
+# Variables that may differ between the zygote and a rank: read only after start-up (torchrun's world and
+# rendezvous, the tests' reward knobs).
+LATE_READ = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+             "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+             "PYTEST_CURRENT_TEST"}
+LATE_READ_PREFIXES = ("TORCHELASTIC_", "RLA_TEST_")
+
+_zygotes: dict = {}
+IMPORTS_SET: dict = {}  # in a zygote: the variables its imports set
+
+
+# ------------------------------------------------------------------------------------------------ pytest side
+def rank_program(module: str = "rlanywhere.cli") -> list[str]:
+    """What torchrun should run for each rank: the client, warm; `-m module`, cold."""
+    if COLD:
+        return ["-m", module]
+    start_zygotes()
+    return [str(CLIENT), "-m", module]
+
+
+def rank_env() -> dict:
+    """The variable that tells the client where the zygotes listen (none when cold)."""
+    if COLD:
+        return {}
+    start_zygotes()
+    return {SOCKETS_ENV: _zygotes["folder"]}
+
+
+def start_zygotes() -> None:
+    """Start this process's zygotes once. Their sockets are bound here, before they import anything, so a client
+    that comes early waits for its zygote instead of finding nothing."""
+    if _zygotes:
+        return
+    folder = tempfile.mkdtemp(prefix="rla-warm-")
+    environment = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # what the ranks will get
+    _zygotes.update(folder=folder, processes=[])
+    for index in range(ZYGOTES):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(os.path.join(folder, f"{index}.sock"))
+        listener.listen(16)
+        code = ("import importlib.util as u, sys; s = u.spec_from_file_location('_warm_zygote', sys.argv[1]); "
+                "m = u.module_from_spec(s); s.loader.exec_module(m); m.serve(int(sys.argv[2]), int(sys.argv[3]))")
+        with open(os.path.join(folder, f"zygote-{index}.log"), "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-c", code, __file__, str(listener.fileno()), str(os.getpid())],
+                env=environment, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=[listener.fileno()],
+                cwd=folder, start_new_session=True)  # Ctrl-C to pytest's group: pytest stops them itself
+        listener.close()
+        _zygotes["processes"].append(process)
+    atexit.register(stop_zygotes)
+
+
+def stop_zygotes() -> None:
+    for process in _zygotes.get("processes", []):
+        kill_tree(process.pid)  # with any rank still running
+        process.wait()
+    if _zygotes:
+        shutil.rmtree(_zygotes["folder"], ignore_errors=True)
+    _zygotes.clear()
+
+
+# ------------------------------------------------------------------------------------------------ zygote side
+def serve(listener_fd: int, parent_pid: int) -> None:
+    """The zygote: import, then fork a rank for each client, until the pytest process that started it ends."""
+    listener = socket.socket(fileno=listener_fd)
+    watch_parent = os.pidfd_open(parent_pid)
+    if os.getppid() != parent_pid:  # it ended before the watch began
+        return
+    import importlib
+
+    started_with = dict(os.environ)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # what the imports set (torch._dynamo sets TORCHINDUCTOR_CACHE_DIR when unset): a cold rank's imports set it too
+    IMPORTS_SET.update({k: v for k, v in os.environ.items() if started_with.get(k) != v})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    job = Zygote(listener, watch_parent).run()
+    run_rank(*job)  # only in a forked child; raises SystemExit (or the module's exception) to the interpreter
+
+
+class Zygote:
+    """One poll loop over the listening socket, each client's connection, each child's pidfd and the parent."""
+
+    def __init__(self, listener: socket.socket, watch_parent: int):
+        self.listener, self.watch_parent = listener, watch_parent
+        self.children: dict[int, dict] = {}  # child pid -> {"conn", "pidfd"}
+        self.poll = select.poll()
+        for fd in (listener.fileno(), watch_parent):
+            self.poll.register(fd, select.POLLIN)
+        self.handlers = {listener.fileno(): self._accept, watch_parent: self._parent_gone}
+
+    def run(self):
+        while True:
+            for fd, _ in self.poll.poll():
+                handler = self.handlers.get(fd)
+                job = handler() if handler else None
+                if job is not None:  # in the forked child
+                    return job
+
+    def _accept(self):
+        conn, _ = self.listener.accept()
+        try:
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        except OSError:
+            conn.close()
+            return None
+        request = json.loads(message)
+        differing = late_read_mismatch(request["env"])
+        if len(fds) != 3 or request["argv"][:1] != ["-m"] or differing:
+            print(f"cold start: {differing or request['argv'][:2]}", file=sys.stderr, flush=True)
+            conn.send(b"C")
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            return None
+        pid = os.fork()
+        if pid == 0:
+            return self._in_child(conn, fds, request)
+        for fd in fds:
+            os.close(fd)
+        print(f"warm start: RANK={request['env'].get('RANK')} pid {pid}", file=sys.stderr, flush=True)
+        pidfd = os.pidfd_open(pid)
+        self.children[pid] = {"conn": conn, "pidfd": pidfd}
+        self.poll.register(conn.fileno(), select.POLLIN)
+        self.poll.register(pidfd, select.POLLIN)
+        self.handlers[conn.fileno()] = lambda: self._from_client(pid)
+        self.handlers[pidfd] = lambda: self._child_ended(pid)
+        conn.send(f"P {pid}".encode())
+        return None
+
+    def _in_child(self, conn, fds, request):
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in set(fds) - {0, 1, 2}:
+            os.close(fd)
+        for child in self.children.values():  # other ranks' connections and pidfds
+            os.close(child["pidfd"])
+            if child["conn"] is not None:
+                child["conn"].close()
+        os.close(self.watch_parent)
+        self.listener.close()
+        conn.close()
+        return (request,)
+
+    def _from_client(self, pid: int) -> None:
+        child = self.children[pid]
+        try:
+            message = child["conn"].recv(64)
+        except OSError:
+            message = b""
+        if message.startswith(b"S "):
+            os.kill(pid, int(message[2:]))  # not reaped yet: the pid is still this child's
+            return
+        # the client is gone (kill -9): end the child and all it started, as killing the job's tree would
+        self.poll.unregister(child["conn"].fileno())
+        del self.handlers[child["conn"].fileno()]
+        child["conn"].close()
+        child["conn"] = None
+        kill_tree(pid)
+
+    def _child_ended(self, pid: int) -> None:
+        child = self.children.pop(pid)
+        _, status = os.waitpid(pid, 0)
+        self.poll.unregister(child["pidfd"])
+        del self.handlers[child["pidfd"]]
+        os.close(child["pidfd"])
+        if child["conn"] is not None:
+            ending = f"K {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"X {os.waitstatus_to_exitcode(status)}"
+            try:
+                child["conn"].send(ending.encode())
+            except OSError:
+                pass
+            self.poll.unregister(child["conn"].fileno())
+            del self.handlers[child["conn"].fileno()]
+            child["conn"].close()
+
+    def _parent_gone(self) -> None:
+        for pid in list(self.children):
+            kill_tree(pid)
+        os._exit(0)
+
+
+def late_read_mismatch(env: dict) -> list[str]:
+    """The variables, other than those read after start-up, in which a rank's environment differs from the
+    zygote's after its imports (their values may have been used during the imports). A variable the imports set
+    may be missing: the rank gets the imports' value, as its own imports would have set it."""
+    keys = set(env) | set(os.environ)
+    return sorted(k for k in keys if env.get(k) != os.environ.get(k) and not (k in IMPORTS_SET and k not in env)
+                  and k not in LATE_READ and not k.startswith(LATE_READ_PREFIXES))
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and its descendants at once (found before any dies, so none is missed by reparenting)."""
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def run_rank(request: dict) -> None:
+    """In the forked child: become the process `python -m MODULE ARGS` would have been, then run the module."""
+    os.setsid()  # a session of its own, as torchrun starts each rank
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for key, value in IMPORTS_SET.items():
+        os.environ.setdefault(key, value)
+    os.umask(request["umask"])
+    for signum in request["ignored_signals"]:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked_signals"])
+    _fresh_std_streams(request["unbuffered"])
+    if "numpy.random" in sys.modules:  # its global generator was seeded once, in the zygote; a new process seeds anew
+        sys.modules["numpy.random"].seed()
+    main = sys.modules["__main__"].__dict__
+    for name in [n for n in main if not n.startswith("__")]:  # the zygote's bootstrap names
+        del main[name]
+    sys.path[0] = os.getcwd()  # `python -m`: the working directory first
+    import runpy
+
+    sys.argv = ["-m", *request["argv"][2:]]
+    runpy._run_module_as_main(request["argv"][1])
+
+
+def _fresh_std_streams(unbuffered: bool) -> None:
+    """sys.stdin/stdout/stderr over the client's descriptors (now 0, 1, 2), made as the interpreter makes them at
+    start-up: the encoding and error handlers of the zygote's (same environment), buffering from -u and the tty."""
+    import io
+
+    def text(fd: int, old, mode: str):
+        if mode == "rb":
+            buffer = io.open(fd, "rb", closefd=False)
+            return io.TextIOWrapper(buffer, old.encoding, old.errors, newline=None, line_buffering=buffer.isatty())
+        buffer = io.open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)
+        interactive = os.isatty(fd)
+        return io.TextIOWrapper(buffer, old.encoding, old.errors, newline="\n",
+                                line_buffering=not unbuffered and (interactive or fd == 2),
+                                write_through=unbuffered)
+
+    sys.stdin = sys.__stdin__ = text(0, sys.__stdin__, "rb")
+    sys.stdout = sys.__stdout__ = text(1, sys.__stdout__, "wb")
+    sys.stderr = sys.__stderr__ = text(2, sys.__stderr__, "wb")
