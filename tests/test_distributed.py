@@ -89,33 +89,14 @@ def torchrun(items: list[str], env_extra: dict | None = None, script: list[str] 
                             start_new_session=True, **popen)
 
 
-def _children_by_parent() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
 def children(pid: int) -> list[int]:
     """pid's direct child processes (torchrun's: the ranks)."""
-    return _children_by_parent().get(pid, [])
+    return warm_ranks.children_by_parent().get(pid, [])
 
 
 def descendants(pid: int) -> list[int]:
     """pid's child processes, recursively (torchrun starts each rank in a session of its own)."""
-    children_of = _children_by_parent()
-    found, todo = [], [pid]
-    while todo:
-        for child in children_of.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    return warm_ranks.descendants(pid)
 
 
 def kill_9_job(proc) -> None:

@@ -265,7 +265,8 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def descendants(pid: int) -> list[int]:
+def children_by_parent() -> dict[int, list[int]]:
+    """Every process's children, read from /proc at once."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -275,6 +276,12 @@ def descendants(pid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """pid's child processes, recursively."""
+    children = children_by_parent()
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
