@@ -30,20 +30,18 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
+from .checkpoint_dirs import LATEST_FILE, checkpoint_root, find_latest_checkpoint, list_checkpoints  # noqa: F401
 from .errors import UserError
 
 log = logging.getLogger(__name__)
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
-_STEP_DIR = re.compile(r"global_step_(\d+)")
 
 
 class CheckpointError(UserError):
@@ -85,10 +83,6 @@ def restore_rng(tensors: dict, plain: dict) -> None:
     random.setstate((version, tuple(state), gauss))
     name, keys, pos, has_gauss, cached = plain["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-def checkpoint_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
 
 
 def _sha256(path: str) -> str:
@@ -225,24 +219,6 @@ def write_run_state(tmp: str, step: int, trainer_state: dict, config_yaml: Optio
             handle.write(config_yaml)
     with open(os.path.join(tmp, "trainer_state.json"), "w") as handle:
         json.dump({**trainer_state, "global_step": step, "rng": rng_plain, **extra}, handle)
-
-
-def list_checkpoints(run_dir: str) -> list[str]:
-    """Complete checkpoints, oldest first (`.tmp` leftovers of a killed save and `.damaged` ones are ignored)."""
-    paths = [p for p in glob.glob(os.path.join(checkpoint_root(run_dir), "global_step_*"))
-             if _STEP_DIR.fullmatch(os.path.basename(p)) and os.path.exists(os.path.join(p, "trainer_state.json"))]
-    return sorted(paths, key=lambda p: int(p.rsplit("_", 1)[-1]))
-
-
-def find_latest_checkpoint(run_dir: str) -> Optional[str]:
-    marker = os.path.join(checkpoint_root(run_dir), LATEST_FILE)
-    if os.path.exists(marker):
-        with open(marker) as handle:
-            path = os.path.join(checkpoint_root(run_dir), f"global_step_{handle.read().strip()}")
-        if os.path.exists(os.path.join(path, "trainer_state.json")):
-            return path
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
 
 
 def _load_safetensors_dir(directory: str) -> dict:

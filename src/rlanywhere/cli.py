@@ -179,7 +179,7 @@ def _torchrun_until_done(cfg, relaunch_argv: list[str]) -> int:
     sharded update ran out of memory (it saved smaller sizes: oom.OOMGuard.run_matched), relaunch it to resume
     from the last checkpoint at those sizes."""
     from . import distributed
-    from .checkpoint import list_checkpoints
+    from .checkpoint_dirs import list_checkpoints
     from .oom import remembered_sizes
 
     run_dir = cfg.trainer.default_local_dir
@@ -220,7 +220,7 @@ def _run_rank(cfg, notices: list[str], emulate: Optional[str], rank: int, resume
         if rank == 0:  # resume_command: what continues this run when it is not the same command line (the demo)
             text = str(stop)
             if resume_command:
-                from .checkpoint import list_checkpoints
+                from .checkpoint_dirs import list_checkpoints
 
                 saved = stop.checkpoint or list_checkpoints(cfg.trainer.default_local_dir)
                 text = text.split("; run the same command")[0] + (

@@ -14,6 +14,7 @@ import os
 import shutil
 from typing import Optional
 
+from .checkpoint_dirs import list_checkpoints
 from .errors import UserError
 
 DEMO_DATA_DIR = "data/arith"
@@ -32,14 +33,6 @@ RESUME_COMMAND = "rlanywhere demo --resume"
 
 def has_final_model(run_dir: str) -> bool:
     return os.path.isfile(os.path.join(run_dir, FINAL_MODEL, "config.json"))
-
-
-def list_checkpoints(run_dir: str) -> list[str]:
-    """checkpoint.list_checkpoints, imported when called: checkpoint.py imports torch, which the CLI's commands
-    that train nothing (`--help`, `demo --list`) need not load."""
-    from .checkpoint import list_checkpoints as listed
-
-    return listed(run_dir)
 
 
 def saved_anything(run_dir: str) -> bool:

@@ -29,21 +29,10 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from .checkpoint_dirs import checkpoint_root, list_checkpoints
 from .errors import UserError
 from .rank_layout import a_peer_died
 from .runfaults import check_run_names
-
-
-def checkpoint_root(run_dir: str) -> str:
-    from .checkpoint import checkpoint_root as root  # checkpoint.py imports torch: the run lock alone needs none
-
-    return root(run_dir)
-
-
-def list_checkpoints(run_dir: str) -> list[str]:
-    from .checkpoint import list_checkpoints as listed
-
-    return listed(run_dir)
 
 
 log = logging.getLogger(__name__)
