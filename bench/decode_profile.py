@@ -3,7 +3,8 @@
 Prints (1) a kernel-level profile of one decode step (torch.profiler, eager, CUDA time per kernel family), (2) the
 step as a rollout runs it (its CUDA graph, sampling inside) and (3) a micro-benchmark of every GEMM shape in the
 step under several formulations (cuBLAS / cuBLASLt, weight layout, split-K), in TFLOP/s, and of the decode attention,
-so the step time can be compared with its floor: the GEMMs in their best formulation plus the Triton attention.
+so the step time can be compared with its floor: the GEMMs in their best formulation, the Triton attention at the
+step's span with the step's full rows, and one read of the step's fp32 logits (the sampling a step cannot avoid).
 
     python bench/decode_profile.py --dtype fp32 --no-tf32 --batch 64          # the Tesla P40 path
     python bench/decode_profile.py --dtype bf16 --batch 256,512,1024 --span 384 --formulations triton
@@ -169,14 +170,19 @@ def gemm_bench(rows: int, dtype: torch.dtype, shapes: dict[str, tuple[int, int, 
 
 
 def attention_bench(rows: int, dtype: torch.dtype, kv_heads: int, groups: int, head_dim: int, span: int,
-                    layers: int, only: set[str] | None = None) -> dict[str, float]:
-    """Decode attention formulations for one step: q [rows, kv, G, D] against [rows, kv, span, D] K/V per layer."""
-    print(f"\n== decode attention, {rows} rows x {kv_heads} kv heads x {groups} q/kv, span {span} ({dtype}) ==")
+                    layers: int, only: set[str] | None = None, padded: bool = True) -> dict[str, float]:
+    """Decode attention formulations for one step: q [rows, kv, G, D] against [rows, kv, span, D] K/V per layer.
+    padded: each row starts at a random slot in the span's first half (a rollout's left-padded prompts); else every
+    row fills the whole span, as the profiled step's rows do."""
+    fill = "random left padding" if padded else "full rows"
+    print(f"\n== decode attention, {rows} rows x {kv_heads} kv heads x {groups} q/kv, span {span}, {fill} "
+          f"({dtype}) ==")
     scale = head_dim**-0.5
     q = torch.randn(rows, kv_heads, groups, head_dim, device="cuda", dtype=dtype)
     ks = [torch.randn(rows, kv_heads, span, head_dim, device="cuda", dtype=dtype) for _ in range(layers)]
     vs = [torch.randn(rows, kv_heads, span, head_dim, device="cuda", dtype=dtype) for _ in range(layers)]
-    start = torch.randint(0, span // 2, (rows,), device="cuda")
+    start = (torch.randint(0, span // 2, (rows,), device="cuda") if padded
+             else torch.zeros(rows, dtype=torch.long, device="cuda"))
     valid = torch.arange(span, device="cuda")[None] >= start[:, None]
     mask = torch.zeros(rows, 1, 1, span, device="cuda", dtype=dtype).masked_fill_(~valid[:, None, None], float("-inf"))
     bias3 = mask.expand(rows, kv_heads, groups, span).reshape(rows * kv_heads, groups, span).contiguous()
@@ -306,16 +312,38 @@ def profile_batch(model, dtype: torch.dtype, batch: int, span: int, attention: d
     }
     gemm_ms = gemm_bench(batch, dtype, shapes)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    attention_ms = {}
-    for at_span in sorted({256, span}):
-        attention_ms[at_span] = attention_bench(batch, dtype, cfg.num_key_value_heads,
-                                                cfg.num_attention_heads // cfg.num_key_value_heads, head_dim, at_span,
-                                                cfg.num_hidden_layers, only)
-    if "triton" in attention_ms[span]:
-        floor = gemm_ms + cfg.num_hidden_layers * attention_ms[span]["triton"]
+    heads = (cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, head_dim)
+    for at_span in sorted({256, span}):  # a rollout's rows: left-padded prompts (for the formulations' record)
+        attention_bench(batch, dtype, *heads, at_span, cfg.num_hidden_layers, only)
+    # the floor's attention: the step's own span and fill (the profiled step's rows are full)
+    attention_ms = attention_bench(batch, dtype, *heads, span, cfg.num_hidden_layers, {"triton"}, padded=False)
+    sampling_ms = sampling_bench(batch, cfg.vocab_size)
+    if "triton" in attention_ms:
+        attention_total = cfg.num_hidden_layers * attention_ms["triton"]
+        floor = gemm_ms + attention_total + sampling_ms["one read"]
         print(f"\n== floor at batch {batch}, span {span}: GEMMs {gemm_ms:.3f} + attention "
-              f"{cfg.num_hidden_layers} x {1000 * attention_ms[span]['triton']:.1f} us = {floor:.3f} ms; "
-              f"the step {step_ms:.3f} ms is {step_ms / floor:.2f}x of it ==")
+              f"{cfg.num_hidden_layers} x {1000 * attention_ms['triton']:.1f} us ({attention_total:.3f}) + one read "
+              f"of the fp32 logits {sampling_ms['one read']:.3f} = {floor:.3f} ms; the step {step_ms:.3f} ms is "
+              f"{step_ms / floor:.2f}x of it ==")
+
+
+def sampling_bench(rows: int, vocab: int) -> dict[str, float]:
+    """The sampling a decode step cannot avoid: one read of its fp32 logits [rows, vocab] (a max over each row,
+    bandwidth-bound), beside the fused sampler's draw (rollout/fused_sampling.py) on the same logits."""
+    from rlanywhere.rollout.fused_sampling import sample_into
+
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.float32)
+    seed, step = torch.zeros(1, dtype=torch.long, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+    temperature = torch.ones(1, device="cuda")
+    tokens = torch.empty(rows, dtype=torch.long, device="cuda")
+    logprobs = torch.empty(rows, device="cuda")
+    times = {"one read": time_graph(lambda: logits.amax(-1)),
+             "fused sampler": time_graph(lambda: sample_into(logits, seed, step, temperature, tokens, logprobs))}
+    gbytes = logits.numel() * 4 / 1e9
+    print(f"\n== sampling, {rows} rows x {vocab} fp32 logits ({gbytes:.3f} GB) ==")
+    for name, ms in times.items():
+        print(f"  {name:14s} {1000 * ms:7.1f} us  ({gbytes / ms * 1e3:6.0f} GB/s)")
+    return times
 
 if __name__ == "__main__":
     main()

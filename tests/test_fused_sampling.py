@@ -17,48 +17,44 @@ pytestmark = pytest.mark.skipif(not interpreter_runs(),
                                 reason="needs triton >= 3.9 and TRITON_INTERPRET=1 (scripts/test.sh, conftest.py)")
 
 
-def draw(logits, temperature, seed=1234, step=5, splits=None, row_offset=0):
+def draw(logits, temperature, seed=1234, step=5, row_offset=0):
     rows = logits.shape[0]
     tokens = torch.full((rows,), -1, dtype=torch.long)
     logprobs = torch.full((rows,), float("nan"))
     fused_sampling.sample_into(logits, torch.tensor([seed]), torch.tensor([step]),
-                               torch.tensor([float(temperature)]), tokens, logprobs, splits=splits,
-                               row_offset=row_offset)
+                               torch.tensor([float(temperature)]), tokens, logprobs, row_offset=row_offset)
     return tokens, logprobs
-
-
-def test_plan_vocab_splits_fills_the_gpu_with_whole_blocks():
-    assert fused_sampling.BLOCK_VOCAB == 1024
-    assert fused_sampling.plan_vocab_splits(256, 49152, 528) == (3, 16384)  # 48 blocks, 3 chunks per row
-    assert fused_sampling.plan_vocab_splits(64, 49152, 528) == (8, 6144)
-    assert fused_sampling.plan_vocab_splits(1024, 49152, 528) == (1, 49152)
-    assert fused_sampling.plan_vocab_splits(4, 100, 528) == (1, 1024)  # never a chunk shorter than a block
 
 
 def test_greedy_is_the_first_argmax_with_the_unscaled_log_prob():
     torch.manual_seed(0)
-    logits = torch.randn(5, 3000) * 3
-    logits[1, 2500] = logits[1, 700] = 50.0  # a tie across chunks: the first index wins, as torch.argmax
+    assert fused_sampling.CHUNK == 4096
+    logits = torch.randn(5, 9000) * 3  # three chunks, the last one partly past the vocabulary
+    logits[1, 8500] = logits[1, 700] = 50.0  # a tie across chunks: the first index wins, as torch.argmax
     logits[2, 10] = logits[2, 11] = 50.0  # a tie inside one block
-    logits[3, :1500] = float("-inf")  # whole blocks masked out
-    for splits in (1, 2, 3):
-        tokens, logprobs = draw(logits, 0.0, splits=splits)
-        assert torch.equal(tokens, logits.argmax(-1)), splits
-        expected = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None]).squeeze(1)
-        assert torch.allclose(logprobs.double(), expected, atol=1e-5), splits
+    logits[3, 1000] = logits[3, 1030] = 50.0  # a tie across the blocks of one chunk
+    logits[4, :5000] = float("-inf")  # a whole chunk and blocks of the next masked out
+    tokens, logprobs = draw(logits, 0.0)
+    assert torch.equal(tokens, logits.argmax(-1))
+    expected = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None]).squeeze(1)
+    assert torch.allclose(logprobs.double(), expected, atol=1e-5)
 
 
-def test_sampled_log_probs_are_the_tempered_softmax_and_the_draws_do_not_depend_on_the_chunking():
+def test_sampled_log_probs_are_the_tempered_softmax_and_masked_tokens_are_never_drawn():
     torch.manual_seed(1)
-    logits = torch.randn(6, 2500) * 2
-    first, _ = draw(logits, 0.7)
-    for splits in (1, 2, 3):
-        tokens, logprobs = draw(logits, 0.7, splits=splits)
-        assert torch.equal(tokens, first), splits
-        # the trainer's arithmetic (logprobs.py): logits times 1/temperature
-        expected = torch.log_softmax(logits.double() * (1 / 0.7), -1).gather(1, tokens[:, None]).squeeze(1)
-        assert torch.allclose(logprobs.double(), expected, atol=1e-5), splits
-    assert not torch.equal(first, logits.argmax(-1))  # it samples
+    logits = torch.randn(6, 9000) * 2
+    logits[1, 4096:] = float("-inf")  # the first chunk only
+    logits[2, :8192] = float("-inf")  # the last chunk only
+    logits[3, ::2] = float("-inf")  # every other token
+    logits[4, :] = float("-inf")
+    logits[4, 6000] = 0.0  # one token can be drawn: it is, with log-prob 0
+    tokens, logprobs = draw(logits, 0.7)
+    # the trainer's arithmetic (logprobs.py): logits times 1/temperature
+    expected = torch.log_softmax(logits.double() * (1 / 0.7), -1).gather(1, tokens[:, None]).squeeze(1)
+    assert torch.allclose(logprobs.double(), expected, atol=1e-5)
+    assert torch.isfinite(logits[torch.arange(6), tokens]).all()
+    assert tokens[1] < 4096 and tokens[2] >= 8192 and tokens[3] % 2 == 1 and tokens[4] == 6000
+    assert not torch.equal(tokens, logits.argmax(-1))  # it samples
 
 
 def test_a_batch_sampled_in_two_parts_draws_what_it_draws_whole():
@@ -78,18 +74,23 @@ def test_a_batch_sampled_in_two_parts_draws_what_it_draws_whole():
 def test_draws_follow_the_softmax_and_change_with_seed_and_step():
     probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02])
     temperature = 0.8
-    # 128 rows x 2 steps = 256 draws (the interpreter runs each row's program in Python: ~40 ms apiece)
-    logits = (probs.log() * temperature).expand(128, -1).contiguous()  # softmax(logits / T) = probs
+    # the tokens spread over the chunks (4096 entries) and their blocks, at their edges too
+    columns = torch.tensor([4096, 5, 5100, 4095, 4500, 1024, 1023])
+    # 128 rows x 2 steps = 256 draws (the interpreter runs each program in Python)
+    logits = torch.full((128, 5196), float("-inf"))  # a chunk and a quarter
+    logits[:, columns] = probs.log() * temperature  # softmax(logits / T) = probs over `columns`
     counts = torch.zeros(len(probs))
     seen = []
     for step in range(2):
         tokens, logprobs = draw(logits, temperature, seed=99, step=step)
-        counts += torch.bincount(tokens, minlength=len(probs))
-        assert torch.allclose(logprobs, probs.log()[tokens], atol=1e-5)
+        which = (tokens[:, None] == columns).long().argmax(1)
+        assert torch.equal(columns[which], tokens)
+        counts += torch.bincount(which, minlength=len(probs))
+        assert torch.allclose(logprobs, probs.log()[which], atol=1e-5)
         seen.append(tokens)
     assert chi_square_pvalue(counts, probs) > 1e-3
     # the test can fail: the same 256 draws are rejected against the distribution at another temperature
-    assert chi_square_pvalue(counts, torch.softmax(logits[0] / 1.6, -1)) < 1e-3
+    assert chi_square_pvalue(counts, torch.softmax(logits[0, columns] / 1.6, -1)) < 1e-3
     assert not torch.equal(seen[0], seen[1])  # each step draws afresh
     few = logits[:16]  # a row's draw depends on its index, the seed and the step only
     assert torch.equal(draw(few, temperature, seed=99, step=0)[0], seen[0][:16])  # reproducible
@@ -163,3 +164,34 @@ def test_fused_sampling_off_a_gpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(UserError, match="fused_sampling=True runs on CUDA GPUs"):
         fused_engine(tiny_model("qwen2"))
+
+
+def test_the_kernels_compile_for_a_gpu():
+    """The interpreter runs what a GPU build refuses (a global that is not a constexpr, say): compile both kernels
+    for sm_90 as a CUDA machine would, on the CPU (Triton's own compiler and ptxas), in a process without
+    TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+
+    source = os.path.join(os.path.dirname(fused_sampling.__file__), "fused_sampling_kernels.py")
+    script = f"""
+import importlib.util
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+spec = importlib.util.spec_from_file_location("kernels", {source!r})
+kernels = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kernels)
+types = dict(stride_row="i32", vocab="i32", row_offset="i32", seed_ptr="*i64", step_ptr="*i64", tokens_ptr="*i64",
+             row_key_ptr="*i64", part_col_ptr="*i32")
+sizes = dict(CHUNKS=38, CHUNKS_PAD=64, CHUNK={fused_sampling.CHUNK}, BLOCK={fused_sampling.BLOCK_VOCAB}, KEYED=True)
+for kernel in (kernels.chunk_kernel, kernels.draw_kernel):
+    constants = {{name: sizes[name] for name in kernel.arg_names if name in sizes}}
+    signature = {{name: "constexpr" if name in sizes else types.get(name, "*fp32") for name in kernel.arg_names}}
+    compiled = compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=GPUTarget("cuda", 90, 32))
+    print(kernel.__name__, len(compiled.asm["cubin"]))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "chunk_kernel" in done.stdout and "draw_kernel" in done.stdout

@@ -349,12 +349,34 @@ def test_decoder_layers_compiled_where_triton_runs_and_use_torch_compile_allows(
         ("t4", True, (), None): "compute capability 7.5 < 8.0",
         ("h100", True, (), "p40"): "compute capability 6.1 < 8.0",
         (None, None, (), None): "CPU",
+        ("h100", True, ("hardware.compile_training=false",), None): "hardware.compile_training=false",
+        ("h100", True, ("trainer.total_training_steps=20",), None): "a run of 20 steps",
     }
     for (card, triton, extra, emulate), why in refusals.items():
         plan = make_plan(cfg_of(*PPO_05B, *extra), fake(card, triton_usable=triton), emulate=emulate)
         assert not plan.compile_training and why in plan.reasons["compile_training"], (card, emulate, plan.reasons)
         assert plan.micro_batch_width_multiple == 1  # eager passes: no padding beyond the longest row
         assert "not compiled" in plan.summary()
+
+
+def test_a_short_run_trains_eager_unless_compiling_is_asked_for():
+    """auto compiles runs of compile_min_steps(the model's parameters) steps or more (or of unknown length): fewer
+    for a larger model; a shorter run finishes sooner eager; hardware.compile_training=true compiles any run where
+    the card can, and refuses where it cannot."""
+    assert planner.compile_min_steps(135_000_000) == 223 and planner.compile_min_steps(494_000_000) == 61
+    assert planner.compile_min_steps(1_540_000_000) == 20 and planner.compile_min_steps(70_000_000_000) == 1
+    h100 = fake("h100", triton_usable=True)
+    fewest = planner.compile_min_steps(model_shape.read_model_shape("Qwen/Qwen2.5-0.5B-Instruct").num_params())
+    assert 40 < fewest < 100  # a 0.5B model
+    short = f"trainer.total_training_steps={fewest - 1}"
+    assert make_plan(cfg_of(*PPO_05B, f"trainer.total_training_steps={fewest}"), h100).compile_training
+    eager = make_plan(cfg_of(*PPO_05B, short), h100)
+    assert not eager.compile_training and "finishes sooner eager" in eager.reasons["compile_training"]
+    assert f"compile from {fewest} steps" in eager.reasons["compile_training"]
+    forced = make_plan(cfg_of(*PPO_05B, short, "hardware.compile_training=true"), h100)
+    assert forced.compile_training and forced.micro_batch_width_multiple == 8
+    with pytest.raises(PlanError, match="hardware.compile_training=true: compute capability 7.5 < 8.0"):
+        make_plan(cfg_of(*PPO_05B, "hardware.compile_training=true"), fake("t4", triton_usable=True))
 
 
 def test_training_attention_context_restricts_sdpa_to_the_planned_backends():

@@ -435,6 +435,9 @@ class HardwareConfig:
     # training passes run each distinct prompt of a micro-batch once for all its samples (prompt_sharing.py):
     # auto (the planner: GRPO-style groups) | true | false
     share_prompts: Any = "auto"
+    # the training passes' decoder layers compiled (torch.compile): auto (the planner: where the card runs it and the
+    # run is long enough to repay compiling) | true | false
+    compile_training: Any = "auto"
     oom_recovery: bool = True
     require_loggers: bool = False  # a trainer.logger entry that cannot run is an error, not local logging instead
     # guard rails (precision_guard.py): stop when the fp16 loss scale falls below min_loss_scale, or when the mean

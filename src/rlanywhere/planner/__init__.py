@@ -42,8 +42,8 @@ from .rollout import DECODE_SPAN_GRANULARITY, TRITON_DECODE_MIN_CC, decide_kv_re
     plan_rollout, plan_rollout_for, rollout_policy
 from .reward_model import plan_from_config
 from .sharding import DATA_PARALLEL_MODES, ShardingDecision, apply_sharding, plan_data_parallel, plan_sharding
-from .training import SHARED_PROMPT_MODEL_TYPES, decide_prompt_sharing, plan_prompt_sharing, plan_training_compile, \
-    plan_training_kernels
+from .training import SHARED_PROMPT_MODEL_TYPES, compile_min_steps, decide_prompt_sharing, plan_prompt_sharing, \
+    plan_training_compile, plan_training_kernels
 
 # Names that moved to runtime.py (they apply a plan, they decide nothing), still reachable here for callers that
 # imported them from the planner; loaded on first use, so the planner itself does not import the runtime.
@@ -139,7 +139,9 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     plan_training_kernels(plan, backends, target.is_cuda)
 
     def decide_kernels(decided: Plan) -> None:
-        plan_training_compile(decided, bool(actor.use_torch_compile), target.is_cuda, target.cc, machine.triton_usable)
+        plan_training_compile(decided, bool(actor.use_torch_compile), target.is_cuda, target.cc, machine.triton_usable,
+                              auto_flag(cfg.hardware.compile_training), cfg.trainer.total_training_steps,
+                              shape.num_params())
         plan_prompt_sharing(decided, auto_flag(cfg.hardware.share_prompts), int(arr.rollout.n), shape.model_type,
                             flash_runs=target.is_cuda and "flash_attention" in backends)
 
@@ -182,4 +184,4 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
 
 __all__ = ["make_plan", "plan_rollout_for", "sharded_gather_dtype", "PlanError", "NoFitError", "Decision",
            "MemoryPlan", "ShardingDecision", "Target", "DATA_PARALLEL_MODES", "DECODE_SPAN_GRANULARITY",
-           "TRITON_DECODE_MIN_CC", "SHARED_PROMPT_MODEL_TYPES", *_RUNTIME_NAMES]
+           "TRITON_DECODE_MIN_CC", "SHARED_PROMPT_MODEL_TYPES", "compile_min_steps", *_RUNTIME_NAMES]

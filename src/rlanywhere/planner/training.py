@@ -6,6 +6,8 @@ are in docs/benchmarks.md, not in the reasons."""
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 from ..plans import Plan
@@ -21,6 +23,17 @@ SHARED_PROMPT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # which inductor generates its GPU kernels with, does not run below 7.0, and 7.x is not measured).
 COMPILE_TRAINING_MIN_CC = (8, 0)
 COMPILED_WIDTH_MULTIPLE = 8
+# auto compiles the training passes of runs of at least this many parameter-steps (steps x the model's parameters):
+# compiling costs about the same tens of seconds for any model, and saves a share of each update that grows with the
+# model. On one H200 the demo's job (SmolLM2-135M) spent 18 s compiling on an empty cache to save 0.02 s a step, and
+# compiled layers made Qwen2.5-0.5B's update 1.6-1.8x faster (docs/benchmarks.md): 135M compiles from 223 steps,
+# 0.5B from 61, 1.5B from 20
+COMPILE_MIN_PARAM_STEPS = 30e9
+
+
+def compile_min_steps(params: int) -> int:
+    """The fewest steps of a run whose training passes auto compiles, for a model of `params` parameters."""
+    return max(1, math.ceil(COMPILE_MIN_PARAM_STEPS / max(params, 1)))
 
 
 def decide_training_sdpa_backends(plan: Plan, sdpa_backends: list[str], on_cuda: bool) -> Decision:
@@ -79,11 +92,16 @@ def plan_training_kernels(plan: Plan, sdpa_backends: list[str], on_cuda: bool) -
 
 
 def decide_training_compile(plan: Plan, allowed: bool, on_cuda: bool, cc: Optional[tuple[int, int]],
-                            triton: bool) -> Decision:
+                            triton: bool, requested: Optional[bool] = None, steps: Optional[int] = None,
+                            params: Optional[int] = None) -> Decision:
     """Whether the training-side passes (log-probs, values, updates) run compiled: the actor's, reference's and
-    critic's decoder layers (torch.compile, one graph per layer class) and the log-prob head's chunk math."""
+    critic's decoder layers (torch.compile, one graph per layer class) and the log-prob head's chunk math.
+    requested: hardware.compile_training (None: auto); steps: the run's trainer.total_training_steps, where set;
+    params: the actor's parameters (auto keeps a run of fewer than compile_min_steps(params) eager: compiling would
+    not be repaid)."""
     refusals = (  # the first that applies is the reason
         (not allowed, "actor_rollout_ref.actor.use_torch_compile=false"),
+        (requested is False, "hardware.compile_training=false"),
         (not on_cuda, "CPU: compiling takes tens of seconds per layer variant, not repaid by a CPU run's few steps"),
         (not triton, "triton is not installed, or no C compiler to build its kernels' launcher"),
         (cc is None or cc < COMPILE_TRAINING_MIN_CC,
@@ -94,6 +112,14 @@ def decide_training_compile(plan: Plan, allowed: bool, on_cuda: bool, cc: Option
                              "there"),
     )
     why_not = next((reason for refused, reason in refusals if refused), None)
+    if requested and why_not:
+        raise PlanError(f"hardware.compile_training=true: {why_not}. Use hardware.compile_training=auto")
+    fewest = compile_min_steps(params) if params else None
+    if why_not is None and requested is None and fewest and steps is not None and 0 < steps < fewest:
+        why_not = (f"a run of {steps} steps (trainer.total_training_steps) finishes sooner eager: compiling costs "
+                   "tens of seconds before the first step on a machine whose compile cache lacks this model's "
+                   "kernels, and saves a share of each update that grows with the model; runs of this model compile "
+                   f"from {fewest} steps (hardware.compile_training=true compiles any run)")
     return Decision(why_not is None, why_not or (
         "torch.compile per decoder layer (dynamic shapes, one graph shared by every layer) and of the log-prob "
         "head's softmax math: the norms, RoPE, SiLU*mul, residual adds and casts run as fused kernels, a faster "
@@ -103,8 +129,9 @@ def decide_training_compile(plan: Plan, allowed: bool, on_cuda: bool, cc: Option
 
 
 def plan_training_compile(plan: Plan, allowed: bool, on_cuda: bool, cc: Optional[tuple[int, int]],
-                          triton: bool) -> None:
-    decision = decide_training_compile(plan, allowed, on_cuda, cc, triton)
+                          triton: bool, requested: Optional[bool] = None, steps: Optional[int] = None,
+                          params: Optional[int] = None) -> None:
+    decision = decide_training_compile(plan, allowed, on_cuda, cc, triton, requested, steps, params)
     plan.compile_training = decision.value
     # inductor compiles a graph for widths that are multiples of 8 and another for the rest (an alignment guard)
     plan.micro_batch_width_multiple = COMPILED_WIDTH_MULTIPLE if plan.compile_training else 1

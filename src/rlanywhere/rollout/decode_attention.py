@@ -57,7 +57,7 @@ def _kernels():
 def plan_chunks(items: int, length: int, block: int, programs_wanted: int) -> tuple[int, int]:
     """(splits, chunk): each of `items` independent reductions over `length` elements cut into `splits` chunks of
     `chunk` elements (a multiple of `block`, none empty), enough programs to fill the GPU, none shorter than a
-    block. Shared by the split-K attention (slots per (row, KV head)) and the fused sampler (vocabulary per row)."""
+    block (the split-K attention's slots per (row, KV head))."""
     blocks = max(1, math.ceil(length / block))
     splits = max(1, min(blocks, math.ceil(programs_wanted / max(items, 1))))
     chunk = math.ceil(blocks / splits) * block
