@@ -188,7 +188,8 @@ sizes = dict(CHUNKS=38, CHUNKS_PAD=64, CHUNK={fused_sampling.CHUNK}, BLOCK={fuse
 for kernel in (kernels.chunk_kernel, kernels.draw_kernel):
     constants = {{name: sizes[name] for name in kernel.arg_names if name in sizes}}
     signature = {{name: "constexpr" if name in sizes else types.get(name, "*fp32") for name in kernel.arg_names}}
-    compiled = compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=GPUTarget("cuda", 90, 32))
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    compiled = compile(source, target=GPUTarget("cuda", 90, 32))
     print(kernel.__name__, len(compiled.asm["cubin"]))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

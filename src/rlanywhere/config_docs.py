@@ -246,7 +246,7 @@ KEY_DOCS: dict[str, str] = {
     r"hardware\.compile_training": "the training passes' decoder layers compiled with torch.compile; auto: the "
     "planner, where the card runs the compiled kernels (CUDA with Triton, compute capability 8.0 or newer) and the "
     "run is long enough to repay compiling (trainer.total_training_steps unset, or at least 30e9 / the model's "
-    "parameters: 223 steps of a 135M model, 61 of a 0.5B one); true: any such run",
+    "parameters: 224 steps of SmolLM2-135M, 61 of a 0.5B one); true: any such run",
     r"hardware\.oom_recovery": "on a CUDA out-of-memory error, halve the micro-batch and redo the step",
     r"hardware\.min_loss_scale": "stop when the fp16 loss scale falls below this (every step overflowing); 0: off",
     r"hardware\.max_logprob_gap": "stop when the mean gap between rollout and trainer log-probs exceeds this on "

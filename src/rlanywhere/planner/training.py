@@ -26,8 +26,8 @@ COMPILED_WIDTH_MULTIPLE = 8
 # auto compiles the training passes of runs of at least this many parameter-steps (steps x the model's parameters):
 # compiling costs about the same tens of seconds for any model, and saves a share of each update that grows with the
 # model. On one H200 the demo's job (SmolLM2-135M) spent 18 s compiling on an empty cache to save 0.02 s a step, and
-# compiled layers made Qwen2.5-0.5B's update 1.6-1.8x faster (docs/benchmarks.md): 135M compiles from 223 steps,
-# 0.5B from 61, 1.5B from 20
+# compiled layers made Qwen2.5-0.5B's update 1.6-1.8x faster (docs/benchmarks.md): SmolLM2-135M compiles from 224
+# steps, 0.5B from 61, 1.5B from 20
 COMPILE_MIN_PARAM_STEPS = 30e9
 
 
