@@ -57,6 +57,18 @@ def test_sampled_log_probs_are_the_tempered_softmax_and_masked_tokens_are_never_
     assert not torch.equal(tokens, logits.argmax(-1))  # it samples
 
 
+def test_rows_with_nothing_to_draw_still_give_a_token_of_the_vocabulary():
+    """NaN logits (an fp16 overflow upstream) or only -inf: no probability to draw from; the kernels stay inside
+    the row and return a valid index (the log-prob shows the problem) rather than reading outside it."""
+    logits = torch.randn(3, 5000)
+    logits[0] = float("nan")
+    logits[1] = float("-inf")
+    for temperature in (0.0, 1.0):
+        tokens, logprobs = draw(logits, temperature)
+        assert ((tokens >= 0) & (tokens < 5000)).all(), tokens
+        assert not torch.isfinite(logprobs[:2]).any() and torch.isfinite(logprobs[2])
+
+
 def test_a_batch_sampled_in_two_parts_draws_what_it_draws_whole():
     """row_offset counts the noise by batch row: the two halves of a decode step (RolloutPlan.decode_halves)
     draw the tokens the whole batch would; without it both halves would reuse rows 0.. 's noise."""

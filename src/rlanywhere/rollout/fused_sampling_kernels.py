@@ -89,6 +89,7 @@ def draw_kernel(logits_ptr, stride_row, seed_ptr, step_ptr, temperature_ptr, par
     running = tl.cumsum(weights, 0)
     chunk = tl.min(tl.where((running > target) & (weights > 0), c, CHUNKS_PAD), 0)
     chunk = tl.where(chunk == CHUNKS_PAD, tl.max(tl.where(weights > 0, c, -1), 0), chunk)
+    chunk = tl.maximum(chunk, 0)  # no chunk can be drawn: walk the first
     before = tl.sum(tl.where(c == chunk, running - weights, 0.0), 0)
     chunk_max = tl.sum(tl.where(c == chunk, maxes, 0.0), 0)
     rest = (target - before) * tl.exp(overall - chunk_max)  # what is left of the target, on the chunk's own scale
@@ -108,6 +109,7 @@ def draw_kernel(logits_ptr, stride_row, seed_ptr, step_ptr, temperature_ptr, par
         passed += tl.sum(e, 0)
     col = tl.where(col == NO_COLUMN, last, col)  # rounding: the target past the chunk's sum
     col = tl.where(greedy, greedy_col, col)
+    col = tl.minimum(tl.maximum(col, 0), vocab - 1)  # nothing to draw (NaN or only -inf logits): stay inside the row
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + col).to(tl.float32) * inv_temperature
     tl.store(tokens_ptr + row, col.to(tl.int64))
     tl.store(logprobs_ptr + row, x - log_norm)
