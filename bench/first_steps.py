@@ -11,7 +11,7 @@ the engine), the first step and what it spent compiling (`perf/compile_s`) and c
     python bench/first_steps.py --model smollm2-135m              # the demo's real weights (needs the demo GGUF)
     python bench/first_steps.py --tiny                            # CPU, tiny model: checks the bench itself
     python bench/first_steps.py -- actor_rollout_ref.actor.use_torch_compile=false    # extra train overrides
-    python bench/first_steps.py -- hardware.compile_training=true     # compiled, as a run of 200+ steps is
+    python bench/first_steps.py -- hardware.compile_training=true     # compiled, as a long run is
 
 Random weights rarely stop early, so their responses run the whole 96 tokens where the trained demo's are ~25.
 """

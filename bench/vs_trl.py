@@ -160,7 +160,7 @@ def update_mfus(records: list[dict], warmup: int, shape, *, rows: int, groups: i
 
 def precision_overrides(args, on_gpu: bool) -> list[str]:
     """The side's precision; in bf16, compiled training passes as a long run has them (the bench's few steps would
-    otherwise run eager: planner.COMPILE_MIN_STEPS)."""
+    otherwise run eager: planner.compile_min_steps)."""
     if not on_gpu:
         return ["hardware.device=cpu"]
     return ["hardware.emulate=p40"] if args.p40_path else ["hardware.precision=bf16", "hardware.compile_training=true"]

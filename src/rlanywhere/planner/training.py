@@ -7,7 +7,6 @@ are in docs/benchmarks.md, not in the reasons."""
 from __future__ import annotations
 
 import math
-
 from typing import Optional
 
 from ..plans import Plan

@@ -110,6 +110,6 @@ def draw_kernel(logits_ptr, stride_row, seed_ptr, step_ptr, temperature_ptr, par
     col = tl.where(col == NO_COLUMN, last, col)  # rounding: the target past the chunk's sum
     col = tl.where(greedy, greedy_col, col)
     col = tl.minimum(tl.maximum(col, 0), vocab - 1)  # nothing to draw (NaN or only -inf logits): stay inside the row
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + col).to(tl.float32) * inv_temperature
+    x = tl.load(logits_row + col).to(tl.float32) * inv_temperature
     tl.store(tokens_ptr + row, col.to(tl.int64))
     tl.store(logprobs_ptr + row, x - log_norm)
