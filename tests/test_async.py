@@ -478,11 +478,10 @@ def test_split_placement_from_the_command_line_under_torchrun(tiny_model_dir, ar
     """`rlanywhere train ... trainer.async.mode=one_step_off` under torchrun with 2 CPU ranks (gloo): rank 1
     generates, rank 0 trains; samples and metrics are those of the one-process one_step_off run."""
     import subprocess
-    import sys
 
     extra = {"trainer.async.mode": "one_step_off", "algorithm.rollout_correction.rollout_is": "token"}
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    command = [*warm_ranks.torchrun(), "--standalone", "--nproc_per_node=2",
                *warm_ranks.rank_program(), "train",
                *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra)]
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", **warm_ranks.rank_env()},
@@ -532,7 +531,6 @@ def test_sigterm_to_a_split_job_saves_the_batch_in_flight_and_resume_is_exact(ti
     which the checkpoint keeps), every rank exits, and the resumed job trains like an uninterrupted one process."""
     import signal
     import subprocess
-    import sys
     import time
 
     steps = 5
@@ -541,7 +539,7 @@ def test_sigterm_to_a_split_job_saves_the_batch_in_flight_and_resume_is_exact(ti
     slow_reward = tmp_path / "slow_parity_reward.py"  # the parity reward, slowed down so that a step can be hit
     slow_reward.write_text("import os, time\n" + PARITY_REWARD.replace(
         "    return", "    time.sleep(float(os.environ.get('RLA_TEST_SLOW_REWARD', 0)))\n    return"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    command = [*warm_ranks.torchrun(), "--standalone", "--nproc_per_node=2",
                *warm_ranks.rank_program(), "train",
                *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra),
                f"custom_reward_function.path={slow_reward}"]

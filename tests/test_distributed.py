@@ -82,7 +82,7 @@ def torchrun(items: list[str], env_extra: dict | None = None, script: list[str] 
              launcher: tuple[str, ...] = ("--standalone",), **popen):
     """torchrun running `rlanywhere.cli train ITEMS` (or `script`) on `nproc` ranks. Its ranks start warm, with
     torch and rlanywhere already imported (tests/warm_ranks.py; RLANYWHERE_TEST_COLD_RANKS=1: cold)."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *launcher,
+    command = [*warm_ranks.torchrun(), f"--nproc_per_node={nproc}", *launcher,
                *(script or warm_ranks.rank_program()), "train", *items]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if script else warm_ranks.rank_env()), **(env_extra or {})}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
