@@ -9,8 +9,8 @@ max (one exp per entry: the draw costs what the log-sum-exp the log-prob needs c
 merges the chunks into the row's log-sum-exp and draws by inverse transform: one uniform u per row, and the token
 where the running sum of the probabilities first passes u (the chunk from the chunks' sums, then a walk through that
 one chunk), which draws from softmax(x) up to fp32 rounding of the running sums (a token's share is resolved to
-about 1e-7 of the row's sum). The Gumbel-max race this replaces drew noise, two logs and two exps per entry, and ran
-at a fifth of the memory bandwidth (H200, 512 rows x 151,936 entries: 384 us against 82 us for one read).
+about 1e-7 of the row's sum). Why not a Gumbel-max race, argmax(x + noise), in one pass: it needs noise, two logs
+and two exps per entry, which makes it compute-bound, at a fifth of the memory bandwidth (docs/benchmarks.md).
 
 The uniform comes from Triton's Philox keyed by a seed and counted by (batch row, decode step), and the chunks are a
 fixed size, so a row's draw depends on its logits, the seed, the step and its row alone: not on the launch, nor on
