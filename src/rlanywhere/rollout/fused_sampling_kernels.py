@@ -27,7 +27,7 @@ def chunk_kernel(logits_ptr, stride_row, temperature_ptr, part_max_ptr, part_sum
     and the first column holding the max, block by block (online softmax: one exp per entry)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    inv_temperature, greedy = _inverse_temperature(temperature_ptr)
+    inv_temperature, _ = _inverse_temperature(temperature_ptr)  # greedy or not, the chunk's max and sum are the same
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
     idx = tl.arange(0, BLOCK)
     running_max = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
