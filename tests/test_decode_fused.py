@@ -127,3 +127,33 @@ def test_half_precision_attention_takes_the_nearest_number_of_splits():
     assert attention.plan_splits(256, 384, 528, nearest=True) == (2, 192)
     assert attention.plan_splits(128, 768, 528, nearest=True) == (4, 192)
     assert attention.plan_splits(4096, 384, 528, nearest=True) == (1, 384)
+
+
+def test_the_attention_kernels_compile_for_a_gpu_with_the_split_count_unspecialized():
+    """The interpreter runs what a GPU build refuses: compile the three split-K kernels for sm_90 on the CPU
+    (Triton's own compiler and ptxas, in a process without TRITON_INTERPRET), the split count a runtime argument."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from rlanywhere.rollout import decode_kernels as kernels
+constants = dict(G_PAD=16, BLOCK_D=64, BLOCK_S=64, HALF_DOT=True, FP32_DOT="ieee", MATCH_HF=True)
+index_pointers = ("starts_ptr", "slot_ptr")
+partials = ("acc_ptr", "max_ptr", "sum_ptr")
+for kernel in (kernels.split_kernel, kernels.rope_attend_kernel, kernels.merge_kernel):
+    signature = {name: "constexpr" if name in constants else "*i64" if name in index_pointers else
+                 "*fp32" if name in partials else "*bf16" if name.endswith("_ptr") else
+                 "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
+    unspecialized = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+    assert signature["splits"] == "i32" and "splits" in unspecialized
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={name: constants[name] for name in kernel.arg_names if name in constants})
+    print(kernel.__name__, len(compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(name in done.stdout for name in ("split_kernel", "rope_attend_kernel", "merge_kernel"))

@@ -108,3 +108,25 @@ def test_runtime_helpers_are_still_reachable_from_the_planner(name):
     from rlanywhere import planner, runtime
 
     assert getattr(planner, name) is getattr(runtime, name)
+
+
+def test_the_fp16_checks_run_only_when_a_precision_decision_reads_them(monkeypatch):
+    """They launch kernels on the live card (seconds on a new machine): a bf16 card's plan never waits for them, a
+    card with fp16 tensor cores and no bf16 runs them once, and the probe keeps their result."""
+    from rlanywhere.planner import precision
+    from rlanywhere.planner.device import make_target
+
+    ran = []
+    monkeypatch.setattr(precision, "fp16_problems", lambda device: ran.append(device) or [])
+    for card, chosen, runs in (("h100", "bf16", []), ("v100", "fp16", ["cuda:0"])):
+        ran.clear()
+        machine = HardwareProbe.fake(card)
+        machine.live = True  # as probed on the machine itself
+        real = machine.devices[0]
+        checks = precision.fp16_checks(make_target(None, real, "cuda:0", machine), real, "cuda:0", machine)
+        assert ran == []  # nothing yet
+        decision = precision.decide_precision("auto", make_target(None, real, "cuda:0", machine), checks)
+        assert decision.value.name == chosen and ran == runs
+        assert real.fp16_problems == ([] if runs else None)
+        precision.decide_precision("fp16", make_target(None, real, "cuda:0", machine), checks)
+        assert ran == ["cuda:0"]  # an fp16 request reads them: run once, whichever decision read them first

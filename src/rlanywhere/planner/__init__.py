@@ -66,7 +66,9 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
 
     for_execution=False (the `plan` command) allows planning for an emulated card on a machine without CUDA;
     the plan's device is then "cpu" and the decisions are for the card. Raises PlanError / NoFitError."""
-    machine = machine if machine is not None else probe_machine()
+    # probed now: only the kernels the decisions read, when they read them (the compute dtype's SDPA backends; the
+    # fp16 checks where fp16 is considered), not every dtype's as `rlanywhere plan` and `doctor` show them
+    machine = machine if machine is not None else probe_machine(measure_sdpa=False)
     hcfg = cfg.hardware
     arr = cfg.actor_rollout_ref
     reasons: dict[str, str] = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -27,24 +27,38 @@ class PrecisionChoice:
     scaler: bool
 
 
-@dataclass
 class Fp16Checks:
-    """What is known about fp16 on the device that will run the plan."""
+    """What is known about fp16 on the device that will run the plan. The checks launch kernels (a second or more on
+    a new machine), so a live device runs them when a decision first reads `problems`: a plan that never
+    considers fp16 (a card with bf16 and no fp16 request) does not wait for them."""
 
-    problems: Optional[list[str]]  # None: nothing could be run (planning without a GPU, a hand-made probe)
-    where: str  # the device they ran on, or why they did not run
+    def __init__(self, problems: Optional[list[str]], where: str,
+                 run: Optional[Callable[[], list[str]]] = None):
+        self._problems = problems  # None: nothing could be run (planning without a GPU, a hand-made probe)
+        self.where = where  # the device they ran on, or why they did not run
+        self._run = run
+
+    @property
+    def problems(self) -> Optional[list[str]]:
+        if self._run is not None:
+            self._problems, self._run = self._run(), None
+        return self._problems
 
 
 def fp16_checks(target: Target, real: Optional[DeviceInfo], device: str, machine: HardwareProbe) -> Fp16Checks:
     if real is None:
         return Fp16Checks(None, "planning without a GPU")
-    problems = real.fp16_problems
-    if problems is None and machine.live:
-        problems = real.fp16_problems = fp16_problems(device)
-    if problems is None:
-        return Fp16Checks(None, "a probe not taken on this machine")
     where = f"{device} ({real.name}" + (f", standing in for the {target.name})" if target.emulated else ")")
-    return Fp16Checks(problems, where)
+    if real.fp16_problems is not None:
+        return Fp16Checks(real.fp16_problems, where)
+    if not machine.live:
+        return Fp16Checks(None, "a probe not taken on this machine")
+
+    def run() -> list[str]:
+        real.fp16_problems = fp16_problems(device)
+        return real.fp16_problems
+
+    return Fp16Checks(None, where, run)
 
 
 def decide_precision(requested: str, target: Target, fp16: Fp16Checks) -> Decision:

@@ -31,6 +31,7 @@ import torch
 
 from ..machine import triton_usable
 from ..vocabulary import ACCUMULATE_DTYPE, FP32
+from .kernel_compiles import launch
 
 BLOCK_SLOTS = 64  # cache slots per inner iteration of a program
 PROGRAMS_PER_SM = 4  # enough programs in flight to cover memory latency
@@ -82,12 +83,19 @@ def programs_wanted(device: torch.device) -> int:
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_UNUSED_PARTIALS: dict = {}  # device -> a one-element fp32 tensor
+
+
 def _split_buffers(rows_x_heads: int, splits: int, g_pad: int, block_d: int, out: torch.Tensor):
-    """The merge kernel's inputs (fp32 partials per split); with one split the kernels write `out` directly and the
-    buffers are not read (out stands in for them)."""
-    if splits == 1:
-        return out, out, out
+    """The merge kernel's inputs (fp32 partials per split); with one split the kernels write `out` directly and
+    the buffers are not touched: one fp32 element stands in for them (fp32, as the partials are: the kernels'
+    argument types stay the same, so one compiled kernel serves every split count)."""
     partial = dict(dtype=ACCUMULATE_DTYPE, device=out.device)
+    if splits == 1:
+        unused = _UNUSED_PARTIALS.get(out.device)
+        if unused is None:
+            unused = _UNUSED_PARTIALS[out.device] = torch.empty(1, **partial)
+        return unused, unused, unused
     return (torch.empty(rows_x_heads, splits, g_pad, block_d, **partial),
             torch.empty(rows_x_heads, splits, g_pad, **partial), torch.empty(rows_x_heads, splits, g_pad, **partial))
 
@@ -96,9 +104,9 @@ def _merge(kernels, buffers, out: torch.Tensor, splits: int, g_pad: int, block_d
     if splits == 1:
         return
     batch, kv_heads, groups, head_dim = out.shape
-    kernels.merge_kernel[(batch * kv_heads,)](
-        *buffers, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, groups, head_dim,
-        SPLITS=splits, G_PAD=g_pad, BLOCK_D=block_d)
+    launch(kernels.merge_kernel, (batch * kv_heads,),
+        *buffers, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, groups, head_dim, splits,
+        G_PAD=g_pad, BLOCK_D=block_d)
 
 
 def pow2_block(width: int) -> int:
@@ -136,13 +144,12 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     g_pad, block_d = _pads(groups, head_dim)
     out = torch.empty(batch, kv_heads, groups, head_dim, dtype=q.dtype, device=q.device)
     buffers = _split_buffers(rows_x_heads, splits, g_pad, block_d, out)
-    kernels.split_kernel[(rows_x_heads, splits)](
+    launch(kernels.split_kernel, (rows_x_heads, splits),
         q, keys, values, starts, slot, *buffers, out,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        kv_heads, groups, head_dim, span, chunk, float(scale),
-        SPLITS=splits, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_S=BLOCK_SLOTS,
-        HALF_DOT=half and not triton_interpreting(), FP32_DOT="tf32x3" if tf32x3 else "ieee",
+        kv_heads, groups, head_dim, span, chunk, float(scale), splits, G_PAD=g_pad, BLOCK_D=block_d,
+        BLOCK_S=BLOCK_SLOTS, HALF_DOT=half and not triton_interpreting(), FP32_DOT="tf32x3" if tf32x3 else "ieee",
         **(HALF_LAUNCH if half else FP32_LAUNCH))
     _merge(kernels, buffers, out, splits, g_pad, block_d)
     return out
@@ -171,13 +178,12 @@ def rope_store_attention(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch
     g_pad, block_d = _pads(groups, head_dim)
     out = torch.empty(batch, kv_heads, groups, head_dim, dtype=qkv.dtype, device=qkv.device)
     buffers = _split_buffers(rows_x_heads, splits, g_pad, block_d, out)
-    kernels.rope_attend_kernel[(rows_x_heads, splits)](
+    launch(kernels.rope_attend_kernel, (rows_x_heads, splits),
         qkv, cos, sin_signed, cache_k, cache_v, starts, slot, *buffers, out,
         qkv.stride(0), qkv.stride(1), cos.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        heads, kv_heads, groups, head_dim, span, chunk, float(scale),
-        SPLITS=splits, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_S=BLOCK_SLOTS, HALF_DOT=not triton_interpreting(),
-        MATCH_HF=bool(match_hf), **HALF_LAUNCH)
+        heads, kv_heads, groups, head_dim, span, chunk, float(scale), splits, G_PAD=g_pad, BLOCK_D=block_d,
+        BLOCK_S=BLOCK_SLOTS, HALF_DOT=not triton_interpreting(), MATCH_HF=bool(match_hf), **HALF_LAUNCH)
     _merge(kernels, buffers, out, splits, g_pad, block_d)
     return out
 
@@ -204,7 +210,7 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tenso
         raise ValueError(f"rope_and_store: bias must be contiguous with {all_heads * head_dim} elements, got "
                          f"{tuple(bias.shape)}")
     q = torch.empty(batch, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    rope_store_kernel[(batch, all_heads)](
+    launch(rope_store_kernel, (batch, all_heads),
         qkv, qkv if bias is None else bias, cos, sin_signed, q, cache_k, cache_v, slot, qkv.stride(0),
         qkv.stride(1), cos.stride(0), q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1),
         cache_k.stride(2), cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), heads, kv_heads, head_dim,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .decode_attention import _kernels, pow2_block
+from .kernel_compiles import launch
 
 SILU_BLOCK = 1024  # intermediate entries per program
 
@@ -35,7 +36,7 @@ def _norm(source: torch.Tensor, delta: torch.Tensor | None, tokens: torch.Tensor
     h_out = torch.empty(rows, hidden, dtype=source.dtype, device=source.device)
     x_out = torch.empty_like(h_out)
     delta_rows = _rows(delta) if delta is not None else h_out
-    _kernels().add_rms_norm_kernel[(rows,)](
+    launch(_kernels().add_rms_norm_kernel, (rows,),
         source, delta_rows, tokens if tokens is not None else source, weight, h_out, x_out, source.stride(0),
         delta_rows.stride(0), h_out.stride(0), x_out.stride(0), hidden, float(eps), HAS_DELTA=delta is not None,
         GATHER=tokens is not None, MATCH_HF=bool(match_hf), BLOCK=pow2_block(hidden))
@@ -65,7 +66,7 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
         raise ValueError(f"silu_mul: last dimension {gate_up.shape[-1]} is not 2 x {intermediate}")
     y = _rows(gate_up)
     out = torch.empty(y.shape[0], intermediate, dtype=y.dtype, device=y.device)
-    _kernels().silu_mul_kernel[(y.shape[0], -(-intermediate // SILU_BLOCK))](
+    launch(_kernels().silu_mul_kernel, (y.shape[0], -(-intermediate // SILU_BLOCK)),
         y, out, y.stride(0), out.stride(0), intermediate, BLOCK=SILU_BLOCK)
     return out.view(*gate_up.shape[:-1], intermediate)
 

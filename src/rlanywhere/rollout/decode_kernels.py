@@ -58,26 +58,28 @@ def _attend(q, k_base, v_base, stride_ks, stride_vs, lo, hi, d, d_ok, scale, run
 
 @triton.jit
 def _finish(running_max, running_sum, acc, acc_ptr, max_ptr, sum_ptr, o_ptr, row, head, row_head, split, g, d,
-            stride_ob, stride_oh, stride_og, groups, head_dim, SPLITS: tl.constexpr, G_PAD: tl.constexpr,
-            BLOCK_D: tl.constexpr):
+            stride_ob, stride_oh, stride_og, groups, head_dim, splits, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
     """One split's partial softmax into the merge kernel's buffers; with one split, the output itself (what the
     merge would compute from it: its weight is exp(0) = 1, so the same bits, one kernel fewer)."""
-    if SPLITS == 1:
+    if splits == 1:
         out = acc / running_sum[:, None]
         tl.store(o_ptr + row * stride_ob + head * stride_oh + g[:, None] * stride_og + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=(g[:, None] < groups) & (d[None, :] < head_dim))
     else:
-        out = (row_head * SPLITS + split) * G_PAD + g
-        tl.store(max_ptr + out, running_max)
-        tl.store(sum_ptr + out, running_sum)
-        tl.store(acc_ptr + out[:, None] * BLOCK_D + d[None, :], acc)
+        at = (row_head * splits + split) * G_PAD + g  # not `out`: both sides of a runtime if give a name one type
+        tl.store(max_ptr + at, running_max)
+        tl.store(sum_ptr + at, running_sum)
+        tl.store(acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc)
 
 
-@triton.jit
+# The split count is a runtime argument that Triton does not specialize on (do_not_specialize): one compiled kernel
+# serves every batch bucket and attention span, where a constant would compile one per split count, seconds of a
+# cold run's CPU in its rollouts' long tails.
+@triton.jit(do_not_specialize=["splits"])
 def split_kernel(q_ptr, k_ptr, v_ptr, starts_ptr, slot_ptr, acc_ptr, max_ptr, sum_ptr, o_ptr,
                  stride_qb, stride_qh, stride_qg, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                 stride_vs, stride_ob, stride_oh, stride_og, kv_heads, groups, head_dim, span, chunk, scale,
-                 SPLITS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                 stride_vs, stride_ob, stride_oh, stride_og, kv_heads, groups, head_dim, span, chunk, scale, splits,
+                 G_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                  HALF_DOT: tl.constexpr, FP32_DOT: tl.constexpr):
     row_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -99,14 +101,14 @@ def split_kernel(q_ptr, k_ptr, v_ptr, starts_ptr, slot_ptr, acc_ptr, max_ptr, su
         tl.zeros([G_PAD], dtype=tl.float32), tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32), BLOCK_S, HALF_DOT,
         FP32_DOT)
     _finish(running_max, running_sum, acc, acc_ptr, max_ptr, sum_ptr, o_ptr, row, head, row_head, split, g, d,
-            stride_ob, stride_oh, stride_og, groups, head_dim, SPLITS, G_PAD, BLOCK_D)
+            stride_ob, stride_oh, stride_og, groups, head_dim, splits, G_PAD, BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def rope_attend_kernel(y_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, starts_ptr, slot_ptr, acc_ptr, max_ptr, sum_ptr,
                        o_ptr, stride_yb, stride_yh, stride_cb, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
                        stride_vs, stride_ob, stride_oh, stride_og, heads, kv_heads, groups, head_dim, span, chunk,
-                       scale, SPLITS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                       scale, splits, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_S: tl.constexpr, HALF_DOT: tl.constexpr, MATCH_HF: tl.constexpr):
     """split_kernel that starts from the QKV projection y [B, heads + 2 KV, D] of this step's token: it rotates
     its queries itself, and the program whose chunk holds this step's slot rotates the key, writes key and value
@@ -154,24 +156,24 @@ def rope_attend_kernel(y_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, starts_ptr, slot_p
         acc = acc * correction[:, None] + p[:, None] * value.to(tl.float32)[None, :]
         running_max = new_max
     _finish(running_max, running_sum, acc, acc_ptr, max_ptr, sum_ptr, o_ptr, row, head, row_head, split, g, d,
-            stride_ob, stride_oh, stride_og, groups, head_dim, SPLITS, G_PAD, BLOCK_D)
+            stride_ob, stride_oh, stride_og, groups, head_dim, splits, G_PAD, BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def merge_kernel(acc_ptr, max_ptr, sum_ptr, o_ptr, stride_ob, stride_oh, stride_og, kv_heads, groups, head_dim,
-                 SPLITS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+                 splits, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
     row_head = tl.program_id(0)
     row = (row_head // kv_heads).to(tl.int64)
     head = (row_head % kv_heads).to(tl.int64)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, BLOCK_D)
-    base = row_head * SPLITS * G_PAD
+    base = row_head * splits * G_PAD
     overall = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-    for split in range(SPLITS):
+    for split in range(splits):
         overall = tl.maximum(overall, tl.load(max_ptr + base + split * G_PAD + g))
     total = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
-    for split in range(SPLITS):
+    for split in range(splits):
         at = base + split * G_PAD + g
         weight = tl.exp(tl.load(max_ptr + at) - overall)  # an empty split has max -inf: weight 0
         total += tl.load(sum_ptr + at) * weight

@@ -32,6 +32,7 @@ import math
 import torch
 
 from ..vocabulary import FP32
+from .kernel_compiles import launch
 
 BLOCK_VOCAB = 1024  # vocabulary entries per inner iteration
 CHUNK = 4 * BLOCK_VOCAB  # vocabulary entries per pass-1 program: enough programs to fill a GPU at a few rows
@@ -69,13 +70,12 @@ def sample_into(logits: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, te
     part = dict(device=logits.device)
     part_max, part_sum = (torch.empty(rows, chunks, dtype=FP32, **part) for _ in range(2))
     part_col = torch.empty(rows, chunks, dtype=torch.int32, **part)
-    chunk_kernel[(rows, chunks)](logits, logits.stride(0), temperature, part_max, part_sum, part_col, vocab,
-                                 CHUNKS=chunks, CHUNK=CHUNK, BLOCK=BLOCK_VOCAB)
+    launch(chunk_kernel, (rows, chunks), logits, logits.stride(0), temperature, part_max, part_sum, part_col, vocab,
+           CHUNKS=chunks, CHUNK=CHUNK, BLOCK=BLOCK_VOCAB)
     keyed = row_keys is not None
-    draw_kernel[(rows,)](logits, logits.stride(0), seed, step, temperature, part_max, part_sum, part_col, tokens_out,
-                         logprobs_out, vocab, row_offset, row_keys if keyed else seed, CHUNKS=chunks,
-                         CHUNKS_PAD=max(2, 1 << (chunks - 1).bit_length()), CHUNK=CHUNK, BLOCK=BLOCK_VOCAB,
-                         KEYED=keyed)
+    launch(draw_kernel, (rows,), logits, logits.stride(0), seed, step, temperature, part_max, part_sum, part_col,
+           tokens_out, logprobs_out, vocab, row_offset, row_keys if keyed else seed, CHUNKS=chunks,
+           CHUNKS_PAD=max(2, 1 << (chunks - 1).bit_length()), CHUNK=CHUNK, BLOCK=BLOCK_VOCAB, KEYED=keyed)
 
 
 __all__ = ["sample_into", "BLOCK_VOCAB", "CHUNK"]

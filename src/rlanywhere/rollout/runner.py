@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..vocabulary import DECODE_HALF_MIN_ROWS, FP32
+from . import kernel_compiles
 from .fused_sampling import sample_into
 from .llama import LlamaForward, ModelDims
 
@@ -37,7 +38,7 @@ _CAPTURE_SECONDS = [0.0]  # every runner's CUDA-graph captures in this process (
 
 def graph_capture_seconds_so_far() -> float:
     """Seconds this process has spent capturing decode-step CUDA graphs (each graph's eager warm-up step, the
-    capture itself and the kernels first compiled in them)."""
+    capture itself and the kernels first compiled in them) and compiling decode kernels ahead of their steps."""
     return _CAPTURE_SECONDS[0]
 
 
@@ -165,6 +166,7 @@ class DecodeRunner:
         self._graphs: dict[tuple[int, int, bool], Any] = {}
         self._graph_pool = None
         self._buffers: dict[str, torch.Tensor] = {}
+        self._rehearsed: set[tuple[bool, bool]] = set()  # kinds of step whose Triton kernels are compiled
 
     # ---------------------------------------------------------------------------------------------- capacity
     @property
@@ -178,6 +180,7 @@ class DecodeRunner:
             return
         self.drop_graphs()  # graphs and buffers first: the new cache is allocated with their memory back
         self._buffers = {}
+        self._rehearsed.clear()  # new tensors: their kernels are rehearsed again (compiled already, as a rule)
         self.cache.ensure(rows, length)
         rows, length = self.cache.rows, self.cache.length
         long = dict(dtype=torch.long, device=self.device)
@@ -334,6 +337,7 @@ class DecodeRunner:
     def _run_step(self, batch: int, slot: int, span: int | None, eager: bool, sample: bool) -> None:
         span = self.span(slot) if span is None else span
         self._buffers["slot"].fill_(slot)
+        self._compile_kernels(batch, span, sample)
         if eager or not self.cuda_graphs:
             self._decode_into_buffer(batch, span, sample)
             return
@@ -357,6 +361,21 @@ class DecodeRunner:
             self._graphs[key] = graph
             _CAPTURE_SECONDS[0] += time.perf_counter() - captured_from
         graph.replay()
+
+    def _compile_kernels(self, batch: int, span: int, sample: bool) -> None:
+        """Before a new kind of step (sampling or not, keyed or not) first runs, its Triton kernels compiled side by
+        side (kernel_compiles.py) instead of one after another as the step launches them: a rehearsal of the step
+        at this batch and at the smallest bucket (whose attention splits the slots and merges them). It runs the
+        steps' torch ops; whatever they write (logits, rows [:batch] at `slot`) the step itself writes again."""
+        kind = (sample, sample and self._keyed)
+        if kind in self._rehearsed or not kernel_compiles.available(self.device):
+            return
+        self._rehearsed.add(kind)
+        started = time.perf_counter()
+        with kernel_compiles.side_by_side():
+            for rows in sorted({batch, self.bucket(1)}):
+                self._decode_into_buffer(rows, span, sample)
+        _CAPTURE_SECONDS[0] += time.perf_counter() - started
 
 
 __all__ = ["KVCache", "DecodeRunner", "graph_capture_seconds_so_far"]
