@@ -81,9 +81,13 @@ def side_by_side() -> Iterator[None]:
     mode_class = _async_compile_mode()
     if mode_class is None:
         raise RuntimeError("side_by_side needs Triton's AsyncCompileMode (Triton >= 3.4); check available() first")
+    try:
+        mode = mode_class(_compile_pool(), ignore_errors=True)
+    except TypeError:  # Triton 3.4's has no ignore_errors: a failed compile raises here, as its launch would
+        mode = mode_class(_compile_pool())
     token = _compiling_only.set(True)
     try:
-        with mode_class(_compile_pool(), ignore_errors=True):
+        with mode:
             yield
     finally:
         _compiling_only.reset(token)

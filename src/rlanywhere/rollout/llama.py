@@ -483,6 +483,11 @@ class LlamaForward:
         self.rope_attention_kernel = (self.kv_write_kernel and numerics.decode_attention == DECODE_TRITON
                                       and is_half(dtype) and not numerics.qkv_bias_apart)
 
+    @property
+    def launches_triton(self) -> bool:
+        """Whether a decode step launches Triton kernels (attention, RoPE + cache write, norms, SiLU*mul)."""
+        return self.triton_elementwise or self.kv_write_kernel or self.numerics.decode_attention == DECODE_TRITON
+
     def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [length, head_dim] in the engine dtype, from the model's own rotary embedding."""
         positions = torch.arange(length, dtype=torch.long, device=self.device)[None]

@@ -368,7 +368,8 @@ class DecodeRunner:
         at this batch and at the smallest bucket (whose attention splits the slots and merges them). It runs the
         steps' torch ops; whatever they write (logits, rows [:batch] at `slot`) the step itself writes again."""
         kind = (sample, sample and self._keyed)
-        if kind in self._rehearsed or not kernel_compiles.available(self.device):
+        launches_triton = self.forward.launches_triton or sample  # sample: the fused sampler's kernels
+        if kind in self._rehearsed or not launches_triton or not kernel_compiles.available(self.device):
             return
         self._rehearsed.add(kind)
         started = time.perf_counter()
