@@ -78,13 +78,13 @@ def single_process(items: list[str], rollout_batch_size: int | None = None) -> R
     return trainer
 
 
-def torchrun(items: list[str], env_extra: dict | None = None, script: list[str] | None = None, nproc: int = 2,
+def torchrun(items: list[str], env_extra: dict | None = None, script: str | None = None, nproc: int = 2,
              launcher: tuple[str, ...] = ("--standalone",), **popen):
-    """torchrun running `rlanywhere.cli train ITEMS` (or `script`) on `nproc` ranks. Its ranks start warm, with
-    torch and rlanywhere already imported (tests/warm_ranks.py; RLANYWHERE_TEST_COLD_RANKS=1: cold)."""
+    """torchrun running `rlanywhere.cli train ITEMS` (or the worker file `script`) on `nproc` ranks. Its ranks start
+    warm, with torch and rlanywhere already imported (tests/warm_ranks.py; RLANYWHERE_TEST_COLD_RANKS=1: cold)."""
     command = [*warm_ranks.torchrun(), f"--nproc_per_node={nproc}", *launcher,
-               *(script or warm_ranks.rank_program()), "train", *items]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if script else warm_ranks.rank_env()), **(env_extra or {})}
+               *warm_ranks.rank_program(script=script), "train", *items]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **warm_ranks.rank_env(), **(env_extra or {})}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **popen)
 
@@ -255,7 +255,7 @@ def test_ppo_with_critic_and_adaptive_kl_on_two_ranks_matches_one_process(tiny_m
 def test_a_failing_rank_ends_the_job_with_its_message(tiny_model_dir, arith_data, tmp_path, reward_file):
     worker = Path(__file__).with_name("dist_fail_worker.py")
     start = time.time()
-    proc = torchrun(overrides(tiny_model_dir, arith_data, tmp_path / "run", reward_file), script=[str(worker)],
+    proc = torchrun(overrides(tiny_model_dir, arith_data, tmp_path / "run", reward_file), script=str(worker),
                     cwd=str(tmp_path))
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode != 0

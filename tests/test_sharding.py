@@ -73,7 +73,7 @@ def test_an_oom_in_a_sharded_update_stops_the_job_and_the_restart_resumes_at_hal
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     worker = Path(__file__).with_name("dist_oom_worker.py")
     proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD, **NO_POOL),
-                    script=[str(worker)], launcher=("--standalone", "--max-restarts=1"), cwd=str(tmp_path))
+                    script=str(worker), launcher=("--standalone", "--max-restarts=1"), cwd=str(tmp_path))
     reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **NO_POOL))
     out = finish(proc)
     assert "OutOfMemoryRestart" in out and "actor_micro_batch_size=1 is saved in" in out
@@ -100,7 +100,7 @@ def test_fp16_sharded_with_one_rank_overflowing_matches_one_process(tiny_model_d
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
     worker = Path(__file__).with_name("dist_fp16_worker.py")
     proc = torchrun(overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **SHARD, **NO_POOL),
-                    script=[str(worker)], cwd=str(tmp_path))
+                    script=str(worker), cwd=str(tmp_path))
     dist_fp16_worker.install(monkeypatch.setattr)
     reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **NO_POOL))
     finish(proc)

@@ -120,3 +120,26 @@ def test_an_environment_the_zygote_was_not_started_with_starts_the_rank_cold(pro
     assert proc.returncode == 0, err
     seen = json.loads(out)
     assert seen["pid"] == proc.pid and seen["zygotes"] is None
+
+
+def test_a_warm_script_rank_is_python_script(probe_dir, tmp_path):
+    """A test's worker file as the rank program (`warm_rank_client.py SCRIPT ARGS`): the rank is `python -u SCRIPT
+    ARGS`, run as __main__ with the script's folder first on sys.path, wherever it runs from."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    script = str(probe_dir / "warm_probe.py")
+    env = {**os.environ, "RANK": "0", **warm_ranks.rank_env()}
+    command = [sys.executable, "-u", *warm_ranks.rank_program(script=script), "report", "x=1"]
+    proc = subprocess.Popen(command, env=env, cwd=elsewhere, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    seen = json.loads(out)
+    assert seen["pid"] != proc.pid and seen["sid"] == seen["pid"]  # warm: forked by a zygote
+    assert seen["argv"] == [script, "report", "x=1"]
+    assert (seen["cwd"], seen["path0"]) == (str(elsewhere), str(probe_dir))
+    assert seen["main"] == ["json", "mode", "os", "signal", "subprocess", "sys", "time"]
+    proc = subprocess.Popen([*command[:-2], "raise"], env=env, cwd=elsewhere, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and err.rstrip().endswith("RuntimeError: injected failure")

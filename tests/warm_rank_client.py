@@ -1,7 +1,8 @@
-"""torchrun's rank program in the tests: `warm_rank_client.py -m MODULE ARGS` has a warm zygote (tests/warm_ranks.py)
-run `python -m MODULE ARGS` with this process's descriptors, environment and working directory, forwards the
-signals it gets to that rank, and ends as the rank ends (its exit code, or killed by its signal). Without a zygote,
-or when the zygote declines (an environment it was not started with), it becomes `python -m MODULE ARGS` itself.
+"""torchrun's rank program in the tests: `warm_rank_client.py -m MODULE ARGS` (or `warm_rank_client.py SCRIPT
+ARGS`) has a warm zygote (tests/warm_ranks.py) run `python -m MODULE ARGS` (`python SCRIPT ARGS`) with this
+process's descriptors, environment and working directory, forwards the signals it gets to that rank, and ends as
+the rank ends (its exit code, or killed by its signal). Without a zygote, or when the zygote declines (an
+environment it was not started with), it becomes that command itself.
 Standard library only: it starts in about 20 ms."""
 
 import json
@@ -62,7 +63,7 @@ def end_as(status: bytes) -> None:
 
 def main() -> None:
     folder = os.environ.pop(SOCKETS_ENV, None)
-    if folder is None or sys.argv[1:2] != ["-m"]:
+    if folder is None or not sys.argv[1:] or (sys.argv[1] == "-m" and len(sys.argv) < 3):
         become_cold_rank()
     zygote = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:

@@ -77,12 +77,14 @@ IMPORTS_SET: dict = {}  # in a zygote: the variables its imports set
 
 
 # ------------------------------------------------------------------------------------------------ pytest side
-def rank_program(module: str = "rlanywhere.cli") -> list[str]:
-    """What torchrun should run for each rank: the client, warm; `-m module`, cold."""
+def rank_program(module: str = "rlanywhere.cli", script: str | None = None) -> list[str]:
+    """What torchrun should run for each rank: the client, warm; `-m module` (or `script`, a test's worker file that
+    patches the trainer and then runs the CLI), cold."""
+    program = [script] if script else ["-m", module]
     if COLD:
-        return ["-m", module]
+        return program
     start_zygotes()
-    return [str(CLIENT), "-m", module]
+    return [str(CLIENT), *program]
 
 
 def torchrun() -> list[str]:
@@ -196,7 +198,7 @@ class Zygote:
             return None
         request = json.loads(message)
         differing = late_read_mismatch(request["env"])
-        if len(fds) != 3 or request["argv"][:1] != ["-m"] or differing:
+        if len(fds) != 3 or not request["argv"] or differing:
             print(f"cold start: {differing or request['argv'][:2]}", file=sys.stderr, flush=True)
             conn.send(b"C")
             conn.close()
@@ -314,7 +316,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def run_rank(request: dict) -> None:
-    """In the forked child: become the process `python -m MODULE ARGS` would have been, then run the module."""
+    """In the forked child: become the process `python -m MODULE ARGS` (or `python SCRIPT ARGS`) would have been,
+    then run the module (the script)."""
     os.setsid()  # a session of its own, as torchrun starts each rank
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -331,9 +334,15 @@ def run_rank(request: dict) -> None:
     main = sys.modules["__main__"].__dict__
     for name in [n for n in main if not n.startswith("__")]:  # the zygote's bootstrap names
         del main[name]
-    sys.path[0] = os.getcwd()  # `python -m`: the working directory first
     import runpy
 
+    if request["argv"][0] != "-m":  # `python SCRIPT`: the script's folder first, run as __main__
+        script = os.path.abspath(request["argv"][0])
+        sys.path[0] = os.path.dirname(script)
+        sys.argv = [request["argv"][0], *request["argv"][1:]]
+        runpy.run_path(script, run_name="__main__")
+        return
+    sys.path[0] = os.getcwd()  # `python -m`: the working directory first
     sys.argv = ["-m", *request["argv"][2:]]
     runpy._run_module_as_main(request["argv"][1])
 
