@@ -13,7 +13,8 @@ tests/warm_rank_client.py, a stdlib-only script (about 20 ms to start) that asks
 - the client sends the zygote its argv, environment, working directory, umask, ignored and blocked signals, and its
   stdin/stdout/stderr descriptors (SCM_RIGHTS). The zygote forks a child that takes all of them (a session of its
   own, as torchrun gives a rank), closes the zygote's sockets, and runs the module as `python -m` does
-  (runpy._run_module_as_main, in a clean __main__): the same exit codes, and an exception prints its traceback and
+  (runpy._run_module_as_main, in a clean __main__; a test's worker file as `python SCRIPT` does, runpy.run_path
+  as __main__ with its folder first on sys.path): the same exit codes, and an exception prints its traceback and
   exits 1 through the interpreter's own exit, which also runs atexit handlers and joins threads.
 - the client forwards the signals it gets (HUP, INT, QUIT, USR1, USR2, TERM) to the child, and ends as the child
   did: the same exit code, or killed by the same signal. torchrun, and tests that look for the rank among torchrun's
