@@ -96,8 +96,8 @@ def test_rehearsing_each_new_kind_of_step_changes_nothing_it_computes(monkeypatc
         sampled = [engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0.8, n=2),
                                    generator=torch.Generator().manual_seed(seed)) for seed in (7, 8)]
         if rehearse:  # a step without Triton kernels (SDPA attention, eager ops, the torch sampler): nothing to compile
-            plain = FastEngine(model, None, RolloutPlan(check_every=2), pad_token_id=PAD)
-            plain.generate(PROMPTS, SamplingParams(max_new_tokens=3, temperature=0))
+            no_triton = FastEngine(model, None, RolloutPlan(check_every=2), pad_token_id=PAD)
+            no_triton.generate(PROMPTS, SamplingParams(max_new_tokens=3, temperature=0))
         runs[rehearse] = (greedy, *sampled, len(rehearsals))
     *plain_runs, _ = runs[False]
     *rehearsed_runs, rehearsals = runs[True]
