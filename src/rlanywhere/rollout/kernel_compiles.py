@@ -9,7 +9,7 @@ ptxas), so compiles started on a pool of threads overlap.
     with side_by_side():   # each `launch` in here only starts the kernel's compile on the pool; torch ops run
         step(...)          # the Python of a step to come, run through once (its Triton kernels do not run)
     # on exit: every kernel the step launches is compiled (one that failed is compiled again, and raises, at its
-    # real launch)
+    # real launch; with Triton 3.4 it raises here)
 
 Every Triton launch of the decode step goes through `launch`; DecodeRunner rehearses each new kind of step this
 way (rollout/runner.py). Needs Triton's AsyncCompileMode (Triton >= 3.4); without it `available()` is False and
