@@ -51,11 +51,12 @@ def probe_dir(tmp_path):
     return tmp_path
 
 
-def client(probe_dir, *args, env_extra=None, **popen):
-    """The client as torchrun starts a rank: `python -u warm_rank_client.py -m warm_probe ARGS`."""
+def client(probe_dir, *args, env_extra=None, script=None, cwd=None, **popen):
+    """The client as torchrun starts a rank: `python -u warm_rank_client.py -m warm_probe ARGS` in probe_dir (or
+    `... SCRIPT ARGS` in cwd)."""
     env = {**os.environ, "RANK": "1", "RLA_TEST_EXTRA": "yes", **warm_ranks.rank_env(), **(env_extra or {})}
-    command = [sys.executable, "-u", *warm_ranks.rank_program("warm_probe"), *args]
-    return subprocess.Popen(command, env=env, cwd=probe_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    command = [sys.executable, "-u", *warm_ranks.rank_program("warm_probe", script=script), *args]
+    return subprocess.Popen(command, env=env, cwd=cwd or probe_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, **popen)
 
 
@@ -128,10 +129,7 @@ def test_a_warm_script_rank_is_python_script(probe_dir, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     script = str(probe_dir / "warm_probe.py")
-    env = {**os.environ, "RANK": "0", **warm_ranks.rank_env()}
-    command = [sys.executable, "-u", *warm_ranks.rank_program(script=script), "report", "x=1"]
-    proc = subprocess.Popen(command, env=env, cwd=elsewhere, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = client(probe_dir, "report", "x=1", script=script, cwd=elsewhere)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     seen = json.loads(out)
@@ -139,7 +137,6 @@ def test_a_warm_script_rank_is_python_script(probe_dir, tmp_path):
     assert seen["argv"] == [script, "report", "x=1"]
     assert (seen["cwd"], seen["path0"]) == (str(elsewhere), str(probe_dir))
     assert seen["main"] == ["json", "mode", "os", "signal", "subprocess", "sys", "time"]
-    proc = subprocess.Popen([*command[:-2], "raise"], env=env, cwd=elsewhere, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and err.rstrip().endswith("RuntimeError: injected failure")
+    raising = client(probe_dir, "raise", script=script, cwd=elsewhere)
+    _, err = raising.communicate(timeout=120)
+    assert raising.returncode == 1 and err.rstrip().endswith("RuntimeError: injected failure")

@@ -340,7 +340,7 @@ def run_rank(request: dict) -> None:
     if request["argv"][0] != "-m":  # `python SCRIPT`: the script's folder first, run as __main__
         script = os.path.abspath(request["argv"][0])
         sys.path[0] = os.path.dirname(script)
-        sys.argv = [request["argv"][0], *request["argv"][1:]]
+        sys.argv = list(request["argv"])
         runpy.run_path(script, run_name="__main__")
         return
     sys.path[0] = os.getcwd()  # `python -m`: the working directory first

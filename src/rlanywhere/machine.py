@@ -366,7 +366,8 @@ def _read_meminfo() -> tuple[int, int]:
     return total, available
 
 
-def _cpu_cores() -> int:
+def usable_cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or taskset's share, not the host's)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
@@ -417,7 +418,7 @@ def probe_machine(measure_sdpa: bool = True, fresh: bool = False) -> HardwarePro
         _fp16_problems_cached.cache_clear()
     total, available = _read_meminfo()
     flash_ok, flash_version, _ = flash_attn_status()
-    machine = HardwareProbe(cpu_cores=_cpu_cores(), ram_total_bytes=total, ram_available_bytes=available,
+    machine = HardwareProbe(cpu_cores=usable_cpu_cores(), ram_total_bytes=total, ram_available_bytes=available,
                             cuda_version=torch.version.cuda, flash_attn_installed=flash_ok,
                             flash_attn_version=flash_version,
                             triton_usable=triton_usable(), live=True)

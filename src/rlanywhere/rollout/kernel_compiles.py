@@ -25,6 +25,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional
 
+from ..machine import usable_cpu_cores
+
 MAX_COMPILE_THREADS = 8  # a step has fewer kernels than this to compile
 
 _compiling_only = contextvars.ContextVar("rlanywhere_compiling_only", default=False)  # per thread: a rollout in its
@@ -49,11 +51,7 @@ def available(device: Any) -> bool:
 
 
 def compile_threads() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(MAX_COMPILE_THREADS, cores))
+    return max(1, min(MAX_COMPILE_THREADS, usable_cpu_cores()))
 
 
 def _compile_pool() -> ThreadPoolExecutor:
