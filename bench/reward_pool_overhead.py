@@ -7,20 +7,27 @@ function that cannot be pickled).
     python bench/reward_pool_overhead.py --calls 512 --repeats 5
 
 CPU only. The function is the GSM8K rule on a 500-character response, as cheap as reward functions get, so the
-difference is the pool's per-call cost (pickling the call and its result, the round trip to a worker). "start" is
-the first batch of 8 calls, which starts the workers (paid once per run, and again after a stuck pool is replaced).
+difference is the pool's per-call cost (pickling the call and its result, the round trip to a worker). It comes
+from a reward file, as custom_reward_function.path gives it (each worker loads the file again). "start" is the
+first batch of 8 calls, which starts the workers (paid once per run, and again after a stuck pool is replaced);
+torch is imported beforehand, as in the trainer.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 
-from rlanywhere.rewards import RewardManager, gsm8k_score
+from rlanywhere.rewards import RewardManager, load_custom_reward
+
+REWARD_FILE = """from rlanywhere.rewards import gsm8k_score
 
 
-def score(data_source, solution_str, ground_truth, extra_info=None):
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return gsm8k_score(solution_str, ground_truth)
+"""
 
 
 def main() -> None:
@@ -28,8 +35,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    # torch imported, as in the trainer: no start time below includes its import. Here, not at the top: a worker
+    # imports this script again (multiprocessing's __mp_main__), as it imports rlanywhere.cli under a trainer
+    import torch  # noqa: F401
+
     texts = [f"step by step ... so the answer is #### {i} " * 12 for i in range(args.calls)]
     truths, sources = [str(i) for i in range(args.calls)], ["x"] * args.calls
+    folder = tempfile.mkdtemp(prefix="reward-bench-")
+    (Path(folder) / "reward.py").write_text(REWARD_FILE)
+    score = load_custom_reward(Path(folder) / "reward.py")
     for timeout_s, method in ((0.0, None), (30.0, "forkserver"), (30.0, "spawn"), (30.0, "fork")):
         manager = RewardManager(score, timeout_s=timeout_s, start_method=method)
         try:

@@ -219,6 +219,19 @@ def _quiet_threads():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_found():
+    """Each test leaves os.environ as it found it. rlanywhere sets process-wide variables as it runs (the CUDA
+    allocator's settings, Triton's cache folder), and one left behind would change every later test of this
+    worker: the warm ranks of tests/warm_ranks.py, whose environment would then differ from their zygote's, would
+    all start cold."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 # ---------------------------------------------------------------------------------------------- progress of long tests
 # The suite runs quietly (-q dots); a test that runs long says so while it runs and when it ends, so that a stall is
 # never silent. With pytest-xdist these hooks run in the controller, which hears every worker's start and finish.

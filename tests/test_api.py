@@ -51,11 +51,15 @@ def test_demo_overrides_apply_on_top_and_each_demo_is_a_new_run(monkeypatch):
 
 def test_notebook_example_runs(tiny_model_dir, arith_data, tmp_path):
     """examples/notebook_api.py as a user runs it, with the tiny model: config, plan, train, evaluate, generate."""
+    from . import warm_ranks
+
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # `python examples/notebook_api.py ...`, started warm (tests/warm_ranks.py: torch and rlanywhere imported);
+    # this checkout is first on PYTHONPATH (conftest)
+    env = {**os.environ, **warm_ranks.rank_env()}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "notebook_api.py"), "--model", str(tiny_model_dir), "--data",
-         str(arith_data), "--steps", "2", "--run-dir", str(run_dir)],
+        [sys.executable, *warm_ranks.rank_program(script=str(ROOT / "examples" / "notebook_api.py")), "--model",
+         str(tiny_model_dir), "--data", str(arith_data), "--steps", "2", "--run-dir", str(run_dir)],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout

@@ -90,8 +90,9 @@ def torchrun(items: list[str], env_extra: dict | None = None, script: str | None
 
 
 def children(pid: int) -> list[int]:
-    """pid's direct child processes (torchrun's: the ranks)."""
-    return warm_ranks.children_by_parent().get(pid, [])
+    """The direct child processes of what runs for `pid` (torchrun's: the ranks), whether it runs warm (a client's
+    runner) or in `pid` itself."""
+    return warm_ranks.children_by_parent().get(warm_ranks.runner(pid), [])
 
 
 def descendants(pid: int) -> list[int]:
@@ -234,11 +235,11 @@ def test_ppo_with_critic_and_adaptive_kl_on_two_ranks_matches_one_process(tiny_m
              "actor_rollout_ref.actor.ppo_epochs": 2, "critic.optim.lr": 1e-3,
              "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.save_freq": 2, **SCORED_IN_PROCESS}
     dist_dir, single_dir = tmp_path / "dist", tmp_path / "single"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlanywhere.cli", "train",
+    proc = subprocess.Popen(  # warm, as its launcher and ranks are (tests/warm_ranks.py)
+        [sys.executable, *warm_ranks.rank_program(), "train",
          *overrides(tiny_model_dir, arith_data, dist_dir, reward_file, **extra), "trainer.n_gpus_per_node=2"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        env={**os.environ, "OMP_NUM_THREADS": "1", **warm_ranks.rank_env()}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
     reference = single_process(overrides(tiny_model_dir, arith_data, single_dir, reward_file, **extra))
     out = finish(proc)
     assert "starting torchrun" in out

@@ -19,6 +19,7 @@ import torch
 from rlanywhere.checkpoint import (MANIFEST_FILE, CheckpointError, CheckpointWriteError, list_checkpoints,
                                    verify_checkpoint)
 
+from . import warm_ranks
 from .test_checkpoint import FakeTokenizer, tiny_lm
 from .test_faults import _overrides, _resume, _save, _three_checkpoints, _train_rows, _trainer, _weights_file
 
@@ -187,11 +188,12 @@ def test_the_run_folder_deleted_mid_run_stops_with_one_error(tiny_model_dir, ari
 
 # ------------------------------------------------------------------------------------------------ signals
 def _train_child(args, stdout, stderr):
+    """`rlanywhere train ARGS`, started warm (tests/warm_ranks.py): signals to it reach the process that trains."""
     import rlanywhere
 
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rlanywhere.__file__))}
-    return subprocess.Popen([sys.executable, "-m", "rlanywhere.cli", "train", *args], stdout=stdout, stderr=stderr,
-                            env=env)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rlanywhere.__file__)), **warm_ranks.rank_env()}
+    return subprocess.Popen([sys.executable, *warm_ranks.rank_program(), "train", *args], stdout=stdout,
+                            stderr=stderr, env=env)
 
 
 def _wait_for_rows(run, proc, timeout_s=180):
@@ -365,13 +367,15 @@ def test_reward_workers_start_from_a_fresh_server_not_a_fork_of_the_trainer(tmp_
     from rlanywhere.rewards import RewardManager, load_custom_reward
 
     reward = tmp_path / "reward.py"
-    reward.write_text("import os\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return {'score': float(len(solution_str)), 'parent': float(os.getppid())}\n")
+    reward.write_text("import os, sys\nTORCH = 'torch' in sys.modules\n\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return {'score': float(len(solution_str)), 'parent': float(os.getppid()), 'torch': TORCH}\n")
     manager = RewardManager(load_custom_reward(reward), timeout_s=5, num_workers=1)
     try:
         scores, info = manager(["ab", "abcd"], ["1", "2"], ["x", "x"])
         assert scores.tolist() == [2.0, 4.0] and info["num_errors"] == 0
         assert all(parent != os.getpid() for parent in info["parent"])  # not forked from this (the trainer) process
+        assert info["torch"] == [0.0, 0.0]  # the server did not import torch (it starts in a fraction of a second)
     finally:
         manager.close()
     # a function that cannot be pickled (a closure) still runs: its workers are forked, as before
@@ -382,6 +386,25 @@ def test_reward_workers_start_from_a_fresh_server_not_a_fork_of_the_trainer(tmp_
         assert closure(["abc"], ["1"], ["x"])[0].tolist() == [4.0]
     finally:
         closure.close()
+
+
+def test_a_reward_worker_runs_torch_on_one_thread_whether_or_not_it_has_imported_torch(monkeypatch):
+    """A worker from the server has no torch yet: OMP_NUM_THREADS=1 gives a torch the user's function imports one
+    thread; a forked worker has torch already: set to one thread directly."""
+    import torch
+
+    from rlanywhere import rewards
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # as in a worker of the server: no torch imported
+    rewards._torch_on_one_thread()
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    rewards._torch_on_one_thread()
+    assert threads == [1] and "OMP_NUM_THREADS" not in os.environ
 
 
 SCORING_CHILD = """
@@ -402,10 +425,10 @@ if __name__ == "__main__":
         before = processes()
         print("processes", *before[1], before[0], flush=True)
         print("scoring", flush=True)
-        scores, info = manager(["2", "2"], ["1", "1"], ["x", "x"])
+        scores, info = manager(["1.5", "1.5"], ["1", "1"], ["x", "x"])
         assert scores.tolist() == [1.0, 1.0] and info["num_errors"] == 0, (scores, info)
         assert (signals.received is not None) == (signalled == "yes"), signals.received
-        time.sleep(1.0)  # the save: the pool's maintenance thread runs meanwhile
+        time.sleep(0.5)  # the save: the pool's maintenance thread runs meanwhile
         assert processes() == before, (before, processes())
         print("saved", flush=True)
     if ending == "close":  # the trainer closes its pool; a script may leave it to the interpreter's exit
@@ -445,7 +468,7 @@ def test_a_signal_to_the_trainers_process_group_leaves_the_reward_pool_working(t
             if line.startswith("processes"):
                 processes = [int(pid) for pid in line.split()[1:]]
             if line.startswith("scoring"):
-                time.sleep(0.5)  # inside the 2 s calls
+                time.sleep(0.5)  # inside the 1.5 s calls
                 if signalled == "yes":
                     os.killpg(child.pid, signal.SIGTERM)  # what torchrun sends: the rank's whole group
                 break
@@ -535,7 +558,7 @@ def test_a_killed_rank_is_named_in_one_line_by_the_survivor(tiny_model_dir, arit
             time.sleep(0.2)
         victim = _rank_pid(proc.pid, 1)
         assert victim is not None
-        os.kill(victim, signal.SIGKILL)
+        warm_ranks.kill_9(victim)  # the rank, as `kill -9 PID` would (its runner too, when warm)
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -579,8 +602,9 @@ def _two_rank_cli_run(tiny_model_dir, arith_data, tmp_path):
     items = overrides(tiny_model_dir, arith_data, run, reward, **{
         "trainer.test_freq": -1, "trainer.save_freq": -1, "trainer.total_training_steps": 200})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLA_TEST_SLOW_REWARD": "0.05",
-           "PYTHONPATH": os.path.dirname(os.path.dirname(rlanywhere.__file__))}
-    proc = subprocess.Popen([sys.executable, "-m", "rlanywhere.cli", "train", *items, "trainer.n_gpus_per_node=2"],
+           "PYTHONPATH": os.path.dirname(os.path.dirname(rlanywhere.__file__)), **warm_ranks.rank_env()}
+    # warm, as its launcher and ranks are (tests/warm_ranks.py); a signal to the client reaches `rlanywhere train`
+    proc = subprocess.Popen([sys.executable, *warm_ranks.rank_program(), "train", *items, "trainer.n_gpus_per_node=2"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # a terminal's foreground group of its own
     deadline = time.monotonic() + 300
@@ -609,7 +633,7 @@ def test_a_killed_rank_under_rlanywhere_train_is_one_line(tiny_model_dir, arith_
 
     victim = _rank_pid(proc.pid, 1)
     assert victim is not None, descendants(proc.pid)
-    os.kill(victim, signal.SIGKILL)
+    warm_ranks.kill_9(victim)  # the rank, as `kill -9 PID` would (its runner too, when warm)
     out = _end(proc)
     assert proc.returncode == 1, out[-3000:]
     errors = [line for line in out.splitlines()  # ours (error: ...), Python's, torchrun's log lines (E1202 ...)

@@ -15,6 +15,7 @@ from rlanywhere.checkpoint import (MANIFEST_FILE, CheckpointError, CheckpointWri
                                    load_checkpoint, resume_latest, verify_checkpoint, write_manifest)
 from rlanywhere.checkpointer import save_checkpoint
 
+from . import warm_ranks
 from .test_checkpoint import FakeTokenizer, tiny_lm
 
 
@@ -598,14 +599,15 @@ def test_signal_to_a_training_process_saves_and_exits_with_one_line(tiny_model_d
     run = tmp_path / "run"
     args = _overrides(tiny_model_dir, arith_data, run, **{"trainer.total_training_steps": 500,
                                                           "trainer.save_freq": -1})
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rlanywhere.__file__))}
+    # started warm (tests/warm_ranks.py): the client forwards the signal to the process that trains, its runner
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rlanywhere.__file__)), **warm_ranks.rank_env()}
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "rlanywhere.cli", "train", *args], stdout=out, stderr=err,
-                                env=env)
+        proc = subprocess.Popen([sys.executable, *warm_ranks.rank_program(), "train", *args], stdout=out,
+                                stderr=err, env=env)
     try:
         _wait_for(lambda: bool(_train_rows(run)) if (run / "metrics.jsonl").exists() else False, 180, proc)
         assert cli_main(["train", *args]) == 2
-        assert f"is in use by pid {proc.pid}" in capsys.readouterr().err
+        assert f"is in use by pid {warm_ranks.runner(proc.pid)}" in capsys.readouterr().err
         proc.send_signal(getattr(signal, signame))
         assert proc.wait(timeout=120) == exit_code
     finally:

@@ -254,6 +254,20 @@ def test_the_shared_stream_attention_follows_the_flash_kernel(flash, varlen, com
     assert plan.reasons["share_prompts"] and plan.reasons["shared_prompt_kernel"]
 
 
+@pytest.mark.parametrize("flash", [True, False])
+def test_the_planner_looks_for_varlen_attention_only_where_a_flash_kernel_runs(monkeypatch, flash):
+    """Importing torch.nn.attention.varlen imports torch._dynamo (a second of CPU at every plan): a CPU or a card
+    without flash never reads it, so it is not imported there."""
+    from rlanywhere import machine
+
+    looked = []
+    monkeypatch.setattr(machine, "varlen_attention_function", lambda: looked.append(True) or reference_varlen_attn)
+    plan = Plan(gradient_checkpointing=False, compile_training=True)
+    plan_prompt_sharing(plan, None, 8, "qwen2", flash_runs=flash)
+    assert looked == ([True] if flash else [])
+    assert plan.shared_prompt_kernel == (VARLEN if flash else MASKED)
+
+
 def test_asking_for_shared_prompts_where_they_cannot_run_is_refused():
     cfg = load_config(None, [*GRPO, "actor_rollout_ref.rollout.n=8", "hardware.attn_implementation=eager",
                              "hardware.share_prompts=true"])

@@ -77,7 +77,8 @@ def test_a_warm_rank_gets_the_clients_argv_env_folder_and_streams(probe_dir):
     assert seen["sid"] == seen["pid"]  # a session of its own, as torchrun gives a rank
     assert seen["argv"] == [str(probe_dir / "warm_probe.py"), "report", "x=1"]
     assert seen["cwd"] == seen["path0"] == str(probe_dir)  # `python -m`: the working directory first on sys.path
-    assert (seen["rank"], seen["extra"], seen["zygotes"]) == ("1", "yes", None)
+    # the zygotes' folder as the client had it: what the rank starts (torchrun's ranks) finds them too
+    assert (seen["rank"], seen["extra"], seen["zygotes"]) == ("1", "yes", warm_ranks.rank_env()[warm_ranks.SOCKETS_ENV])
     assert seen["main"] == ["json", "mode", "os", "signal", "subprocess", "sys", "time"]  # none left by the zygote
     assert seen["fds"][:3] == [0, 1, 2] and len(seen["fds"]) == 4  # and the one listdir opened: no zygote socket
     assert err == "to stderr\n"
@@ -105,6 +106,9 @@ def test_signals_to_the_client_reach_the_rank(probe_dir):
 def test_a_rank_and_its_children_die_with_their_client(probe_dir):
     proc = client(probe_dir, "sleep-with-child")
     started = json.loads(proc.stdout.readline())
+    # the rank is the client's runner, and counts among the client's descendants with what it started
+    assert warm_ranks.runner(proc.pid) == started["rank"] != proc.pid
+    assert {started["rank"], started["child"]} <= set(warm_ranks.descendants(proc.pid))
     proc.kill()  # kill -9 of the rank torchrun sees
     proc.communicate(timeout=60)
     deadline = time.monotonic() + 5

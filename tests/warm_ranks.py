@@ -22,18 +22,33 @@ tests/warm_rank_client.py, a stdlib-only script (about 20 ms to start) that asks
   reaches the rank.
 - if the client dies (SIGKILL), the zygote kills the child and every process under it at once, as `kill -9` of a
   job's whole process tree would. A zygote ends with the pytest process that started it.
+- the child is the client's "runner": the zygote registers it (<client pid>.runner in its folder) and runner(pid)
+  finds it; descendants() and children_by_parent() count it as the client's child, so a test walks from torchrun
+  down to its ranks' runners. kill_9(pid) kills a rank as `kill -9` would: its runner, then the client.
+
+The same client starts other processes of the tests warm: torchrun's launcher (`-m torch.distributed.run`, see
+torchrun()), a single `rlanywhere train` (signals to the client reach it; the run lock names the runner's pid) and
+an example script. A warm child has the zygotes' folder in its environment again, so what it starts finds them: the
+launcher's ranks, and, for `rlanywhere train` with trainer.n_gpus_per_node > 1, the rank launcher and the ranks it
+starts (rlanywhere.distributed.relaunch_command runs them through the client in a warm child; see
+_launched_ranks_start_warm).
 
 A rank runs warm only when its environment differs from the zygote's in nothing but variables read after start-up
-(torchrun's RANK, MASTER_PORT, TORCHELASTIC_*..., the tests' RLA_TEST_*; see LATE_READ). Any other difference
+(torchrun's RANK, MASTER_PORT, TORCHELASTIC_*..., the tests' RLA_TEST_*, the rank launcher's own variable; see
+LATE_READ), or in PYTHONWARNINGS, which the child applies as the interpreter would have. Any other difference
 (another PYTHONPATH, OMP_NUM_THREADS, TORCH_LOGS...) could have been read during the imports: the zygote declines and
 the client execs `python -m rlanywhere.cli` itself, as torchrun would have started it. A variable the imports set
 (torch._dynamo sets TORCHINDUCTOR_CACHE_DIR when it is unset) is set in the rank as its own imports would have set
-it. Other differences from a cold rank, none of which the tests read: sys.flags (the zygote has no -u; the rank's
+it. The module run with -m is forgotten first (the zygote imported it; `python -m` never imports it under its own
+name). Other differences from a cold rank, none of which the tests read: sys.flags (the zygote has no -u; the rank's
 streams are unbuffered as with -u), sys.orig_argv, modules imported before the rank's own code runs, tracebacks
 with the zygote's frames above runpy's, and a signal sent to the client's process group reaches the rank alone, not
 the rest of the rank's group (its multiprocessing resource tracker, which ignores SIGINT and SIGTERM; the reward
 server and workers leave the group anyway), and the objects of the zygote's imports up to triton's are frozen
 (gc.freeze; see freeze_until_triton): the rank's collections and its exit leave them out.
+
+A test leaves os.environ as it found it (tests/conftest.py): a variable rlanywhere sets in the pytest process (the
+CUDA allocator's settings, Triton's cache folder) would otherwise make every later rank differ from its zygote.
 
 RLANYWHERE_TEST_COLD_RANKS=1 turns this off: torchrun then runs `python -m rlanywhere.cli` for each rank, to compare
 or to debug. Each zygote's stderr is in its folder (zygote-<n>.log, removed when pytest ends): one line for each rank,
@@ -49,6 +64,7 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -59,9 +75,9 @@ SOCKETS_ENV = "RLANYWHERE_TEST_ZYGOTES"  # the folder of the zygotes' sockets; t
 CLIENT = Path(__file__).with_name("warm_rank_client.py")
 ZYGOTES = 2  # even and odd RANKs
 
-# What a rank imports before and while it trains (sys.modules at the end of the ranks of a 2-rank job): the rest
-# costs under 0.1 s of CPU. Those that do not import triton come first (see freeze_until_triton).
-PRELOAD = ("torch", "torch.distributed", "transformers", "safetensors.torch", "pyarrow.compute", "rlanywhere.cli",
+# What a rank imports before and while it trains (sys.modules at the end of the ranks of a 2-rank job; the rest
+# costs under 0.1 s of CPU), and torchrun's launcher. Those that do not import triton come first (see freeze_until_triton).
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "transformers", "safetensors.torch", "pyarrow.compute", "rlanywhere.cli",
            "rlanywhere.trainer", "rlanywhere.distributed", "rlanywhere.preflight", "rlanywhere.split_run",
            "rlanywhere.rewards", "rlanywhere.reward_forkserver", "rlanywhere.plotting",
            "transformers.models.qwen2.modeling_qwen2", "transformers.optimization", "peft", "torch.nn.attention.varlen")
@@ -70,11 +86,15 @@ PRELOAD = ("torch", "torch.distributed", "transformers", "safetensors.torch", "p
 # rendezvous, the tests' reward knobs).
 LATE_READ = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
              "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-             "PYTEST_CURRENT_TEST"}
+             "PYTEST_CURRENT_TEST",
+             "RLANYWHERE_LAUNCHER_NAMES_FAILED_RANKS"}  # rank_launch's, for its ranks: read when a rank fails
 LATE_READ_PREFIXES = ("TORCHELASTIC_", "RLA_TEST_")
+# Read at start-up, and applied in the child as the interpreter would have applied it (rank_launch's leak notice)
+APPLIED_IN_CHILD = {"PYTHONWARNINGS"}
 
 _zygotes: dict = {}
 IMPORTS_SET: dict = {}  # in a zygote: the variables its imports set
+RUNNER_SUFFIX = ".runner"  # <client pid>.runner in the zygotes' folder: the pid of the child that runs its program
 
 
 # ------------------------------------------------------------------------------------------------ pytest side
@@ -89,12 +109,17 @@ def rank_program(module: str = "rlanywhere.cli", script: str | None = None) -> l
 
 
 def torchrun() -> list[str]:
-    """The command that starts torchrun: what the `torchrun` script runs (torch.distributed.run's main), with the
-    objects of its imports frozen (gc.freeze) once they are done: its interpreter's exit, which the test waits for,
-    then leaves them out of its collections (0.1 s instead of 0.5 s). torch alone imports no triton, whose bindings
-    would report frozen objects as leaked."""
-    return [sys.executable, "-c", "import gc, sys; from torch.distributed.run import main; "
-            "'triton' in sys.modules or gc.freeze(); sys.argv[0] = 'torchrun'; main()"]
+    """The command that starts torchrun: `python -m torch.distributed.run` (what the `torchrun` script runs) through
+    the client, so that the launcher starts warm too (its import of torch is a second of CPU per launch; the env
+    needs rank_env()). The test's process is then the client, and the launcher its warm runner (runner(),
+    descendants()). Cold: that main run directly, with the objects of its imports frozen (gc.freeze) once they are
+    done, which its interpreter's exit then leaves out of its collections (0.1 s instead of 0.5 s); torch alone
+    imports no triton, whose bindings would report frozen objects as leaked."""
+    if COLD:
+        return [sys.executable, "-c", "import gc, sys; from torch.distributed.run import main; "
+                "'triton' in sys.modules or gc.freeze(); sys.argv[0] = 'torchrun'; main()"]
+    start_zygotes()
+    return [sys.executable, str(CLIENT), "-m", "torch.distributed.run"]
 
 
 def rank_env() -> dict:
@@ -129,6 +154,38 @@ def start_zygotes() -> None:
     atexit.register(stop_zygotes)
 
 
+def runner(pid: int) -> int:
+    """The process that runs the program of process `pid`: a warm client's child (forked by a zygote, not a child
+    of the client), else `pid` itself (a cold rank, or any other process)."""
+    return _runners().get(pid, pid)
+
+
+def kill_9(pid: int) -> None:
+    """`kill -9` of the rank (or other process) that `pid` stands for: its runner first, then `pid`. A warm rank's
+    client and runner are two processes; killed in that order, the rank is dead by the time the client's death is
+    seen (by torchrun, which then stops the other ranks, each of which looks for the dead one first)."""
+    for target in dict.fromkeys((runner(pid), pid)):
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _runners() -> dict[int, int]:
+    """{client pid: its warm child's pid} for the children running now, from the zygotes' folder (this pytest
+    process's; in a zygote, its own)."""
+    folder = _zygotes.get("folder")
+    found = {}
+    if folder:
+        for name in os.listdir(folder):
+            if name.endswith(RUNNER_SUFFIX):
+                try:
+                    found[int(name[:-len(RUNNER_SUFFIX)])] = int(Path(folder, name).read_text())
+                except (OSError, ValueError):  # ended meanwhile, or being written
+                    continue
+    return found
+
+
 def stop_zygotes() -> None:
     for process in _zygotes.get("processes", []):
         kill_tree(process.pid)  # with any rank still running
@@ -142,6 +199,7 @@ def stop_zygotes() -> None:
 def serve(listener_fd: int, parent_pid: int) -> None:
     """The zygote: import, then fork a rank for each client, until the pytest process that started it ends."""
     listener = socket.socket(fileno=listener_fd)
+    _zygotes["folder"] = os.getcwd()  # the sockets' folder: where the runners are registered
     watch_parent = os.pidfd_open(parent_pid)
     if os.getppid() != parent_pid:  # it ended before the watch began
         return
@@ -206,14 +264,18 @@ class Zygote:
             for fd in fds:
                 os.close(fd)
             return None
+        client = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
         pid = os.fork()
         if pid == 0:
             return self._in_child(conn, fds, request)
         for fd in fds:
             os.close(fd)
+        registered = Path(_zygotes["folder"], f"{client}{RUNNER_SUFFIX}")
+        registered.with_suffix(".tmp").write_text(str(pid))
+        registered.with_suffix(".tmp").rename(registered)  # whole, or not there
         print(f"warm start: RANK={request['env'].get('RANK')} pid {pid}", file=sys.stderr, flush=True)
         pidfd = os.pidfd_open(pid)
-        self.children[pid] = {"conn": conn, "pidfd": pidfd}
+        self.children[pid] = {"conn": conn, "pidfd": pidfd, "registered": registered}
         self.poll.register(conn.fileno(), select.POLLIN)
         self.poll.register(pidfd, select.POLLIN)
         self.handlers[conn.fileno()] = lambda: self._from_client(pid)
@@ -253,6 +315,7 @@ class Zygote:
 
     def _child_ended(self, pid: int) -> None:
         child = self.children.pop(pid)
+        child["registered"].unlink(missing_ok=True)
         _, status = os.waitpid(pid, 0)
         self.poll.unregister(child["pidfd"])
         del self.handlers[child["pidfd"]]
@@ -279,7 +342,7 @@ def late_read_mismatch(env: dict) -> list[str]:
     may be missing: the rank gets the imports' value, as its own imports would have set it."""
     keys = set(env) | set(os.environ)
     return sorted(k for k in keys if env.get(k) != os.environ.get(k) and not (k in IMPORTS_SET and k not in env)
-                  and k not in LATE_READ and not k.startswith(LATE_READ_PREFIXES))
+                  and k not in LATE_READ | APPLIED_IN_CHILD and not k.startswith(LATE_READ_PREFIXES))
 
 
 def kill_tree(pid: int) -> None:
@@ -292,8 +355,10 @@ def kill_tree(pid: int) -> None:
 
 
 def children_by_parent() -> dict[int, list[int]]:
-    """Every process's children, read from /proc at once."""
+    """Every process's children, read from /proc at once; a warm client's runner counts as its child."""
     children: dict[int, list[int]] = {}
+    for client, child in _runners().items():
+        children.setdefault(client, []).append(child)
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -325,6 +390,9 @@ def run_rank(request: dict) -> None:
     os.environ.update(request["env"])
     for key, value in IMPORTS_SET.items():
         os.environ.setdefault(key, value)
+    os.environ[SOCKETS_ENV] = _zygotes["folder"]  # as the client had it: what this child starts finds the zygotes
+    _warning_options(request["env"].get("PYTHONWARNINGS"))
+    _launched_ranks_start_warm()
     os.umask(request["umask"])
     for signum in request["ignored_signals"]:
         signal.signal(signum, signal.SIG_IGN)
@@ -345,7 +413,47 @@ def run_rank(request: dict) -> None:
         return
     sys.path[0] = os.getcwd()  # `python -m`: the working directory first
     sys.argv = ["-m", *request["argv"][2:]]
+    _forget_the_import_of(request["argv"][1])
     runpy._run_module_as_main(request["argv"][1])
+
+
+def _forget_the_import_of(name: str) -> None:
+    """`python -m NAME` runs NAME as __main__ and never imports it under its own name; the zygote imported it (it
+    is among the PRELOAD's imports), and runpy would warn of that ("found in sys.modules ... unpredictable
+    behaviour"). Forgotten here, as a fresh interpreter never had it; what it imported stays."""
+    if sys.modules.pop(name, None) is not None and "." in name:
+        package, _, attribute = name.rpartition(".")
+        if hasattr(sys.modules.get(package), attribute):
+            delattr(sys.modules[package], attribute)
+
+
+def _warning_options(python_warnings) -> None:
+    """PYTHONWARNINGS, which the zygote was started without, as the interpreter applies it at start-up: in
+    sys.warnoptions (multiprocessing passes them on to its helper processes as -W) and in the warning filters."""
+    if python_warnings and not sys.warnoptions:
+        import warnings
+
+        options = [option for option in python_warnings.split(",") if option]
+        sys.warnoptions[:] = options
+        warnings._processoptions(options)
+
+
+def _launched_ranks_start_warm() -> None:
+    """`rlanywhere train` with trainer.n_gpus_per_node > 1 starts torchrun's launcher (rlanywhere.rank_launch), which
+    starts the ranks (rlanywhere.distributed.relaunch_command): run warm, it starts both through the client, as the
+    tests' own torchrun jobs start theirs."""
+    from rlanywhere import distributed
+
+    original = distributed.relaunch_command
+
+    def through_the_client(nproc, argv):
+        command = original(nproc, argv)
+        rank_program = command.index("-m", 3)  # torchrun's `-m rlanywhere.cli`, after its own options
+        assert command[1:3] == ["-m", "rlanywhere.rank_launch"] and command[rank_program + 1] == "rlanywhere.cli", \
+            command
+        return [command[0], str(CLIENT), *command[1:rank_program], str(CLIENT), *command[rank_program:]]
+
+    distributed.relaunch_command = through_the_client
 
 
 def _fresh_std_streams(unbuffered: bool) -> None:

@@ -40,10 +40,12 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -232,8 +234,20 @@ def _raise_timeout(signum, frame):
 _worker_fn: Callable | None = None  # the user's function inside a pool worker (handed over by fork, never pickled)
 
 
+def _torch_on_one_thread() -> None:
+    """As DataLoader workers do: torch's ops in a worker on one thread (no oversubscription, no OpenMP pool
+    inherited mid-use). A worker started by the server has no torch (it starts in a fraction of a second without
+    it): if the user's function imports torch, it gets one thread from OMP_NUM_THREADS."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+    else:
+        os.environ["OMP_NUM_THREADS"] = "1"
+
+
 def _init_worker(fn: Callable | None, source: tuple | None = None) -> None:
     global _worker_fn
+    _torch_on_one_thread()
     _worker_fn = load_custom_reward(*source) if source is not None else fn
     # A process group of its own: a signal to the trainer's group (torchrun stops a rank with killpg(SIGTERM), a
     # terminal's Ctrl-C) is the trainer's to handle; a worker killed by it would leave the pool waiting forever
@@ -245,7 +259,6 @@ def _init_worker(fn: Callable | None, source: tuple | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal reaches the whole group: the parent handles it
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's save-and-stop handler, inherited by fork
     signal.signal(signal.SIGALRM, _raise_timeout)
-    torch.set_num_threads(1)  # as DataLoader workers do: no oversubscription, no OpenMP pool inherited mid-use
 
 
 def _worker_started(pid: int) -> bool:
@@ -271,9 +284,9 @@ def _score_in_worker(call: tuple, timeout_s: float) -> tuple:
 
 def _as_score(value: Any) -> float:
     """A finite float from a Python/numpy number or a one-element tensor; strings and booleans are errors."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        count = value.numel() if isinstance(value, torch.Tensor) else value.size
-        if count != 1 or value.dtype in (torch.bool, np.bool_):
+    if _is_tensor(value) or isinstance(value, np.ndarray):
+        count = value.numel() if _is_tensor(value) else value.size
+        if count != 1 or value.dtype in (np.bool_, getattr(sys.modules.get("torch"), "bool", np.bool_)):
             raise TypeError(f"reward score must be a number, got a {value.dtype} array of {count} element(s)")
         value = value.item()
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -334,7 +347,7 @@ class RewardManager:
         if self._pool is None:
             method, initargs = self._pool_start()
             context = multiprocessing.get_context(method)
-            if method == "forkserver":  # one server imports this module (torch with it) for every worker
+            if method == "forkserver":  # one server imports this module (no torch: it starts in ~0.2 s)
                 from .reward_forkserver import start_server
 
                 start_server(context)  # in a process group of its own: a signal to the trainer's leaves it running
@@ -451,12 +464,20 @@ class RewardManager:
         )
         info: dict[str, Any] = {key: [_finite_or_zero(r.get(key)) if r else 0.0 for r in results] for key in extra_keys}
         info["num_errors"] = num_errors
+        import torch  # here, not at the top: the reward workers' server imports this module and needs no torch
+
         scores = torch.tensor([r["score"] if r else 0.0 for r in results], dtype=torch.get_default_dtype())
         return scores, info
 
 
+def _is_tensor(value: Any) -> bool:
+    """A torch tensor, without importing torch (a value can only be one if its code imported torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+    return isinstance(value, (int, float)) or (_is_tensor(value) and value.numel() == 1)
 
 
 def _finite_or_zero(value: Any) -> float:

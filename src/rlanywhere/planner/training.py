@@ -189,11 +189,12 @@ def decide_prompt_sharing(plan: Plan, requested: Optional[bool], samples_per_pro
 
 def plan_prompt_sharing(plan: Plan, requested: Optional[bool], samples_per_prompt: int, model_type: str,
                         flash_runs: bool, varlen: Optional[bool] = None) -> None:
-    """Applies decide_prompt_sharing to `plan` (varlen None: look whether this torch has varlen flash attention)."""
+    """Applies decide_prompt_sharing to `plan` (varlen None: look whether this torch has varlen flash attention, where
+    a flash kernel runs; elsewhere it is not read, and importing it costs seconds: it imports torch._dynamo)."""
     if varlen is None:
         from ..machine import varlen_attention_function
 
-        varlen = varlen_attention_function() is not None
+        varlen = flash_runs and varlen_attention_function() is not None
     share, kernel = decide_prompt_sharing(plan, requested, samples_per_prompt, model_type, flash_runs, varlen)
     plan.share_prompts, plan.reasons["share_prompts"] = share.value, share.reason
     plan.shared_prompt_kernel, plan.reasons["shared_prompt_kernel"] = kernel.value, kernel.reason
