@@ -581,6 +581,9 @@ def test_the_launcher_names_the_rank_that_was_killed_not_one_torchrun_stopped():
     line, code = failed_rank_report({0: failure(-signal.SIGTERM, 100), 1: failure(-signal.SIGKILL, 100)}, 2)
     assert code == 1 and line.startswith("error: rank 1 of 2 was ended by SIGKILL (kill -9, or the system's")
     assert "Run the same command to resume" in line
+    # rank 0's collective failed when rank 1 was killed, and it exited 1 without a word: torchrun saw both at once
+    line, code = failed_rank_report({0: failure(1, 100), 1: failure(-signal.SIGKILL, 100)}, 2)
+    assert code == 1 and line.startswith("error: rank 1 of 2 was ended by SIGKILL")
     line, _ = failed_rank_report({3: failure(-signal.SIGSEGV, 101), 2: failure(-signal.SIGKILL, 100)}, 4)
     assert line.startswith("error: rank 2 of 4 was ended by SIGKILL")  # the earlier one
     line, _ = failed_rank_report({1: failure(-signal.SIGSEGV, 100)}, 2)

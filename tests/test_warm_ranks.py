@@ -90,9 +90,10 @@ def test_exit_codes_and_exceptions_are_those_of_python_m(probe_dir):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == code, err
     assert "Traceback" in err and err.rstrip().endswith("RuntimeError: injected failure")
-    proc = client(probe_dir, "die-by", str(int(signal.SIGUSR2)))
-    proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGUSR2  # torchrun sees the signal that ended the rank
+    for signum in (signal.SIGUSR2, signal.SIGKILL):  # SIGKILL: one the client cannot take a handler for
+        proc = client(probe_dir, "die-by", str(int(signum)))
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == -signum and err == ""  # torchrun sees the signal that ended the rank
 
 
 def test_signals_to_the_client_reach_the_rank(probe_dir):

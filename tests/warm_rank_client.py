@@ -55,8 +55,9 @@ def end_as(status: bytes) -> None:
     if kind == b"X":
         os._exit(int(value))
     signum = int(value)
-    signal.signal(signum, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those two can be neither caught nor blocked
+        signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
     os.kill(os.getpid(), signum)
     os._exit(128 + signum)  # a signal whose default is not to end the process
 

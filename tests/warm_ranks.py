@@ -68,6 +68,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 COLD = os.environ.get("RLANYWHERE_TEST_COLD_RANKS", "") not in ("", "0")
@@ -160,15 +161,34 @@ def runner(pid: int) -> int:
     return _runners().get(pid, pid)
 
 
-def kill_9(pid: int) -> None:
-    """`kill -9` of the rank (or other process) that `pid` stands for: its runner first, then `pid`. A warm rank's
-    client and runner are two processes; killed in that order, the rank is dead by the time the client's death is
-    seen (by torchrun, which then stops the other ranks, each of which looks for the dead one first)."""
-    for target in dict.fromkeys((runner(pid), pid)):
-        try:
-            os.kill(target, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def kill_9(pid: int, timeout_s: float = 30.0) -> None:
+    """`kill -9` of the rank (or other process) that `pid` stands for. A warm rank is two processes, its client and
+    its runner: the runner is killed first, and the client once the runner has ended (a process of torch's size
+    takes a moment to tear down). torchrun sees a rank end when its process has ended; it then stops the other
+    ranks, which look for the dead one first, and must find it dead, as they would a cold rank."""
+    target = runner(pid)
+    if target != pid:
+        _kill(target)
+        deadline = time.monotonic() + timeout_s
+        while not _ended(target) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    _kill(pid)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _ended(pid: int) -> bool:
+    """Whether `pid` has ended (gone, or a zombie not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _runners() -> dict[int, int]:

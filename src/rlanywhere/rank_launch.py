@@ -46,10 +46,12 @@ def failed_rank_report(failures: dict, world: int) -> tuple[Optional[str], int]:
     """(the line to print or None, the exit code) for torchrun's failures ({global rank: ProcessFailure}).
 
     The rank that failed first is the cause; one that ended by the SIGTERM torchrun sends to stop the others
-    is not (torchrun's timestamps have whole seconds, so a stopped rank can tie with the cause)."""
+    is not (torchrun's timestamps have whole seconds, so a stopped rank can tie with the cause). Of ranks that tie,
+    one killed by a signal is the cause: a rank whose collective failed because that one died exits 1 without a
+    word (FAILED_RANKS_NAMED), and torchrun, which looks at its ranks every 0.1 s, can find both ended at once."""
     causes = {rank: failure for rank, failure in failures.items() if failure.exitcode != -signal.SIGTERM}
     causes = causes or failures
-    rank = min(causes, key=lambda r: (causes[r].timestamp, r))
+    rank = min(causes, key=lambda r: (causes[r].timestamp, causes[r].exitcode >= 0, r))
     code = causes[rank].exitcode
     if code > 0:
         return None, code  # the rank printed what happened
