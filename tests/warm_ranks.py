@@ -77,10 +77,11 @@ CLIENT = Path(__file__).with_name("warm_rank_client.py")
 ZYGOTES = 2  # even and odd RANKs
 
 # What a rank imports before and while it trains (sys.modules at the end of the ranks of a 2-rank job; the rest
-# costs under 0.1 s of CPU), and torchrun's launcher. Those that do not import triton come first (see freeze_until_triton).
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "transformers", "safetensors.torch", "pyarrow.compute", "rlanywhere.cli",
-           "rlanywhere.trainer", "rlanywhere.distributed", "rlanywhere.preflight", "rlanywhere.split_run",
-           "rlanywhere.rewards", "rlanywhere.reward_forkserver", "rlanywhere.plotting",
+# costs under 0.1 s of CPU), and torchrun's launcher. Those that do not import triton come first (see
+# freeze_until_triton).
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "transformers", "safetensors.torch",
+           "pyarrow.compute", "rlanywhere.cli", "rlanywhere.trainer", "rlanywhere.distributed", "rlanywhere.preflight",
+           "rlanywhere.split_run", "rlanywhere.rewards", "rlanywhere.reward_forkserver", "rlanywhere.plotting",
            "transformers.models.qwen2.modeling_qwen2", "transformers.optimization", "peft", "torch.nn.attention.varlen")
 
 # Variables that may differ between the zygote and a rank: read only after start-up (torchrun's world and

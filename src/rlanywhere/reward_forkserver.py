@@ -31,9 +31,9 @@ def start_server(context) -> None:
     """Start the forkserver of `context` (once per process) out of reach of signals sent to this process's group.
 
     The server imports this module first (it leaves the group then), then `rlanywhere.rewards` once for every
-    worker (without torch: the server is up in a fraction of a second). The signals are blocked in this thread only while the server process is created: the
-    mask is inherited through its exec, so none of them can end it before it leaves the group. A server already
-    running (started earlier by other code) is kept as it is."""
+    worker (without torch: the server is up in about 0.1 s). The signals are blocked in this thread only while the
+    server process is created: the mask is inherited through its exec, so none of them can end it before it leaves
+    the group. A server already running (started earlier by other code) is kept as it is."""
     context.set_forkserver_preload([__name__, "rlanywhere.rewards"])
     multiprocessing.resource_tracker.ensure_running()  # the server's helper, started as usual, outside the mask
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)

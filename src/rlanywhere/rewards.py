@@ -347,7 +347,7 @@ class RewardManager:
         if self._pool is None:
             method, initargs = self._pool_start()
             context = multiprocessing.get_context(method)
-            if method == "forkserver":  # one server imports this module (no torch: it starts in ~0.2 s)
+            if method == "forkserver":  # one server imports this module (no torch: up in ~0.1 s)
                 from .reward_forkserver import start_server
 
                 start_server(context)  # in a process group of its own: a signal to the trainer's leaves it running
