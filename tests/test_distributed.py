@@ -102,11 +102,7 @@ def descendants(pid: int) -> list[int]:
 
 def kill_9_job(proc) -> None:
     """SIGKILL the launcher and every rank at once, as a crashed machine or `kill -9` of the job would."""
-    for pid in [proc.pid, *descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    warm_ranks.kill_tree(proc.pid)
 
 
 def finish(proc, timeout: float = 240) -> str:

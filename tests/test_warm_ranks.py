@@ -60,14 +60,6 @@ def client(probe_dir, *args, env_extra=None, script=None, cwd=None, **popen):
                             text=True, start_new_session=True, **popen)
 
 
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_a_warm_rank_gets_the_clients_argv_env_folder_and_streams(probe_dir):
     proc = client(probe_dir, "report", "x=1")
     out, err = proc.communicate(timeout=120)
@@ -113,7 +105,7 @@ def test_a_rank_and_its_children_die_with_their_client(probe_dir):
     proc.kill()  # kill -9 of the rank torchrun sees
     proc.communicate(timeout=60)
     deadline = time.monotonic() + 5
-    while not (gone(started["rank"]) and gone(started["child"])):
+    while not (warm_ranks.ended(started["rank"]) and warm_ranks.ended(started["child"])):
         assert time.monotonic() < deadline, started
         time.sleep(0.02)
 

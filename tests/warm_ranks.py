@@ -171,7 +171,7 @@ def kill_9(pid: int, timeout_s: float = 30.0) -> None:
     if target != pid:
         _kill(target)
         deadline = time.monotonic() + timeout_s
-        while not _ended(target) and time.monotonic() < deadline:
+        while not ended(target) and time.monotonic() < deadline:
             time.sleep(0.005)
     _kill(pid)
 
@@ -183,7 +183,7 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _ended(pid: int) -> bool:
+def ended(pid: int) -> bool:
     """Whether `pid` has ended (gone, or a zombie not yet reaped)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -291,9 +291,9 @@ class Zygote:
             return self._in_child(conn, fds, request)
         for fd in fds:
             os.close(fd)
-        registered = Path(_zygotes["folder"], f"{client}{RUNNER_SUFFIX}")
-        registered.with_suffix(".tmp").write_text(str(pid))
-        registered.with_suffix(".tmp").rename(registered)  # whole, or not there
+        registered, staged = (Path(_zygotes["folder"], f"{client}{suffix}") for suffix in (RUNNER_SUFFIX, ".tmp"))
+        staged.write_text(str(pid))
+        staged.rename(registered)  # whole, or not there
         print(f"warm start: RANK={request['env'].get('RANK')} pid {pid}", file=sys.stderr, flush=True)
         pidfd = os.pidfd_open(pid)
         self.children[pid] = {"conn": conn, "pidfd": pidfd, "registered": registered}
@@ -369,10 +369,7 @@ def late_read_mismatch(env: dict) -> list[str]:
 def kill_tree(pid: int) -> None:
     """SIGKILL `pid` and its descendants at once (found before any dies, so none is missed by reparenting)."""
     for target in [pid, *descendants(pid)]:
-        try:
-            os.kill(target, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill(target)
 
 
 def children_by_parent() -> dict[int, list[int]]:
