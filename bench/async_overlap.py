@@ -13,6 +13,9 @@ pipeline, so that every setting sees the same model, prompts and compiled kernel
   green        `both`, and the whole training step on a stream of a CUDA green context holding all SMs but
                --carveout (torch.cuda.green_contexts, beta): no kernel of the update lands on the SMs left over, which
                the rollout's kernels (on the ordinary context) can always use
+  partitionN   `both`, and the SMs split between the phases: the rollout on a green context of N SMs, the training
+               step on one of the rest (e.g. partition32; --settings may name several sizes), so neither phase's
+               kernels wait for the other's blocks
 
 Per setting it prints the medians over the group's steps (its first step left out: its batch was generated under
 the previous setting): step time, the update's time, the rollout's wall time (in the background when overlapped),
@@ -21,6 +24,7 @@ SmolLM2 tokenizer via RLANYWHERE_BENCH_TOKENIZER):
 
     python bench/async_overlap.py --out overlap.json                 # H200: 16 prompts x 8, 256 new tokens, bf16
     python bench/async_overlap.py --tiny --per-setting 2              # CPU smoke run (no overlap on a CPU)
+    python bench/async_overlap.py --settings in_turn,both,partition24,partition40,partition64 --per-setting 3
 """
 
 from __future__ import annotations
@@ -50,6 +54,14 @@ SETTINGS = {
     "green": (True, -1, 2e-4, "green"),
 }
 DEFAULT_SETTINGS = ("in_turn", "plain", "priority", "gil", "both")
+PARTITION = "partition"  # partitionN: the rollout on N SMs of a green context, the training step on the rest
+
+
+def setting(name: str) -> tuple:
+    """SETTINGS[name], and for partitionN `both` with the partition (its rollout SMs last)."""
+    if name.startswith(PARTITION) and name[len(PARTITION):].isdigit():
+        return (*SETTINGS["both"][:3], PARTITION, int(name[len(PARTITION):]))
+    return SETTINGS[name]
 COLUMNS = {"s/step": "perf/step_time_s", "update s": "timing/update_actor", "old logp s": "timing/old_log_prob",
            "rollout s": "async/rollout_s", "wait s": "timing/rollout_wait",
            "start s": "timing/rollout_weight_sync"}
@@ -80,35 +92,45 @@ def summarise(records: list[dict], samples: int) -> dict:
 
 def format_table(summary: dict) -> str:
     names = ["s/step", "samples/s", "update s", "old logp s", "rollout s", "wait s", "start s", "steps"]
-    lines = [f"{'setting':<10}" + "".join(f"{n:>11}" for n in names)]
+    lines = [f"{'setting':<13}" + "".join(f"{n:>11}" for n in names)]
     for setting, row in summary.items():
-        lines.append(f"{setting:<10}" + "".join(f"{row[n]:>11.3f}" if isinstance(row.get(n), float)
+        lines.append(f"{setting:<13}" + "".join(f"{row[n]:>11.3f}" if isinstance(row.get(n), float)
                                                  else f"{row.get(n, '-')!s:>11}" for n in names))
     return "\n".join(lines)
 
 
-def green_stream(free_sms: int):
-    """A stream of a CUDA green context with all SMs but `free_sms` (torch.cuda.green_contexts; the API changed
-    between releases: keyword or positional arguments, a Stream() method or not)."""
+def green_stream(sms: int, priority: int = 0):
+    """A stream of a CUDA green context of `sms` SMs (torch.cuda.green_contexts; the API changed between releases:
+    keyword or positional arguments, a Stream() method with or without a priority)."""
     import torch
 
-    total = torch.cuda.get_device_properties(0).multi_processor_count
     green = torch.cuda.green_contexts.GreenContext
     try:
-        context = green.create(num_sms=total - free_sms, device_id=0)
+        context = green.create(num_sms=sms, device_id=0)
     except TypeError:
-        context = green.create(total - free_sms, 0)
-    return context, context.Stream()
+        context = green.create(sms, 0)
+    try:
+        return context, context.Stream(priority=priority)
+    except TypeError:
+        return context, context.Stream()
 
 
-def apply_setting(pipeline, name: str, executor, carveout_sms: int) -> None:
+def all_sms() -> int:
     import torch
 
-    overlapped, priority, interval, partition = SETTINGS[name]
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def apply_setting(pipeline, name: str, executor, carveout_sms: int, rollout_stream=None) -> None:
+    """The pipeline's overlap, its rollout stream (`rollout_stream`: one of a green context) and the GIL interval
+    of setting `name`."""
+    import torch
+
+    overlapped, priority, interval, partition = setting(name)[:4]
     pipeline.overlap = overlapped
     pipeline.executor = executor if overlapped else None
     if overlapped and pipeline.stream is not None:
-        pipeline.stream = torch.cuda.Stream(pipeline.plan.device, priority=priority)
+        pipeline.stream = rollout_stream or torch.cuda.Stream(pipeline.plan.device, priority=priority)
     sys.setswitchinterval(interval)
     if torch.cuda.is_available():
         torch._C._set_sm_carveout_experimental(carveout_sms if partition == "carveout" else None)
@@ -116,7 +138,7 @@ def apply_setting(pipeline, name: str, executor, carveout_sms: int) -> None:
 
 def write(path: str, records: list[dict], summary: dict, settings: list[str], device: str) -> None:
     with open(path, "w") as handle:
-        json.dump({"records": records, "summary": summary, "settings": {k: SETTINGS[k] for k in settings},
+        json.dump({"records": records, "summary": summary, "settings": {k: setting(k) for k in settings},
                    "device": device}, handle, indent=2)
 
 
@@ -135,9 +157,11 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write per-step records and the summary as JSON")
     args = parser.parse_args()
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    unknown = [s for s in settings if s not in SETTINGS]
+    unknown = [s for s in settings if s not in SETTINGS and not (s.startswith(PARTITION)
+                                                               and s[len(PARTITION):].isdigit())]
     if unknown:
-        raise SystemExit(f"--settings: unknown {unknown}; choose from {list(SETTINGS)}")
+        raise SystemExit(f"--settings: unknown {unknown}; choose from {list(SETTINGS)} or partitionN (N: the "
+                         "rollout's SMs)")
 
     import torch
     from rlanywhere.config import load_config
@@ -170,18 +194,27 @@ def main() -> int:
         records: list[dict] = []
         train_step = trainer.train_step
         device = torch.cuda.get_device_name(0) if on_gpu else "CPU"
-        green = green_stream(args.carveout) if on_gpu and "green" in settings else None
+        greens = {}  # setting -> (the training step's green stream, the rollout's or None)
+        for name in dict.fromkeys(settings):
+            if on_gpu and setting(name)[3] == "green":
+                greens[name] = (green_stream(all_sms() - args.carveout)[1], None)
+            elif on_gpu and setting(name)[3] == PARTITION:
+                rollout_sms = setting(name)[4]
+                rollout = green_stream(rollout_sms, priority=setting(name)[1])
+                greens[name] = (green_stream(all_sms() - rollout_sms)[1], rollout[1])
+                print(f"{name}: rollout on {rollout_sms} SMs, the training step on {all_sms() - rollout_sms}",
+                      flush=True)
 
         def step(items):
             name = plan_of_steps[trainer.global_step]
-            apply_setting(pipeline, name, executor, args.carveout)
-            in_green = SETTINGS[name][3] == "green" and green is not None
-            if in_green:  # the step's own work (update, log-probs) on the green context's SMs
-                green[1].wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(green[1]) if in_green else contextlib.nullcontext():
+            update_stream, rollout_stream = greens.get(name, (None, None))
+            apply_setting(pipeline, name, executor, args.carveout, rollout_stream)
+            if update_stream is not None:  # the step's own work (update, log-probs) on its green context's SMs
+                update_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(update_stream) if update_stream is not None else contextlib.nullcontext():
                 metrics = train_step(items)
-            if in_green:
-                torch.cuda.current_stream().wait_stream(green[1])
+            if update_stream is not None:
+                torch.cuda.current_stream().wait_stream(update_stream)
             records.append({"step": trainer.global_step + 1, "setting": name,
                             **{key: metrics.get(key) for key in COLUMNS.values()}})
             print(f"step {trainer.global_step + 1} [{name}] " + " ".join(

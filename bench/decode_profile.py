@@ -7,9 +7,13 @@ so the step time can be compared with its floor: the GEMMs in their best formula
 step's span with the step's full rows, and one read of the step's fp32 logits (the sampling a step cannot avoid).
 
     python bench/decode_profile.py --dtype fp32 --no-tf32 --batch 64          # the Tesla P40 path
-    python bench/decode_profile.py --dtype bf16 --batch 256,512,1024 --span 384 --formulations triton
+    python bench/decode_profile.py --dtype bf16 --batch 256,512,1024 --span 384 --formulations triton,rope
+    python bench/decode_profile.py --dtype bf16 --batch 512 --span 384 --formulations triton,rope \
+        --launches planned,uncapped      # the half-precision attention with and without its register cap
 
-Needs a CUDA GPU. Uses the random-weight Qwen2.5-0.5B-shaped model of bench/rollout.py.
+`--launches` runs everything once per launch setting of the half-precision attention kernels, in one call; after
+each it prints the kernels as compiled (registers, spills, shared memory, programs per SM and waves at the step's
+grid). Needs a CUDA GPU. Uses the random-weight Qwen2.5-0.5B-shaped model of bench/rollout.py.
 """
 
 from __future__ import annotations
@@ -28,8 +32,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rollout import DTYPES, fast_plan, qwen25_05b_shape  # noqa: E402
 
 from rlanywhere.rollout import FastEngine, SamplingParams  # noqa: E402
+from rlanywhere.rollout import decode_attention as attention_module  # noqa: E402
 from rlanywhere.rollout.decode_attention import decode_attention as triton_decode_attention  # noqa: E402
-from rlanywhere.rollout.decode_attention import triton_usable  # noqa: E402
+from rlanywhere.rollout.decode_attention import rope_store_attention, triton_usable  # noqa: E402
+from rlanywhere.rollout.llama import signed_sin  # noqa: E402
+
+PLANNED_HALF_LAUNCH = dict(attention_module.HALF_LAUNCH)
+LAUNCHES = {  # the half-precision attention kernels' launch options (decode_attention.HALF_LAUNCH)
+    "planned": PLANNED_HALF_LAUNCH,
+    "uncapped": {k: v for k, v in PLANNED_HALF_LAUNCH.items() if k != "maxnreg"},  # registers as ptxas likes
+}
 
 
 def kernel_family(name: str) -> str:
@@ -241,10 +253,25 @@ def attention_bench(rows: int, dtype: torch.dtype, kv_heads: int, groups: int, h
     def triton_tf32x3():  # the fp32 plan on cc >= 8.0: each product as three TF32 tensor-core products
         return [triton_decode_attention(q, k, v, start, slot, scale, tf32x3=True) for k, v in zip(ks, vs)]
 
+    # the step's own half-precision kernel: RoPE of this step's query and key from the QKV projection, the new key
+    # and value written at the last slot, attention over the slots before it and the new one (angle 0: cos 1, sin
+    # 0, so its output is comparable with the others'; the kernel's work does not depend on the angles)
+    heads = kv_heads * groups
+    qkv = torch.cat([q.reshape(rows, heads, head_dim), torch.randn(rows, 2 * kv_heads, head_dim, device="cuda",
+                                                                  dtype=dtype)], 1)
+    cos = torch.ones(rows, head_dim, device="cuda", dtype=dtype)
+    sin = signed_sin(torch.zeros(rows, head_dim, device="cuda", dtype=dtype))
+
+    def rope():
+        return [rope_store_attention(qkv, cos, sin, k, v, start, slot, heads, span, scale, match_hf=True)
+                for k, v in zip(ks, vs)]
+
     formulations = [("sdpa", sdpa), ("matmul", matmul), ("baddbmm", baddbmm), ("transposed", transposed)]
     formulations += [(f"split{parts}", split_span(parts)) for parts in (2, 4, 8) if span % parts == 0]
     if triton_usable():
         formulations.append(("triton", triton))
+        if dtype != torch.float32:
+            formulations.append(("rope", rope))
         if dtype == torch.float32 and torch.cuda.get_device_capability() >= (8, 0):
             formulations.append(("tf32x3", triton_tf32x3))
     ref = sdpa()[0].float()
@@ -252,6 +279,9 @@ def attention_bench(rows: int, dtype: torch.dtype, kv_heads: int, groups: int, h
     for name, fn in formulations:
         if only and name not in only:
             continue
+        if name == "rope":  # writes its new key and value at the last slot: the reference sees the same cache
+            fn()
+            ref = sdpa()[0].float()
         got = fn()[0].reshape(ref.shape).float()
         times[name] = ms = time_graph(fn, iters=2) / layers
         kv_bytes = 2 * ks[0].numel() * ks[0].element_size()
@@ -271,7 +301,9 @@ def main() -> None:
     parser.add_argument("--skip-floor", action="store_true", help="profile and step time only (no GEMM and "
                                                                   "attention micro-benchmarks)")
     parser.add_argument("--formulations", default="", help="attention formulations to time, comma-separated "
-                                                           "(default all; e.g. triton)")
+                                                           "(default all; e.g. triton,rope)")
+    parser.add_argument("--launches", default="planned", help="launch settings of the half-precision attention "
+                        f"kernels to run everything under, comma-separated: {', '.join(LAUNCHES)}")
     args = parser.parse_args()
     if args.no_tf32:
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -281,8 +313,37 @@ def main() -> None:
     model, _ = qwen25_05b_shape("cuda", dtype)
     attention = {} if args.attention == "auto" else {"decode_attention": args.attention}
     only = set(filter(None, args.formulations.split(",")))
-    for batch in [int(b) for b in args.batch.split(",")]:
-        profile_batch(model, dtype, batch, args.span, attention, args.skip_profile, args.skip_floor, only)
+    for launch in args.launches.split(","):
+        attention_module.HALF_LAUNCH = LAUNCHES[launch]
+        print(f"\n######## half-precision attention launched with {LAUNCHES[launch]} ({launch}) ########")
+        for batch in [int(b) for b in args.batch.split(",")]:
+            profile_batch(model, dtype, batch, args.span, attention, args.skip_profile, args.skip_floor, only)
+            print_attention_kernels(batch * model.config.num_key_value_heads)
+
+
+def print_attention_kernels(rows_x_heads: int) -> None:
+    """The Triton attention kernels compiled so far, as ptxas built them: registers, spills, shared memory, and
+    what those allow: programs per SM and the waves a one-split grid of `rows_x_heads` programs takes."""
+    from rlanywhere.rollout import decode_kernels
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    registers = getattr(props, "regs_per_multiprocessor", 65536)
+    threads = getattr(props, "max_threads_per_multi_processor", 2048)
+    shared = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    sms = props.multi_processor_count
+    print(f"\n== attention kernels as compiled ({sms} SMs, {registers} registers, {shared // 1024} KiB shared an SM; "
+          f"waves at {rows_x_heads} programs) ==")
+    for kernel in (decode_kernels.split_kernel, decode_kernels.rope_attend_kernel):
+        for cache in kernel.device_caches.values():
+            for compiled in cache[0].values():
+                compiled._init_handles()
+                warps = compiled.metadata.num_warps
+                per_warp = -(-compiled.n_regs * 32 // 256) * 256  # registers are allocated 256 at a time a warp
+                fits = min(registers // (per_warp * warps), threads // (32 * warps),
+                           shared // max(compiled.metadata.shared, 1))
+                print(f"  {kernel.__name__:20s} warps {warps} stages {compiled.metadata.num_stages} registers "
+                      f"{compiled.n_regs:3d} spills {compiled.n_spills:3d} shared {compiled.metadata.shared:6d} B: "
+                      f"{fits} programs an SM, {rows_x_heads / (fits * sms):.2f} waves")
 
 
 def profile_batch(model, dtype: torch.dtype, batch: int, span: int, attention: dict, skip_profile: bool,

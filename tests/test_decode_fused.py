@@ -131,7 +131,8 @@ def test_half_precision_attention_takes_the_nearest_number_of_splits():
 
 def test_the_attention_kernels_compile_for_a_gpu_with_the_split_count_unspecialized():
     """The interpreter runs what a GPU build refuses: compile the three split-K kernels for sm_90 on the CPU
-    (Triton's own compiler and ptxas, in a process without TRITON_INTERPRET), the split count a runtime argument."""
+    (Triton's own compiler and ptxas, in a process without TRITON_INTERPRET), the split count a runtime argument,
+    with the launch options and the argument alignment of a bf16 decode step (Qwen2.5-0.5B's heads)."""
     import os
     import subprocess
     import sys
@@ -140,20 +141,34 @@ def test_the_attention_kernels_compile_for_a_gpu_with_the_split_count_unspeciali
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from rlanywhere.rollout import decode_kernels as kernels
+from rlanywhere.rollout.decode_attention import HALF_LAUNCH
 constants = dict(G_PAD=16, BLOCK_D=64, BLOCK_S=64, HALF_DOT=True, FP32_DOT="ieee", MATCH_HF=True)
 index_pointers = ("starts_ptr", "slot_ptr")
 partials = ("acc_ptr", "max_ptr", "sum_ptr")
+odd = {"kv_heads", "groups", "heads", "splits"}  # 2, 7, 14, the split count: not multiples of 16 (the rest are)
 for kernel in (kernels.split_kernel, kernels.rope_attend_kernel, kernels.merge_kernel):
     signature = {name: "constexpr" if name in constants else "*i64" if name in index_pointers else
                  "*fp32" if name in partials else "*bf16" if name.endswith("_ptr") else
                  "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
     unspecialized = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
     assert signature["splits"] == "i32" and "splits" in unspecialized
-    source = ASTSource(fn=kernel, signature=signature,
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+               if signature[name].startswith("*") or (signature[name] == "i32" and name not in odd)}
+    source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                        constexprs={name: constants[name] for name in kernel.arg_names if name in constants})
-    print(kernel.__name__, len(compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]))
+    options = {} if kernel is kernels.merge_kernel else HALF_LAUNCH
+    compiled = compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    print(kernel.__name__, len(compiled.asm["cubin"]), compiled.metadata.num_warps, compiled.metadata.shared,
+          ".maxnreg" in compiled.asm["ptx"])
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert all(name in done.stdout for name in ("split_kernel", "rope_attend_kernel", "merge_kernel"))
+    # the two attention kernels as launched: 8 programs fit one SM of an H200 (64K registers, 228 KiB of shared
+    # memory), so that 512 rows x 2 KV heads run in one wave of its 132 SMs
+    for line in done.stdout.splitlines():
+        name, _, warps, shared, capped = line.split()
+        if name != "merge_kernel":
+            assert int(warps) == 2 and capped == "True", line  # 2 warps x 32 threads x 128 registers x 8 = 64K
+            assert 8 * int(shared) <= 228 * 1024, line

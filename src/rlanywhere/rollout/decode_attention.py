@@ -39,8 +39,10 @@ PROGRAMS_PER_SM = 4  # enough programs in flight to cover memory latency
 # 18.8 us per layer; 128 rows: 23.7 vs 28.2); half precision measured the same either way
 FP32_LAUNCH = {"num_stages": 2}
 # half precision: two warps, two stages deep, not Triton's default four and three (H200, bf16, 384 slots, one split,
-# per layer: 512 rows 26.8 vs 31.1 us; 1024 rows 48.7 vs 48.9; 256 rows about 16 vs 15.3)
-HALF_LAUNCH = {"num_warps": 2, "num_stages": 2}
+# per layer: 512 rows 26.8 vs 31.1 us; 1024 rows 48.7 vs 48.9; 256 rows about 16 vs 15.3). At most 128 registers a
+# thread, so that 8 programs fit an SM's 64K registers: left to itself ptxas gave the fused RoPE + attention kernel
+# 160-166 (Triton 3.6, sm_90), 6 programs an SM, and 512 rows x 2 KV heads took 1.3 waves of an H200's 132 SMs
+HALF_LAUNCH = {"num_warps": 2, "num_stages": 2, "maxnreg": 128}
 
 
 def triton_interpreting() -> bool:

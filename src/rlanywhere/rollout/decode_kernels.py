@@ -112,7 +112,9 @@ def rope_attend_kernel(y_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, starts_ptr, slot_p
                        BLOCK_S: tl.constexpr, HALF_DOT: tl.constexpr, MATCH_HF: tl.constexpr):
     """split_kernel that starts from the QKV projection y [B, heads + 2 KV, D] of this step's token: it rotates
     its queries itself, and the program whose chunk holds this step's slot rotates the key, writes key and value
-    into the cache there and attends to them from registers (the cache slots before it come from memory)."""
+    into the cache there and starts its softmax from them (from registers; the cache slots before the new one come
+    from memory). The new slot goes first so that only the softmax state lives across the loop over the cache:
+    fewer registers, more programs per SM."""
     row_head = tl.program_id(0)
     split = tl.program_id(1)
     row = (row_head // kv_heads).to(tl.int64)
@@ -134,27 +136,24 @@ def rope_attend_kernel(y_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, starts_ptr, slot_p
     q = _rope(tl.load(q_at + d[None, :], mask=q_ok, other=0.0), tl.load(q_at + rolled_d[None, :], mask=q_ok,
                                                                          other=0.0), cos[None, :], sin[None, :],
               MATCH_HF)
+    k_at = y_row + (heads + head) * stride_yh
+    key = _rope(tl.load(k_at + d, mask=d_ok, other=0.0), tl.load(k_at + rolled_d, mask=d_ok, other=0.0), cos, sin,
+                MATCH_HF)
+    value = tl.load(y_row + (heads + kv_heads + head) * stride_yh + d, mask=d_ok, other=0.0)
     k_base = k_ptr + row * stride_kb + head * stride_kh
     v_base = v_ptr + row * stride_vb + head * stride_vh
-    running_max, running_sum, acc = _attend(
-        q, k_base, v_base, stride_ks, stride_vs, lo, hi, d, d_ok, scale,
-        tl.full([G_PAD], float("-inf"), dtype=tl.float32), tl.zeros([G_PAD], dtype=tl.float32),
-        tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32), BLOCK_S, HALF_DOT, "ieee")
-    if (split * chunk <= last) & (last < (split + 1) * chunk):  # this program's chunk holds the new slot
-        k_at = y_row + (heads + head) * stride_yh
-        key = _rope(tl.load(k_at + d, mask=d_ok, other=0.0), tl.load(k_at + rolled_d, mask=d_ok, other=0.0), cos,
-                    sin, MATCH_HF)
-        value = tl.load(y_row + (heads + kv_heads + head) * stride_yh + d, mask=d_ok, other=0.0)
+    holds_new = (split * chunk <= last) & (last < (split + 1) * chunk)  # this program's chunk holds the new slot
+    if holds_new:
         tl.store(k_base + last * stride_ks + d, key, mask=d_ok)
         tl.store(v_base + last * stride_vs + d, value, mask=d_ok)
-        score = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], 1) * scale
-        new_max = tl.maximum(running_max, score)
-        correction = tl.exp(running_max - new_max)  # running_max -inf (no cached slot): 0, acc and sum are 0
-        p = tl.exp(score - new_max)
-        running_sum = running_sum * correction + p
-        p = p.to(value.dtype).to(tl.float32)  # rounded as the probabilities of the cached slots are
-        acc = acc * correction[:, None] + p[:, None] * value.to(tl.float32)[None, :]
-        running_max = new_max
+    # the softmax over the new slot alone: max = its score, sum = exp(0) = 1, weighted values = its value
+    score = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], 1) * scale
+    running_max = tl.where(holds_new, score, float("-inf"))
+    running_sum = tl.zeros([G_PAD], dtype=tl.float32) + tl.where(holds_new, 1.0, 0.0)
+    acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32) + tl.where(holds_new, value.to(tl.float32), 0.0)[None, :]
+    running_max, running_sum, acc = _attend(
+        q, k_base, v_base, stride_ks, stride_vs, lo, hi, d, d_ok, scale, running_max, running_sum, acc, BLOCK_S,
+        HALF_DOT, "ieee")
     _finish(running_max, running_sum, acc, acc_ptr, max_ptr, sum_ptr, o_ptr, row, head, row_head, split, g, d,
             stride_ob, stride_oh, stride_og, groups, head_dim, splits, G_PAD, BLOCK_D)
 
