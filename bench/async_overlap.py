@@ -99,9 +99,9 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def green_stream(sms: int, priority: int = 0):
+def green_stream(sms: int):
     """A stream of a CUDA green context of `sms` SMs (torch.cuda.green_contexts; the API changed between releases:
-    keyword or positional arguments, a Stream() method with or without a priority)."""
+    keyword or positional arguments). Every such context starts at the same SMs: two of them overlap."""
     import torch
 
     green = torch.cuda.green_contexts.GreenContext
@@ -109,16 +109,53 @@ def green_stream(sms: int, priority: int = 0):
         context = green.create(num_sms=sms, device_id=0)
     except TypeError:
         context = green.create(sms, 0)
-    try:
-        return context, context.Stream(priority=priority)
-    except TypeError:
-        return context, context.Stream()
+    return context, context.Stream()
 
 
 def all_sms() -> int:
     import torch
 
     return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+RESOURCE_BYTES = 512  # a CUdevResource: 144 bytes in CUDA 12.x's ABI, larger in later ones; room for either
+SM_COUNT_OFFSET = 96  # its `sm.smCount`: after the type (4 bytes) and 92 bytes of padding, in every ABI so far
+
+
+def disjoint_green_streams(rollout_sms: int, priority: int):
+    """(the training step's stream, the rollout's stream, their SM counts) on two green contexts that share no SM:
+    the device's SMs split by CUDA's driver API into a group of `rollout_sms` (rounded up to the card's group size)
+    and the remaining ones. torch's GreenContext cannot: it takes each context's SMs from the whole device, so two
+    contexts start at the same SMs."""
+    import ctypes
+
+    import torch
+
+    torch.cuda.init()
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(result: int, call: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"{call} failed with CUresult {result} (green contexts need driver >= 12.4)")
+
+    device = ctypes.c_int()
+    check(cuda.cuDeviceGet(ctypes.byref(device), torch.cuda.current_device()), "cuDeviceGet")
+    whole, group, remaining = (ctypes.create_string_buffer(RESOURCE_BYTES) for _ in range(3))
+    check(cuda.cuDeviceGetDevResource(device, whole, 1), "cuDeviceGetDevResource")  # 1: CU_DEV_RESOURCE_TYPE_SM
+    groups = ctypes.c_uint(1)
+    check(cuda.cuDevSmResourceSplitByCount(group, ctypes.byref(groups), whole, remaining, 0, rollout_sms),
+          "cuDevSmResourceSplitByCount")
+    streams, counts = [], []
+    for resource in (remaining, group):  # the training step's, then the rollout's
+        desc, context, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check(cuda.cuDevResourceGenerateDesc(ctypes.byref(desc), resource, 1), "cuDevResourceGenerateDesc")
+        check(cuda.cuGreenCtxCreate(ctypes.byref(context), desc, device, 1), "cuGreenCtxCreate")  # 1: default stream
+        stream_priority = priority if resource is group else 0
+        check(cuda.cuGreenCtxStreamCreate(ctypes.byref(stream), context, 1, stream_priority),  # 1: non-blocking
+              "cuGreenCtxStreamCreate")
+        streams.append(torch.cuda.ExternalStream(stream.value, device=torch.cuda.current_device()))
+        counts.append(ctypes.c_uint.from_buffer(resource, SM_COUNT_OFFSET).value)
+    return streams[0], streams[1], counts[0], counts[1]
 
 
 def apply_setting(pipeline, name: str, executor, carveout_sms: int, rollout_stream=None) -> None:
@@ -199,10 +236,10 @@ def main() -> int:
             if on_gpu and setting(name)[3] == "green":
                 greens[name] = (green_stream(all_sms() - args.carveout)[1], None)
             elif on_gpu and setting(name)[3] == PARTITION:
-                rollout_sms = setting(name)[4]
-                rollout = green_stream(rollout_sms, priority=setting(name)[1])
-                greens[name] = (green_stream(all_sms() - rollout_sms)[1], rollout[1])
-                print(f"{name}: rollout on {rollout_sms} SMs, the training step on {all_sms() - rollout_sms}",
+                update_stream, rollout_stream, update_sms, rollout_sms = disjoint_green_streams(
+                    setting(name)[4], setting(name)[1])
+                greens[name] = (update_stream, rollout_stream)
+                print(f"{name}: the rollout on {rollout_sms} SMs, the training step on the other {update_sms}",
                       flush=True)
 
         def step(items):

@@ -608,6 +608,11 @@ def test_overlap_bench_schedule_and_medians_by_hand():
     assert summary["in_turn"]["samples/s"] == pytest.approx(16 / 1.5) and summary["in_turn"]["steps"] == 2
     assert summary["both"]["s/step"] == 0.8 and summary["both"]["wait s"] == 0.1 and summary["both"]["update s"] is None
     assert "in_turn" in async_overlap.format_table(summary)
+    # partitionN: `both`'s overlap, stream priority and GIL interval, with the rollout's N SMs
+    assert async_overlap.setting("partition40") == (*async_overlap.SETTINGS["both"][:3], "partition", 40)
+    assert async_overlap.setting("green") == async_overlap.SETTINGS["green"]
+    with pytest.raises(KeyError):
+        async_overlap.setting("partition")
 
 
 def _resume_and_match_the_uninterrupted_run(tiny_model_dir, arith_data, tmp_path, extra):
