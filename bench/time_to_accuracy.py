@@ -198,6 +198,50 @@ def hardware_label(emulate: Optional[str]) -> str:
     return f"{name}, --emulate {emulate}" if emulate else name
 
 
+GPU_FIELDS = ("clocks.sm", "temperature.gpu", "power.draw")  # nvidia-smi --query-gpu names
+
+
+class GpuSampler:
+    """nvidia-smi sampling the card's SM clock (MHz), temperature (C) and power (W) once a second while a run goes:
+    a run slower than another on a hot or power-capped card shows a lower clock, not a slower program. Nothing
+    where nvidia-smi is missing."""
+
+    def __init__(self, work_dir: str):
+        import shutil
+        import subprocess
+
+        self.path, self.process = os.path.join(work_dir, "gpu_samples.csv"), None
+        if shutil.which("nvidia-smi"):
+            with open(self.path, "w") as out:
+                self.process = subprocess.Popen(
+                    ["nvidia-smi", "-i", "0", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader,nounits",
+                     "-lms", "1000"], stdout=out, stderr=subprocess.DEVNULL)
+
+    def summary(self) -> Optional[dict]:
+        """Stops sampling; median, min and max of each field over the samples."""
+        if self.process is None:
+            return None
+        self.process.terminate()
+        self.process.wait(timeout=10)
+        return gpu_summary(open(self.path).read())
+
+
+def gpu_summary(text: str) -> Optional[dict]:
+    """{field: {median, min, max}} of nvidia-smi's CSV samples (GPU_FIELDS, no header); rows that do not parse (a
+    field the card does not report: "[N/A]") are left out."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append([float(value) for value in line.split(",")])
+        except ValueError:
+            continue
+    rows = [row for row in rows if len(row) == len(GPU_FIELDS)]
+    if not rows:
+        return None
+    return {field: {"median": statistics.median(column), "min": min(column), "max": max(column), "samples": len(column)}
+            for field, column in zip(GPU_FIELDS, zip(*rows))}
+
+
 def run(args) -> dict:
     import tempfile
 
@@ -209,6 +253,7 @@ def run(args) -> dict:
     test_freq = args.test_freq
     data, actor = profile["data"], profile["actor_rollout_ref"]
     started = time.time()
+    gpu = GpuSampler(profile_work) if not args.tiny else None
     sweep: dict[int, Optional[float]] = {}  # TRL micro-batch -> seconds a step in its short run
     if args.algo == "trl-grpo":
         if not sides.trl_available():
@@ -259,9 +304,13 @@ def run(args) -> dict:
         print("step medians (steps 3..): " + ", ".join(f"{k} {v:.3f}" for k, v in timing.items()), flush=True)
         print(f"of the training minutes: compiling {warmup['compile']:.2f}, capturing decode graphs "
               f"{warmup['graph_capture']:.2f}", flush=True)
+    card = gpu.summary() if gpu is not None else None
+    if card:
+        print("the card during the run (median, min-max): " + ", ".join(
+            f"{field} {v['median']:.0f} ({v['min']:.0f}-{v['max']:.0f})" for field, v in card.items()), flush=True)
     if not points:
         raise SystemExit("the run recorded no held-out accuracy")
-    return {"label": label + (f" (--emulate {args.emulate})" if args.emulate else ""), "algorithm": args.algo,
+    return {"card": card, "label": label + (f" (--emulate {args.emulate})" if args.emulate else ""), "algorithm": args.algo,
             "task": f"2-digit addition ({data['val_max_samples']} held-out, greedy)",
             "model": "tiny random (--tiny)" if args.tiny else "SmolLM2-135M-Instruct",
             "hardware": hardware_label(args.emulate), "steps": points[-1]["step"], "test_freq": test_freq,

@@ -181,6 +181,16 @@ def test_minutes_to_reach_first_crossing_or_none():
     assert tta.minutes_to_reach(points, 0.9) is None
 
 
+def test_gpu_summary_of_nvidia_smi_samples():
+    """The card's clock, temperature and power during a run: median, min and max over nvidia-smi's samples; a row
+    with a value the card does not report, or cut short when sampling stopped, is left out."""
+    text = "1980, 45, 300.5\n1755, 60, 650.2\n[N/A], 30, 20\n1900, 50, 500\n1830, 5"
+    summary = tta.gpu_summary(text)
+    assert summary["clocks.sm"] == {"median": 1900.0, "min": 1755.0, "max": 1980.0, "samples": 3}
+    assert summary["temperature.gpu"]["max"] == 60.0 and summary["power.draw"]["median"] == 500.0
+    assert tta.gpu_summary("") is None and tta.gpu_summary("[N/A], [N/A], [N/A]") is None
+
+
 def test_card_row():
     result = {"task": "t", "model": "m", "hardware": "h", "label": "rlanywhere grpo",
               "points": [{"step": 0, "minutes": 0.0, "acc": 0.17}, {"step": 10, "minutes": 0.5, "acc": 0.6},
