@@ -16,6 +16,9 @@ pipeline, so that every setting sees the same model, prompts and compiled kernel
   partitionN   `both`, and the SMs split between the phases: the rollout on a green context of N SMs, the training
                step on one of the rest (e.g. partition32; --settings may name several sizes), so neither phase's
                kernels wait for the other's blocks
+  update_first overlapped, the priorities the other way round: the training step on a stream of the highest
+               priority, the rollout's at the lowest (the default streams'). The update is the step's critical path
+               and the rollout has time to spare, so the update's kernels take each SM that frees up first
 
 Per setting it prints the medians over the group's steps (its first step left out: its batch was generated under
 the previous setting): step time, the update's time, the rollout's wall time (in the background when overlapped),
@@ -52,6 +55,7 @@ SETTINGS = {
     "both": (True, -1, 2e-4, None),
     "carveout": (True, -1, 2e-4, "carveout"),
     "green": (True, -1, 2e-4, "green"),
+    "update_first": (True, 0, 2e-4, "update_first"),
 }
 DEFAULT_SETTINGS = ("in_turn", "plain", "priority", "gil", "both")
 PARTITION = "partition"  # partitionN: the rollout on N SMs of a green context, the training step on the rest
@@ -235,6 +239,10 @@ def main() -> int:
         for name in dict.fromkeys(settings):
             if on_gpu and setting(name)[3] == "green":
                 greens[name] = (green_stream(all_sms() - args.carveout)[1], None)
+            elif on_gpu and setting(name)[3] == "update_first":
+                highest = torch.cuda.Stream.priority_range()[1] if hasattr(torch.cuda.Stream, "priority_range") \
+                    else -1
+                greens[name] = (torch.cuda.Stream(priority=highest), None)
             elif on_gpu and setting(name)[3] == PARTITION:
                 update_stream, rollout_stream, update_sms, rollout_sms = disjoint_green_streams(
                     setting(name)[4], setting(name)[1])
