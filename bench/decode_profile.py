@@ -339,8 +339,8 @@ def print_attention_kernels(rows_x_heads: int) -> None:
                 compiled._init_handles()
                 warps = compiled.metadata.num_warps
                 per_warp = -(-compiled.n_regs * 32 // 256) * 256  # registers are allocated 256 at a time a warp
-                fits = min(registers // (per_warp * warps), threads // (32 * warps),
-                           shared // max(compiled.metadata.shared, 1))
+                fits = max(1, min(registers // (per_warp * warps), threads // (32 * warps),
+                                  shared // max(compiled.metadata.shared, 1)))
                 print(f"  {kernel.__name__:20s} warps {warps} stages {compiled.metadata.num_stages} registers "
                       f"{compiled.n_regs:3d} spills {compiled.n_spills:3d} shared {compiled.metadata.shared:6d} B: "
                       f"{fits} programs an SM, {rows_x_heads / (fits * sms):.2f} waves")
