@@ -171,7 +171,8 @@ def apply_setting(pipeline, name: str, executor, carveout_sms: int, rollout_stre
     pipeline.overlap = overlapped
     pipeline.executor = executor if overlapped else None
     if overlapped and pipeline.stream is not None:
-        pipeline.stream = rollout_stream or torch.cuda.Stream(pipeline.plan.device, priority=priority)
+        pipeline.stream = (rollout_stream if rollout_stream is not None
+                           else torch.cuda.Stream(pipeline.plan.device, priority=priority))
     sys.setswitchinterval(interval)
     if torch.cuda.is_available():
         torch._C._set_sm_carveout_experimental(carveout_sms if partition == "carveout" else None)
