@@ -22,7 +22,7 @@ from .device import Decision, Target
 # FastEngine's split-K Triton decode attention (rollout/decode_attention.py) is planned from this compute capability
 # up (measured on an H200 only; Pascal has no fast half math): in half precision, and in fp32 with its products as
 # three TF32 products (TF32 tensor cores start at 8.0 too). Volta and Turing are untimed, and there the kernels would
-# need other launch settings: compiled for sm_70 and sm_75 (Triton 3.6, fp16, two warps) they spill 650 bytes or
+# need other launch settings: compiled for sm_70 and sm_75 (Triton 3.6, fp16, two warps) they spill 640 bytes or
 # more a thread to local memory, where from sm_80 on they fit 128 registers without spilling.
 TRITON_DECODE_MIN_CC = (8, 0)
 TRITON_DECODE_REASON = ("split-K Triton kernel over each row's filled cache slots: faster than SDPA's fused kernel, "
