@@ -207,6 +207,7 @@ class GpuSampler:
     where nvidia-smi is missing."""
 
     def __init__(self, work_dir: str):
+        import atexit
         import shutil
         import subprocess
 
@@ -216,14 +217,20 @@ class GpuSampler:
                 self.process = subprocess.Popen(
                     ["nvidia-smi", "-i", "0", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader,nounits",
                      "-lms", "1000"], stdout=out, stderr=subprocess.DEVNULL)
+            atexit.register(self.stop)  # a run that fails leaves no sampler behind
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
 
     def summary(self) -> Optional[dict]:
         """Stops sampling; median, min and max of each field over the samples."""
         if self.process is None:
             return None
-        self.process.terminate()
-        self.process.wait(timeout=10)
-        return gpu_summary(open(self.path).read())
+        self.stop()
+        with open(self.path) as samples:
+            return gpu_summary(samples.read())
 
 
 def gpu_summary(text: str) -> Optional[dict]:
@@ -238,8 +245,8 @@ def gpu_summary(text: str) -> Optional[dict]:
     rows = [row for row in rows if len(row) == len(GPU_FIELDS)]
     if not rows:
         return None
-    return {field: {"median": statistics.median(column), "min": min(column), "max": max(column), "samples": len(column)}
-            for field, column in zip(GPU_FIELDS, zip(*rows))}
+    return {field: {"median": statistics.median(column), "min": min(column), "max": max(column),
+                    "samples": len(column)} for field, column in zip(GPU_FIELDS, zip(*rows))}
 
 
 def run(args) -> dict:
@@ -310,7 +317,8 @@ def run(args) -> dict:
             f"{field} {v['median']:.0f} ({v['min']:.0f}-{v['max']:.0f})" for field, v in card.items()), flush=True)
     if not points:
         raise SystemExit("the run recorded no held-out accuracy")
-    return {"card": card, "label": label + (f" (--emulate {args.emulate})" if args.emulate else ""), "algorithm": args.algo,
+    return {"card": card, "label": label + (f" (--emulate {args.emulate})" if args.emulate else ""),
+            "algorithm": args.algo,
             "task": f"2-digit addition ({data['val_max_samples']} held-out, greedy)",
             "model": "tiny random (--tiny)" if args.tiny else "SmolLM2-135M-Instruct",
             "hardware": hardware_label(args.emulate), "steps": points[-1]["step"], "test_freq": test_freq,
