@@ -538,6 +538,35 @@ def _rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
+def test_a_survivor_names_a_rank_that_ends_just_after_its_sockets_closed(monkeypatch):
+    """A killed process closes its sockets before it has ended, so a survivor's collective can fail while the killed
+    rank still looks alive in /proc: the survivor looks again for a while (rank_layout.PEER_EXIT_WAIT_S) before it
+    says only that it lost a connection."""
+    import socket
+    import threading
+
+    from rlanywhere import rank_layout
+
+    host = socket.gethostname()
+    failure = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234")
+    peers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        monkeypatch.setattr(rank_layout, "_PEERS", [(host, os.getpid()), (host, peers[0].pid)])
+        threading.Timer(0.3, peers[0].kill).start()  # ends after the collective failed
+        assert rank_layout.failed_rank_line(failure, 0, 2).startswith("error: rank 1 of 2 stopped (killed")
+        # a peer that stays alive (its machine unreachable, say): the connection line once the wait is over
+        monkeypatch.setattr(rank_layout, "_PEERS", [(host, os.getpid()), (host, peers[1].pid)])
+        monkeypatch.setattr(rank_layout, "PEER_EXIT_WAIT_S", 0.2)
+        started = time.monotonic()
+        line = rank_layout.failed_rank_line(failure, 0, 2)
+        assert line.startswith("error: rank 0 of 2 lost its connection") and time.monotonic() - started >= 0.2
+        assert rank_layout.failed_rank_line(ValueError("bad shape"), 0, 2) is None  # not a peer's failure
+    finally:
+        for peer in peers:
+            peer.kill()
+            peer.wait()
+
+
 @pytest.mark.slow
 def test_a_killed_rank_is_named_in_one_line_by_the_survivor(tiny_model_dir, arith_data, tmp_path):
     """torchrun, 2 ranks, rank 1 killed with SIGKILL mid-run: rank 0's collective fails; it prints one line naming

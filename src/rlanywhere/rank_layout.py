@@ -37,6 +37,9 @@ def rank_gpu_index(local_rank: int, visible: int, env: Optional[Mapping[str, str
 _PEERS: list[tuple[str, int]] = []  # (hostname, pid) of every rank of the job, in rank order (register_ranks)
 _PEER_FAILURE_TEXTS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
                        "socket closed", "read error", "write error", "timed out")
+# A killed process closes its sockets before it has ended (Linux: its files go before it turns into a zombie), so a
+# survivor's collective can fail while the killed rank still looks alive in /proc: look again for up to this long
+PEER_EXIT_WAIT_S = 2.0
 
 
 def register_ranks(dp) -> None:
@@ -69,13 +72,19 @@ def failed_rank_line(exc: BaseException, rank: int, world: int) -> Optional[str]
     """One line naming the rank(s) that died when `exc` is this rank's collective failing because a peer went
     away (killed, crashed, its machine lost); None for any other error (reported as it is)."""
     import socket
+    import time
 
     text = f"{type(exc).__name__}: {exc}".lower()
     if world <= 1 or not (any(part in text for part in _PEER_FAILURE_TEXTS) or "distbackenderror" in text):
         return None
     host = socket.gethostname()
-    dead = [index for index, (peer_host, pid) in enumerate(_PEERS)
-            if index != rank and peer_host == host and not _alive(pid)]
+    here = [(index, pid) for index, (peer_host, pid) in enumerate(_PEERS) if index != rank and peer_host == host]
+    deadline = time.monotonic() + PEER_EXIT_WAIT_S
+    while True:
+        dead = [index for index, pid in here if not _alive(pid)]
+        if dead or not here or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
     if dead:
         names = ", ".join(str(index) for index in dead)
         return (f"error: rank {names} of {world} stopped (killed, or crashed without a message); rank {rank} stops "
