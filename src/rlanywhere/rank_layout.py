@@ -59,26 +59,29 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def a_peer_died() -> bool:
-    """Whether another rank of this job on this host has ended: torchrun then stops the others with SIGTERM, and
-    what they would save cannot be (their collectives fail); the rank that died is named once, elsewhere."""
+def _other_ranks_here() -> list[tuple[int, int]]:
+    """(rank, pid) of the job's other ranks on this host (the ones whose end /proc can show)."""
     import socket
 
     host, me = socket.gethostname(), os.getpid()
-    return any(peer_host == host and pid != me and not _alive(pid) for peer_host, pid in _PEERS)
+    return [(index, pid) for index, (peer_host, pid) in enumerate(_PEERS) if peer_host == host and pid != me]
+
+
+def a_peer_died() -> bool:
+    """Whether another rank of this job on this host has ended: torchrun then stops the others with SIGTERM, and
+    what they would save cannot be (their collectives fail); the rank that died is named once, elsewhere."""
+    return any(not _alive(pid) for _, pid in _other_ranks_here())
 
 
 def failed_rank_line(exc: BaseException, rank: int, world: int) -> Optional[str]:
     """One line naming the rank(s) that died when `exc` is this rank's collective failing because a peer went
     away (killed, crashed, its machine lost); None for any other error (reported as it is)."""
-    import socket
     import time
 
     text = f"{type(exc).__name__}: {exc}".lower()
     if world <= 1 or not (any(part in text for part in _PEER_FAILURE_TEXTS) or "distbackenderror" in text):
         return None
-    host = socket.gethostname()
-    here = [(index, pid) for index, (peer_host, pid) in enumerate(_PEERS) if index != rank and peer_host == host]
+    here = _other_ranks_here()
     deadline = time.monotonic() + PEER_EXIT_WAIT_S
     while True:
         dead = [index for index, pid in here if not _alive(pid)]
