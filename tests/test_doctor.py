@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlanywhere import doctor
@@ -15,6 +16,13 @@ CHECK_NAMES = {"probe", "torch kernels for the GPU", "plan", "matmul fp32", "mat
 
 def _quiet(_text: str) -> None:
     pass
+
+
+@pytest.fixture(autouse=True)
+def _kernel_probes_cached_again_afterwards(monkeypatch):
+    """run_doctor tells the whole process to run every kernel probe again (right for the doctor's own process);
+    the tests that run after these in the same worker expect the cached probes."""
+    monkeypatch.setattr(machine, "_fresh_probes", machine._fresh_probes)
 
 
 def test_doctor_passes_on_cpu(capsys):
