@@ -236,24 +236,31 @@ def main() -> int:
         records: list[dict] = []
         train_step = trainer.train_step
         device = torch.cuda.get_device_name(0) if on_gpu else "CPU"
-        greens = {}  # setting -> (the training step's green stream, the rollout's or None)
-        for name in dict.fromkeys(settings):
-            if on_gpu and setting(name)[3] == "green":
+        greens = {}  # setting -> (the training step's stream, the rollout's), made at the setting's first step
+
+        def streams_of(name: str):
+            """Made when the setting's steps start, so that one the card cannot make (green contexts need CUDA 12.4)
+            stops the bench only after the settings before it were measured and written."""
+            if name in greens or not on_gpu:
+                return greens.get(name, (None, None))
+            kind = setting(name)[3]
+            if kind == "green":
                 greens[name] = (green_stream(all_sms() - args.carveout)[1], None)
-            elif on_gpu and setting(name)[3] == "update_first":
+            elif kind == "update_first":
                 highest = torch.cuda.Stream.priority_range()[1] if hasattr(torch.cuda.Stream, "priority_range") \
                     else -1
                 greens[name] = (torch.cuda.Stream(priority=highest), None)
-            elif on_gpu and setting(name)[3] == PARTITION:
+            elif kind == PARTITION:
                 update_stream, rollout_stream, update_sms, rollout_sms = disjoint_green_streams(
                     setting(name)[4], setting(name)[1])
                 greens[name] = (update_stream, rollout_stream)
                 print(f"{name}: the rollout on {rollout_sms} SMs, the training step on the other {update_sms}",
                       flush=True)
+            return greens.get(name, (None, None))
 
         def step(items):
             name = plan_of_steps[trainer.global_step]
-            update_stream, rollout_stream = greens.get(name, (None, None))
+            update_stream, rollout_stream = streams_of(name)
             apply_setting(pipeline, name, executor, args.carveout, rollout_stream)
             if update_stream is not None:  # the step's own work (update, log-probs) on its green context's SMs
                 update_stream.wait_stream(torch.cuda.current_stream())
