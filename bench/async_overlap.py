@@ -61,11 +61,16 @@ DEFAULT_SETTINGS = ("in_turn", "plain", "priority", "gil", "both")
 PARTITION = "partition"  # partitionN: the rollout on N SMs of a green context, the training step on the rest
 
 
+def partition_sms(name: str) -> int | None:
+    """N of a setting named partitionN, else None."""
+    count = name[len(PARTITION):] if name.startswith(PARTITION) else ""
+    return int(count) if count.isdigit() else None
+
+
 def setting(name: str) -> tuple:
     """SETTINGS[name], and for partitionN `both` with the partition (its rollout SMs last)."""
-    if name.startswith(PARTITION) and name[len(PARTITION):].isdigit():
-        return (*SETTINGS["both"][:3], PARTITION, int(name[len(PARTITION):]))
-    return SETTINGS[name]
+    sms = partition_sms(name)
+    return (*SETTINGS["both"][:3], PARTITION, sms) if sms is not None else SETTINGS[name]
 COLUMNS = {"s/step": "perf/step_time_s", "update s": "timing/update_actor", "old logp s": "timing/old_log_prob",
            "rollout s": "async/rollout_s", "wait s": "timing/rollout_wait",
            "start s": "timing/rollout_weight_sync"}
@@ -199,8 +204,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write per-step records and the summary as JSON")
     args = parser.parse_args()
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    unknown = [s for s in settings if s not in SETTINGS and not (s.startswith(PARTITION)
-                                                               and s[len(PARTITION):].isdigit())]
+    unknown = [s for s in settings if s not in SETTINGS and partition_sms(s) is None]
     if unknown:
         raise SystemExit(f"--settings: unknown {unknown}; choose from {list(SETTINGS)} or partitionN (N: the "
                          "rollout's SMs)")
