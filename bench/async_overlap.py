@@ -71,6 +71,8 @@ def setting(name: str) -> tuple:
     """SETTINGS[name], and for partitionN `both` with the partition (its rollout SMs last)."""
     sms = partition_sms(name)
     return (*SETTINGS["both"][:3], PARTITION, sms) if sms is not None else SETTINGS[name]
+
+
 COLUMNS = {"s/step": "perf/step_time_s", "update s": "timing/update_actor", "old logp s": "timing/old_log_prob",
            "rollout s": "async/rollout_s", "wait s": "timing/rollout_wait",
            "start s": "timing/rollout_weight_sync"}
@@ -247,7 +249,8 @@ def main() -> int:
             stops the bench only after the settings before it were measured and written."""
             if name in greens or not on_gpu:
                 return greens.get(name, (None, None))
-            kind = setting(name)[3]
+            spec = setting(name)
+            kind = spec[3]
             if kind == "green":
                 greens[name] = (green_stream(all_sms() - args.carveout)[1], None)
             elif kind == "update_first":
@@ -255,8 +258,7 @@ def main() -> int:
                     else -1
                 greens[name] = (torch.cuda.Stream(priority=highest), None)
             elif kind == PARTITION:
-                update_stream, rollout_stream, update_sms, rollout_sms = disjoint_green_streams(
-                    setting(name)[4], setting(name)[1])
+                update_stream, rollout_stream, update_sms, rollout_sms = disjoint_green_streams(spec[4], spec[1])
                 greens[name] = (update_stream, rollout_stream)
                 print(f"{name}: the rollout on {rollout_sms} SMs, the training step on the other {update_sms}",
                       flush=True)
