@@ -19,6 +19,9 @@ pipeline, so that every setting sees the same model, prompts and compiled kernel
   update_first overlapped, the priorities the other way round: the training step on a stream of the highest
                priority, the rollout's at the lowest (the default streams'). The update is the step's critical path
                and the rollout has time to spare, so the update's kernels take each SM that frees up first
+  ref_in_step  with --kl: `both`, but the reference's log-probs computed in the step that trains on the batch, as
+               without the pipeline (in every other setting the plan puts them right after the batch's rollout, in
+               its job: plan.ref_with_rollout)
 
 Per setting it prints the medians over the group's steps (its first step left out: its batch was generated under
 the previous setting): step time, the update's time, the rollout's wall time (in the background when overlapped),
@@ -28,6 +31,7 @@ SmolLM2 tokenizer via RLANYWHERE_BENCH_TOKENIZER):
     python bench/async_overlap.py --out overlap.json                 # H200: 16 prompts x 8, 256 new tokens, bf16
     python bench/async_overlap.py --tiny --per-setting 2              # CPU smoke run (no overlap on a CPU)
     python bench/async_overlap.py --settings in_turn,both,partition24,partition40,partition64 --per-setting 3
+    python bench/async_overlap.py --kl --settings in_turn,ref_in_step,both --per-setting 3   # a KL loss term
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ SETTINGS = {
     "carveout": (True, -1, 2e-4, "carveout"),
     "green": (True, -1, 2e-4, "green"),
     "update_first": (True, 0, 2e-4, "update_first"),
+    "ref_in_step": (True, -1, 2e-4, "ref_in_step"),
 }
 DEFAULT_SETTINGS = ("in_turn", "plain", "priority", "gil", "both")
 PARTITION = "partition"  # partitionN: the rollout on N SMs of a green context, the training step on the rest
@@ -74,7 +79,8 @@ def setting(name: str) -> tuple:
 
 
 COLUMNS = {"s/step": "perf/step_time_s", "update s": "timing/update_actor", "old logp s": "timing/old_log_prob",
-           "rollout s": "async/rollout_s", "wait s": "timing/rollout_wait",
+           "ref logp s": "timing/ref_log_prob", "rollout s": "async/rollout_s",
+           "ref in job s": "async/ref_log_prob_s", "wait s": "timing/rollout_wait",
            "start s": "timing/rollout_weight_sync"}
 
 
@@ -102,11 +108,12 @@ def summarise(records: list[dict], samples: int) -> dict:
 
 
 def format_table(summary: dict) -> str:
-    names = ["s/step", "samples/s", "update s", "old logp s", "rollout s", "wait s", "start s", "steps"]
-    lines = [f"{'setting':<13}" + "".join(f"{n:>11}" for n in names)]
+    names = ["s/step", "samples/s", "update s", "old logp s", "ref logp s", "rollout s", "ref in job s", "wait s",
+             "start s", "steps"]
+    lines = [f"{'setting':<13}" + "".join(f"{n:>13}" for n in names)]
     for setting, row in summary.items():
-        lines.append(f"{setting:<13}" + "".join(f"{row[n]:>11.3f}" if isinstance(row.get(n), float)
-                                                 else f"{row.get(n, '-')!s:>11}" for n in names))
+        lines.append(f"{setting:<13}" + "".join(f"{row[n]:>13.3f}" if isinstance(row.get(n), float)
+                                                 else f"{row.get(n, '-')!s:>13}" for n in names))
     return "\n".join(lines)
 
 
@@ -169,14 +176,17 @@ def disjoint_green_streams(rollout_sms: int, priority: int):
     return streams[0], streams[1], counts[0], counts[1]
 
 
-def apply_setting(pipeline, name: str, executor, carveout_sms: int, rollout_stream=None) -> None:
-    """The pipeline's overlap, its rollout stream (`rollout_stream`: one of a green context) and the GIL interval
-    of setting `name`."""
+def apply_setting(pipeline, name: str, executor, carveout_sms: int, rollout_stream=None,
+                  reference_pass=None) -> None:
+    """The pipeline's overlap, its rollout stream (`rollout_stream`: one of a green context), the GIL interval and
+    where the reference's log-probs run (`reference_pass`: the plan's, None when they run in the step) of setting
+    `name`. A rollout started under the previous setting keeps that setting's choice."""
     import torch
 
     overlapped, priority, interval, partition = setting(name)[:4]
     pipeline.overlap = overlapped
     pipeline.executor = executor if overlapped else None
+    pipeline.reference_pass = None if partition == "ref_in_step" else reference_pass
     if overlapped and pipeline.stream is not None:
         pipeline.stream = (rollout_stream if rollout_stream is not None
                            else torch.cuda.Stream(pipeline.plan.device, priority=priority))
@@ -201,6 +211,8 @@ def main() -> int:
     parser.add_argument("--carveout", type=int, default=16, help="SMs the `carveout` and `green` settings leave free")
     parser.add_argument("--per-setting", type=int, default=4, help="steps per setting (its first left out)")
     parser.add_argument("--warmup", type=int, default=2, help="steps before the first setting's (compiling)")
+    parser.add_argument("--kl", action="store_true", help="a KL loss term (actor_rollout_ref.actor.use_kl_loss): a "
+                        "reference model, and its log-probs each step")
     parser.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU")
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--out", default=None, help="write per-step records and the summary as JSON")
@@ -210,6 +222,8 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--settings: unknown {unknown}; choose from {list(SETTINGS)} or partitionN (N: the "
                          "rollout's SMs)")
+    if "ref_in_step" in settings and not args.kl:
+        raise SystemExit("--settings ref_in_step moves the reference's log-probs, which only a KL term needs: add --kl")
 
     import torch
     from rlanywhere.config import load_config
@@ -228,7 +242,8 @@ def main() -> int:
         overrides = [*sides.BENCH_RUN_OVERRIDES, f"trainer.default_local_dir={os.path.join(root, 'run')}",
                      *grpo_overrides(work, model_dir, parquet, 1e-6, len(plan_of_steps)),
                      "hardware.precision=bf16" if on_gpu else "hardware.device=cpu",
-                     "trainer.async.mode=one_step_off", "trainer.async.overlap=" + ("true" if on_gpu else "false")]
+                     "trainer.async.mode=one_step_off", "trainer.async.overlap=" + ("true" if on_gpu else "false"),
+                     *(["actor_rollout_ref.actor.use_kl_loss=true"] if args.kl else [])]
         print(f"prompts: {what}; model {args.model}; {args.prompts} x {args.n}, {args.new_tokens} new tokens",
               flush=True)
         cfg = load_config(None, overrides)
@@ -236,7 +251,10 @@ def main() -> int:
         trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
         pipeline = trainer.pipeline
         print(f"async rollout: {plan.async_rollout} ({plan.reasons.get('async_rollout')})", flush=True)
-        executor = pipeline.executor
+        if "ref_with_rollout" in plan.reasons:
+            print(f"reference log-probs: {'with the rollout' if plan.ref_with_rollout else 'in the step'} "
+                  f"({plan.reasons['ref_with_rollout']})", flush=True)
+        executor, reference_pass = pipeline.executor, pipeline.reference_pass
         if executor is None:
             print("the plan runs the phases in turn here (no CUDA overlap): every setting below is in turn", flush=True)
         records: list[dict] = []
@@ -267,7 +285,7 @@ def main() -> int:
         def step(items):
             name = plan_of_steps[trainer.global_step]
             update_stream, rollout_stream = streams_of(name)
-            apply_setting(pipeline, name, executor, args.carveout, rollout_stream)
+            apply_setting(pipeline, name, executor, args.carveout, rollout_stream, reference_pass)
             if update_stream is not None:  # the step's own work (update, log-probs) on its green context's SMs
                 update_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(update_stream) if update_stream is not None else contextlib.nullcontext():

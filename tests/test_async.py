@@ -171,6 +171,10 @@ def test_decide_async_rollout():
                 "breakdown": {"rollout": {"actor_weights": 8, "kv_cache": 5, "prefill_or_sampling": 3}}}
     assert overlap_bytes(estimate) == 100 + 5 + 3 + 8
     assert overlap_bytes(estimate, snapshots=2) == 100 + 5 + 3 + 8 * 3  # two queued rollouts' weights
+    # the reference's pass after the rollout, the KV cache still held: the larger of it and the sampling buffers
+    estimate["breakdown"]["ref_log_prob"] = {"ref_weights": 8, "activations": 4, "logits_chunks": 2}
+    assert overlap_bytes(estimate, ref_pass=True) == 100 + 5 + max(3, 4 + 2) + 8
+    assert overlap_bytes(estimate) == 100 + 5 + 3 + 8
 
 
 @pytest.mark.parametrize("card, expected", [("h100", OVERLAPPED), ("p40", IN_TURN)])
@@ -207,6 +211,70 @@ def test_plan_says_what_stays_on_the_critical_path(extra, stays):
     assert "bypass_mode" not in make_plan(sync, for_execution=False).reasons["async_rollout"]
 
 
+QWEN_KL = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
+           "data.train_batch_size=16", "actor_rollout_ref.actor.use_kl_loss=true", "hardware.emulate=h100"]
+
+
+@pytest.mark.parametrize("extra, follows, why", [
+    (["trainer.async.mode=one_step_off"], True, "on the rollout's stream beside the update"),
+    (["trainer.async.mode=one_step_off", "hardware.emulate=p40"], True, "the phases take turns here"),
+    (["trainer.async.mode=one_step_off", "actor_rollout_ref.model.lora_rank=8"], False, "adapters off"),
+    (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2"], False, "rollout rank holds no reference"),
+    ([], False, None),  # sync: no pipeline, nothing to say
+])
+def test_plan_says_where_the_reference_log_probs_run(extra, follows, why):
+    from rlanywhere.planner import make_plan
+
+    plan = make_plan(load_config(None, QWEN_KL + extra), for_execution=False)
+    assert plan.use_ref and plan.ref_with_rollout is follows
+    if why is None:
+        assert "ref_with_rollout" not in plan.reasons and "reference log-probs" not in plan.summary()
+    else:
+        assert why in plan.reasons["ref_with_rollout"] and "reference log-probs" in plan.summary()
+    no_kl = make_plan(load_config(None, QWEN_KL[:3] + QWEN_KL[4:] + extra), for_execution=False)
+    assert not no_kl.ref_with_rollout and "ref_with_rollout" not in no_kl.reasons
+
+
+def test_the_reference_pass_stays_in_the_step_when_it_does_not_fit_beside_the_update():
+    """The overlap fits, the reference's pass beside it does not: the rollout still overlaps, the pass stays in the
+    step; neither fits: the phases take turns, and the pass (which then costs the same anywhere) follows the rollout."""
+    from rlanywhere.async_plan import plan_async_rollout
+    from rlanywhere.planner import make_plan
+
+    cfg = load_config(None, QWEN_KL + ["trainer.async.mode=one_step_off"])
+    plan = make_plan(cfg, for_execution=False)
+    without = overlap_bytes(plan.estimate)
+    plan.estimate["breakdown"]["ref_log_prob"]["activations"] = plan.memory_budget_bytes  # a pass that cannot fit
+    plan_async_rollout(cfg, plan)
+    assert plan.async_rollout == OVERLAPPED and not plan.ref_with_rollout
+    assert "more than the" in plan.reasons["ref_with_rollout"]
+    plan.memory_budget_bytes = without - 1
+    plan_async_rollout(cfg, plan)
+    assert plan.async_rollout == IN_TURN and plan.ref_with_rollout
+
+
+def test_training_attention_backends_hold_until_the_last_pass_on_any_thread_ends():
+    """sdpa_kernel's flags are the process's: the update and the reference's pass beside it (two threads) enter
+    and leave in any order, and the backends stay restricted until the last one leaves."""
+    from rlanywhere.plans import Plan
+    from rlanywhere.runtime import training_attention_context
+
+    plan = Plan(training_sdpa_backends=("math",))
+    assert torch.backends.cuda.flash_sdp_enabled()
+    update, reference = training_attention_context(plan), training_attention_context(plan)
+    update.__enter__()
+    reference.__enter__()
+    update.__exit__(None, None, None)  # the update ends first, the pass beside it runs on
+    assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    reference.__exit__(None, None, None)
+    assert torch.backends.cuda.flash_sdp_enabled()
+    with training_attention_context(plan):  # another plan's backends nest as sdpa_kernel does
+        with training_attention_context(Plan(training_sdpa_backends=("flash_attention",))):
+            assert torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.math_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+
+
 def test_one_step_off_on_two_ranks_is_a_split_placement():
     from rlanywhere.async_plan import SPLIT
     from rlanywhere.planner import make_plan
@@ -240,6 +308,9 @@ def test_scored_rollout_survives_json_exactly():
         assert torch.equal(getattr(back.rollout, name), getattr(rollout, name)), name
         assert getattr(back.rollout, name).dtype == getattr(rollout, name).dtype
     assert torch.equal(back.scores, scored.scores) and back.items == scored.items and back.info == scored.info
+    assert back.ref_logprobs is None
+    scored.ref_logprobs = -torch.rand(4, 5, generator=gen)  # computed with the rollout: saved with it
+    assert torch.equal(scored_from(json.loads(json.dumps(scored_state(scored)))).ref_logprobs, scored.ref_logprobs)
 
 
 class _Counter:
@@ -289,7 +360,7 @@ def _overrides(model_dir, data_dir, run_dir, **extra):
     return base_overrides(model_dir, data_dir, run_dir, **{**settings, **extra})
 
 
-def _trainer(overrides, overlapped: bool = False):
+def _trainer(overrides, overlapped: bool = False, ref_in_step: bool = False):
     from rlanywhere.planner import make_plan
     from rlanywhere.trainer import RLTrainer
 
@@ -297,6 +368,8 @@ def _trainer(overrides, overlapped: bool = False):
     plan = make_plan(cfg, for_execution=True)
     if overlapped:  # the background thread's path on a CPU (the plan runs it in turn there)
         plan.async_rollout = OVERLAPPED
+    if ref_in_step:  # the reference's log-probs computed by each step, as without the pipeline
+        plan.ref_with_rollout = False
     return RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
 
 
@@ -335,6 +408,46 @@ def test_one_step_off_trains_on_the_previous_steps_weights(tiny_model_dir, arith
             assert t[step][key] == pytest.approx(o[step][key], rel=1e-6, abs=1e-8), (step, key)
 
 
+KL = {"trainer.async.mode": "one_step_off", "algorithm.rollout_correction.rollout_is": "token",
+      "actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.kl_loss_coef": 0.5}
+
+
+@pytest.mark.slow
+def test_reference_log_probs_with_the_rollout_change_no_metric(tiny_model_dir, arith_data, tmp_path):
+    """plan.ref_with_rollout: each job computes its batch's reference log-probs right after the rollout (in turn,
+    and on the background thread beside the update): the same KL loss and metrics as a run whose steps compute them,
+    and no reference forward in the step. One that runs out of memory beside the update leaves them to the step."""
+    from rlanywhere.oom import is_oom_error
+
+    in_step = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "step", **KL), ref_in_step=True)
+    assert in_step.pipeline.reference_pass is None
+    in_step.fit()
+    in_turn = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "turn", **KL))
+    assert in_turn.plan.ref_with_rollout and in_turn.pipeline.reference_pass is not None
+    passes = []
+
+    def out_of_memory_for_step_3(scored):  # the job of step 3, started during step 2
+        passes.append(1)
+        if len(passes) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return in_turn.ref_logprobs_beside(scored)
+
+    in_turn.pipeline.reference_pass = out_of_memory_for_step_3
+    in_turn.fit()
+    assert not in_turn.oom_guard.events  # the step's own pass ran at the planned size
+    assert is_oom_error(torch.OutOfMemoryError("CUDA out of memory")) and in_turn.pipeline.reference_oom_warned
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "thread", **KL), overlapped=True).fit()
+    step, turn, thread = _rows(tmp_path / "step"), _rows(tmp_path / "turn"), _rows(tmp_path / "thread")
+    assert step[2]["actor/kl_loss"] > 0  # the actor moved away from the reference: the KL term counts
+    for k in (1, 2, 3):
+        for key in KEYS + ("actor/kl_loss", "actor/rollout_is_mean"):
+            assert turn[k][key] == pytest.approx(step[k][key], rel=1e-6, abs=1e-8), (k, key)
+            assert thread[k][key] == pytest.approx(step[k][key], rel=1e-6, abs=1e-8), (k, key)
+        assert "timing/ref_log_prob" in step[k] and "async/ref_log_prob_s" not in step[k]
+        assert ("timing/ref_log_prob" in turn[k]) is (k == 3) and "timing/ref_log_prob" not in thread[k]
+        assert "async/ref_log_prob_s" in thread[k]
+
+
 @pytest.mark.slow
 def test_a_deeper_queue_trains_on_batches_two_versions_old(tiny_model_dir, arith_data, tmp_path):
     """max_staleness=2: the rollouts of steps 2 and 3 are both made with the initial weights, that of step 4 with
@@ -358,11 +471,13 @@ def test_a_deeper_queue_trains_on_batches_two_versions_old(tiny_model_dir, arith
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("depth, saved_weights", [(1, {"2": 1}), (2, {"2": 0, "3": 1})])
-def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monkeypatch, depth, saved_weights):
+@pytest.mark.parametrize("depth, saved_weights, kl", [(1, {"2": 1}, False), (2, {"2": 0, "3": 1}, False),
+                                                     (1, {"2": 1}, True)])
+def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monkeypatch, depth, saved_weights, kl):
     """Stopped after step 2 (Ctrl-C during its update): the checkpoint holds the finished rollouts of the steps to
     come (max_staleness=1: step 3's, made with step 2's weights, which no checkpoint holds; 2: steps 3 and 4's, made
-    with step 1's and step 2's); the resumed run trains on them and matches an uninterrupted run."""
+    with step 1's and step 2's), with a KL term their reference log-probs too; the resumed run trains on them and
+    matches an uninterrupted run."""
     import signal
 
     from rlanywhere.checkpoint import verify_checkpoint
@@ -370,7 +485,8 @@ def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monk
     from rlanywhere.update import Updater
 
     extra = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 4,
-             "algorithm.rollout_correction.rollout_is": "sequence", "trainer.async.max_staleness": depth}
+             "algorithm.rollout_correction.rollout_is": "sequence", "trainer.async.max_staleness": depth,
+             **({key: value for key, value in KL.items() if key.startswith("actor_rollout_ref")} if kl else {})}
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra)).fit()
 
     original_step = Updater.optimizer_step
@@ -392,12 +508,13 @@ def test_resume_mid_pipeline_is_exact(tiny_model_dir, arith_data, tmp_path, monk
     with open(os.path.join(info.value.checkpoint, "trainer_state.json")) as handle:
         saved = json.load(handle)["async_rollouts"]
     assert {step: job["weights_step"] for step, job in saved.items()} == saved_weights
+    assert all(("ref_logprobs" in job["scored"]) is kl for job in saved.values())
 
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)).fit()
     a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
     assert sorted(b) == [1, 2, 3, 4]
     for step in (3, 4):
-        for key in KEYS + ("actor/rollout_is_mean", "async/staleness"):
+        for key in KEYS + ("actor/rollout_is_mean", "async/staleness") + (("actor/kl_loss",) if kl else ()):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
@@ -613,6 +730,14 @@ def test_overlap_bench_schedule_and_medians_by_hand():
     assert async_overlap.setting("green") == async_overlap.SETTINGS["green"]
     with pytest.raises(KeyError):
         async_overlap.setting("partition")
+    # ref_in_step: `both`, the reference's log-probs left to the step; every other setting keeps the plan's choice
+    from types import SimpleNamespace
+
+    pipeline, plans_pass = SimpleNamespace(stream=None), object()
+    async_overlap.apply_setting(pipeline, "ref_in_step", "executor", 16, reference_pass=plans_pass)
+    assert pipeline.reference_pass is None and pipeline.overlap and pipeline.executor == "executor"
+    async_overlap.apply_setting(pipeline, "in_turn", "executor", 16, reference_pass=plans_pass)
+    assert pipeline.reference_pass is plans_pass and not pipeline.overlap and pipeline.executor is None
 
 
 def _resume_and_match_the_uninterrupted_run(tiny_model_dir, arith_data, tmp_path, extra):

@@ -18,6 +18,10 @@ decision (`plan_async_rollout`: it must pay and fit: two weight copies, the KV c
 once); otherwise, and always on a CPU, the same pipeline runs in turn: the same batches from the same weights, so the
 samples and metrics do not depend on the overlap (the CPU tests cover the pipeline's logic).
 
+The reference model never changes, so where the plan says so (plan.ref_with_rollout: a reference of its own, not
+parked on the CPU) its log-probs of a batch are computed in the same job, right after the rollout, instead of in the
+step that trains on the batch: with a KL term that forward leaves each step's critical path too.
+
 Checkpoints stay exact: a save finishes the rollout in flight and stores it (the rollout of the next step, made
 with weights no checkpoint holds); a resumed run trains on it instead of generating it again. A stop signal that
 drops a step keeps its finished rollout too.
@@ -27,8 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -37,8 +44,11 @@ import torch
 from torch import nn
 
 from .async_plan import OVERLAPPED
+from .oom import is_oom_error
 from .rollout.base import RolloutBatch
 from .stepbatch import ScoredRollout
+
+log = logging.getLogger(__name__)
 
 # The rollout's stream runs at a higher priority than the update's: a decode step is a chain of short kernels (one
 # CUDA graph replay per token), each of which would otherwise queue behind the update's GEMM blocks. Measured on an
@@ -76,16 +86,20 @@ _ROLLOUT_TENSORS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask"
 def scored_state(scored: ScoredRollout) -> dict:
     """A scored rollout as JSON-able data (trainer_state.json): exact (float32 values round-trip through JSON)."""
     rollout = scored.rollout
-    return {"items": scored.items, "info": scored.info, "scores": _tensor_state(scored.scores),
-            "rollout": {**{name: _tensor_state(getattr(rollout, name)) for name in _ROLLOUT_TENSORS},
-                        "num_prompts": rollout.num_prompts, "n": rollout.n}}
+    state = {"items": scored.items, "info": scored.info, "scores": _tensor_state(scored.scores),
+             "rollout": {**{name: _tensor_state(getattr(rollout, name)) for name in _ROLLOUT_TENSORS},
+                         "num_prompts": rollout.num_prompts, "n": rollout.n}}
+    if scored.ref_logprobs is not None:
+        state["ref_logprobs"] = _tensor_state(scored.ref_logprobs)
+    return state
 
 
 def scored_from(state: dict) -> ScoredRollout:
     saved = state["rollout"]
     rollout = RolloutBatch(**{name: _tensor_from(saved[name]) for name in _ROLLOUT_TENSORS},
                            num_prompts=saved["num_prompts"], n=saved["n"])
-    return ScoredRollout(state["items"], rollout, _tensor_from(state["scores"]), state["info"])
+    ref = _tensor_from(state["ref_logprobs"]) if "ref_logprobs" in state else None
+    return ScoredRollout(state["items"], rollout, _tensor_from(state["scores"]), state["info"], ref)
 
 
 # ---------------------------------------------------------------------------------------------------- the loader
@@ -211,6 +225,9 @@ class RolloutPipeline:
         self.settled = False  # the engine holds the actor's weights as they are now (until the next step starts)
         self.phase = None
         self.engine = None
+        # plan.ref_with_rollout: the reference's log-probs of a scored batch (the trainer's pass), or None
+        self.reference_pass: Callable[[ScoredRollout], torch.Tensor] | None = None
+        self.reference_oom_warned = False
         self.executor: Optional[ThreadPoolExecutor] = None
         self.stream = None
         if self.overlap:
@@ -220,11 +237,14 @@ class RolloutPipeline:
             if str(plan.device).startswith("cuda"):
                 self.stream = torch.cuda.Stream(plan.device, priority=ROLLOUT_STREAM_PRIORITY)
 
-    def attach(self, phase, engine, run_state=None, stops=None) -> "RolloutPipeline":
+    def attach(self, phase, engine, run_state=None, stops=None, reference_pass=None) -> "RolloutPipeline":
         """Stand in for `phase`; `run_state` (the trainer's RunState) learns when the engine is busy in the
         background, so that OOM relief never frees the KV cache of a rollout in flight; `stops` (its RunStops):
-        what a stop signal may drop (the split placement keeps its messages whole)."""
+        what a stop signal may drop (the split placement keeps its messages whole); `reference_pass` (with
+        plan.ref_with_rollout): the reference's log-probs of a scored batch, computed by each job after its rollout,
+        without the OOM guard's retries."""
         self.phase, self.engine, self.run_state, self.stops = phase, engine, run_state, stops
+        self.reference_pass = reference_pass
         phase.reward_manager = _LockedRewards(phase.reward_manager)
         return self
 
@@ -310,6 +330,25 @@ class RolloutPipeline:
         copy_weights(self.actor, self.model)
         self.engine.sync_weights()
 
+    def _reference_logprobs(self, scored: ScoredRollout) -> torch.Tensor | None:
+        """The reference's log-probs of `scored`, or None when they ran out of memory: beside the update, whose
+        memory comes and goes, an out-of-memory error says little about the pass's own size, so rather than halving
+        the run's log-prob micro-batch here the step computes them itself, under its OOM guard."""
+        try:
+            return self.reference_pass(scored)
+        except Exception as exc:  # filtered by is_oom_error, everything else re-raised
+            if not is_oom_error(exc):
+                raise
+            error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        gc.collect()  # outside the except block: the traceback no longer holds the pass's tensors
+        if torch.cuda.is_available() and str(self.plan.device).startswith("cuda"):
+            torch.cuda.empty_cache()
+        if not self.reference_oom_warned:
+            self.reference_oom_warned = True
+            log.warning("[async] the reference's log-probs ran out of memory beside the update (%s); the steps "
+                        "that meet this compute them themselves", error)
+        return None
+
     def _running(self) -> list[_Job]:
         return [job for job in self.jobs.values() if isinstance(job.result, Future) and not job.result.done()]
 
@@ -334,9 +373,13 @@ class RolloutPipeline:
                 if snapshot is not None:
                     copy_weights(snapshot, self.model)
                     self.engine.sync_weights()
-                result = self.phase.rollout_and_score(items, _WallTimer(), step, first_prompt)
+                scored, metrics, first = self.phase.rollout_and_score(items, _WallTimer(), step, first_prompt)
+                if self.reference_pass is not None:
+                    ref_start = time.perf_counter()
+                    scored.ref_logprobs = self._reference_logprobs(scored)
+                    metrics = {**metrics, "async/ref_log_prob_s": time.perf_counter() - ref_start}
             job.seconds = time.perf_counter() - start
-            return result
+            return scored, metrics, first
 
         if background and self.executor is not None:
             if self.stream is not None:  # the refreshed weights (or the snapshot) first

@@ -71,18 +71,28 @@ def check_split_world(cfg: Any, world: int) -> None:
                         "use 2 ranks, or trainer.async.mode=sync with data parallelism")
 
 
-def overlap_bytes(estimate: Optional[dict], snapshots: int = 0) -> Optional[int]:
+def ref_pass_bytes(estimate: dict | None) -> int:
+    """What the reference's log-prob pass allocates on top of what is resident (its weights are, in every phase,
+    unless parked on the CPU): one no-grad micro-batch's activations and its logits chunks."""
+    parts = (estimate or {}).get("breakdown", {}).get("ref_log_prob", {})
+    return int(parts.get("activations", 0) + parts.get("logits_chunks", 0))
+
+
+def overlap_bytes(estimate: dict | None, snapshots: int = 0, ref_pass: bool = False) -> int | None:
     """Memory the overlapped pipeline holds at its peak: the update's phase (weights, gradients, optimizer,
     activations, engine weights) plus, at the same time, the rollout's KV cache and sampling buffers and a second
     copy of the actor's weights for the engine to read, and `snapshots` more copies (the weights of rollouts queued
-    behind a running one, with max_staleness > 1). None without an estimate."""
+    behind a running one, with max_staleness > 1). With `ref_pass` the reference's log-prob pass follows the
+    rollout in its job, with the KV cache still held: the larger of its memory and the sampling buffers counts.
+    None without an estimate."""
     if not estimate or "phases" not in estimate:
         return None
     phases, breakdown = estimate["phases"], estimate.get("breakdown", {})
     rollout = breakdown.get("rollout", {})
     training = max(value for name, value in phases.items() if name != "rollout")
     copy_bytes = rollout.get("actor_weights", 0) * (1 + snapshots)
-    return int(training + rollout.get("kv_cache", 0) + rollout.get("prefill_or_sampling", 0) + copy_bytes)
+    transient = max(rollout.get("prefill_or_sampling", 0), ref_pass_bytes(estimate) if ref_pass else 0)
+    return int(training + rollout.get("kv_cache", 0) + transient + copy_bytes)
 
 
 def decide_async_rollout(mode: str, overlap: Optional[bool], on_cuda: bool, half_precision: bool,
@@ -128,27 +138,75 @@ CRITICAL_PATH_NOTE = ("; the trainer's forward for the old policy's log-probs st
                       "skips it, taking the PPO ratio against the rollout's own log-probs")
 
 
+def reference_can_follow_rollout(async_rollout: str, use_lora: bool, ref_parked: bool) -> tuple[bool, str]:
+    """Whether the reference's log-probs of a batch can be computed in the pipeline's job right after its rollout,
+    and why not. The reference never changes, so they need not wait for the update that trains on the batch."""
+    if async_rollout == SYNC:
+        return False, "each step computes them after its rollout (trainer.async.mode=sync)"
+    if async_rollout == SPLIT:
+        return False, "the trainer rank computes them in each step: the rollout rank holds no reference"
+    if use_lora:
+        return False, ("in the step: with LoRA the reference is the actor with its adapters off, and the update "
+                       "changes the actor meanwhile")
+    if ref_parked:
+        return False, ("in the step: the reference is parked on the CPU, and moving it in beside the update would "
+                       "need its weights on the card at the same time")
+    return True, ""
+
+
 def plan_async_rollout(cfg: Any, plan: Any) -> None:
-    """The planner's call: plan.async_rollout and its reason."""
+    """The planner's call: plan.async_rollout and its reason; with a reference, plan.ref_with_rollout and its."""
     section = cfg.trainer["async"]
     if wants_split(cfg, int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)):
         plan.async_rollout, plan.reasons["async_rollout"] = SPLIT, SPLIT_REASON
         if old_policy_forward_stays(cfg):
             plan.reasons["async_rollout"] += CRITICAL_PATH_NOTE
+        _plan_reference(plan, False)
         return
     on_cuda = str(plan.device).startswith("cuda") or bool(plan.emulated)
     half = plan.precision in ("bf16", "fp16")
-    need = overlap_bytes(plan.estimate, snapshots=int(section.max_staleness) - 1)
+    snapshots, budget = int(section.max_staleness) - 1, plan.memory_budget_bytes
+    ref_may_follow = plan.use_ref and section.mode != "sync" and reference_can_follow_rollout(
+        IN_TURN, plan.use_lora, plan.ref_device == "cpu" and on_cuda)[0]
+    need_with_ref = overlap_bytes(plan.estimate, snapshots, ref_pass=True) if ref_may_follow else None
+    # the reference's pass beside the update, where its memory fits too; else the overlap without it
+    ref_beside = ref_may_follow and (need_with_ref is None or not budget or need_with_ref <= budget)
+    need = need_with_ref if ref_beside else overlap_bytes(plan.estimate, snapshots)
     plan.async_rollout, plan.reasons["async_rollout"] = decide_async_rollout(
-        section.mode, _overlap_setting(section.overlap), on_cuda, half, need, plan.memory_budget_bytes)
+        section.mode, _overlap_setting(section.overlap), on_cuda, half, need, budget)
     if plan.async_rollout == OVERLAPPED and old_policy_forward_stays(cfg):
         plan.reasons["async_rollout"] += CRITICAL_PATH_NOTE
+    _plan_reference(plan, on_cuda, ref_beside, need_with_ref, budget)
     if plan.async_rollout == OVERLAPPED and plan.rollout.release_kv_between_phases:
         # the cache is in use while the update runs: counted in the overlap's memory above
         plan.rollout.release_kv_between_phases = False
         plan.rollout.reasons["release_kv_between_phases"] = "kept: the next rollout decodes while the update runs"
 
 
+def _plan_reference(plan: Any, on_cuda: bool, fits_beside: bool = True, need_beside: int | None = None,
+                    budget: int | None = None) -> None:
+    """plan.ref_with_rollout and its reason (none without a reference)."""
+    plan.ref_with_rollout = False
+    if not plan.use_ref or plan.async_rollout == SYNC:  # no reference, or no pipeline: nothing to say
+        plan.reasons.pop("ref_with_rollout", None)
+        return
+    follows, why = reference_can_follow_rollout(plan.async_rollout, plan.use_lora, plan.ref_device == "cpu" and on_cuda)
+    if follows and plan.async_rollout == OVERLAPPED and not fits_beside:
+        follows, why = False, (f"in the step: computing them beside the update would need {format_bytes(need_beside)} "
+                               f"at once, more than the {format_bytes(budget)} budget")
+    plan.ref_with_rollout = follows
+    if not follows:
+        plan.reasons["ref_with_rollout"] = why
+    elif plan.async_rollout == OVERLAPPED:
+        plan.reasons["ref_with_rollout"] = (
+            "the reference never changes, so its log-probs of the next batch are computed right after that batch's "
+            "rollout, on the rollout's stream beside the update: off each step's critical path")
+    else:
+        plan.reasons["ref_with_rollout"] = (
+            "computed right after each batch's rollout (the reference never changes: the same values as in the "
+            "step); the phases take turns here, so this moves the pass, it does not shorten the step")
+
+
 __all__ = ["IN_TURN", "MODES", "OVERLAPPED", "SPLIT", "SPLIT_WORLD", "SYNC", "check_async_config", "check_split_world",
            "decide_async_rollout", "old_policy_forward_stays", "overlap_bytes", "plan_async_rollout",
-           "wants_split"]
+           "ref_pass_bytes", "reference_can_follow_rollout", "wants_split"]

@@ -166,6 +166,8 @@ class Plan:
     # reward_model.py's RewardModelPlan as a dict (kind, path, dtype, micro-batch, offload, reasons); None: rules only
     reward_model: Optional[dict] = None
     async_rollout: str = "sync"  # "sync" | "in turn" | "overlapped": trainer.async as planned (async_pipeline.py)
+    # one_step_off: the reference's log-probs of each batch computed in the rollout's job, right after its rollout
+    ref_with_rollout: bool = False
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))
@@ -222,6 +224,8 @@ class Plan:
              self.reasons.get("memory_fraction", "")),
             ("allocator", self.alloc_conf or "default", self.reasons.get("alloc_conf", "")),
             ("async rollout", self.async_rollout, self.reasons.get("async_rollout", "")),
+            *([("reference log-probs", "with the rollout" if self.ref_with_rollout else "in the step",
+                self.reasons["ref_with_rollout"])] if "ref_with_rollout" in self.reasons else []),
         ]
         if self.reward_model:
             rm = self.reward_model

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from typing import Any, Optional
 
 import torch
@@ -46,13 +47,60 @@ def apply_runtime(plan: Plan) -> None:
         torch.cuda.set_per_process_memory_fraction(plan.memory_fraction, torch.device(plan.device))
 
 
+class _SharedSdpaBackends:
+    """The training passes' SDPA backends, shared by the threads that run passes at once.
+
+    `sdpa_kernel` sets process-wide flags and restores the previous ones on leaving. With a pass on each of two
+    threads (the update, and the reference's pass beside it: async_pipeline.py) a plain `sdpa_kernel` of the thread
+    that leaves first would restore every backend under the pass still running. Here the first pass to enter sets the
+    backends and the last to leave restores them. Backends other than the active ones (another plan in the same
+    process) nest as plain `sdpa_kernel` does."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.users = 0
+        self.active: tuple[str, ...] | None = None
+        self.context: contextlib.AbstractContextManager | None = None
+
+    @staticmethod
+    def _kernel(backends: tuple[str, ...]) -> contextlib.AbstractContextManager:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([getattr(SDPBackend, name.upper()) for name in backends])
+
+    @contextlib.contextmanager
+    def use(self, backends: tuple[str, ...]):
+        with self.lock:
+            nested = self.users > 0 and backends != self.active
+            if not nested:
+                if self.users == 0:
+                    self.context = self._kernel(backends)
+                    self.context.__enter__()
+                    self.active = backends
+                self.users += 1
+        if nested:
+            with self._kernel(backends):
+                yield
+            return
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.users -= 1
+                if self.users == 0:
+                    context, self.context, self.active = self.context, None, None
+                    context.__exit__(None, None, None)
+
+
+_TRAINING_SDPA = _SharedSdpaBackends()
+
+
 def training_attention_context(plan: Plan) -> contextlib.AbstractContextManager:
-    """The SDPA backends of plan.training_sdpa_backends around a training forward/backward (no-op when empty)."""
+    """The SDPA backends of plan.training_sdpa_backends around a training forward/backward (no-op when empty);
+    safe with passes on two threads at once (_SharedSdpaBackends)."""
     if not plan.training_sdpa_backends:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([getattr(SDPBackend, name.upper()) for name in plan.training_sdpa_backends])
+    return _TRAINING_SDPA.use(tuple(plan.training_sdpa_backends))
 
 
 def autocast_context(plan: Plan, enabled: bool = True) -> contextlib.AbstractContextManager:

@@ -46,6 +46,9 @@ class ScoredRollout:
     rollout: RolloutBatch
     scores: torch.Tensor
     info: dict
+    # [rows, response_len] the reference's log-probs, where the pipeline computed them right after the rollout
+    # (plan.ref_with_rollout); None: the step computes them. Rows picked or joined (select, concat) drop them.
+    ref_logprobs: torch.Tensor | None = None
 
     def select(self, prompts: list[int]) -> "ScoredRollout":
         """The given prompts with their n samples each, in that order (counts such as num_errors are kept)."""

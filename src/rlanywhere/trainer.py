@@ -50,7 +50,7 @@ from .rank_layout import register_ranks
 from .runfaults import RunDirWatch
 from .runguard import RunInterrupted, RunStops, StopSignals, prepare_run_dir
 from .runstate import RunState
-from .stepbatch import StepBatch
+from .stepbatch import ScoredRollout, StepBatch
 from .stepmetrics import PhaseTimer, step_metrics
 from .tracking import Tracker
 from .trainer_checkpoints import TrainerCheckpoints
@@ -131,8 +131,9 @@ class RLTrainer(TrainerCheckpoints):
         self.write_plan_record()  # after the engine is known: the record shows what runs
         self.rollouts = RolloutPhase(cfg, plan, self.engine, rollout_model, self.tokenizer, self.reward_manager,
                                      self.oom_guard, self.loader.next_batch, self.dp)
-        self.rollouts = self.pipeline.attach(self.rollouts, self.engine, self.run, self.stops) if self.pipeline \
-            else self.rollouts
+        if self.pipeline:  # plan.ref_with_rollout: each job computes its batch's reference log-probs after it
+            self.rollouts = self.pipeline.attach(self.rollouts, self.engine, self.run, self.stops,
+                                                 self.ref_logprobs_beside if plan.ref_with_rollout else None)
         self.global_step = 0
         self.first_step = 0  # the step this launch starts at (a resume's)
         self.tracker: Optional[Tracker] = None
@@ -163,6 +164,19 @@ class RLTrainer(TrainerCheckpoints):
         visiting = self.plan.ref_device == "cpu" and self.device != "cpu"
         return self.ref, on_device(self.ref, self.device, enabled=visiting)
 
+    def reference_logprobs(self, batch: StepBatch, guarded: bool = True) -> torch.Tensor:
+        ref_model, ctx = self.ref_context()
+        with ctx:
+            return self.logprobs(ref_model, batch, guarded)
+
+    def ref_logprobs_beside(self, scored: ScoredRollout) -> torch.Tensor:
+        """[async] The reference's log-probs of a batch the pipeline just generated, on its thread (beside the
+        update when overlapped), run once at the planned size: the pipeline hands an out-of-memory error to the step."""
+        group_index = torch.arange(len(scored.items)).repeat_interleave(self.n)  # the pass reads the rollout alone
+        batch = StepBatch(rollout=scored.rollout, group_index=group_index, scores=scored.scores,
+                          reward_info=scored.info)
+        return self.reference_logprobs(batch, guarded=False)
+
     def update_critic(self, batch: StepBatch) -> dict:
         critic_cfg, actor_cfg = self.cfg.critic, self.cfg.actor_rollout_ref.actor
         return self.updater.ppo_update(
@@ -185,8 +199,8 @@ class RLTrainer(TrainerCheckpoints):
         """Mini-batch order: shuffled per epoch from (seed, step) when the section asks for it."""
         return self.cfg.trainer.seed + 31 * self.global_step if section.shuffle else None
 
-    def logprobs(self, model, batch: StepBatch) -> torch.Tensor:
-        return self.updater.logprobs(model, batch, self.cfg.actor_rollout_ref.rollout.temperature or 1.0)
+    def logprobs(self, model, batch: StepBatch, guarded: bool = True) -> torch.Tensor:
+        return self.updater.logprobs(model, batch, self.cfg.actor_rollout_ref.rollout.temperature or 1.0, guarded)
 
     # ------------------------------------------------------------------------------------------ one step
     def train_step(self, items: list[dict]) -> dict:
@@ -231,11 +245,11 @@ class RLTrainer(TrainerCheckpoints):
         if not single_update and recomputes_old_logprobs(algo_cfg.rollout_correction):
             with timer("old_log_prob"):
                 batch.old_logprobs = self.logprobs(self.actor, batch)
-        if self.plan.use_ref:
+        # [async] plan.ref_with_rollout: the pipeline computed them after the rollout (for its rows: none moved)
+        batch.ref_logprobs = None if self.balance_batch else scored.ref_logprobs
+        if self.plan.use_ref and batch.ref_logprobs is None:
             with timer("ref_log_prob"):
-                ref_model, ctx = self.ref_context()
-                with ctx:
-                    batch.ref_logprobs = self.logprobs(ref_model, batch)
+                batch.ref_logprobs = self.reference_logprobs(batch)
         if batch.old_logprobs is None and algo_cfg.use_kl_in_reward and self.plan.use_ref:
             with timer("old_log_prob"):  # the KL penalty in the reward needs them before the update
                 batch.old_logprobs = self.logprobs(self.actor, batch)

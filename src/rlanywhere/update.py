@@ -112,9 +112,10 @@ class Updater:
 
     # ------------------------------------------------------------------------------------------ forward passes
     @torch.no_grad()
-    def forward_all(self, phase: str, batch: StepBatch, compute: Callable) -> torch.Tensor:
+    def forward_all(self, phase: str, batch: StepBatch, compute: Callable, guarded: bool = True) -> torch.Tensor:
         """compute(micro: PackedMicroBatch) -> [rows, response_len] over every micro-batch, gathered into a [rows, R]
-        CPU tensor (0 at padding); micro-batched by the plan, OOM-guarded."""
+        CPU tensor (0 at padding); micro-batched by the plan, OOM-guarded (`guarded=False`: run once at the
+        current size, an out-of-memory error raised to the caller)."""
 
         def run(size: int) -> torch.Tensor:
             # gathered on the device and copied to the host once: a .cpu() per micro-batch would idle the GPU
@@ -128,14 +129,16 @@ class Updater:
                     out[to_device(torch.tensor(rows), self.device), :micro.response_len] = values
             return out.cpu() * batch.rollout.response_mask  # every response: a loss mask only narrows the losses
 
-        return self.oom.run(phase, run, self.size_kind(SizeKind.LOGPROB_MICRO_BATCH))
+        kind = self.size_kind(SizeKind.LOGPROB_MICRO_BATCH)
+        return self.oom.run(phase, run, kind) if guarded else run(self.oom.sizes.get(kind))
 
-    def logprobs(self, model, batch: StepBatch, temperature: float) -> torch.Tensor:
-        """Log-probs of every response token under `model`."""
+    def logprobs(self, model, batch: StepBatch, temperature: float, guarded: bool = True) -> torch.Tensor:
+        """Log-probs of every response token under `model` (`guarded`: as forward_all's)."""
         logprobs = call_in_root_forward(model, response_logprobs)  # [distributed] sharded: in the root's forward
         with gathered(model):  # [distributed] sharded: full weights for the pass, so ranks need not match calls
             return self.forward_all("log_probs", batch, lambda micro: micro_logprobs(
-                logprobs, model, micro, temperature, self.plan.logprob_chunk_size, self.plan.compile_training)[0])
+                logprobs, model, micro, temperature, self.plan.logprob_chunk_size, self.plan.compile_training)[0],
+                guarded=guarded)
 
     def values(self, critic, batch: StepBatch) -> torch.Tensor:
         with gathered(critic):  # [distributed] sharded: full weights for the pass
