@@ -137,7 +137,10 @@ def test_async_and_correction_keys_and_their_errors():
                                "trainer.n_gpus_per_node=2"], "the split placement keeps one rollout ahead"),
                              (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=0"], "must be >= 1"),
                              (["trainer.async.overlap=maybe"], "trainer.async.overlap='maybe'"),
-                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4"], "asks for 4 ranks"),
+                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4",
+                               "trainer.async.rollout_ranks=1"], "asks for 4 ranks"),
+                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4",
+                               "actor_rollout_ref.rollout.multi_turn.enable=true"], "on several trainer ranks"),
                              (["trainer.async.mode=one_step_off", "trainer.async.rollout_ranks=2"],
                               "rollout_ranks=2 is not available"),
                              (["trainer.async.rollout_ranks=1"], "set trainer.async.mode=one_step_off"),
@@ -148,6 +151,10 @@ def test_async_and_correction_keys_and_their_errors():
                              (["trainer.async.mod=one_step_off"], "did you mean 'trainer.async.mode'")]:
         with pytest.raises(ConfigError, match=match):
             load_config(None, overrides)
+    # every rank a trainer that generates its own share: any world, deeper queues too
+    load_config(None, ["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4", "trainer.async.max_staleness=2"])
+    load_config(None, ["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2", "trainer.async.rollout_ranks=0",
+                       "trainer.async.max_staleness=2"])
 
 
 def test_verls_one_step_off_recipe_keys_ask_for_the_mode():
@@ -291,6 +298,16 @@ def test_one_step_off_on_two_ranks_is_a_split_placement():
     cfg = load_config(None, base + ["trainer.async.rollout_ranks=1"])
     assert split_world(cfg, 1, False) == (True, 2) and cfg.trainer.n_gpus_per_node == 2
     assert split_world(load_config(None, base[:-2]), 2, True) == (False, 2)  # sync: data parallelism
+    # rollout_ranks=0: both ranks train, each generating its share beside its own update
+    data_parallel = base + ["trainer.n_gpus_per_node=2", "trainer.async.rollout_ranks=0"]
+    assert split_world(load_config(None, data_parallel), 2, True) == (False, 2)
+    plan = make_plan(load_config(None, data_parallel), for_execution=False)
+    assert plan.async_rollout == OVERLAPPED and plan.data_parallel == "replicate"
+    assert make_plan(load_config(None, base + ["trainer.n_gpus_per_node=4"]), for_execution=False).async_rollout \
+        == OVERLAPPED
+    from rlanywhere.vocabulary import PlanError
+    with pytest.raises(PlanError, match="with sharded models"):
+        make_plan(load_config(None, data_parallel + ["hardware.data_parallel=shard"]), for_execution=False)
 
 
 # ------------------------------------------------------------------------------------------------ pipeline parts

@@ -211,10 +211,14 @@ def copy_weights(source: nn.Module | dict, target: nn.Module) -> None:
 class RolloutPipeline:
     """one_step_off for the trainer: stands in for its RolloutPhase (same calls), keeping the next rollout in flight.
 
-    Built before the engine (`model` is what the engine must be built on), then `attach`ed to the RolloutPhase."""
+    Built before the engine (`model` is what the engine must be built on), then `attach`ed to the RolloutPhase.
+    `share(items) -> (this rank's items, the global index of its first)`: [distributed] the trainer's
+    DataParallel.share, so that each rank generates its share of the steps to come (one process: all of them)."""
 
-    def __init__(self, cfg: Any, plan: Any, actor: nn.Module, loader, total_steps: int):
+    def __init__(self, cfg: Any, plan: Any, actor: nn.Module, loader, total_steps: int,
+                 share: Callable[[list], tuple[list, int]] | None = None):
         self.cfg, self.plan, self.actor, self.total_steps = cfg, plan, actor, total_steps
+        self.share = share or (lambda items: (items, 0))
         # rollouts kept ahead of the step being trained: each batch is made with weights this many updates old
         self.depth = int(cfg.trainer["async"].max_staleness)
         self.overlap = plan.async_rollout == OVERLAPPED
@@ -270,7 +274,7 @@ class RolloutPipeline:
             later = step + ahead
             if later < self.total_steps and later not in self.jobs:
                 with timer("rollout_weight_sync"):
-                    self._start(later, self.loader.peek(ahead), 0, background=True, weights_step=step)
+                    self._start(later, *self.share(self.loader.peek(ahead)), background=True, weights_step=step)
         # kept until now: a step dropped by a stop signal before this point finds its batch again, and one dropped
         # later (before its update) gets it back when the trainer rewinds the loader (`_restore_taken`)
         self.taken = (step, job)
@@ -314,6 +318,25 @@ class RolloutPipeline:
             scored = scored_from(saved["scored"])
             self.jobs[int(step)] = _Job(int(step), saved["weights_step"], _prompt_keys(scored.items),
                                         (scored, saved["metrics"], saved["first_prompt"]), saved["seconds"])
+        self._publish_busy()
+
+    def load_rank_states(self, states: list[dict], rank: int, world: int, pad_token_id: int) -> None:
+        """[distributed] Resume from the pipelines of the ranks that saved (`states`, in rank order): this rank's
+        own where the world is the same; else each step's batches joined into the whole step's and this rank's
+        share of it taken, so that a run resumed on another number of ranks trains on the same batches (each row
+        drew from its own random stream, so they are the ones any split would have made)."""
+        if len(states) == world:
+            self.load_state_dict(states[rank])
+            return
+        jobs: dict[int, _Job] = {}
+        for step in set.intersection(*(set(state) for state in states)) if states else ():
+            parts = [state[step] for state in states]
+            whole = ScoredRollout.concat([scored_from(part["scored"]) for part in parts], pad_token_id)
+            size = len(whole.items) // world
+            mine = whole.select(list(range(rank * size, (rank + 1) * size)))
+            jobs[int(step)] = _Job(int(step), parts[0]["weights_step"], _prompt_keys(mine.items),
+                                   (mine, parts[0]["metrics"], rank * size), max(part["seconds"] for part in parts))
+        self.jobs = jobs
         self._publish_busy()
 
     # ------------------------------------------------------------------------------------------ internals

@@ -1,6 +1,6 @@
 """trainer.async as planned: its config checks and the decision whether the rollout of the next step overlaps the
 update on this card (`plan_async_rollout`, called once by the planner; the reason is shown by `rlanywhere plan`).
-The pipeline itself is async_pipeline.py. Pure functions; a leaf (imports errors and estimator only)."""
+The pipeline itself is async_pipeline.py. Pure functions; a leaf (imports errors, estimator and vocabulary only)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from .errors import UserError
 from .estimator import format_bytes
+from .vocabulary import PlanError
 
 MODES = ("sync", "one_step_off")
 SYNC, IN_TURN, OVERLAPPED, SPLIT = "sync", "in turn", "overlapped", "split"
@@ -44,31 +45,48 @@ def check_async_config(cfg: Any) -> None:
                         "not available: dynamic sampling draws more prompts during the rollout; use one of the two")
 
 
+def _rollout_ranks(section: Any) -> int | None:
+    """trainer.async.rollout_ranks: None when unset (1 on 2 ranks, else 0)."""
+    return None if section.rollout_ranks is None else int(section.rollout_ranks)
+
+
 def wants_split(cfg: Any, world: int) -> bool:
-    """Whether this run is a split placement: one_step_off on 2 ranks (or trainer.async.rollout_ranks=1)."""
+    """Whether this run is a split placement: one_step_off on 2 ranks with trainer.async.rollout_ranks unset or 1
+    (1 in one process asks for the 2 ranks). rollout_ranks=0 keeps every rank a trainer (data parallelism)."""
     section = cfg.trainer["async"]
-    return section.mode == "one_step_off" and (world == SPLIT_WORLD or int(section.rollout_ranks) == 1)
+    ranks = _rollout_ranks(section)
+    return section.mode == "one_step_off" and (ranks == 1 or (ranks is None and world == SPLIT_WORLD))
 
 
 def check_split_world(cfg: Any, world: int) -> None:
-    """What the ranks of a one_step_off run can be: one process, or 1 trainer + 1 rollout rank."""
+    """What the ranks of a one_step_off run can be: one process, 1 trainer + 1 rollout rank, or data-parallel
+    trainer ranks that each generate their share."""
     section = cfg.trainer["async"]
-    ranks = int(section.rollout_ranks)
-    if ranks not in (0, 1):
+    ranks = _rollout_ranks(section)
+    if ranks not in (None, 0, 1):
         raise UserError(f"trainer.async.rollout_ranks={ranks} is not available: one rank generates for one trainer "
-                        "rank (rollout_ranks=1, 2 ranks in all) or none does (0)")
+                        "rank (rollout_ranks=1, 2 ranks in all) or none does (0: every rank trains and generates "
+                        "its share)")
     if section.mode == "sync":
-        if ranks:
+        if ranks == 1:
             raise UserError("trainer.async.rollout_ranks=1 places the rollout of trainer.async.mode=one_step_off on "
                             "its own rank; set trainer.async.mode=one_step_off with it")
         return
-    if int(section.max_staleness) > 1 and (ranks == 1 or world == SPLIT_WORLD):
+    split = wants_split(cfg, world)
+    if int(section.max_staleness) > 1 and split:
         raise UserError(f"trainer.async.max_staleness={section.max_staleness}: the split placement keeps one rollout "
-                        "ahead (max_staleness=1); deeper queues run in one process")
-    if world > SPLIT_WORLD:
-        raise UserError(f"trainer.async.mode=one_step_off runs in one process, or on 2 ranks (one trains, one "
-                        f"generates); this run asks for {world} ranks (trainer.nnodes x trainer.n_gpus_per_node): "
-                        "use 2 ranks, or trainer.async.mode=sync with data parallelism")
+                        "ahead (max_staleness=1); deeper queues run on trainer ranks (trainer.async.rollout_ranks=0)")
+    if not split and world > 1 and cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        # the turn and tool statistics of a rollout are gathered over the ranks, which a rollout running beside
+        # the update (on its own thread) would do out of step with the trainer's own collectives
+        raise UserError("trainer.async.mode=one_step_off with multi-turn rollouts "
+                        "(actor_rollout_ref.rollout.multi_turn.enable) on several trainer ranks is not available: use "
+                        "one rank, the split placement (2 ranks, trainer.async.rollout_ranks=1), or "
+                        "trainer.async.mode=sync")
+    if split and world > SPLIT_WORLD:
+        raise UserError(f"trainer.async.rollout_ranks=1 runs 1 trainer rank and 1 rollout rank; this run asks for "
+                        f"{world} ranks (trainer.nnodes x trainer.n_gpus_per_node): use 2 ranks, or "
+                        "trainer.async.rollout_ranks=0 (every rank trains and generates its share beside its update)")
 
 
 def ref_pass_bytes(estimate: dict | None) -> int:
@@ -163,6 +181,12 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
             plan.reasons["async_rollout"] += CRITICAL_PATH_NOTE
         _plan_reference(plan, False)
         return
+    if section.mode != "sync" and plan.data_parallel == "shard":
+        raise PlanError(
+            "trainer.async.mode=one_step_off with sharded models (hardware.data_parallel planned as shard: FSDP2) is "
+            "not available: each rank's rollout engine generates from a whole copy of the actor's weights beside "
+            "the update. Use hardware.data_parallel=replicate where a full copy fits each rank, or "
+            "trainer.async.mode=sync")
     on_cuda = str(plan.device).startswith("cuda") or bool(plan.emulated)
     half = plan.precision in ("bf16", "fp16")
     snapshots, budget = int(section.max_staleness) - 1, plan.memory_budget_bytes
@@ -176,6 +200,9 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
         section.mode, _overlap_setting(section.overlap), on_cuda, half, need, budget)
     if plan.async_rollout == OVERLAPPED and old_policy_forward_stays(cfg):
         plan.reasons["async_rollout"] += CRITICAL_PATH_NOTE
+    if plan.async_rollout != SYNC and int(plan.world_size) > 1:
+        plan.reasons["async_rollout"] += (f"; each of the {plan.world_size} ranks trains and generates its share of "
+                                          "the next batch (trainer.async.rollout_ranks=0)")
     _plan_reference(plan, on_cuda, ref_beside, need_with_ref, budget)
     if plan.async_rollout == OVERLAPPED and plan.rollout.release_kv_between_phases:
         # the cache is in use while the update runs: counted in the overlap's memory above

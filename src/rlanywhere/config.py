@@ -254,7 +254,9 @@ class AsyncConfig:
     mode: str = "sync"  # sync | one_step_off
     max_staleness: int = 1  # rollouts kept ahead of the update: each batch this many policy versions old at most
     overlap: Any = "auto"  # one GPU: generation on its own CUDA stream beside the update; auto: the planner
-    rollout_ranks: int = 0  # ranks that only generate: 1 = split placement (2 ranks); one_step_off on 2 ranks sets it
+    # ranks that only generate: 1 = split placement (1 trainer + 1 rollout rank); 0 = none, every rank trains (data
+    # parallelism) and generates its share beside its own update; unset: 1 on 2 ranks, else 0
+    rollout_ranks: Optional[int] = None
 
 
 def _add_keyword_field(cls: type, name: str, default: Any) -> None:

@@ -153,13 +153,14 @@ def serve_rollouts(cfg: Any, plan: Any) -> int:
         rewards.close()
 
 
-def rollout_pipeline_for_run(cfg: Any, plan: Any, actor, loader, total_steps: int) -> Optional[RolloutPipeline]:
+def rollout_pipeline_for_run(cfg: Any, plan: Any, actor, loader, total_steps: int,
+                             share=None) -> Optional[RolloutPipeline]:
     """The pipeline a run asks for (trainer.async as planned): None for sync, the split one when a rollout rank
-    generates, else the one-process pipeline."""
+    generates, else the pipeline of this process ([distributed] `share`: this rank's share of a step's prompts)."""
     if plan.async_rollout == SYNC:
         return None
     if plan.async_rollout == SPLIT:
         return SplitRolloutPipeline(cfg, plan, actor, loader, total_steps)
-    return RolloutPipeline(cfg, plan, actor, loader, total_steps)
+    return RolloutPipeline(cfg, plan, actor, loader, total_steps, share)
 
 __all__ = ["SPLIT", "SplitRolloutPipeline", "close_split_pipelines", "rollout_pipeline_for_run", "serve_rollouts"]

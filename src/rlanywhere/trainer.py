@@ -123,7 +123,7 @@ class RLTrainer(TrainerCheckpoints):
                                after_optimizer_step=self.stops.record_update, samples_per_prompt=self.n)
         # [async] one_step_off: the engine generates from its own weight copy while the actor trains; the pipeline
         # stands in for the rollout phase and draws each step's prompts a step early (async_pipeline.py)
-        self.pipeline = rollout_pipeline_for_run(cfg, plan, self.actor, self.loader, self.total_steps)
+        self.pipeline = rollout_pipeline_for_run(cfg, plan, self.actor, self.loader, self.total_steps, self.dp.share)
         rollout_model = self.pipeline.model if self.pipeline else self.actor
         self.loader = self.pipeline.loader if self.pipeline else self.loader
         self.engine = builders.build_engine(cfg, plan, rollout_model, self.tokenizer)

@@ -29,7 +29,13 @@ class TrainerCheckpoints:
         return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,  # fp16 loss scale
                 "run_state": self.run.checkpoint_record(), **self.stops.health_record(),
-                **({"async_rollouts": self.pipeline.state_dict()} if self.pipeline else {})}  # finished, in flight
+                **({"async_rollouts": self.pipeline_state()} if self.pipeline else {})}  # finished, in flight
+
+    def pipeline_state(self) -> dict:
+        """[async] The finished rollouts of the steps to come; [distributed] every rank's share of them (its
+        pipeline generates its own share), gathered in rank order."""
+        state = self.pipeline.state_dict()
+        return {"ranks": self.dp.gather_objects([state])} if self.dp.enabled else state
 
     def save(self) -> str:
         sharded = is_sharded(self.actor)
@@ -72,7 +78,9 @@ class TrainerCheckpoints:
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         if self.pipeline is not None:  # [async] the next steps' rollouts, made with weights no checkpoint holds
-            self.pipeline.load_state_dict(state.get("async_rollouts"))
+            saved = state.get("async_rollouts") or {}
+            self.pipeline.load_rank_states(saved["ranks"] if "ranks" in saved else [saved], self.dp.rank,
+                                           self.dp.world, self.tokenizer.pad_token_id)
         for name, old, new in self.run.restore(state.get("run_state")):  # what OOM recovery learned, as ceilings
             log.warning("%s %s -> %s: lowered by an out-of-memory event before this checkpoint", name, old, new)
         self.write_plan_record()
