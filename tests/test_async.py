@@ -137,12 +137,13 @@ def test_async_and_correction_keys_and_their_errors():
                                "trainer.n_gpus_per_node=2"], "the split placement keeps one rollout ahead"),
                              (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=0"], "must be >= 1"),
                              (["trainer.async.overlap=maybe"], "trainer.async.overlap='maybe'"),
-                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4",
-                               "trainer.async.rollout_ranks=1"], "asks for 4 ranks"),
+                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=5",
+                               "trainer.async.rollout_ranks=2"], "leaves 3 trainer rank"),
+                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2",
+                               "trainer.async.rollout_ranks=2"], "leaves 0 trainer rank"),
+                             (["trainer.async.mode=one_step_off", "trainer.async.rollout_ranks=-1"], "must be >= 0"),
                              (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4",
                                "actor_rollout_ref.rollout.multi_turn.enable=true"], "on several trainer ranks"),
-                             (["trainer.async.mode=one_step_off", "trainer.async.rollout_ranks=2"],
-                              "rollout_ranks=2 is not available"),
                              (["trainer.async.rollout_ranks=1"], "set trainer.async.mode=one_step_off"),
                              (["algorithm.rollout_correction.rollout_is=seq"], "rollout_is='seq' is not valid"),
                              (["algorithm.rollout_correction.rollout_rs=token_k1"], "rejection sampling"),
@@ -151,6 +152,9 @@ def test_async_and_correction_keys_and_their_errors():
                              (["trainer.async.mod=one_step_off"], "did you mean 'trainer.async.mode'")]:
         with pytest.raises(ConfigError, match=match):
             load_config(None, overrides)
+    # 3 trainer ranks and 1 rollout rank; 4 and 2 (each rollout rank for 2 trainer ranks)
+    load_config(None, ["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4", "trainer.async.rollout_ranks=1"])
+    load_config(None, ["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=6", "trainer.async.rollout_ranks=2"])
     # every rank a trainer that generates its own share: any world, deeper queues too
     load_config(None, ["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4", "trainer.async.max_staleness=2"])
     load_config(None, ["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2", "trainer.async.rollout_ranks=0",
@@ -160,8 +164,17 @@ def test_async_and_correction_keys_and_their_errors():
 def test_verls_one_step_off_recipe_keys_ask_for_the_mode():
     notices: list[str] = []
     cfg = load_config(None, ["rollout.n_gpus_per_node=1", "rollout.nnodes=1"], notices=notices)
-    assert cfg.trainer["async"].mode == "one_step_off"
+    assert cfg.trainer["async"].mode == "one_step_off" and cfg.trainer["async"].rollout_ranks == 1
+    assert cfg.trainer.n_gpus_per_node == 2  # 1 training + 1 rollout GPU: a split placement of 2 ranks
     assert any("rollout.n_gpus_per_node=1: verl's one-step-off recipe" in line for line in notices)
+    # verl's e2e script: 8 GPUs, 2 of them for the rollout
+    cfg = load_config(None, ["trainer.nnodes=1", "trainer.n_gpus_per_node=6", "rollout.nnodes=1",
+                             "rollout.n_gpus_per_node=2", "data.train_batch_size=12"])
+    assert cfg.trainer.n_gpus_per_node == 8 and cfg.trainer["async"].rollout_ranks == 2
+    with pytest.raises(ConfigError, match="rollout GPUs are counted per node"):
+        load_config(None, ["trainer.nnodes=2", "rollout.nnodes=1", "rollout.n_gpus_per_node=2"])
+    with pytest.raises(ConfigError, match="leaves 5 trainer rank"):  # 5 trainer ranks cannot split over 2
+        load_config(None, ["trainer.n_gpus_per_node=5", "rollout.n_gpus_per_node=2"])
 
 
 def test_decide_async_rollout():
@@ -290,7 +303,7 @@ def test_one_step_off_on_two_ranks_is_a_split_placement():
     base = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
             "data.train_batch_size=16", "trainer.async.mode=one_step_off", "hardware.emulate=h100"]
     plan = make_plan(load_config(None, base + ["trainer.n_gpus_per_node=2"]), for_execution=False)
-    assert plan.async_rollout == SPLIT and "rank 1 generates" in plan.reasons["async_rollout"]
+    assert plan.async_rollout == SPLIT and "one rank only generates" in plan.reasons["async_rollout"]
     assert make_plan(load_config(None, base), for_execution=False).async_rollout == OVERLAPPED
     # the command line: 2 ranks of one_step_off split; rollout_ranks=1 alone asks for the 2 ranks (a relaunch)
     assert split_world(load_config(None, base), 2, True) == (True, 2)
@@ -587,10 +600,10 @@ def test_a_step_dropped_after_its_rollout_keeps_its_batch_and_resume_is_exact(ti
     _resume_and_match_the_uninterrupted_run(tiny_model_dir, arith_data, tmp_path, extra)
 
 
-def _split_rank(rank, overrides, init_method):
+def _split_rank(rank, overrides, init_method, world=2):
     from rlanywhere.split_run import run_split
 
-    run_split(overrides, rank, 2, init_method)
+    run_split(overrides, rank, world, init_method)
 
 
 @pytest.mark.slow
@@ -608,21 +621,44 @@ def test_split_placement_matches_the_one_process_pipeline(tiny_model_dir, arith_
 
 
 @pytest.mark.slow
-def test_split_placement_from_the_command_line_under_torchrun(tiny_model_dir, arith_data, tmp_path):
-    """`rlanywhere train ... trainer.async.mode=one_step_off` under torchrun with 2 CPU ranks (gloo): rank 1
-    generates, rank 0 trains; samples and metrics are those of the one-process one_step_off run."""
+def test_two_trainer_ranks_and_a_rollout_rank_match_the_one_process_pipeline(tiny_model_dir, arith_data, tmp_path):
+    """2 trainer ranks (data parallelism among them) + 1 rollout rank that generates both their shares with the
+    weights the first trainer rank broadcasts: the samples, metrics and weights of the one-process run."""
+    from .test_distributed import actor_weights, assert_same_weights, forked_ranks
+
+    extra = {"trainer.async.mode": "one_step_off", "algorithm.rollout_correction.rollout_is": "token",
+             "trainer.save_freq": 3}
+    one = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra))
+    one.fit()
+    overrides = _overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra, **{"trainer.async.rollout_ranks": 1})
+    forked_ranks(_split_rank, (overrides, f"file://{tmp_path / 'rendezvous'}", 3), nprocs=3)
+    _assert_split_matches_one_process(tmp_path / "one", tmp_path / "split")
+    with open(tmp_path / "split" / "plan.json") as handle:
+        plan = json.load(handle)
+    assert plan["async_rollout"] == "split" and plan["world_size"] == 2 and plan["data_parallel"] == "replicate"
+    assert_same_weights(actor_weights(tmp_path / "split" / "checkpoints" / "global_step_3"), one.actor)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, rollout_ranks", [(2, []), (4, ["trainer.async.rollout_ranks=2"])])
+def test_split_placement_from_the_command_line_under_torchrun(tiny_model_dir, arith_data, tmp_path, ranks,
+                                                              rollout_ranks):
+    """`rlanywhere train ... trainer.async.mode=one_step_off` under torchrun with CPU ranks (gloo): on 2, rank 1
+    generates and rank 0 trains; on 4 with rollout_ranks=2, ranks 2 and 3 each generate for one of the trainer ranks
+    0 and 1. Samples and metrics are those of the one-process one_step_off run."""
     import subprocess
 
     extra = {"trainer.async.mode": "one_step_off", "algorithm.rollout_correction.rollout_is": "token"}
     _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra)).fit()
-    command = [*warm_ranks.torchrun(), "--standalone", "--nproc_per_node=2",
+    command = [*warm_ranks.torchrun(), "--standalone", f"--nproc_per_node={ranks}",
                *warm_ranks.rank_program(), "train",
-               *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra)]
+               *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra), *rollout_ranks]
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", **warm_ranks.rank_env()},
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-4000:]
     with open(tmp_path / "split" / "plan.json") as handle:
-        assert json.load(handle)["async_rollout"] == "split"
+        plan = json.load(handle)
+    assert plan["async_rollout"] == "split" and plan["world_size"] == ranks // 2
     _assert_split_matches_one_process(tmp_path / "one", tmp_path / "split")
 
 

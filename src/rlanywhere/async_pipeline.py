@@ -216,12 +216,13 @@ class RolloutPipeline:
     DataParallel.share, so that each rank generates its share of the steps to come (one process: all of them)."""
 
     def __init__(self, cfg: Any, plan: Any, actor: nn.Module, loader, total_steps: int,
-                 share: Callable[[list], tuple[list, int]] | None = None):
+                 share: Callable[[list], tuple[list, int]] | None = None, overlap: bool | None = None):
         self.cfg, self.plan, self.actor, self.total_steps = cfg, plan, actor, total_steps
         self.share = share or (lambda items: (items, 0))
         # rollouts kept ahead of the step being trained: each batch is made with weights this many updates old
         self.depth = int(cfg.trainer["async"].max_staleness)
-        self.overlap = plan.async_rollout == OVERLAPPED
+        # on a thread beside the update, as planned (`overlap` for a subclass whose rollouts run elsewhere)
+        self.overlap = plan.async_rollout == OVERLAPPED if overlap is None else overlap
         self.model = rollout_model_copy(actor)
         self.loader = LookaheadLoader(loader, on_rewind=self._restore_taken)
         self.jobs: dict[int, _Job] = {}

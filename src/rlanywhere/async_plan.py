@@ -12,7 +12,7 @@ from .vocabulary import PlanError
 
 MODES = ("sync", "one_step_off")
 SYNC, IN_TURN, OVERLAPPED, SPLIT = "sync", "in turn", "overlapped", "split"
-SPLIT_WORLD = 2  # split placement: one trainer rank and one rollout rank
+SPLIT_WORLD = 2  # one_step_off on this many ranks: a split placement unless trainer.async.rollout_ranks=0
 
 
 # ---------------------------------------------------------------------------------------------------- config, plan
@@ -50,43 +50,51 @@ def _rollout_ranks(section: Any) -> int | None:
     return None if section.rollout_ranks is None else int(section.rollout_ranks)
 
 
-def wants_split(cfg: Any, world: int) -> bool:
-    """Whether this run is a split placement: one_step_off on 2 ranks with trainer.async.rollout_ranks unset or 1
-    (1 in one process asks for the 2 ranks). rollout_ranks=0 keeps every rank a trainer (data parallelism)."""
+def rollout_rank_count(cfg: Any, world: int) -> int:
+    """The ranks of a `world`-rank one_step_off job that only generate: trainer.async.rollout_ranks, or when it is
+    unset 1 on 2 ranks (the split placement) and 0 otherwise (every rank trains and generates its share)."""
     section = cfg.trainer["async"]
+    if section.mode != "one_step_off":
+        return 0
     ranks = _rollout_ranks(section)
-    return section.mode == "one_step_off" and (ranks == 1 or (ranks is None and world == SPLIT_WORLD))
+    return ranks if ranks is not None else (1 if world == SPLIT_WORLD else 0)
+
+
+def wants_split(cfg: Any, world: int) -> bool:
+    """Whether this run is a split placement: some ranks only generate (rollout_rank_count > 0)."""
+    return rollout_rank_count(cfg, world) > 0
 
 
 def check_split_world(cfg: Any, world: int) -> None:
-    """What the ranks of a one_step_off run can be: one process, 1 trainer + 1 rollout rank, or data-parallel
-    trainer ranks that each generate their share."""
+    """What the ranks of a one_step_off run can be: one process; trainer ranks and rollout ranks (each rollout rank
+    serving as many trainer ranks); or data-parallel trainer ranks that each generate their share."""
     section = cfg.trainer["async"]
     ranks = _rollout_ranks(section)
-    if ranks not in (None, 0, 1):
-        raise UserError(f"trainer.async.rollout_ranks={ranks} is not available: one rank generates for one trainer "
-                        "rank (rollout_ranks=1, 2 ranks in all) or none does (0: every rank trains and generates "
-                        "its share)")
+    if ranks is not None and ranks < 0:
+        raise UserError(f"trainer.async.rollout_ranks={ranks} must be >= 0 (0: every rank trains and generates its "
+                        "share; N: N ranks only generate)")
     if section.mode == "sync":
-        if ranks == 1:
-            raise UserError("trainer.async.rollout_ranks=1 places the rollout of trainer.async.mode=one_step_off on "
-                            "its own rank; set trainer.async.mode=one_step_off with it")
+        if ranks:
+            raise UserError(f"trainer.async.rollout_ranks={ranks} places the rollout of trainer.async.mode="
+                            "one_step_off on ranks of its own; set trainer.async.mode=one_step_off with it")
         return
-    split = wants_split(cfg, world)
-    if int(section.max_staleness) > 1 and split:
+    rollout = rollout_rank_count(cfg, world)
+    if rollout and int(section.max_staleness) > 1:
         raise UserError(f"trainer.async.max_staleness={section.max_staleness}: the split placement keeps one rollout "
                         "ahead (max_staleness=1); deeper queues run on trainer ranks (trainer.async.rollout_ranks=0)")
-    if not split and world > 1 and cfg.actor_rollout_ref.rollout.multi_turn.enable:
+    trainers = world - rollout
+    if rollout and world > 1 and (trainers < 1 or trainers % rollout):
+        raise UserError(f"trainer.async.rollout_ranks={rollout} on {world} ranks (trainer.nnodes x "
+                        f"trainer.n_gpus_per_node) leaves {trainers} trainer rank(s): each rollout rank serves as many "
+                        f"trainer ranks, so the ranks must be {rollout} x (1 + trainer ranks per rollout rank), e.g. "
+                        f"{2 * rollout} or {3 * rollout}")
+    if not rollout and world > 1 and cfg.actor_rollout_ref.rollout.multi_turn.enable:
         # the turn and tool statistics of a rollout are gathered over the ranks, which a rollout running beside
         # the update (on its own thread) would do out of step with the trainer's own collectives
         raise UserError("trainer.async.mode=one_step_off with multi-turn rollouts "
                         "(actor_rollout_ref.rollout.multi_turn.enable) on several trainer ranks is not available: use "
-                        "one rank, the split placement (2 ranks, trainer.async.rollout_ranks=1), or "
+                        "one rank, ranks that only generate (trainer.async.rollout_ranks=1), or "
                         "trainer.async.mode=sync")
-    if split and world > SPLIT_WORLD:
-        raise UserError(f"trainer.async.rollout_ranks=1 runs 1 trainer rank and 1 rollout rank; this run asks for "
-                        f"{world} ranks (trainer.nnodes x trainer.n_gpus_per_node): use 2 ranks, or "
-                        "trainer.async.rollout_ranks=0 (every rank trains and generates its share beside its update)")
 
 
 def ref_pass_bytes(estimate: dict | None) -> int:
@@ -137,8 +145,12 @@ def decide_async_rollout(mode: str, overlap: Optional[bool], on_cuda: bool, half
                         f"update runs: {why}")
 
 
-SPLIT_REASON = ("one_step_off on 2 ranks: rank 1 generates each next batch with the weights rank 0 broadcasts after "
-                "each update, while rank 0 trains on the previous one (at most one version stale)")
+def split_reason(rollout: int) -> str:
+    """The `async rollout` row of a split placement."""
+    who = "one rank only generates" if rollout == 1 else f"{rollout} ranks only generate"
+    return (f"one_step_off, split placement: {who} (trainer.async.rollout_ranks), each next batch with the weights "
+            "the first trainer rank broadcasts after each update, while the trainer ranks train on the previous one "
+            "(at most one version stale)")
 
 
 def old_policy_forward_stays(cfg: Any) -> bool:
@@ -175,18 +187,19 @@ def reference_can_follow_rollout(async_rollout: str, use_lora: bool, ref_parked:
 def plan_async_rollout(cfg: Any, plan: Any) -> None:
     """The planner's call: plan.async_rollout and its reason; with a reference, plan.ref_with_rollout and its."""
     section = cfg.trainer["async"]
-    if wants_split(cfg, int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)):
-        plan.async_rollout, plan.reasons["async_rollout"] = SPLIT, SPLIT_REASON
+    if section.mode != "sync" and plan.data_parallel == "shard":
+        raise PlanError(
+            "trainer.async.mode=one_step_off with sharded models (hardware.data_parallel planned as shard: FSDP2) is "
+            "not available: each rank's rollout engine generates from a whole copy of the actor's weights, which "
+            "the update's ranks also send whole. Use hardware.data_parallel=replicate where a full copy fits each "
+            "rank, or trainer.async.mode=sync")
+    world = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+    if wants_split(cfg, world):
+        plan.async_rollout, plan.reasons["async_rollout"] = SPLIT, split_reason(rollout_rank_count(cfg, world))
         if old_policy_forward_stays(cfg):
             plan.reasons["async_rollout"] += CRITICAL_PATH_NOTE
         _plan_reference(plan, False)
         return
-    if section.mode != "sync" and plan.data_parallel == "shard":
-        raise PlanError(
-            "trainer.async.mode=one_step_off with sharded models (hardware.data_parallel planned as shard: FSDP2) is "
-            "not available: each rank's rollout engine generates from a whole copy of the actor's weights beside "
-            "the update. Use hardware.data_parallel=replicate where a full copy fits each rank, or "
-            "trainer.async.mode=sync")
     on_cuda = str(plan.device).startswith("cuda") or bool(plan.emulated)
     half = plan.precision in ("bf16", "fp16")
     snapshots, budget = int(section.max_staleness) - 1, plan.memory_budget_bytes
@@ -236,4 +249,4 @@ def _plan_reference(plan: Any, on_cuda: bool, fits_beside: bool = True, need_bes
 
 __all__ = ["IN_TURN", "MODES", "OVERLAPPED", "SPLIT", "SPLIT_WORLD", "SYNC", "check_async_config", "check_split_world",
            "decide_async_rollout", "old_policy_forward_stays", "overlap_bytes", "plan_async_rollout",
-           "ref_pass_bytes", "reference_can_follow_rollout", "wants_split"]
+           "ref_pass_bytes", "reference_can_follow_rollout", "rollout_rank_count", "split_reason", "wants_split"]

@@ -254,8 +254,8 @@ class AsyncConfig:
     mode: str = "sync"  # sync | one_step_off
     max_staleness: int = 1  # rollouts kept ahead of the update: each batch this many policy versions old at most
     overlap: Any = "auto"  # one GPU: generation on its own CUDA stream beside the update; auto: the planner
-    # ranks that only generate: 1 = split placement (1 trainer + 1 rollout rank); 0 = none, every rank trains (data
-    # parallelism) and generates its share beside its own update; unset: 1 on 2 ranks, else 0
+    # ranks that only generate: R = the last R ranks (split placement; each serves as many trainer ranks); 0 = none,
+    # every rank trains (data parallelism) and generates its share beside its own update; unset: 1 on 2 ranks, else 0
     rollout_ranks: Optional[int] = None
 
 
@@ -279,18 +279,40 @@ def _check_async(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
-# verl's one-step-off recipe places the rollout on its own GPUs with these top-level keys: they ask for this mode
-ASYNC_VERL_KEYS = (r"rollout\.(nnodes|n_gpus_per_node)",)
-
-
-def _translate_async_key(user: DictConfig, key: str, notices: list[str]) -> bool:
-    if not any(re.fullmatch(pattern, key) for pattern in ASYNC_VERL_KEYS):
-        return False
-    value = _pop_key(user, key)
+def _translate_async_placement(user: DictConfig, notices: list[str], problems: list[str]) -> None:
+    """verl's one-step-off recipe places the rollout on GPUs of its own: trainer.nnodes x trainer.n_gpus_per_node
+    count the training GPUs there, rollout.nnodes x rollout.n_gpus_per_node the rollout ones. Here the ranks of one
+    job are counted together: trainer.n_gpus_per_node becomes the sum per node and trainer.async.rollout_ranks the
+    rollout ranks (the last ones), with trainer.async.mode=one_step_off."""
+    section = OmegaConf.select(user, "rollout")
+    if not isinstance(section, DictConfig) or not {"nnodes", "n_gpus_per_node"} & set(section.keys()):
+        return
+    rollout_nodes, rollout_per_node = int(section.get("nnodes", 1)), int(section.get("n_gpus_per_node", 1))
+    for key in ("rollout.nnodes", "rollout.n_gpus_per_node"):
+        if OmegaConf.select(user, key) is not None:
+            _pop_key(user, key)
+    trainer_nodes = int(OmegaConf.select(user, "trainer.nnodes") or 1)
+    trainer_per_node = int(OmegaConf.select(user, "trainer.n_gpus_per_node") or 1)
+    given = f"rollout.nnodes={rollout_nodes} rollout.n_gpus_per_node={rollout_per_node}"
     OmegaConf.update(user, "trainer.async.mode", "one_step_off", force_add=True)
-    notices.append(f"{key}={value}: verl's one-step-off recipe; honoured as trainer.async.mode=one_step_off (the "
-                   "rollout of each step overlaps the previous step's update)")
-    return True
+    if rollout_nodes * rollout_per_node == 0:
+        notices.append(f"{given}: verl's one-step-off recipe without rollout GPUs; honoured as trainer.async.mode="
+                       "one_step_off, every rank generating its share beside its own update")
+        OmegaConf.update(user, "trainer.async.rollout_ranks", 0, force_add=True)
+        return
+    if rollout_nodes != trainer_nodes:
+        problems.append(f"{given} with trainer.nnodes={trainer_nodes}: the rollout GPUs are counted per node here "
+                        f"(trainer.n_gpus_per_node training + rollout GPUs on each node): use rollout.nnodes="
+                        f"{trainer_nodes}, or trainer.n_gpus_per_node=<all GPUs of a node> with "
+                        "trainer.async.rollout_ranks=<rollout ranks in all>")
+        return
+    rollout_ranks = rollout_nodes * rollout_per_node
+    OmegaConf.update(user, "trainer.n_gpus_per_node", trainer_per_node + rollout_per_node, force_add=True)
+    OmegaConf.update(user, "trainer.async.rollout_ranks", rollout_ranks, force_add=True)
+    notices.append(f"{given}: verl's one-step-off recipe; honoured as trainer.async.mode=one_step_off with "
+                   f"trainer.n_gpus_per_node={trainer_per_node + rollout_per_node} (training and rollout GPUs of a "
+                   f"node together) and trainer.async.rollout_ranks={rollout_ranks}: the last {rollout_ranks} "
+                   "rank(s) generate each next batch while the others train")
 
 
 @dataclass
@@ -628,6 +650,7 @@ def _vet_user_keys(user: DictConfig, notices: list[str], problems: Optional[list
     raise_now = problems is None
     problems = [] if problems is None else problems
     user = translate_verl_spellings(user, notices, problems)
+    _translate_async_placement(user, notices, problems)
     valid = set(schema_keys())
     defaults = _schema_defaults()  # read only
     for key in _leaf_keys(OmegaConf.to_container(user, resolve=False)):
@@ -639,8 +662,6 @@ def _vet_user_keys(user: DictConfig, notices: list[str], problems: Optional[list
             continue
         # A dict-valued schema field (override_config) accepts any sub-keys.
         if any(key.startswith(v + ".") for v in valid if v.endswith("override_config")):
-            continue
-        if _translate_async_key(user, key, notices):
             continue
         reason = _verl_only_reason(key)
         if reason is not None:

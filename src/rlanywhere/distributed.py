@@ -127,11 +127,29 @@ class RowLayout:
         return sum(self.counts)
 
 
-class DataParallel:
-    """This process's place in the job and the few collectives the trainer needs."""
+# [async] the split placement's trainer ranks, when they are several: (their process group, this rank among them,
+# how many). The job's other ranks only generate (split_run.py), so the trainers' collectives stay in this group.
+_TRAINER_GROUP: tuple[Any, int, int] | None = None
 
-    def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0, device: str = "cpu"):
+
+def join_trainer_group(group: Any, rank: int, world: int) -> None:
+    """Make `DataParallel.from_env` give this process its place among the trainer ranks of a split placement."""
+    global _TRAINER_GROUP
+    _TRAINER_GROUP = (group, rank, world)
+
+
+def leave_trainer_group() -> None:
+    global _TRAINER_GROUP
+    _TRAINER_GROUP = None
+
+
+class DataParallel:
+    """This process's place in the job and the few collectives the trainer needs (`group`: the process group they
+    run in; None: the whole job's)."""
+
+    def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0, device: str = "cpu", group: Any = None):
         self.rank, self.world, self.local_rank, self.device = rank, world, local_rank, device
+        self.group = group
         self.layout = RowLayout([0], 0)
 
     @property
@@ -145,7 +163,11 @@ class DataParallel:
     # ---------------------------------------------------------------------------- set-up and tear-down
     @classmethod
     def from_env(cls, device: str, backend: Optional[str]) -> "DataParallel":
-        """Join torchrun's process group (NCCL on GPUs, gloo on CPU: the plan's backend); alone without torchrun."""
+        """Join torchrun's process group (NCCL on GPUs, gloo on CPU: the plan's backend); alone without torchrun;
+        [async] among the trainer ranks of a split placement when it has several (join_trainer_group)."""
+        if _TRAINER_GROUP is not None:
+            group, rank, world = _TRAINER_GROUP
+            return cls(rank, world, rank, device, group)
         rank, world, local_rank, _ = env_world()
         if world <= 1:
             return cls(device=device)
@@ -162,12 +184,12 @@ class DataParallel:
         return cls(rank, world, local_rank, device)
 
     def close(self) -> None:
-        if self.enabled and dist.is_initialized():
+        if self.enabled and dist.is_initialized() and self.group is None:  # a group given: its maker ends it
             dist.destroy_process_group()
 
     def barrier(self) -> None:
         if self.enabled:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def _comm(self, tensor: torch.Tensor) -> torch.Tensor:
         """NCCL moves CUDA tensors only; gloo CPU ones."""
@@ -197,7 +219,7 @@ class DataParallel:
         counts = self.layout.counts
         width = torch.tensor([tensor.shape[1] if tensor.dim() > 1 else 0], dtype=torch.long)
         widths = [self._comm(torch.zeros_like(width)) for _ in range(self.world)]
-        dist.all_gather(widths, self._comm(width))
+        dist.all_gather(widths, self._comm(width), group=self.group)
         target = int(max(int(w) for w in widths))
         padded = torch.zeros((max(counts), target, *tensor.shape[2:]) if tensor.dim() > 1 else (max(counts),),
                              dtype=tensor.dtype)
@@ -206,7 +228,7 @@ class DataParallel:
         else:
             padded[: tensor.shape[0]] = tensor
         parts = [self._comm(torch.empty_like(padded)) for _ in range(self.world)]
-        dist.all_gather(parts, self._comm(padded))
+        dist.all_gather(parts, self._comm(padded), group=self.group)
         return torch.cat([part.cpu()[:count] for part, count in zip(parts, counts)])
 
     def local_rows(self, whole: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -229,7 +251,7 @@ class DataParallel:
         outgoing = torch.cat([rows[list(indices)] for indices in send]).contiguous()
         incoming = self._comm(torch.empty((sum(receive), *rows.shape[1:]), dtype=rows.dtype))
         dist.all_to_all_single(incoming, self._comm(outgoing), output_split_sizes=[int(c) for c in receive],
-                               input_split_sizes=[len(indices) for indices in send])
+                               input_split_sizes=[len(indices) for indices in send], group=self.group)
         return incoming.cpu()
 
     def max_ints(self, values: Sequence[int]) -> list[int]:
@@ -237,7 +259,7 @@ class DataParallel:
         if not self.enabled:
             return [int(v) for v in values]
         tensor = self._comm(torch.tensor(list(values), dtype=torch.long))
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in tensor.tolist()]
 
     def gather_objects(self, values: list) -> list:
@@ -245,7 +267,7 @@ class DataParallel:
         if not self.enabled:
             return list(values)
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, list(values))
+        dist.all_gather_object(out, list(values), group=self.group)
         return [value for part in out for value in part]
 
     # ---------------------------------------------------------------------------- reductions
@@ -254,7 +276,7 @@ class DataParallel:
         if not self.enabled:
             return dict(values)
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, dict(values))
+        dist.all_gather_object(out, dict(values), group=self.group)
         keys = sorted({k for part in out for k in part})
         return {k: sum(float(part.get(k, 0.0)) for part in out) for k in keys}
 
@@ -275,7 +297,7 @@ class DataParallel:
             return local
         counts = self._comm(torch.tensor([[s.tokens, s.sequences] for s in local], dtype=STATISTICS_DTYPE)
                             .reshape(len(local), 2))
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=self.group)
         counts = counts.tolist()
         return [algo.LossScale(tokens, sequences, s.norm_length) for (tokens, sequences), s in zip(counts, local)]
 
@@ -301,7 +323,7 @@ class DataParallel:
                     size += p.numel()
                     continue
                 flat = torch.cat([q.grad.reshape(-1) for q in bucket])
-                dist.all_reduce(flat)
+                dist.all_reduce(flat, group=self.group)
                 offset = 0
                 for q in bucket:
                     q.grad.copy_(flat[offset:offset + q.numel()].view_as(q.grad))
@@ -316,7 +338,7 @@ class DataParallel:
             for tensor in list(model.parameters()) + list(model.buffers()):
                 if tensor.device.type != torch.device(self.device).type:
                     continue  # parked elsewhere (a CPU reference under NCCL): loaded identically on every rank
-                dist.broadcast(tensor.data, src=0)
+                dist.broadcast(tensor.data, src=0, group=self.group)  # the trainers' rank 0 is the job's
 
 
 class NullTracker:

@@ -1,14 +1,14 @@
-"""Split placement for one_step_off: a rollout rank generates while the trainer rank trains.
+"""Split placement for one_step_off: rollout ranks generate while the trainer ranks train.
 
-The trainer rank runs the usual run (RLTrainer) with `SplitRolloutPipeline`: where the one-process pipeline would
-start the next step's rollout on its own weight copy, it sends the prompts to the rollout rank and broadcasts the
-actor's weights to it (NCCL on GPUs, gloo on CPUs); the rollout rank (`serve_rollouts`) generates and scores them
-with the same seeds and sends the scored batch back. The trainer rank trains meanwhile, so the two phases overlap
-on two devices, and the batches, the weights that made them and the metrics are those of a one-process one_step_off
-run. `split_run.run_split` starts both roles in one job (world 2: rank 0 trains, rank 1 rolls out).
-
-`rlanywhere train` under torchrun with 2 ranks runs it (split_run.run_split_rank). Not yet here: several trainer
-ranks (data parallelism among them), several rollout ranks.
+The trainer ranks run the usual run (RLTrainer) with `SplitRolloutPipeline`: where the one-process pipeline would
+start the next step's rollout on its own weight copy, each trainer rank sends its share of the prompts to its
+rollout rank, and the first trainer rank broadcasts the actor's weights to the rollout ranks (NCCL on GPUs, gloo on
+CPUs); each rollout rank (`serve_rollouts`) generates and scores its trainer ranks' shares with the same seeds and
+sends each its scored share back. The trainer ranks train meanwhile (among themselves, as data parallelism does),
+so the phases overlap on different devices, and the batches, the weights that made them and the metrics are those
+of a one-process one_step_off run. The ranks (`SplitLayout`): 0..T-1 train, T..T+R-1 generate, each rollout rank
+for a contiguous block of T/R trainer ranks. `split_run` starts the roles (`rlanywhere train` under torchrun,
+or `run_split` from Python).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import logging
 import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -27,15 +28,58 @@ from .async_plan import SPLIT, SYNC
 
 log = logging.getLogger(__name__)
 
-TRAINER_RANK, ROLLOUT_RANK = 0, 1
+TRAINER_RANK = 0  # the trainer rank that broadcasts the weights
 _OPEN: "weakref.WeakSet[SplitRolloutPipeline]" = weakref.WeakSet()  # pipelines whose rollout rank still serves
 
 
-def _broadcast_weights(model: torch.nn.Module, src: int) -> None:
-    """Every parameter and buffer from `src` to the other rank, in state_dict order (both hold the same model)."""
+@dataclass(frozen=True)
+class SplitLayout:
+    """Ranks 0..trainers-1 train; the `rollout` ranks after them only generate, rollout rank `trainers + j` for the
+    trainer ranks of block j (contiguous, trainers // rollout of them)."""
+
+    trainers: int = 1
+    rollout: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.trainers + self.rollout
+
+    def rollout_rank_of(self, trainer: int) -> int:
+        return self.trainers + trainer // (self.trainers // self.rollout)
+
+    def trainers_of(self, rollout_rank: int) -> list[int]:
+        per = self.trainers // self.rollout
+        block = rollout_rank - self.trainers
+        return list(range(block * per, (block + 1) * per))
+
+    def weight_ranks(self) -> list[int]:
+        """The ranks of the weight broadcast: the first trainer rank and every rollout rank."""
+        return [TRAINER_RANK, *range(self.trainers, self.world)]
+
+
+# this process's place in the split job (split_run.join_split): its layout, the weight broadcast's process group
+# (None: the whole job) and its rank; one trainer and one rollout rank unless told otherwise
+_PLACE: dict[str, Any] = {"layout": SplitLayout(), "weights_group": None, "rank": TRAINER_RANK}
+
+
+def join_split(layout: SplitLayout, weights_group: Any, rank: int) -> None:
+    _PLACE.update(layout=layout, weights_group=weights_group, rank=rank)
+
+
+def make_split_groups(layout: SplitLayout) -> tuple[Any, Any]:
+    """(the trainer ranks' process group or None for one trainer rank, the weight broadcast's or None when it is the
+    whole job). Collective: every rank of the job calls it, in the same order."""
+    trainers = dist.new_group(list(range(layout.trainers))) if layout.trainers > 1 else None
+    weights = layout.weight_ranks()
+    return trainers, (dist.new_group(weights) if len(weights) < layout.world else None)
+
+
+def _broadcast_weights(model: torch.nn.Module, src: int, group: Any = None) -> None:
+    """Every parameter and buffer from `src` to the group's other ranks, in state_dict order (all hold the same
+    model)."""
     with torch.no_grad():
         for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=src)
+            dist.broadcast(tensor, src=src, group=group)
 
 
 @contextlib.contextmanager
@@ -70,12 +114,19 @@ class _RemoteResult(Future):
 
 
 class SplitRolloutPipeline(RolloutPipeline):
-    """The trainer rank's pipeline: rollouts are generated on the rollout rank (validation stays on this one)."""
+    """A trainer rank's pipeline: its share of each rollout is generated on its rollout rank (validation stays on
+    this one)."""
 
-    def __init__(self, cfg: Any, plan: Any, actor, loader, total_steps: int):
-        plan.async_rollout = "in turn"  # no local thread: the other rank is the overlap
-        super().__init__(cfg, plan, actor, loader, total_steps)
-        plan.async_rollout = SPLIT
+    def __init__(self, cfg: Any, plan: Any, actor, loader, total_steps: int, share=None):
+        if not dist.is_initialized():
+            from .errors import UserError
+
+            raise UserError("the split placement (trainer.async.rollout_ranks >= 1) runs as a job of several ranks: "
+                            "start it with `rlanywhere train` (it launches the ranks) or torchrun, or from Python with "
+                            "split_run.run_split in each rank's process")
+        super().__init__(cfg, plan, actor, loader, total_steps, share, overlap=False)  # the other ranks overlap
+        layout, self.rank = _PLACE["layout"], _PLACE["rank"]
+        self.rollout_rank, self.weights_group = layout.rollout_rank_of(self.rank), _PLACE["weights_group"]
         self.closed = False
         _OPEN.add(self)
 
@@ -89,10 +140,11 @@ class SplitRolloutPipeline(RolloutPipeline):
                weights_step: Optional[int] = None) -> _Job:
         stops = getattr(self, "stops", None)
         with _not_dropped(stops):  # the request, the weights and the job that expects the answer: all or none
-            dist.send_object_list([("generate", step, items, first_prompt)], dst=ROLLOUT_RANK)
-            _broadcast_weights(self.actor, src=TRAINER_RANK)
+            dist.send_object_list([("generate", step, items, first_prompt)], dst=self.rollout_rank)
+            if self.rank == TRAINER_RANK:  # the trainer ranks hold the same weights: the first sends them
+                _broadcast_weights(self.actor, src=TRAINER_RANK, group=self.weights_group)
             job = _Job(step, step if weights_step is None else weights_step, _prompt_keys(items),
-                       _RemoteResult(ROLLOUT_RANK, stops))
+                       _RemoteResult(self.rollout_rank, stops))
             self.jobs[step] = job  # also this step's own: a checkpoint must receive every answer on its way
         if background:
             self._publish_busy()
@@ -107,7 +159,7 @@ class SplitRolloutPipeline(RolloutPipeline):
         for job in self.jobs.values():
             job.wait()
         with _not_dropped(getattr(self, "stops", None)):
-            dist.send_object_list([("stop",)], dst=ROLLOUT_RANK)
+            dist.send_object_list([("stop",)], dst=self.rollout_rank)
 
 
 def close_split_pipelines() -> None:
@@ -116,9 +168,10 @@ def close_split_pipelines() -> None:
         pipeline.close()
 
 
-def serve_rollouts(cfg: Any, plan: Any) -> int:
-    """The rollout rank: generate and score what the trainer rank sends, with the weights it broadcasts, until told
-    to stop. Returns the number of rollouts made."""
+def serve_rollouts(cfg: Any, plan: Any, trainers: tuple[int, ...] | list[int] = (TRAINER_RANK,),
+                   weights_group: Any = None) -> int:
+    """A rollout rank: generate and score the shares its trainer ranks (`trainers`) send, with the weights the first
+    trainer rank broadcasts (over `weights_group`), until they say stop. Returns the number of rollouts made."""
     from . import builders
     from .distributed import DataParallel
     from .oom import OOMGuard
@@ -139,15 +192,25 @@ def serve_rollouts(cfg: Any, plan: Any) -> int:
     made = 0
     try:
         while True:
-            box: list[Any] = [None]
-            dist.recv_object_list(box, src=TRAINER_RANK)
-            if box[0][0] == "stop":
+            requests = []
+            for trainer in trainers:  # each trainer rank's share of the same step
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=trainer)
+                requests.append(box[0])
+            kinds = {request[0] for request in requests}
+            if kinds == {"stop"}:
                 return made
-            _, step, items, first_prompt = box[0]
-            _broadcast_weights(model, src=TRAINER_RANK)
+            if "stop" in kinds:
+                raise RuntimeError(f"the trainer ranks {list(trainers)} are out of step: some stopped, some asked "
+                                   "for a rollout")
+            _broadcast_weights(model, src=TRAINER_RANK, group=weights_group)
             engine.sync_weights()
-            result = phase.rollout_and_score(items, _WallTimer(), step, first_prompt)
-            dist.send_object_list([result], dst=TRAINER_RANK)
+            # every share made before any is sent: a trainer rank that receives its own goes on to train with the
+            # others, which wait for theirs
+            results = [phase.rollout_and_score(items, _WallTimer(), step, first_prompt)
+                       for _, step, items, first_prompt in requests]
+            for trainer, result in zip(trainers, results):
+                dist.send_object_list([result], dst=trainer)
             made += 1
     finally:
         rewards.close()
@@ -160,7 +223,8 @@ def rollout_pipeline_for_run(cfg: Any, plan: Any, actor, loader, total_steps: in
     if plan.async_rollout == SYNC:
         return None
     if plan.async_rollout == SPLIT:
-        return SplitRolloutPipeline(cfg, plan, actor, loader, total_steps)
+        return SplitRolloutPipeline(cfg, plan, actor, loader, total_steps, share)
     return RolloutPipeline(cfg, plan, actor, loader, total_steps, share)
 
-__all__ = ["SPLIT", "SplitRolloutPipeline", "close_split_pipelines", "rollout_pipeline_for_run", "serve_rollouts"]
+__all__ = ["SPLIT", "SplitLayout", "SplitRolloutPipeline", "close_split_pipelines", "join_split", "make_split_groups",
+           "rollout_pipeline_for_run", "serve_rollouts"]
