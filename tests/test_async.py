@@ -696,9 +696,12 @@ def test_bypass_mode_trains_as_before_without_the_old_log_prob_forward(tiny_mode
 
 
 @pytest.mark.slow
-def test_sigterm_to_a_split_job_saves_the_batch_in_flight_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path):
-    """SIGTERM to torchrun during a split job: the trainer rank saves (the rollout rank finishes the batch in flight,
-    which the checkpoint keeps), every rank exits, and the resumed job trains like an uninterrupted one process."""
+@pytest.mark.parametrize("ranks, rollout_ranks", [(2, []), (3, ["trainer.async.rollout_ranks=1"])])
+def test_sigterm_to_a_split_job_saves_the_batch_in_flight_and_resume_is_exact(tiny_model_dir, arith_data, tmp_path,
+                                                                               ranks, rollout_ranks):
+    """SIGTERM to torchrun during a split job (1 trainer rank + 1 rollout rank; 2 + 1): the trainer ranks save (the
+    rollout rank finishes the batches in flight, which the checkpoint keeps: each trainer rank's share), every rank
+    exits, and the resumed job trains like an uninterrupted one process."""
     import signal
     import subprocess
     import time
@@ -709,10 +712,10 @@ def test_sigterm_to_a_split_job_saves_the_batch_in_flight_and_resume_is_exact(ti
     slow_reward = tmp_path / "slow_parity_reward.py"  # the parity reward, slowed down so that a step can be hit
     slow_reward.write_text("import os, time\n" + PARITY_REWARD.replace(
         "    return", "    time.sleep(float(os.environ.get('RLA_TEST_SLOW_REWARD', 0)))\n    return"))
-    command = [*warm_ranks.torchrun(), "--standalone", "--nproc_per_node=2",
+    command = [*warm_ranks.torchrun(), "--standalone", f"--nproc_per_node={ranks}",
                *warm_ranks.rank_program(), "train",
                *_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra),
-               f"custom_reward_function.path={slow_reward}"]
+               f"custom_reward_function.path={slow_reward}", *rollout_ranks]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **warm_ranks.rank_env()}
     proc = subprocess.Popen(command, env={**env, "RLA_TEST_SLOW_REWARD": "0.15"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -728,7 +731,8 @@ def test_sigterm_to_a_split_job_saves_the_batch_in_flight_and_resume_is_exact(ti
     checkpoint = tmp_path / "split" / "checkpoints" / f"global_step_{step}"
     with open(checkpoint / "trainer_state.json") as handle:
         saved = json.load(handle)["async_rollouts"]
-    assert str(step) in saved  # the next step's batch, made on the rollout rank before it stopped
+    shares = saved["ranks"] if "ranks" in saved else [saved]  # each trainer rank's share
+    assert len(shares) == ranks - 1 and all(str(step) in share for share in shares)  # the next step's batch
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:]
     one, split = _rows(tmp_path / "one"), _rows(tmp_path / "split")
