@@ -239,7 +239,10 @@ QWEN_KL = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm
     (["trainer.async.mode=one_step_off"], True, "on the rollout's stream beside the update"),
     (["trainer.async.mode=one_step_off", "hardware.emulate=p40"], True, "the phases take turns here"),
     (["trainer.async.mode=one_step_off", "actor_rollout_ref.model.lora_rank=8"], False, "adapters off"),
-    (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2"], False, "rollout rank holds no reference"),
+    (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2"], False, "rollout ranks hold no reference"),
+    (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4"], False, "balance_batch moves rows"),
+    (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4", "trainer.balance_batch=false"], True,
+     "beside the update"),
     ([], False, None),  # sync: no pipeline, nothing to say
 ])
 def test_plan_says_where_the_reference_log_probs_run(extra, follows, why):

@@ -335,6 +335,7 @@ class RolloutPipeline:
             whole = ScoredRollout.concat([scored_from(part["scored"]) for part in parts], pad_token_id)
             size = len(whole.items) // world
             mine = whole.select(list(range(rank * size, (rank + 1) * size)))
+            mine.rollout = mine.rollout.narrowed()  # as wide as its rows need, as this rank's rollout would be
             jobs[int(step)] = _Job(int(step), parts[0]["weights_step"], _prompt_keys(mine.items),
                                    (mine, parts[0]["metrics"], rank * size), max(part["seconds"] for part in parts))
         self.jobs = jobs

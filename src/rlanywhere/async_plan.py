@@ -168,13 +168,18 @@ CRITICAL_PATH_NOTE = ("; the trainer's forward for the old policy's log-probs st
                       "skips it, taking the PPO ratio against the rollout's own log-probs")
 
 
-def reference_can_follow_rollout(async_rollout: str, use_lora: bool, ref_parked: bool) -> tuple[bool, str]:
+def reference_can_follow_rollout(async_rollout: str, use_lora: bool, ref_parked: bool,
+                                 rows_move: bool = False) -> tuple[bool, str]:
     """Whether the reference's log-probs of a batch can be computed in the pipeline's job right after its rollout,
-    and why not. The reference never changes, so they need not wait for the update that trains on the batch."""
+    and why not. The reference never changes, so they need not wait for the update that trains on the batch.
+    rows_move: [distributed] trainer.balance_batch moves rows between the ranks after each rollout."""
     if async_rollout == SYNC:
         return False, "each step computes them after its rollout (trainer.async.mode=sync)"
     if async_rollout == SPLIT:
-        return False, "the trainer rank computes them in each step: the rollout rank holds no reference"
+        return False, "the trainer ranks compute them in each step: the rollout ranks hold no reference"
+    if rows_move:
+        return False, ("in the step: trainer.balance_batch moves rows between the ranks after each rollout "
+                       "(trainer.balance_batch=false keeps each row on the rank that generated it)")
     if use_lora:
         return False, ("in the step: with LoRA the reference is the actor with its adapters off, and the update "
                        "changes the actor meanwhile")
@@ -203,8 +208,9 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
     on_cuda = str(plan.device).startswith("cuda") or bool(plan.emulated)
     half = plan.precision in ("bf16", "fp16")
     snapshots, budget = int(section.max_staleness) - 1, plan.memory_budget_bytes
+    rows_move = int(plan.world_size) > 1 and bool(cfg.trainer.balance_batch)
     ref_may_follow = plan.use_ref and section.mode != "sync" and reference_can_follow_rollout(
-        IN_TURN, plan.use_lora, plan.ref_device == "cpu" and on_cuda)[0]
+        IN_TURN, plan.use_lora, plan.ref_device == "cpu" and on_cuda, rows_move)[0]
     need_with_ref = overlap_bytes(plan.estimate, snapshots, ref_pass=True) if ref_may_follow else None
     # the reference's pass beside the update, where its memory fits too; else the overlap without it
     ref_beside = ref_may_follow and (need_with_ref is None or not budget or need_with_ref <= budget)
@@ -216,7 +222,7 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
     if plan.async_rollout != SYNC and int(plan.world_size) > 1:
         plan.reasons["async_rollout"] += (f"; each of the {plan.world_size} ranks trains and generates its share of "
                                           "the next batch (trainer.async.rollout_ranks=0)")
-    _plan_reference(plan, on_cuda, ref_beside, need_with_ref, budget)
+    _plan_reference(plan, on_cuda, ref_beside, need_with_ref, budget, rows_move)
     if plan.async_rollout == OVERLAPPED and plan.rollout.release_kv_between_phases:
         # the cache is in use while the update runs: counted in the overlap's memory above
         plan.rollout.release_kv_between_phases = False
@@ -224,13 +230,14 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
 
 
 def _plan_reference(plan: Any, on_cuda: bool, fits_beside: bool = True, need_beside: int | None = None,
-                    budget: int | None = None) -> None:
+                    budget: int | None = None, rows_move: bool = False) -> None:
     """plan.ref_with_rollout and its reason (none without a reference)."""
     plan.ref_with_rollout = False
     if not plan.use_ref or plan.async_rollout == SYNC:  # no reference, or no pipeline: nothing to say
         plan.reasons.pop("ref_with_rollout", None)
         return
-    follows, why = reference_can_follow_rollout(plan.async_rollout, plan.use_lora, plan.ref_device == "cpu" and on_cuda)
+    follows, why = reference_can_follow_rollout(plan.async_rollout, plan.use_lora, plan.ref_device == "cpu" and on_cuda,
+                                                rows_move)
     if follows and plan.async_rollout == OVERLAPPED and not fits_beside:
         follows, why = False, (f"in the step: computing them beside the update would need {format_bytes(need_beside)} "
                                f"at once, more than the {format_bytes(budget)} budget")

@@ -152,14 +152,12 @@ def _exchange(dp: DataParallel, batch: StepBatch, send: list[list[int]], receive
 
     prompt_ids, prompt_mask, response_ids, response_mask = integers[:, :-1].split(
         [prompt_width, prompt_width, response_width, response_width], dim=1)
-    # as wide as these rows need, as a rollout of them would be
-    keep_prompt, keep_response = _used_columns(prompt_mask, from_left=True), _used_columns(response_mask)
-    rollout = RolloutBatch(prompt_ids=prompt_ids[:, -keep_prompt:].to(r.prompt_ids.dtype),
-                           prompt_mask=prompt_mask[:, -keep_prompt:].to(r.prompt_mask.dtype),
-                           response_ids=response_ids[:, :keep_response].to(r.response_ids.dtype),
-                           response_mask=response_mask[:, :keep_response].to(r.response_mask.dtype),
-                           response_logprobs=numbers[:, :keep_response].to(r.response_logprobs.dtype),
-                           num_prompts=len(integers) // r.n, n=r.n)
+    rollout = RolloutBatch(prompt_ids=prompt_ids.to(r.prompt_ids.dtype),
+                           prompt_mask=prompt_mask.to(r.prompt_mask.dtype),
+                           response_ids=response_ids.to(r.response_ids.dtype),
+                           response_mask=response_mask.to(r.response_mask.dtype),
+                           response_logprobs=numbers[:, :response_width].to(r.response_logprobs.dtype),
+                           num_prompts=len(integers) // r.n, n=r.n).narrowed()  # as wide as these rows need
     info = dict(batch.reward_info)  # counts such as num_errors stay with the rank that scored (summed in metrics)
     for column, key in enumerate(info_keys):
         info[key] = numbers[:, response_width + 1 + column].tolist()
@@ -179,14 +177,6 @@ def _reward_columns(info: dict, keys: list[str], rows: int) -> torch.Tensor:
             raise ValueError(f"reward detail {key!r} holds values that are not numbers ({err}); "
                              "trainer.balance_batch moves numbers only") from None
     return torch.stack(columns, dim=1) if columns else torch.zeros((rows, 0), dtype=EXCHANGE_DTYPE)
-
-
-def _used_columns(mask: torch.Tensor, from_left: bool = False) -> int:
-    """How many columns hold a real token in some row (counted from the right for left-padded prompts); at least 1."""
-    used = mask.bool().any(0).nonzero().flatten()
-    if used.numel() == 0:
-        return 1
-    return int(mask.shape[1] - used[0]) if from_left else int(used[-1]) + 1
 
 
 def balance_text(enabled: bool, world: int) -> str:

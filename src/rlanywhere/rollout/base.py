@@ -104,6 +104,16 @@ class RolloutBatch:
         """Number of generated tokens per row, [B*n] long."""
         return self.response_mask.sum(-1)
 
+    def narrowed(self) -> "RolloutBatch":
+        """As wide as its rows need, as a rollout of just these rows would be (rows picked out of a wider batch):
+        the prompt columns that are padding in every row dropped on the left, the response ones on the right."""
+        prompt, response = _used_columns(self.prompt_mask, from_left=True), _used_columns(self.response_mask)
+        return RolloutBatch(prompt_ids=self.prompt_ids[:, -prompt:], prompt_mask=self.prompt_mask[:, -prompt:],
+                            response_ids=self.response_ids[:, :response],
+                            response_mask=self.response_mask[:, :response],
+                            response_logprobs=self.response_logprobs[:, :response], num_prompts=self.num_prompts,
+                            n=self.n)
+
     @staticmethod
     def concat(parts: Sequence["RolloutBatch"], pad_token_id: int) -> "RolloutBatch":
         """Stack rollouts of several calls or waves (same n): prompts stay left-padded, responses right-padded,
@@ -493,3 +503,11 @@ __all__ = [
     "left_pad",
     "validate_prompts",
 ]
+
+
+def _used_columns(mask: torch.Tensor, from_left: bool = False) -> int:
+    """How many columns hold a real token in some row (counted from the right for left-padded prompts); at least 1."""
+    used = mask.bool().any(0).nonzero().flatten()
+    if used.numel() == 0:
+        return 1
+    return int(mask.shape[1] - used[0]) if from_left else int(used[-1]) + 1
