@@ -69,7 +69,8 @@ def test_there_are_enough_fixtures_from_both_layouts():
     assert any(p.name.startswith("current__") for p in FIXTURES) and any(p.name.startswith("v0.5.0__")
                                                                        for p in FIXTURES)
     for path in FIXTURES:  # each names its source script and verl commit
-        assert path.read_text().startswith("# source: volcengine/verl examples/"), path.name
+        assert path.read_text().startswith(("# source: volcengine/verl examples/",
+                                            "# source: volcengine/verl verl/experimental/")), path.name
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=marks_for(p)) for p in FIXTURES])

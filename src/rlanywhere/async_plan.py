@@ -60,6 +60,13 @@ def rollout_rank_count(cfg: Any, world: int) -> int:
     return ranks if ranks is not None else (1 if world == SPLIT_WORLD else 0)
 
 
+def trainer_ranks(cfg: Any) -> int:
+    """The ranks of the job (trainer.nnodes x trainer.n_gpus_per_node) that train: all of them but the split
+    placement's rollout ranks. The data parallelism the planner sizes is theirs."""
+    world = max(1, int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node))
+    return max(1, world - rollout_rank_count(cfg, world))
+
+
 def wants_split(cfg: Any, world: int) -> bool:
     """Whether this run is a split placement: some ranks only generate (rollout_rank_count > 0)."""
     return rollout_rank_count(cfg, world) > 0
@@ -256,4 +263,5 @@ def _plan_reference(plan: Any, on_cuda: bool, fits_beside: bool = True, need_bes
 
 __all__ = ["IN_TURN", "MODES", "OVERLAPPED", "SPLIT", "SPLIT_WORLD", "SYNC", "check_async_config", "check_split_world",
            "decide_async_rollout", "old_policy_forward_stays", "overlap_bytes", "plan_async_rollout",
-           "ref_pass_bytes", "reference_can_follow_rollout", "rollout_rank_count", "split_reason", "wants_split"]
+           "ref_pass_bytes", "reference_can_follow_rollout", "rollout_rank_count", "split_reason", "trainer_ranks",
+           "wants_split"]

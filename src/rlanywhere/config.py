@@ -295,6 +295,11 @@ def _translate_async_placement(user: DictConfig, notices: list[str], problems: l
     trainer_per_node = int(OmegaConf.select(user, "trainer.n_gpus_per_node") or 1)
     given = f"rollout.nnodes={rollout_nodes} rollout.n_gpus_per_node={rollout_per_node}"
     OmegaConf.update(user, "trainer.async.mode", "one_step_off", force_add=True)
+    if OmegaConf.select(user, "algorithm.rollout_correction.bypass_mode") is None:
+        # the recipe's own config (one_step_off_ppo_trainer.yaml) turns it on
+        OmegaConf.update(user, "algorithm.rollout_correction.bypass_mode", True, force_add=True)
+        notices.append("algorithm.rollout_correction.bypass_mode=true: the one-step-off recipe's default (the PPO "
+                       "ratio against the rollout's own log-probs); set it to false for the trainer's forward instead")
     if rollout_nodes * rollout_per_node == 0:
         notices.append(f"{given}: verl's one-step-off recipe without rollout GPUs; honoured as trainer.async.mode="
                        "one_step_off, every rank generating its share beside its own update")
@@ -493,7 +498,8 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r"|enable_chunked_prefill|enforce_eager|load_format|disable_log_stats|mode"
     r"|tensor_model_parallel_size|calculate_log_probs|engine_kwargs(\..*)?|multi_turn\._target_|layered_summon"
     r"|agent(\..*)?)": "the built-in rollout engine sizes its KV cache and batches from the plan",
-    r"actor_rollout_ref\.hybrid_engine": "actor and rollout always share weights here",
+    r"actor_rollout_ref\.hybrid_engine": ("the rollout engine reads the actor's weights, or with "
+                                          "trainer.async.mode=one_step_off its own copy of them"),
     r"actor_rollout_ref\.(actor|ref|rollout)\.(ulysses_sequence_parallel_size|checkpoint(\..*)?"
     r"|use_fused_kernels|use_remove_padding)": "not needed: padding is removed per micro-batch",
     r"actor_rollout_ref\.(ref|rollout)\.use_torch_compile": "actor_rollout_ref.actor.use_torch_compile decides for "

@@ -77,7 +77,7 @@ def _play_role(cfg, layout: SplitLayout, rank: int, rollout_plan: Callable, trai
         cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = 1, 1  # it plans as one process
         serve_rollouts(cfg, rollout_plan(cfg), layout.trainers_of(rank), weights_group)
         return 0
-    cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = 1, layout.trainers  # the trainer ranks' data parallelism
+    # the trainer ranks plan for themselves: the planner leaves the rollout ranks out (async_plan.trainer_ranks)
     join_split(layout, weights_group, rank)
     if layout.trainers > 1:
         join_trainer_group(trainer_group, rank, layout.trainers)
@@ -127,6 +127,7 @@ def run_split(overrides: list[str], rank: int, world: int, init_method: str) -> 
     cfg = load_config(None, overrides)
     if cfg.trainer["async"].rollout_ranks is None:
         cfg.trainer["async"].rollout_ranks = 1
+    cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = 1, world  # the job's ranks, all on this machine
     layout = _layout(cfg, world)
     device = str(make_plan(cfg, for_execution=False).device)
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=init_method, rank=rank,

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from ..async_plan import trainer_ranks
 from ..errors import UserError
 from ..machine import HardwareProbe
 from ..plans import Plan
@@ -39,7 +40,7 @@ def plan_sharding(cfg: Any, plan_memory: Callable[[int], MemoryPlan]) -> Shardin
     else "shard" (FSDP2: weights, gradients and Adam states divided by the ranks, plus the full weights gathered for
     the rollout). When even sharded it does not fit, the NoFitError names both estimates. replicate / shard force
     the choice."""
-    world = max(1, int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node))
+    world = trainer_ranks(cfg)  # [async] a split placement's rollout ranks hold no share of the training
     mode = str(cfg.hardware.data_parallel if "data_parallel" in cfg.hardware else "auto").lower()
     if mode not in DATA_PARALLEL_MODES:
         raise UserError(f"hardware.data_parallel={mode!r}: use one of {', '.join(DATA_PARALLEL_MODES)}")
@@ -161,11 +162,12 @@ def apply_sharding(plan: Plan, decision: ShardingDecision) -> None:
 def plan_data_parallel(cfg: Any, plan: Plan, machine: HardwareProbe, for_execution: bool) -> None:
     """Several ranks: the process group's backend and, for CPU processes, the threads each may use."""
     reasons = plan.reasons
-    per_node = max(1, int(cfg.trainer.n_gpus_per_node))
-    world = max(1, int(cfg.trainer.nnodes) * per_node)
+    per_node = max(1, int(cfg.trainer.n_gpus_per_node))  # processes on a node, sharing its GPUs and cores
+    world = trainer_ranks(cfg)  # [async] the ranks that train: a split placement's rollout ranks left out
     plan.world_size = world
     if world == 1:
-        reasons["data_parallel"] = "one process (trainer.nnodes x trainer.n_gpus_per_node = 1)"
+        reasons["data_parallel"] = ("one process (trainer.nnodes x trainer.n_gpus_per_node = 1)" if per_node == 1 and
+                                    int(cfg.trainer.nnodes) == 1 else "one trainer rank (the others only generate)")
         return
     on_gpu = plan.device.startswith("cuda")
     if for_execution and on_gpu and per_node > len(machine.devices) and not one_gpu_per_task(len(machine.devices)):
