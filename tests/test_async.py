@@ -734,7 +734,7 @@ def test_sigterm_to_a_split_job_saves_the_batch_in_flight_and_resume_is_exact(ti
     checkpoint = tmp_path / "split" / "checkpoints" / f"global_step_{step}"
     with open(checkpoint / "trainer_state.json") as handle:
         saved = json.load(handle)["async_rollouts"]
-    shares = saved["ranks"] if "ranks" in saved else [saved]  # each trainer rank's share
+    shares = saved.get("ranks", [saved])  # each trainer rank's share
     assert len(shares) == ranks - 1 and all(str(step) in share for share in shares)  # the next step's batch
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:]

@@ -104,7 +104,7 @@ class RolloutBatch:
         """Number of generated tokens per row, [B*n] long."""
         return self.response_mask.sum(-1)
 
-    def narrowed(self) -> "RolloutBatch":
+    def narrowed(self) -> RolloutBatch:
         """As wide as its rows need, as a rollout of just these rows would be (rows picked out of a wider batch):
         the prompt columns that are padding in every row dropped on the left, the response ones on the right."""
         prompt, response = _used_columns(self.prompt_mask, from_left=True), _used_columns(self.response_mask)
