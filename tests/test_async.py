@@ -142,8 +142,6 @@ def test_async_and_correction_keys_and_their_errors():
                              (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2",
                                "trainer.async.rollout_ranks=2"], "leaves 0 trainer rank"),
                              (["trainer.async.mode=one_step_off", "trainer.async.rollout_ranks=-1"], "must be >= 0"),
-                             (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4",
-                               "actor_rollout_ref.rollout.multi_turn.enable=true"], "on several trainer ranks"),
                              (["trainer.async.rollout_ranks=1"], "set trainer.async.mode=one_step_off"),
                              (["algorithm.rollout_correction.rollout_is=seq"], "rollout_is='seq' is not valid"),
                              (["algorithm.rollout_correction.rollout_rs=token_k1"], "rejection sampling"),

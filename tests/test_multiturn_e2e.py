@@ -1,7 +1,7 @@
 """Multi-turn training end to end on the CPU with a tiny byte-level Qwen2 taught (in the fixture, a few seconds of
 supervised steps) to call verl's GSM8K tool and then answer: verl's sglang_multiturn GSM8K keys and tool config, tool
-calls and turns in the metrics, resume in the middle of a multi-turn run, and two ranks' rows equal to one
-process's."""
+calls and turns in the metrics, resume in the middle of a multi-turn run, two ranks' rows equal to one
+process's, and one_step_off with tool calls (its tool metrics summarised on the trainer's thread, over every rank)."""
 
 from __future__ import annotations
 
@@ -273,3 +273,57 @@ def test_kv_continuation_with_the_fused_sampler_equals_re_prefill(tool_model_dir
     plain = kv_and_re_prefill(FastEngine(model, tok, RolloutPlan(engine="fast")), tok, sampling, prompts=[1],
                               paths=(False,))
     assert_same_rollouts(fused[True], plain[False], "fused")
+
+
+MULTI_TURN_KEYS = ("multi_turn/tool_calls/mean", "multi_turn/assistant_turns/mean", "multi_turn/tool_errors/total",
+                   "multi_turn/tool_call_rate", "reward/mean", "actor/pg_loss", "response_length/mean")
+
+
+def test_one_step_off_with_tool_calls_keeps_its_tool_metrics(tool_model_dir, gsm8k_tool_data, tmp_path):
+    """one_step_off with multi-turn rollouts: a job keeps its rows' tool statistics and the step summarises them.
+    Step 1 trains the batch a synchronous run trains (the initial weights made both): the same tool metrics; the
+    rollout on the background thread gives what the phases in turn give."""
+    from rlanywhere.async_plan import OVERLAPPED
+    from rlanywhere.config import load_config
+    from rlanywhere.planner import make_plan
+    from rlanywhere.trainer import RLTrainer
+
+    extra = {"trainer.total_training_steps": 2}
+    _, sync = run_training(verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "sync", **extra))
+    osp = {**extra, "trainer.async.mode": "one_step_off"}
+    _, in_turn = run_training(verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "turn", **osp))
+    cfg = load_config(None, verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "thread", **osp))
+    plan = make_plan(cfg, for_execution=True)
+    plan.async_rollout = OVERLAPPED  # the background thread's path on a CPU
+    threaded = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
+    threaded.fit()
+    from rlanywhere.tracking import read_metrics
+
+    s, t, b = train_rows(sync), train_rows(in_turn), train_rows(read_metrics(tmp_path / "thread"))
+    assert s[1]["multi_turn/tool_calls/mean"] > 0  # the taught model calls the tool
+    for key in MULTI_TURN_KEYS:
+        assert t[1][key] == pytest.approx(s[1][key], rel=1e-6, abs=1e-8), key
+        for step in (1, 2):
+            assert b[step][key] == pytest.approx(t[step][key], rel=1e-6, abs=1e-8), (step, key)
+    assert not any(key.startswith("_") for row in (t[1], t[2], b[2]) for key in row)
+
+
+def test_one_step_off_with_tool_calls_on_two_ranks_summarises_every_ranks_rows(tool_model_dir, gsm8k_tool_data,
+                                                                               tmp_path):
+    """2 trainer ranks (gloo), each generating its share of the next batch: the tool statistics are summarised over
+    both ranks' rows on the trainer's thread. Step 1 trains the batch a synchronous 2-rank run trains (the initial
+    weights made both): every metric the same."""
+    from rlanywhere.tracking import read_metrics
+
+    from .test_distributed import assert_same_metrics, finish, torchrun
+
+    extra = {"trainer.total_training_steps": 2, "custom_reward_function.timeout_s": 0}
+    sync = torchrun(verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "sync", **extra))
+    osp = torchrun(verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "osp", **extra, **{
+        "trainer.async.mode": "one_step_off", "trainer.async.rollout_ranks": 0}))
+    finish(sync), finish(osp)
+    want, got = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "osp")
+    assert train_rows(want)[1]["multi_turn/tool_calls/mean"] > 0
+    assert train_rows(got)[2]["async/staleness"] == 1.0 and "multi_turn/tool_calls/mean" in train_rows(got)[2]
+    sync_keys = {key for row in want for key in row}
+    assert_same_metrics([{k: v for k, v in row.items() if k in sync_keys} for row in got], want, steps=(1,))

@@ -46,6 +46,7 @@ from torch import nn
 from .async_plan import OVERLAPPED
 from .oom import is_oom_error
 from .rollout.base import RolloutBatch
+from .rollout_phase import TOOL_ROWS_KEY
 from .stepbatch import ScoredRollout
 
 log = logging.getLogger(__name__)
@@ -251,6 +252,9 @@ class RolloutPipeline:
         self.phase, self.engine, self.run_state, self.stops = phase, engine, run_state, stops
         self.reference_pass = reference_pass
         phase.reward_manager = _LockedRewards(phase.reward_manager)
+        # [distributed] a job gathers nothing over the ranks (it may run beside the trainer's collectives): its
+        # multi-turn statistics are summarised when the step takes its batch
+        phase.defer_tool_stats = True
         return self
 
     def _publish_busy(self) -> None:
@@ -281,7 +285,7 @@ class RolloutPipeline:
         self.taken = (step, job)
         self.jobs.pop(step, None)
         self._publish_busy()
-        metrics = {**metrics, "async/staleness": float(step - job.weights_step),
+        metrics = {**self.phase.finish_tool_stats(metrics), "async/staleness": float(step - job.weights_step),
                    "async/rollout_s": job.seconds}
         return scored, metrics, first
 
@@ -336,8 +340,12 @@ class RolloutPipeline:
             size = len(whole.items) // world
             mine = whole.select(list(range(rank * size, (rank + 1) * size)))
             mine.rollout = mine.rollout.narrowed()  # as wide as its rows need, as this rank's rollout would be
+            metrics = dict(parts[0]["metrics"])
+            if TOOL_ROWS_KEY in metrics:  # multi-turn: the tool statistics of this rank's rows
+                rows = [stats for part in parts for stats in part["metrics"][TOOL_ROWS_KEY]]
+                metrics[TOOL_ROWS_KEY] = rows[rank * size * whole.rollout.n:(rank + 1) * size * whole.rollout.n]
             jobs[int(step)] = _Job(int(step), parts[0]["weights_step"], _prompt_keys(mine.items),
-                                   (mine, parts[0]["metrics"], rank * size), max(part["seconds"] for part in parts))
+                                   (mine, metrics, rank * size), max(part["seconds"] for part in parts))
         self.jobs = jobs
         self._publish_busy()
 

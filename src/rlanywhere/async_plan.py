@@ -95,13 +95,6 @@ def check_split_world(cfg: Any, world: int) -> None:
                         f"trainer.n_gpus_per_node) leaves {trainers} trainer rank(s): each rollout rank serves as many "
                         f"trainer ranks, so the ranks must be {rollout} x (1 + trainer ranks per rollout rank), e.g. "
                         f"{2 * rollout} or {3 * rollout}")
-    if not rollout and world > 1 and cfg.actor_rollout_ref.rollout.multi_turn.enable:
-        # the turn and tool statistics of a rollout are gathered over the ranks, which a rollout running beside
-        # the update (on its own thread) would do out of step with the trainer's own collectives
-        raise UserError("trainer.async.mode=one_step_off with multi-turn rollouts "
-                        "(actor_rollout_ref.rollout.multi_turn.enable) on several trainer ranks is not available: use "
-                        "one rank, ranks that only generate (trainer.async.rollout_ranks=1), or "
-                        "trainer.async.mode=sync")
 
 
 def ref_pass_bytes(estimate: dict | None) -> int:

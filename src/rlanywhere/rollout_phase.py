@@ -7,6 +7,7 @@ truncated responses out of the losses (TRL's mask_truncated_completions).
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import Callable, Optional
 
 import torch
@@ -19,12 +20,14 @@ from .errors import UserError
 from .oom import OOMGuard
 from .plans import Plan, SizeKind
 from .rollout.base import RolloutBatch, RowStreams, SamplingParams, StopStringMatcher, collect_eos_ids
-from .rollout.multiturn import multiturn_from_config, multiturn_metrics, reward_extra_infos
+from .rollout.multiturn import RowStats, multiturn_from_config, multiturn_metrics, reward_extra_infos
 from .sharding import weights_for_rollout
 from .stepbatch import ScoredRollout
 from .vocabulary import STATISTICS_DTYPE
 
 log = logging.getLogger(__name__)
+
+TOOL_ROWS_KEY = "_multi_turn_rows"  # a deferred rollout's rows' tool statistics, in its metrics (finish_tool_stats)
 
 
 def response_length(cfg: DictConfig) -> int:
@@ -45,6 +48,9 @@ class RolloutPhase:
         # multi_turn.enable: tool-using rollouts (rollout/multiturn.py); None for single-turn
         self.multiturn = multiturn_from_config(cfg, tokenizer, getattr(engine, "eos_ids", None)
                                                or collect_eos_ids(tokenizer, actor))
+        # [async] a pipeline's rollout (a thread beside the update, or another rank) returns its rows' tool
+        # statistics as they are, for the step to gather over the ranks on the trainer's thread (finish_tool_stats)
+        self.defer_tool_stats = False
 
     @property
     def response_length(self) -> int:
@@ -187,10 +193,22 @@ class RolloutPhase:
                        "filter_groups/drawn_acc": acc["sum"] / acc["count"], **self.multiturn_metrics()}, first_prompt
 
     def multiturn_metrics(self) -> dict:
-        """Turn, tool-call, tool-error and tool-latency summaries of the last rollout (multi-turn runs)."""
+        """Turn, tool-call, tool-error and tool-latency summaries of the last rollout (multi-turn runs); with
+        defer_tool_stats the rows' statistics themselves (JSON-able: a checkpoint may keep them)."""
         if self.multiturn is None:
             return {}
+        if self.defer_tool_stats:
+            return {TOOL_ROWS_KEY: [asdict(stats) for stats in self.multiturn.last_stats]}
         return multiturn_metrics(self.dp.gather_objects(self.multiturn.last_stats))  # [distributed] every rank's rows
+
+    def finish_tool_stats(self, metrics: dict) -> dict:
+        """[async] A deferred rollout's metrics with its rows' tool statistics summarised over every rank's rows
+        (a collective: every rank calls it for the same step, on the trainer's thread)."""
+        if TOOL_ROWS_KEY not in metrics:
+            return metrics
+        rows = [RowStats(**stats) for stats in metrics[TOOL_ROWS_KEY]]
+        rest = {key: value for key, value in metrics.items() if key != TOOL_ROWS_KEY}
+        return {**rest, **multiturn_metrics(self.dp.gather_objects(rows))}
 
     def _kept_prompts(self, kept: list[ScoredRollout], dropped: list[ScoredRollout],
                       counts: list[list[tuple[int, int]]]) -> tuple[ScoredRollout, int]:

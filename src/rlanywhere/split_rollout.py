@@ -189,6 +189,7 @@ def serve_rollouts(cfg: Any, plan: Any, trainers: tuple[int, ...] | list[int] = 
         raise RuntimeError("the rollout rank draws no prompts of its own")
 
     phase = RolloutPhase(cfg, plan, engine, model, tokenizer, rewards, oom, no_more_prompts)
+    phase.defer_tool_stats = True  # the trainer ranks summarise the multi-turn statistics over all their rows
     made = 0
     try:
         while True:
