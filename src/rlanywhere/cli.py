@@ -149,7 +149,7 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
     rank = distributed.env_world()[0]
     if world > 1 and hasattr(signal, "SIGUSR1"):
         # a rank that hangs (a collective another rank never joined): `kill -USR1 PID` prints its threads' stacks
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        print_stacks_on_sigusr1()
     if rank > 0:  # one voice: rank 0 prints, logs and plots
         logging.getLogger().setLevel(logging.ERROR)
         logging.getLogger("rlanywhere").setLevel(logging.ERROR)
@@ -168,6 +168,25 @@ def _run(cfg, notices: list[str], emulate: Optional[str] = None, relaunch_argv: 
             # torchrun ends the other ranks when this one exits; say which rank failed and why
             print(f"error: rank {rank} of {world} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         raise
+
+
+def print_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints where this process is: at once the stack of the thread the signal interrupts (from C,
+    by faulthandler: it works while the rank waits in a collective), then, as soon as the main thread runs Python
+    again, every thread's (from Python). faulthandler's own dump of every thread reads the other threads' frames while
+    they run, and crashed a rank whose reward pool and rollout threads were busy (SIGSEGV)."""
+
+    def every_thread(signum, frame):  # noqa: ARG001 - a signal handler's signature
+        import threading
+        import traceback
+
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        stacks = [f"Thread {names.get(ident, ident)} (most recent call last):\n" + "".join(traceback.format_stack(top))
+                  for ident, top in sys._current_frames().items()]
+        print("\n".join(stacks), file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGUSR1, every_thread)
+    faulthandler.register(signal.SIGUSR1, all_threads=False, chain=True)
 
 
 # A sharded update that runs out of memory stops the job with its size halved (oom.py); at most this many relaunches
