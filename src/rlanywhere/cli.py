@@ -176,7 +176,7 @@ def print_stacks_on_sigusr1() -> None:
     again, every thread's (from Python). faulthandler's own dump of every thread reads the other threads' frames while
     they run, and crashed a rank whose reward pool and rollout threads were busy (SIGSEGV)."""
 
-    def every_thread(signum, frame):  # noqa: ARG001 - a signal handler's signature
+    def every_thread(signum, frame):  # a signal handler's signature
         import threading
         import traceback
 
