@@ -13,11 +13,19 @@ Parts (`--parts`, default all three; each prints ONE line of figures, prefixed `
   (max over ranks of torch.cuda.max_memory_allocated) against the plan's estimate.
 * `nodes`: two torchrun launches with one c10d rendezvous (`--nnodes=2 --nproc_per_node=1`), each seeing one GPU
   (CUDA_VISIBLE_DEVICES), run `--nodes-steps` steps of grpo-0.5b: the multi-node path on one host.
+* `placements` (not in the default parts): for every config of `--configs`, the N ranks placed each way a
+  one_step_off job can place them, `--steps` steps each: synchronous data parallelism, every rank training and
+  generating its share (trainer.async.rollout_ranks=0), and each split of T trainer + R rollout ranks (T a multiple
+  of R); median seconds per step and samples/s, and the fastest. How many ranks to give the rollout is measured
+  here, not predicted from one run's phase times (docs/async.md says why).
 
     # the two-H200 host (NCCL_NVLS_ENABLE=0); demo model offline: RLANYWHERE_DEMO_GGUF=/path/to/smollm2.gguf
     NCCL_NVLS_ENABLE=0 PYTHONPATH=src python bench/distributed_scaling.py --out scaling.json
     # CPU smoke test of the script itself (tiny shapes, gloo; the 1.5B part is planned only)
     PYTHONPATH=src python bench/distributed_scaling.py --cpu --configs tiny-grpo --steps 3 --warmup 1
+    # how to place a one_step_off job on 2 (or --nproc) GPUs: measured, each placement in turn
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=src python bench/distributed_scaling.py --parts placements --configs demo --steps 12 \
+        -- algorithm.rollout_correction.bypass_mode=true
 
 Configs: `demo` is `rlanywhere train`'s GPU demo profile (SmolLM2-135M, GRPO on 2-digit addition, 64 prompts x 8,
 validation every 10 steps; set RLANYWHERE_DEMO_GGUF to a local .gguf when offline); the others reuse the random
@@ -107,8 +115,8 @@ def summarize(records: list[dict], rows_per_step: int, warmup: int) -> dict:
     timed = [r["perf/step_time_s"] for r in train[warmup:]] or [r["perf/step_time_s"] for r in train]
     step_time = statistics.median(timed)
     # median seconds per phase (rank 0's timer): which phases shrink with more ranks and which do not
-    phases = sorted({k for r in train for k in r if k.startswith("timing/")})
     later = train[warmup:] or train
+    phases = sorted({k for r in later for k in r if k.startswith("timing/")})  # one_step_off: "rollout" at step 1 only
     phase_s = {k[len("timing/"):]: statistics.median([r[k] for r in later if k in r]) for k in phases}
     # the medians hide steps that compiled (perf/compiles > 0): the whole run's time after step 1 shows them
     after_first = [r["perf/step_time_s"] for r in train[1:]]
@@ -162,6 +170,34 @@ def part_scaling(args, root: str, extra: list[str]) -> dict:
             print(f"  val/acc step {step}: 1 rank {one['val_acc'].get(step)}  {args.nproc} ranks "
                   f"{many['val_acc'].get(step)}")
         print(f"[scaling {name}: {time.time() - start:.0f} s]", flush=True)
+    return results
+
+
+def placements(nproc: int) -> list[tuple[str, list[str]]]:
+    """(name, overrides) of each way to place a job on `nproc` ranks: sync, one_step_off on trainer ranks, and
+    one_step_off split into T trainer + R rollout ranks (T a multiple of R, as split_rollout.SplitLayout needs)."""
+    one_step_off = "trainer.async.mode=one_step_off"
+    out = [("sync", []), ("one_step_off", [one_step_off, "trainer.async.rollout_ranks=0"])]
+    for rollout in range(1, nproc):
+        if (nproc - rollout) % rollout == 0:
+            out.append((f"split {nproc - rollout}+{rollout}", [one_step_off, f"trainer.async.rollout_ranks={rollout}"]))
+    return out
+
+
+def part_placements(args, root: str, extra: list[str]) -> dict:
+    results = {}
+    for name in args.configs.split(","):
+        base = config_overrides(name, root, args.steps)[0] + extra
+        rows = rows_per_step(base)
+        runs = {}
+        for label, keys in placements(args.nproc):
+            run_dir = os.path.join(root, f"{name}_{label.replace(' ', '_').replace('+', 'p')}")
+            runs[label] = summarize(run(base + keys, args.nproc, run_dir), rows, args.warmup)
+        fastest = min(runs, key=lambda label: runs[label]["step_time_s"])
+        print(f"RESULT placements {name} on {args.nproc} ranks: " + "; ".join(
+            f"{label} {r['step_time_s']:.2f} s/step ({r['samples_per_s']:.1f} samples/s)" for label, r in runs.items())
+            + f"; fastest: {fastest}", flush=True)
+        results[name] = {"runs": runs, "fastest": fastest}
     return results
 
 
@@ -256,7 +292,7 @@ def main() -> int:
     args = parser.parse_args()
     extra = list(args.overrides) + (["hardware.device=cpu"] if args.cpu else [])
     root = tempfile.mkdtemp(prefix="rla_scaling_")
-    parts = {"scaling": part_scaling, "shard": part_shard, "nodes": part_nodes}
+    parts = {"scaling": part_scaling, "shard": part_shard, "nodes": part_nodes, "placements": part_placements}
     results = {}
     for part in args.parts.split(","):
         start = time.time()

@@ -242,7 +242,8 @@ def test_trace_gaps_names_the_cpu_operator_the_gpu_waited_on(tmp_path, capsys, m
 def test_scaling_summary_reports_the_whole_run_and_the_steps_that_compiled():
     import distributed_scaling
 
-    records = [{"step": 1, "perf/step_time_s": 20.0, "perf/compiles": 9},  # the first step: compiles, left out
+    records = [{"step": 1, "perf/step_time_s": 20.0, "perf/compiles": 9,  # the first step: compiles, left out
+                "timing/sync_start": 3.0},  # a phase of the first step only (one_step_off's first rollout)
                {"step": 2, "perf/step_time_s": 1.0, "perf/compiles": 0, "timing/rollout": 0.5},
                {"step": 3, "perf/step_time_s": 7.0, "perf/compiles": 2, "timing/rollout": 0.5},
                {"step": 4, "perf/step_time_s": 2.0, "timing/rollout": 0.7, "perf/peak_memory_gib": 3.0},
@@ -252,6 +253,16 @@ def test_scaling_summary_reports_the_whole_run_and_the_steps_that_compiled():
     assert summary["run_samples_per_s"] == pytest.approx(30 / 10.0)  # 3 steps x 10 rows in 10 s
     assert summary["compile_steps"] == [(3, 7.0, 2)]
     assert summary["val_acc"] == {4: 0.5} and summary["phase_s"] == {"rollout": 0.5}
+
+
+def test_placements_of_a_one_step_off_job_by_hand():
+    import distributed_scaling
+
+    names = [name for name, _ in distributed_scaling.placements(4)]
+    assert names == ["sync", "one_step_off", "split 3+1", "split 2+2"]  # 1 trainer for 3 rollout ranks: uneven
+    assert distributed_scaling.placements(2)[2] == ("split 1+1", ["trainer.async.mode=one_step_off",
+                                                                  "trainer.async.rollout_ranks=1"])
+    assert distributed_scaling.placements(2)[1][1][-1] == "trainer.async.rollout_ranks=0"
 
 
 def test_shared_prompts_bench_runs_on_a_cpu_and_agrees_with_packed_rows(monkeypatch, capsys):
