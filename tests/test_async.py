@@ -344,6 +344,50 @@ def test_scored_rollout_survives_json_exactly():
     assert torch.equal(scored_from(json.loads(json.dumps(scored_state(scored)))).ref_logprobs, scored.ref_logprobs)
 
 
+def test_rank_shares_of_saved_rollouts_are_joined_and_split_again_for_another_world():
+    """A checkpoint of 2 ranks resumed on 1 and on 4: each step's shares joined in rank order (prompts, rows, the
+    multi-turn rows' statistics), then cut into the new ranks' shares, each as wide as its rows need."""
+    from types import SimpleNamespace
+
+    from rlanywhere.async_pipeline import RolloutPipeline
+    from rlanywhere.rollout_phase import TOOL_ROWS_KEY
+
+    def share(first: int, response_width: int) -> dict:  # 2 prompts x 2 samples from global prompt `first`
+        mask = torch.zeros(4, response_width, dtype=torch.long)
+        mask[:, :2] = 1
+        mask[0, :response_width] = 1  # one row uses the whole width
+        rollout = RolloutBatch(prompt_ids=torch.full((4, 3), 7), prompt_mask=torch.ones(4, 3, dtype=torch.long),
+                               response_ids=torch.arange(4 * response_width).reshape(4, response_width),
+                               response_mask=mask, response_logprobs=-mask.float(), num_prompts=2, n=2)
+        items = [{"input_ids": [first + i], "index": first + i} for i in range(2)]
+        scored = ScoredRollout(items, rollout, torch.arange(4.0) + 10 * first, {"acc": [float(first)] * 4})
+        tools = [{"tool_calls": first * 10 + row} for row in range(4)]
+        return {"5": {"weights_step": 4, "seconds": 1.0 + first, "scored": scored_state(scored), "first_prompt": first,
+                      "metrics": {TOOL_ROWS_KEY: tools}}}
+
+    states = [share(0, 3), share(2, 6)]
+    cfg_like = SimpleNamespace(trainer={"async": SimpleNamespace(max_staleness=1)})
+    plan_like = SimpleNamespace(async_rollout=IN_TURN, device="cpu")
+    one = RolloutPipeline(cfg_like, plan_like, torch.nn.Linear(1, 1), loader=None, total_steps=9)
+    one.load_rank_states(states, rank=0, world=1, pad_token_id=0)
+    scored, metrics, first = one.jobs[5].wait()
+    assert [item["index"] for item in scored.items] == [0, 1, 2, 3] and first == 0 and one.jobs[5].weights_step == 4
+    assert scored.rollout.response_ids.shape == (8, 6) and one.jobs[5].seconds == 3.0
+    assert [row["tool_calls"] for row in metrics[TOOL_ROWS_KEY]] == [0, 1, 2, 3, 20, 21, 22, 23]
+    for rank in range(4):
+        part = RolloutPipeline(cfg_like, plan_like, torch.nn.Linear(1, 1), loader=None, total_steps=9)
+        part.load_rank_states(states, rank=rank, world=4, pad_token_id=0)
+        scored, metrics, first = part.jobs[5].wait()
+        assert [item["index"] for item in scored.items] == [rank] and first == rank
+        assert scored.rollout.response_ids.shape[1] == (3, 2, 6, 2)[rank]  # narrowed: its first row's or 2 columns
+        assert torch.equal(scored.scores, torch.tensor([2.0 * (rank % 2), 2.0 * (rank % 2) + 1]) + 10 * (rank // 2) * 2)
+        assert [row["tool_calls"] for row in metrics[TOOL_ROWS_KEY]] == [10 * 2 * (rank // 2) + 2 * (rank % 2) + j
+                                                                       for j in range(2)]
+    same = RolloutPipeline(cfg_like, plan_like, torch.nn.Linear(1, 1), loader=None, total_steps=9)
+    same.load_rank_states(states, rank=1, world=2, pad_token_id=0)  # the same world: this rank's own share, as saved
+    assert [item["index"] for item in same.jobs[5].wait()[0].items] == [2, 3]
+
+
 class _Counter:
     def __init__(self):
         self.epoch, self.position, self.batch_size = 0, 0, 1
