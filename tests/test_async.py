@@ -675,7 +675,8 @@ def test_two_trainer_ranks_and_a_rollout_rank_match_the_one_process_pipeline(tin
              "trainer.save_freq": 3}
     one = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra))
     one.fit()
-    overrides = _overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra, **{"trainer.async.rollout_ranks": 1})
+    overrides = _overrides(tiny_model_dir, arith_data, tmp_path / "split",
+                           **extra, **{"trainer.async.rollout_ranks": 1})
     forked_ranks(_split_rank, (overrides, f"file://{tmp_path / 'rendezvous'}", 3), nprocs=3)
     _assert_split_matches_one_process(tmp_path / "one", tmp_path / "split")
     with open(tmp_path / "split" / "plan.json") as handle:
