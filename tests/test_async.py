@@ -388,6 +388,42 @@ def test_rank_shares_of_saved_rollouts_are_joined_and_split_again_for_another_wo
     assert [item["index"] for item in same.jobs[5].wait()[0].items] == [2, 3]
 
 
+def test_a_rollout_rank_makes_its_trainer_ranks_shares_in_one_call():
+    """Contiguous shares: one rollout_and_score call for all, cut back into shares (rows, counts with the first
+    share, tool statistics per row); shares that are not one block: a call each."""
+    from rlanywhere.rollout_phase import TOOL_ROWS_KEY
+    from rlanywhere.split_rollout import rollout_shares
+
+    class Phase:
+        def __init__(self):
+            self.calls = []
+
+        def rollout_and_score(self, items, timer, step, first_prompt):
+            self.calls.append((step, [item["index"] for item in items], first_prompt))
+            rows = 2 * len(items)
+            mask = torch.ones(rows, 4, dtype=torch.long)
+            rollout = RolloutBatch(prompt_ids=torch.ones(rows, 2, dtype=torch.long), prompt_mask=mask[:, :2],
+                                   response_ids=torch.arange(rows * 4).reshape(rows, 4), response_mask=mask,
+                                   response_logprobs=-mask.float(), num_prompts=len(items), n=2)
+            info = {"acc": [float(r) for r in range(rows)], "num_errors": 3}
+            return (ScoredRollout(items, rollout, torch.arange(float(rows)), info),
+                    {TOOL_ROWS_KEY: [{"tool_calls": r} for r in range(rows)]}, first_prompt)
+
+    items = lambda first, size: [{"index": first + i, "input_ids": [first + i]} for i in range(size)]  # noqa: E731
+    phase = Phase()
+    shares = rollout_shares(phase, [(7, items(4, 2), 4), (7, items(6, 2), 6)])
+    assert phase.calls == [(7, [4, 5, 6, 7], 4)]  # one call for both
+    (first_share, first_metrics, first_at), (second, second_metrics, second_at) = shares
+    assert (first_at, second_at) == (4, 6) and [i["index"] for i in second.items] == [6, 7]
+    assert torch.equal(second.scores, torch.tensor([4.0, 5.0, 6.0, 7.0])) and second.info["acc"] == [4.0, 5.0, 6.0, 7.0]
+    assert (first_share.info["num_errors"], second.info["num_errors"]) == (3, 0)  # the sum stays the batch's
+    assert [r["tool_calls"] for r in second_metrics[TOOL_ROWS_KEY]] == [4, 5, 6, 7]
+    assert [r["tool_calls"] for r in first_metrics[TOOL_ROWS_KEY]] == [0, 1, 2, 3]
+    phase = Phase()
+    rollout_shares(phase, [(7, items(0, 2), 0), (7, items(6, 2), 6)])  # not one block
+    assert phase.calls == [(7, [0, 1], 0), (7, [6, 7], 6)]
+
+
 class _Counter:
     def __init__(self):
         self.epoch, self.position, self.batch_size = 0, 0, 1

@@ -23,8 +23,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .async_pipeline import RolloutPipeline, _Job, _prompt_keys
+from .async_pipeline import RolloutPipeline, _Job, _prompt_keys, _WallTimer
 from .async_plan import SPLIT, SYNC
+from .rollout_phase import TOOL_ROWS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,6 @@ def serve_rollouts(cfg: Any, plan: Any, trainers: tuple[int, ...] | list[int] = 
     from .distributed import DataParallel
     from .oom import OOMGuard
     from .rollout_phase import RolloutPhase
-    from .async_pipeline import _WallTimer
 
     source, tokenizer = builders.build_tokenizer(cfg)
     model = builders.build_models(cfg, plan, source, DataParallel(device=plan.device)).actor
@@ -208,13 +208,38 @@ def serve_rollouts(cfg: Any, plan: Any, trainers: tuple[int, ...] | list[int] = 
             engine.sync_weights()
             # every share made before any is sent: a trainer rank that receives its own goes on to train with the
             # others, which wait for theirs
-            results = [phase.rollout_and_score(items, _WallTimer(), step, first_prompt)
-                       for _, step, items, first_prompt in requests]
+            results = rollout_shares(phase, [request[1:] for request in requests])
             for trainer, result in zip(trainers, results):
                 dist.send_object_list([result], dst=trainer)
             made += 1
     finally:
         rewards.close()
+
+
+def rollout_shares(phase, requests: list[tuple[int, list[dict], int]]) -> list[tuple]:
+    """The (step, items, first prompt) shares of a rollout rank's trainer ranks, generated and scored in one call
+    and cut back into (scored share, metrics, first prompt) each. Their prompts are one contiguous block of the step,
+    so every row draws what a call of its own would (its random stream is keyed by its global prompt and sample),
+    and one larger batch decodes in about the time of one of the shares. The share's reward counts (num_errors) go
+    with the first share, so that their sum over the trainer ranks stays the batch's."""
+    step, firsts = requests[0][0], [first for _, _, first in requests]
+    sizes = [len(items) for _, items, _ in requests]
+    if any(firsts[k + 1] != firsts[k] + sizes[k] for k in range(len(requests) - 1)):  # not one block: one by one
+        return [phase.rollout_and_score(items, _WallTimer(), step, first) for step, items, first in requests]
+    items = [item for _, share, _ in requests for item in share]
+    scored, metrics, _ = phase.rollout_and_score(items, _WallTimer(), step, firsts[0])
+    n, start, out = scored.rollout.n, 0, []
+    for k, size in enumerate(sizes):
+        part = scored.select(list(range(start, start + size)))
+        part.rollout = part.rollout.narrowed()  # as wide as its rows need, as a call of its own would make it
+        if k:
+            part.info = {key: value if isinstance(value, list) else type(value)(0) for key, value in part.info.items()}
+        share_metrics = dict(metrics)
+        if TOOL_ROWS_KEY in metrics:  # multi-turn: the tool statistics of the share's rows
+            share_metrics[TOOL_ROWS_KEY] = metrics[TOOL_ROWS_KEY][start * n:(start + size) * n]
+        out.append((part, share_metrics, firsts[k]))
+        start += size
+    return out
 
 
 def rollout_pipeline_for_run(cfg: Any, plan: Any, actor, loader, total_steps: int,
