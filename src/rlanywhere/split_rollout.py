@@ -220,8 +220,8 @@ def rollout_shares(phase, requests: list[tuple[int, list[dict], int]]) -> list[t
     """The (step, items, first prompt) shares of a rollout rank's trainer ranks, generated and scored in one call
     and cut back into (scored share, metrics, first prompt) each. Their prompts are one contiguous block of the step,
     so every row draws what a call of its own would (its random stream is keyed by its global prompt and sample),
-    and one larger batch decodes in about the time of one of the shares. The share's reward counts (num_errors) go
-    with the first share, so that their sum over the trainer ranks stays the batch's."""
+    and one larger batch decodes faster than the shares one after another. The call's reward counts (num_errors)
+    go with the first share, so that their sum over the trainer ranks stays the batch's."""
     step, firsts = requests[0][0], [first for _, _, first in requests]
     sizes = [len(items) for _, items, _ in requests]
     if any(firsts[k + 1] != firsts[k] + sizes[k] for k in range(len(requests) - 1)):  # not one block: one by one
