@@ -3,8 +3,8 @@
 The trainer ranks run the usual run (RLTrainer) with `SplitRolloutPipeline`: where the one-process pipeline would
 start the next step's rollout on its own weight copy, each trainer rank sends its share of the prompts to its
 rollout rank, and the first trainer rank broadcasts the actor's weights to the rollout ranks (NCCL on GPUs, gloo on
-CPUs); each rollout rank (`serve_rollouts`) generates and scores its trainer ranks' shares with the same seeds and
-sends each its scored share back. The trainer ranks train meanwhile (among themselves, as data parallelism does),
+CPUs); each rollout rank (`serve_rollouts`) generates and scores its trainer ranks' shares in one call
+(`rollout_shares`) with the same seeds and sends each its scored share back. The trainer ranks train meanwhile (among themselves, as data parallelism does),
 so the phases overlap on different devices, and the batches, the weights that made them and the metrics are those
 of a one-process one_step_off run. The ranks (`SplitLayout`): 0..T-1 train, T..T+R-1 generate, each rollout rank
 for a contiguous block of T/R trainer ranks. `split_run` starts the roles (`rlanywhere train` under torchrun,
@@ -253,4 +253,4 @@ def rollout_pipeline_for_run(cfg: Any, plan: Any, actor, loader, total_steps: in
     return RolloutPipeline(cfg, plan, actor, loader, total_steps, share)
 
 __all__ = ["SPLIT", "SplitLayout", "SplitRolloutPipeline", "close_split_pipelines", "join_split", "make_split_groups",
-           "rollout_pipeline_for_run", "serve_rollouts"]
+           "rollout_pipeline_for_run", "rollout_shares", "serve_rollouts"]
