@@ -360,7 +360,8 @@ def test_rank_shares_of_saved_rollouts_are_joined_and_split_again_for_another_wo
                                response_ids=torch.arange(4 * response_width).reshape(4, response_width),
                                response_mask=mask, response_logprobs=-mask.float(), num_prompts=2, n=2)
         items = [{"input_ids": [first + i], "index": first + i} for i in range(2)]
-        scored = ScoredRollout(items, rollout, torch.arange(4.0) + 10 * first, {"acc": [float(first)] * 4})
+        scored = ScoredRollout(items, rollout, torch.arange(4.0) + 10 * first,
+                               {"acc": [float(first)] * 4, "num_errors": 1 + first})
         tools = [{"tool_calls": first * 10 + row} for row in range(4)]
         return {"5": {"weights_step": 4, "seconds": 1.0 + first, "scored": scored_state(scored), "first_prompt": first,
                       "metrics": {TOOL_ROWS_KEY: tools}}}
@@ -374,6 +375,7 @@ def test_rank_shares_of_saved_rollouts_are_joined_and_split_again_for_another_wo
     assert [item["index"] for item in scored.items] == [0, 1, 2, 3] and first == 0 and one.jobs[5].weights_step == 4
     assert scored.rollout.response_ids.shape == (8, 6) and one.jobs[5].seconds == 3.0
     assert [row["tool_calls"] for row in metrics[TOOL_ROWS_KEY]] == [0, 1, 2, 3, 20, 21, 22, 23]
+    assert scored.info["num_errors"] == 1 + 3  # both ranks' counts
     for rank in range(4):
         part = RolloutPipeline(cfg_like, plan_like, torch.nn.Linear(1, 1), loader=None, total_steps=9)
         part.load_rank_states(states, rank=rank, world=4, pad_token_id=0)
@@ -383,6 +385,7 @@ def test_rank_shares_of_saved_rollouts_are_joined_and_split_again_for_another_wo
         assert torch.equal(scored.scores, torch.tensor([2.0 * (rank % 2), 2.0 * (rank % 2) + 1]) + 10 * (rank // 2) * 2)
         assert [row["tool_calls"] for row in metrics[TOOL_ROWS_KEY]] == [10 * 2 * (rank // 2) + 2 * (rank % 2) + j
                                                                        for j in range(2)]
+        assert scored.info["num_errors"] == (4 if rank == 0 else 0)  # counted once over the 4 ranks
     same = RolloutPipeline(cfg_like, plan_like, torch.nn.Linear(1, 1), loader=None, total_steps=9)
     same.load_rank_states(states, rank=1, world=2, pad_token_id=0)  # the same world: this rank's own share, as saved
     assert [item["index"] for item in same.jobs[5].wait()[0].items] == [2, 3]
@@ -409,7 +412,9 @@ def test_a_rollout_rank_makes_its_trainer_ranks_shares_in_one_call():
             return (ScoredRollout(items, rollout, torch.arange(float(rows)), info),
                     {TOOL_ROWS_KEY: [{"tool_calls": r} for r in range(rows)]}, first_prompt)
 
-    items = lambda first, size: [{"index": first + i, "input_ids": [first + i]} for i in range(size)]  # noqa: E731
+    def items(first: int, size: int) -> list[dict]:
+        return [{"index": first + i, "input_ids": [first + i]} for i in range(size)]
+
     phase = Phase()
     shares = rollout_shares(phase, [(7, items(4, 2), 4), (7, items(6, 2), 6)])
     assert phase.calls == [(7, [4, 5, 6, 7], 4)]  # one call for both

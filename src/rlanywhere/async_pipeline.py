@@ -103,6 +103,24 @@ def scored_from(state: dict) -> ScoredRollout:
     return ScoredRollout(state["items"], rollout, _tensor_from(state["scores"]), state["info"], ref)
 
 
+def cut_into_shares(whole: ScoredRollout, metrics: dict, sizes: list[int]) -> list[tuple[ScoredRollout, dict]]:
+    """(scored share, its metrics) for consecutive shares of `sizes` prompts of `whole`: each as wide as its rows
+    need (as a rollout of just them would be), the multi-turn rows' tool statistics with their rows, and the reward
+    counts (num_errors) with the first share, so that their sum over the shares stays the whole's."""
+    n, start, shares = whole.rollout.n, 0, []
+    for k, size in enumerate(sizes):
+        part = whole.select(list(range(start, start + size)))
+        part.rollout = part.rollout.narrowed()
+        if k:
+            part.info = {key: value if isinstance(value, list) else type(value)(0) for key, value in part.info.items()}
+        share_metrics = dict(metrics)
+        if TOOL_ROWS_KEY in metrics:
+            share_metrics[TOOL_ROWS_KEY] = metrics[TOOL_ROWS_KEY][start * n:(start + size) * n]
+        shares.append((part, share_metrics))
+        start += size
+    return shares
+
+
 # ---------------------------------------------------------------------------------------------------- the loader
 class LookaheadLoader:
     """The prompt loader, able to draw the prompts of the steps to come early (`peek`). Its state, its epoch and the
@@ -337,13 +355,11 @@ class RolloutPipeline:
         for step in set.intersection(*(set(state) for state in states)) if states else ():
             parts = [state[step] for state in states]
             whole = ScoredRollout.concat([scored_from(part["scored"]) for part in parts], pad_token_id)
-            size = len(whole.items) // world
-            mine = whole.select(list(range(rank * size, (rank + 1) * size)))
-            mine.rollout = mine.rollout.narrowed()  # as wide as its rows need, as this rank's rollout would be
             metrics = dict(parts[0]["metrics"])
-            if TOOL_ROWS_KEY in metrics:  # multi-turn: the tool statistics of this rank's rows
-                rows = [stats for part in parts for stats in part["metrics"][TOOL_ROWS_KEY]]
-                metrics[TOOL_ROWS_KEY] = rows[rank * size * whole.rollout.n:(rank + 1) * size * whole.rollout.n]
+            if TOOL_ROWS_KEY in metrics:  # multi-turn: every row's tool statistics, in the joined rows' order
+                metrics[TOOL_ROWS_KEY] = [stats for part in parts for stats in part["metrics"][TOOL_ROWS_KEY]]
+            size = len(whole.items) // world
+            mine, metrics = cut_into_shares(whole, metrics, [size] * world)[rank]
             jobs[int(step)] = _Job(int(step), parts[0]["weights_step"], _prompt_keys(mine.items),
                                    (mine, metrics, rank * size), max(part["seconds"] for part in parts))
         self.jobs = jobs
@@ -427,4 +443,4 @@ class RolloutPipeline:
 
 
 __all__ = ["LookaheadLoader", "RolloutPipeline", "allow_compiled_calls_beside_tracing", "copy_weights",
-           "rollout_model_copy", "scored_from", "scored_state"]
+           "cut_into_shares", "rollout_model_copy", "scored_from", "scored_state"]

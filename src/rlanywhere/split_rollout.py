@@ -4,11 +4,11 @@ The trainer ranks run the usual run (RLTrainer) with `SplitRolloutPipeline`: whe
 start the next step's rollout on its own weight copy, each trainer rank sends its share of the prompts to its
 rollout rank, and the first trainer rank broadcasts the actor's weights to the rollout ranks (NCCL on GPUs, gloo on
 CPUs); each rollout rank (`serve_rollouts`) generates and scores its trainer ranks' shares in one call
-(`rollout_shares`) with the same seeds and sends each its scored share back. The trainer ranks train meanwhile (among themselves, as data parallelism does),
-so the phases overlap on different devices, and the batches, the weights that made them and the metrics are those
-of a one-process one_step_off run. The ranks (`SplitLayout`): 0..T-1 train, T..T+R-1 generate, each rollout rank
-for a contiguous block of T/R trainer ranks. `split_run` starts the roles (`rlanywhere train` under torchrun,
-or `run_split` from Python).
+(`rollout_shares`) with the same seeds and sends each its scored share back. The trainer ranks train meanwhile
+(among themselves, as data parallelism does), so the phases overlap on different devices, and the batches, the
+weights that made them and the metrics are those of a one-process one_step_off run. The ranks (`SplitLayout`):
+0..T-1 train, T..T+R-1 generate, each rollout rank for a contiguous block of T/R trainer ranks. `split_run` starts
+the roles (`rlanywhere train` under torchrun, or `run_split` from Python).
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .async_pipeline import RolloutPipeline, _Job, _prompt_keys, _WallTimer
+from .async_pipeline import RolloutPipeline, _Job, _prompt_keys, _WallTimer, cut_into_shares
 from .async_plan import SPLIT, SYNC
-from .rollout_phase import TOOL_ROWS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -220,26 +219,16 @@ def rollout_shares(phase, requests: list[tuple[int, list[dict], int]]) -> list[t
     """The (step, items, first prompt) shares of a rollout rank's trainer ranks, generated and scored in one call
     and cut back into (scored share, metrics, first prompt) each. Their prompts are one contiguous block of the step,
     so every row draws what a call of its own would (its random stream is keyed by its global prompt and sample),
-    and one larger batch decodes faster than the shares one after another. The call's reward counts (num_errors)
-    go with the first share, so that their sum over the trainer ranks stays the batch's."""
+    and one larger batch decodes faster than the shares one after another (cut_into_shares: the call's reward
+    counts go with the first share, so that their sum over the trainer ranks stays the batch's)."""
     step, firsts = requests[0][0], [first for _, _, first in requests]
     sizes = [len(items) for _, items, _ in requests]
     if any(firsts[k + 1] != firsts[k] + sizes[k] for k in range(len(requests) - 1)):  # not one block: one by one
         return [phase.rollout_and_score(items, _WallTimer(), step, first) for step, items, first in requests]
     items = [item for _, share, _ in requests for item in share]
     scored, metrics, _ = phase.rollout_and_score(items, _WallTimer(), step, firsts[0])
-    n, start, out = scored.rollout.n, 0, []
-    for k, size in enumerate(sizes):
-        part = scored.select(list(range(start, start + size)))
-        part.rollout = part.rollout.narrowed()  # as wide as its rows need, as a call of its own would make it
-        if k:
-            part.info = {key: value if isinstance(value, list) else type(value)(0) for key, value in part.info.items()}
-        share_metrics = dict(metrics)
-        if TOOL_ROWS_KEY in metrics:  # multi-turn: the tool statistics of the share's rows
-            share_metrics[TOOL_ROWS_KEY] = metrics[TOOL_ROWS_KEY][start * n:(start + size) * n]
-        out.append((part, share_metrics, firsts[k]))
-        start += size
-    return out
+    return [(part, share_metrics, first)
+            for (part, share_metrics), first in zip(cut_into_shares(scored, metrics, sizes), firsts)]
 
 
 def rollout_pipeline_for_run(cfg: Any, plan: Any, actor, loader, total_steps: int,
