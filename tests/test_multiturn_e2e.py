@@ -132,8 +132,9 @@ def test_resume_in_the_middle_of_a_multiturn_run(tool_model_dir, gsm8k_tool_data
 
 
 def test_two_ranks_draw_what_one_process_draws(tool_model_dir):
-    """Each rank runs the driver on its block of prompts (first_prompt = its global offset); with rows_per_wave
-    dividing a rank's rows, the rows equal one process's rows for the same prompts, every turn included."""
+    """A torch.Generator per chunk of prompts (what validation passes): each rank runs the driver on its block of
+    prompts (first_prompt = its global offset); with rows_per_wave dividing a rank's rows, the rows equal one
+    process's rows for the same prompts, every turn included."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlanywhere.rollout.base import SamplingParams
@@ -164,6 +165,84 @@ def test_two_ranks_draw_what_one_process_draws(tool_model_dir):
         assert torch.equal(half.response_ids, whole.response_ids[rows, :width])
         assert torch.equal(half.response_mask, whole.response_mask[rows, :width])
         assert whole.response_mask[rows, width:].sum() == 0
+
+
+@pytest.mark.parametrize("path", ["hf", "fast-kv", "fast-re-prefill"])
+def test_rows_with_their_own_streams_draw_the_same_on_any_rank_and_in_any_wave(tool_model_dir, path):
+    """The trainer's RowStreams: a rank's rows (its prompts' global offset, waves of a size that does not divide its
+    rows) equal one process's rows, every turn included, on each engine path; the same streams draw the same again
+    (no global random state is read), and other streams draw otherwise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlanywhere.plans import RolloutPlan
+    from rlanywhere.rollout.base import RowStreams, SamplingParams
+    from rlanywhere.rollout.fast import FastEngine
+    from rlanywhere.rollout.hf import HFEngine
+
+    tok = AutoTokenizer.from_pretrained(tool_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir).eval()
+    engine = HFEngine(model, tok) if path == "hf" else FastEngine(model, tok, RolloutPlan(engine="fast"))
+    items = [{"input_ids": [], "raw_prompt": [{"role": "system", "content": SYSTEM},
+                                             {"role": "user", "content": question(i)}],
+              "extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}}
+             for i in range(1, 5)]
+    params = SamplingParams(max_new_tokens=120, temperature=1.0, n=2)
+
+    def run(part, first, rows_per_wave=None, seed=11):
+        driver = MultiTurnRollout([Gsm8kTool()], tok, MultiTurnSettings(), engine.eos_ids,
+                                  kv_continuation=path == "fast-kv")
+        torch.manual_seed(first + (rows_per_wave or 0))  # the global generator must not matter
+        with torch.no_grad():
+            return driver.generate(engine, part, params, RowStreams(seed), first_prompt=first,
+                                   rows_per_wave=rows_per_wave), driver
+
+    whole, driver = run(items, 0)
+    assert sum(s.tool_calls for s in driver.last_stats) > 0 and max(s.assistant_turns for s in driver.last_stats) > 1
+    assert torch.equal(run(items, 0, rows_per_wave=5)[0].response_ids, whole.response_ids)
+    assert not torch.equal(run(items, 0, seed=12)[0].response_ids, whole.response_ids)
+    for first, rows_per_wave in ((1, 3), (2, None)):  # a rank holding prompts first.. (of 4), waves of 3 rows
+        part = run(items[first:], first, rows_per_wave)[0]
+        rows, width = slice(2 * first, None), part.response_ids.shape[1]
+        assert torch.equal(part.response_ids, whole.response_ids[rows, :width])
+        assert torch.equal(part.response_mask, whole.response_mask[rows, :width])
+        assert whole.response_mask[rows, width:].sum() == 0
+        assert torch.allclose(part.response_logprobs, whole.response_logprobs[rows, :width], atol=1e-5)
+
+
+def test_fused_sampler_multiturn_rows_draw_the_same_on_any_rank(tool_model_dir):
+    """FastEngine's KV path with the sampler inside the decode step (Triton's interpreter) and RowStreams: the rows'
+    keys travel with them through the tool turns and compaction, so a rank's rows (waves of 1 row) equal one
+    process's, tool turn included."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlanywhere.plans import RolloutPlan
+    from rlanywhere.rollout.base import RowStreams, SamplingParams
+    from rlanywhere.rollout.fast import FastEngine
+
+    from .test_decode_attention import interpreter_runs
+
+    if not interpreter_runs():
+        pytest.skip("the fused sampler on the CPU needs triton >= 3.9 and TRITON_INTERPRET=1")
+    tok = AutoTokenizer.from_pretrained(tool_model_dir)
+    engine = FastEngine(AutoModelForCausalLM.from_pretrained(tool_model_dir).eval(), tok,
+                        RolloutPlan(engine="fast", fused_sampling=True))
+    items = [{"input_ids": [], "raw_prompt": [{"role": "system", "content": SYSTEM},
+                                             {"role": "user", "content": question(i)}]} for i in (1, 2)]
+    params = SamplingParams(max_new_tokens=28, temperature=1.0, n=2)
+
+    def run(part, first, rows_per_wave=None):
+        driver = MultiTurnRollout([Gsm8kTool()], tok, MultiTurnSettings(), engine.eos_ids)
+        with torch.no_grad():
+            return driver.generate(engine, part, params, RowStreams(3), first_prompt=first,
+                                   rows_per_wave=rows_per_wave), driver
+
+    whole, driver = run(items, 0)
+    assert sum(s.tool_calls for s in driver.last_stats) > 0
+    part = run(items[1:], 1, rows_per_wave=1)[0]
+    width = part.response_ids.shape[1]
+    assert torch.equal(part.response_ids, whole.response_ids[2:, :width])
+    assert torch.equal(part.response_mask, whole.response_mask[2:, :width])
+    assert whole.response_mask[2:, width:].sum() == 0
 
 
 def test_fast_engine_kv_continuation_equals_re_prefill(tool_model_dir):
@@ -327,3 +406,24 @@ def test_one_step_off_with_tool_calls_on_two_ranks_summarises_every_ranks_rows(t
     assert train_rows(got)[2]["async/staleness"] == 1.0 and "multi_turn/tool_calls/mean" in train_rows(got)[2]
     sync_keys = {key for row in want for key in row}
     assert_same_metrics([{k: v for k, v in row.items() if k in sync_keys} for row in got], want, steps=(1,))
+
+
+@pytest.mark.parametrize("engine", ["hf", "fast"])
+def test_multiturn_on_two_ranks_trains_what_one_process_trains(tool_model_dir, gsm8k_tool_data, tmp_path, engine):
+    """A synchronous multi-turn run on 2 ranks (gloo) against one process generating 3 rows at a time (waves that
+    do not divide a rank's rows): the same samples, so every metric of every step the same (one mini-batch a step,
+    which one process and 2 ranks split alike). The HF engine's
+    later turns are generated as new prompts, FastEngine's continue in the KV cache."""
+    from rlanywhere.tracking import read_metrics
+
+    from .test_distributed import assert_same_metrics, finish, single_process, torchrun
+
+    extra = {"trainer.total_training_steps": 2, "custom_reward_function.timeout_s": 0,
+             "actor_rollout_ref.rollout.name": engine, "actor_rollout_ref.actor.ppo_mini_batch_size": 4}
+    ranks = torchrun(verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "ranks", **extra))
+    single_process(verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "one", **extra),
+                   rollout_batch_size=3)
+    finish(ranks)
+    want = read_metrics(tmp_path / "one")
+    assert train_rows(want)[1]["multi_turn/tool_calls/mean"] > 0
+    assert_same_metrics(read_metrics(tmp_path / "ranks"), want, steps=(1, 2))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence, Union
 
 import torch
@@ -176,7 +176,7 @@ class RowStreams:
 
     def offset(self, prompts: int) -> "RowStreams":
         """The streams of a request that starts `prompts` prompts later."""
-        return RowStreams(self.seed, self.first_prompt + prompts)
+        return replace(self, first_prompt=self.first_prompt + prompts)
 
     def row_key(self, prompt: int, sample: int) -> int:
         """The 64-bit key of sample `sample` of the request's prompt `prompt`."""
@@ -185,8 +185,35 @@ class RowStreams:
     def keys(self, num_prompts: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """int64 [num_prompts * n + 1]: the key of each request row (row p * n + j is sample j of prompt p), and a
         last one for the scratch row that filler rows of a batch bucket write to."""
-        keys = [self.row_key(p, j) for p in range(num_prompts) for j in range(n)] + [0]
-        return torch.tensor([k - (1 << 64) if k >= (1 << 63) else k for k in keys], dtype=torch.long, device=device)
+        return _key_tensor([self.row_key(p, j) for p in range(num_prompts) for j in range(n)], device)
+
+
+@dataclass(frozen=True)
+class TurnStreams(RowStreams):
+    """The streams of a later turn of multi-turn rows that are generated again as new prompts (one sample each:
+    the conversation so far is the prompt). Request prompt i is row `rows[first_prompt + i]` of the rollout,
+    counted as `RowStreams(seed)` counts rows (sample `row % n` of global prompt `row // n`); its stream for turn
+    `turn` is keyed by (that row's key, turn). A row therefore draws the same in any request, wave or rank, and
+    each turn draws afresh (its response positions start at 0 again)."""
+
+    rows: tuple[int, ...] = ()
+    n: int = 1
+    turn: int = 1
+
+    def keys(self, num_prompts: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        if n != 1 or self.first_prompt + num_prompts > len(self.rows):
+            raise ValueError(f"TurnStreams covers {len(self.rows)} rows of one sample each; asked for prompts "
+                             f"{self.first_prompt}..{self.first_prompt + num_prompts - 1} x {n} samples")
+        origin = RowStreams(self.seed)
+        picked = self.rows[self.first_prompt:self.first_prompt + num_prompts]
+        return _key_tensor([_splitmix64(origin.row_key(row // self.n, row % self.n) ^ _splitmix64(self.turn))
+                            for row in picked], device)
+
+
+def _key_tensor(keys: list[int], device: torch.device | str) -> torch.Tensor:
+    """Unsigned 64-bit keys as int64 [len + 1], the last 0 (the scratch row's)."""
+    keys = keys + [0]
+    return torch.tensor([k - (1 << 64) if k >= (1 << 63) else k for k in keys], dtype=torch.long, device=device)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -489,6 +516,7 @@ __all__ = [
     "RolloutEngine",
     "GeneratorSource",
     "RowStreams",
+    "TurnStreams",
     "keyed_exponential",
     "prompt_chunks",
     "chunk_generator",

@@ -12,9 +12,13 @@ Turn 0 is exactly the single-turn rollout (`engine.generate` with n samples per 
 the continuing rows as new prompts (the history so far): the HF engine and FastEngine re-prefill it (FastEngine in
 chunked prefills of many rows at once). Tools of every row run in parallel threads (tools.executor) between turns.
 
-Sampling randomness of later turns is drawn per chunk of `rows_per_wave` rows by global row index, seeded from the
-caller's generator for that chunk's prompt and the turn, so a rank whose rows are whole chunks draws what one process
-draws for them.
+Sampling randomness: with `RowStreams` (the trainer's) every row draws from its own stream, keyed by its global
+prompt and sample index, so the rows are the same whatever the rank, wave or rollout batch size: FastEngine's rows
+continue one stream through their turns (counted by response position); a row generated again as a new prompt draws
+its later turns from `TurnStreams` (its key and the turn). With a torch.Generator (or a function of the first prompt
+index returning one), later turns draw per chunk of `rows_per_wave` rows by global row index, from a generator
+seeded from the caller's for that chunk's prompt and the turn, so a rank whose rows are whole chunks draws what one
+process draws for them.
 
 `plan_multiturn_lengths` is the planner's pure function for the longer sequences (prompt + every turn).
 """
@@ -33,7 +37,7 @@ from ..tools.parsing import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
 from ..planner.multiturn import (MultiTurnConfigError, multiturn_values, plan_multiturn,  # noqa: F401
                                  plan_multiturn_lengths)
 from ..vocabulary import FP32
-from .base import RolloutBatch, SamplingParams, left_pad
+from .base import RolloutBatch, RowStreams, SamplingParams, TurnStreams, left_pad
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +208,8 @@ class MultiTurnRollout:
         rows = [_Row(prompts[i], (first_prompt + i) * n + j, dict((items[i].get("extra_info") or {})
                                                                     .get("tools_kwargs") or {}))
                 for i in range(len(items)) for j in range(n)]
-        source = (lambda offset: generator(first_prompt + offset)) if callable(generator) else generator
+        source = (generator.offset(first_prompt) if isinstance(generator, RowStreams) else
+                  (lambda offset: generator(first_prompt + offset)) if callable(generator) else generator)
         if self.kv_continuation and hasattr(engine, "runner") and hasattr(engine, "scheduler"):
             from .multiturn_fast import fast_multiturn_generate  # FastEngine: rows continue in their KV cache
 
@@ -251,10 +256,13 @@ class MultiTurnRollout:
             turn_params = SamplingParams(max_new_tokens=budget, temperature=params.temperature, top_p=params.top_p,
                                          top_k=params.top_k, n=1, stop_strings=params.stop_strings, seed=params.seed,
                                          ignore_eos=params.ignore_eos)
-            first_row = rows[members[0]].global_row
-            base = generator(first_row // params.n) if callable(generator) else generator
-            device = str(base.device) if base is not None else "cpu"
-            gen = _derived_generator(base, turn, first_row, device)
+            if isinstance(generator, RowStreams):  # each row its own stream for this turn
+                gen = TurnStreams(generator.seed, rows=tuple(generator.first_prompt * params.n + rows[i].global_row
+                                                            for i in members), n=params.n, turn=turn)
+            else:
+                first_row = rows[members[0]].global_row
+                base = generator(first_row // params.n) if callable(generator) else generator
+                gen = _derived_generator(base, turn, first_row, str(base.device) if base is not None else "cpu")
             out = engine.generate([rows[i].prompt + rows[i].tokens for i in members], turn_params, generator=gen,
                                   rows_per_wave=None)
             out_mask = out.response_mask.clone()

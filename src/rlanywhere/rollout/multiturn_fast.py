@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .base import (RolloutBatch, SamplingParams, StopStringMatcher, chunk_generator, left_pad, prompt_chunks,
-                   resolve_generator, sample_from_logits)
+from .base import (RolloutBatch, RowStreams, SamplingParams, StopStringMatcher, chunk_generator, left_pad,
+                   prompt_chunks, resolve_generator, sample_from_logits)
 from .scheduler import RequestOutputs, StopRule, WaveUnit, plan_waves
 
 
@@ -46,12 +46,14 @@ def fast_multiturn_generate(driver: Any, engine: Any, rows: list, prompts: list[
     out = RequestOutputs.empty(budget, total_rows, engine.pad_token_id, device)
     feed = ToolFeed(budget, total_rows + 1, device)
     lengths = [budget] * total_rows
-    shared = resolve_generator(None, params.seed, device) if generator is None else None
+    # RowStreams: each row draws from its own stream through all its turns (counted by response position)
+    keys = generator.keys(len(prompts), n, device) if isinstance(generator, RowStreams) else None
+    shared = resolve_generator(None, params.seed, device) if generator is None or keys is not None else None
     engine.sync_weights()
     for chunk in chunks:
         gen = shared or resolve_generator(chunk_generator(generator, chunk.start), params.seed, device)
         for wave in plan_waves(chunk, n, wave_rows):
-            _Wave(driver, engine, rows, params, out, feed, lengths, wave).run(prompts, gen)
+            _Wave(driver, engine, rows, params, out, feed, lengths, wave).run(prompts, gen, keys)
     tokens, logprobs = out.tokens[:, :total_rows].T.cpu(), out.logprobs[:, :total_rows].T.cpu()
     generated = (~feed.forced[:, :total_rows].T).long()
     width = max(max(lengths), 1)
@@ -157,26 +159,30 @@ class _Wave:
         self.stop_strings = StopStringMatcher(driver.tokenizer, tuple(params.stop_strings or ()))
         self.finished = False  # a row finished since the last compaction
 
-    def run(self, prompts: list[list[int]], gen: torch.Generator) -> None:
+    def run(self, prompts: list[list[int]], gen: torch.Generator, row_keys: torch.Tensor | None = None) -> None:
+        """row_keys (`RowStreams.keys` of the request's rows, on the device): each row samples from its own stream
+        at its response position, instead of from `gen`."""
         scheduler, runner, params = self.engine.scheduler, self.runner, self.params
         no_stop = StopRule.of([], StopStringMatcher(None, ()), self.engine.device)  # turns end on the host's look
-        state = scheduler._prefill(self.wave, prompts, params, gen, self.out, no_stop)
+        state = scheduler._prefill(self.wave, prompts, params, gen, self.out, no_stop, row_keys)
         self.state, self.row_map = state, state.row_map.tolist()
         fused = scheduler.fused_sampling_for(params)
-        if fused:
+        if fused:  # the runner keeps the batch's keys beside its rows (compacted with them)
             seed = torch.randint(0, 2**62, (1,), generator=gen, device=gen.device, dtype=torch.long)
-            runner.set_sampling(seed.to(runner.device), params.temperature)
+            runner.set_sampling(seed.to(runner.device), params.temperature,
+                                None if row_keys is None else row_keys[state.row_map])
         self.history.push(0, self.out)
         for t in range(1, self.budget):
             if fused:
-                tok, logp = runner.decode_sample(state.batch, state.slot(t))
+                tok, logp = runner.decode_sample(state.batch, state.slot(t), position=t)
             else:
                 logits = runner.decode_step(state.batch, state.slot(t))
             self._look(t - 1)  # while step t computes
             if not self.open.any():
                 return
             if not fused:  # drawn after the look: a wave that just ended draws nothing more from `gen`
-                tok, logp = sample_from_logits(logits, params, gen)
+                tok, logp = sample_from_logits(logits, params, gen,
+                                               None if row_keys is None else row_keys[state.row_map], position=t)
             tok, logp = self.feed.apply(t, state.row_map, tok, logp)
             self.out.tokens[t].index_copy_(0, state.row_map, tok)
             self.out.logprobs[t].index_copy_(0, state.row_map, logp)
