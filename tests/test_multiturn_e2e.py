@@ -427,3 +427,22 @@ def test_multiturn_on_two_ranks_trains_what_one_process_trains(tool_model_dir, g
     want = read_metrics(tmp_path / "one")
     assert train_rows(want)[1]["multi_turn/tool_calls/mean"] > 0
     assert_same_metrics(read_metrics(tmp_path / "ranks"), want, steps=(1, 2))
+
+
+def test_multiturn_split_placement_matches_the_one_process_pipeline(tool_model_dir, gsm8k_tool_data, tmp_path):
+    """one_step_off with tool calls on 1 trainer rank + 1 rollout rank (gloo, forked): the rollout rank generates the
+    multi-turn rows (its own streams: the trainer's block of prompts) and the trainer rank summarises their tool
+    statistics; every metric of every step is the one-process run's."""
+    from rlanywhere.tracking import read_metrics
+
+    from .test_async import _split_rank
+    from .test_distributed import assert_same_metrics, forked_ranks
+
+    extra = {"trainer.total_training_steps": 2, "custom_reward_function.timeout_s": 0,
+             "trainer.async.mode": "one_step_off"}
+    run_training(verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "one", **extra))
+    overrides = verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "split", **extra)
+    forked_ranks(_split_rank, (overrides, f"file://{tmp_path / 'rendezvous'}"))
+    want, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "split")
+    assert train_rows(want)[2]["multi_turn/tool_calls/mean"] > 0 and train_rows(got)[2]["async/staleness"] == 1.0
+    assert_same_metrics(got, want, steps=(1, 2))
