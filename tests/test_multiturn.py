@@ -121,6 +121,47 @@ def test_sandbox_limits_hang_memory_network_output():
     assert tool.execute("i", {"code": "open('f.txt', 'w').write('hi'); print(open('f.txt').read())"})[0].text == "hi\n"
 
 
+def test_sandbox_output_is_read_back_bounded_and_its_processes_end_with_it(tmp_path):
+    """Printing far more than max_output_chars costs the trainer no memory (the output goes to capped files, whose
+    head and tail are read back); with namespaces, a process that left the code's process group ends when the code
+    is killed (PID namespace); the socket module's other doors are shut too."""
+    import resource
+
+    from rlanywhere.tools.sandbox import network_namespace_available, run_python
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    text, info = run_python("import sys\nfor _ in range(64):\n    sys.stdout.write('x' * (1 << 20))\nprint('end')",
+                            max_output_chars=500, file_mb=8)
+    assert len(text) < 700 and "cut" in text and info["exit_code"] != 0  # stopped at the 8 MB file-size limit
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: far below 64 MB read
+    for door in ("socket.SocketType(socket.AF_INET, socket.SOCK_STREAM)",
+                 "socket._socket.socket(socket.AF_INET, socket.SOCK_STREAM)"):
+        text, _ = run_python(f"import socket\n{door}")
+        assert "network access is disabled" in text or "NoneType" in text, door  # refused either way
+    if not network_namespace_available():
+        pytest.skip("unprivileged namespaces (unshare -rn --pid) are not available here")
+    marker = tmp_path / "escaped"
+    code = (f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3)\n"
+            f"    open({str(marker)!r}, 'w').write('alive')\n    os._exit(0)\ntime.sleep(60)")
+    start = time.perf_counter()
+    text, info = run_python(code, wall_s=1)
+    assert info["timed_out"] and time.perf_counter() - start < 3
+    time.sleep(3.5)
+    assert not marker.exists()  # the process that left the group ended with the code
+
+
+def test_tool_response_truncation_sides_are_verls():
+    """verl's tool_response_truncate_side: left keeps the head, right keeps the tail, middle both ends."""
+    from rlanywhere.tools.sandbox import truncate_text
+
+    text = "HEAD" + "." * 100 + "TAIL"
+    assert truncate_text(text, 10, "left").startswith("HEAD") and "TAIL" not in truncate_text(text, 10, "left")
+    assert truncate_text(text, 10, "right").endswith("TAIL") and "HEAD" not in truncate_text(text, 10, "right")
+    middle = truncate_text(text, 10, "middle")
+    assert middle.startswith("HEAD") and middle.endswith("TAIL") and "98 characters cut" in middle
+    assert truncate_text("short", 10, "left") == "short"
+
+
 class Raises(BaseTool):
     def execute(self, instance_id, parameters, **kwargs):
         raise RuntimeError("boom")
@@ -218,6 +259,24 @@ def test_parse_hermes_calls():
     as_string = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"4\\"}"}'
                                  '</tool_call>', known)
     assert as_string[0].arguments == {"expression": "4"}
+
+
+def test_json_that_pythons_parser_refuses_is_an_error_text_not_a_crash():
+    """Nesting deeper than the recursion limit and integers of thousands of digits raise RecursionError and
+    ValueError (not JSONDecodeError) in json.loads: each call gets an error text; an unknown tool's long name is cut
+    in the text that repeats it, and the executor cuts error texts to max_chars like any answer."""
+    known = {"calculator"}
+    deep = parse_tool_calls("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>", known)
+    digits = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": {"x": ' + "9" * 5000 + "}}</tool_call>",
+                              known)
+    nested_args = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": "' + "[" * 5000 + '"}</tool_call>',
+                                   known)
+    assert "not valid JSON" in deep[0].error and "not valid JSON" in digits[0].error
+    assert "not a JSON object" in nested_args[0].error
+    long_name = parse_tool_calls(call("s" * 5000, q="x"), known)[0]
+    assert "unknown tool" in long_name.error and len(long_name.error) < 200
+    (result,) = run_calls([(None, "", ToolCall(None, error="Error: " + "e" * 1000))], max_chars=100)
+    assert result.error and len(result.text) < 160
 
 
 def test_tool_messages_rendered_with_the_chat_template(tok):

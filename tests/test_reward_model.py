@@ -136,6 +136,58 @@ def test_offload_round_trip_visits_the_device_only_to_score(rm_dir, monkeypatch)
         assert torch.equal(value, before[key])
 
 
+@pytest.mark.parametrize("kind", ["bert", "roberta", "deberta-v2"])
+def test_encoder_reward_models_score_as_their_own_forward(kind):
+    """Encoder classifiers pool (BERT, DeBERTa) or read the first token (RoBERTa) in their own way: their scores are
+    their own forward's, in micro-batches of any size (the decoder path reads the last token through `score`)."""
+    from transformers import (BertConfig, BertForSequenceClassification, DebertaV2Config,
+                              DebertaV2ForSequenceClassification, RobertaConfig, RobertaForSequenceClassification)
+
+    tokenizer = build_tiny_tokenizer([WORDS])
+    tokenizer.chat_template = RM_TEMPLATE
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 vocab_size=len(tokenizer) + 4, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+                 max_position_embeddings=300)
+    config_class, model_class = {"bert": (BertConfig, BertForSequenceClassification),
+                                 "roberta": (RobertaConfig, RobertaForSequenceClassification),
+                                 "deberta-v2": (DebertaV2Config, DebertaV2ForSequenceClassification)}[kind]
+    torch.manual_seed(0)
+    model = model_class(config_class(**shape)).eval()
+    for micro_batch in (1, 3):
+        scores, _ = rmod.DiscriminativeRewardModel(model, tokenizer, micro_batch=micro_batch).score(PROMPTS, RESPONSES)
+        assert scores.tolist() == pytest.approx(direct_scores(model, tokenizer, PROMPTS, RESPONSES), abs=1e-5)
+
+
+class _NaNScorer:
+    kind, offload = rmod.DISCRIMINATIVE, False
+
+    def to_device(self):
+        pass
+
+    def to_home(self):
+        pass
+
+    def score(self, prompts, responses):
+        return torch.tensor([1.0, float("nan"), float("inf"), -2.0]), {}
+
+
+def test_non_finite_reward_model_scores_score_zero_and_count_as_errors():
+    manager = rmod.ModelRewardManager(_NaNScorer(), _rules(), combine_with_custom=False)
+    scores, info = manager(["a", "b", "c", "d"], ["1"] * 4, ["arithmetic"] * 4, None, prompts=["q"] * 4)
+    assert scores.tolist() == [1.0, 0.0, 0.0, -2.0] and info["rm_score"] == [1.0, 0.0, 0.0, -2.0]
+    assert info["rm_nonfinite"] == 2 and info["num_errors"] == 2
+
+
+def test_the_default_verdict_is_the_replys_first_number():
+    import re
+
+    pattern = re.compile(load_config(None, []).reward_model.judge.verdict_regex)
+    assert pattern.pattern == rmod.DEFAULT_VERDICT_REGEX
+    for reply, verdict in (("7/10", 7.0), (" 8 out of 10", 8.0), ("Score: -2.5, the answer has 3 errors", -2.5),
+                           ("no number", None)):
+        assert rmod.parse_verdict(reply, pattern) == verdict, reply
+
+
 def _rules(custom=None):
     from rlanywhere.rewards import RewardManager
 
@@ -319,6 +371,8 @@ def test_verl_reward_model_keys_are_accepted(rm_dir):
       "reward_model.judge.prompt_template=Grade {prompt}"], "{response}"),
     (["reward_model.enable=true", "reward_model.model.path=x", "reward_model.judge.enable=true",
       "reward_model.judge.verdict_regex=Score"], "one group"),
+    (["reward_model.enable=true", "reward_model.model.path=x", "reward_model.judge.enable=true",
+      "reward_model.judge.prompt_template=Grade {response} as {score}"], "cannot be filled in"),
     (["reward_model.enable=true", "reward_model.model.path=x", "reward_model.truncation=middle"], "truncation"),
 ])
 def test_bad_reward_model_settings_are_named_before_loading(overrides, message):

@@ -389,7 +389,9 @@ class JudgeConfig:
     enable: bool = False
     prompt_template: str = ("Grade the answer to the question. Reply with only a score from 0 to 10.\n\n"
                             "Question: {prompt}\n\nAnswer: {response}\n\nScore:")
-    verdict_regex: str = r"(-?\d+(?:\.\d+)?)"  # the first group of the last match is the score
+    # the first group of the last match is the score; by default the reply's first number ("7/10" and "7 out of
+    # 10" are 7: the template asks for only a score)
+    verdict_regex: str = r"\A\D*?(-?\d+(?:\.\d+)?)"
     verdict_function: JudgeVerdictFunction = field(default_factory=JudgeVerdictFunction)
     max_new_tokens: int = 16
     failure_score: float = 0.0  # the score of a verdict that cannot be parsed (counted, never fatal)

@@ -149,9 +149,9 @@ KEY_DOCS: dict[str, str] = {
     r"actor_rollout_ref\.rollout\.multi_turn\.tool_config_path": "a YAML file naming the tools the model may call",
     r"actor_rollout_ref\.rollout\.multi_turn\.format": "the tool-call format the model writes (`hermes`)",
     r"actor_rollout_ref\.rollout\.multi_turn\.max_parallel_calls": "tool calls run per turn at most",
-    r"actor_rollout_ref\.rollout\.multi_turn\.max_tool_response_length": "tokens of a tool's answer kept at most",
-    r"actor_rollout_ref\.rollout\.multi_turn\.tool_response_truncate_side": "where a long tool answer is cut: "
-    "`middle`, `left` or `right`",
+    r"actor_rollout_ref\.rollout\.multi_turn\.max_tool_response_length": "characters of a tool's answer (or error text) kept at most",
+    r"actor_rollout_ref\.rollout\.multi_turn\.tool_response_truncate_side": "which part of a long tool answer is kept, "
+    "as in verl: `left` the beginning, `right` the end, `middle` both ends",
     r"actor_rollout_ref\.rollout\.multi_turn\.tool_timeout_s": "seconds a tool call may run",
     r"actor_rollout_ref\.rollout\.multi_turn\.(interaction_config_path|use_inference_chat_template"
     r"|tokenization_sanity_check_mode|completion_callback)": "verl's multi-turn setting",

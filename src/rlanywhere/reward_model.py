@@ -54,7 +54,7 @@ TRUNCATIONS = ("right", "left", "error")
 DEFAULT_JUDGE_TOKENS = 16
 DEFAULT_JUDGE_TEMPLATE = ("Grade the answer to the question. Reply with only a score from 0 to 10.\n\n"
                           "Question: {prompt}\n\nAnswer: {response}\n\nScore:")
-DEFAULT_VERDICT_REGEX = r"(-?\d+(?:\.\d+)?)"
+DEFAULT_VERDICT_REGEX = r"\A\D*?(-?\d+(?:\.\d+)?)"  # the reply's first number: "7/10" is 7
 
 
 # ------------------------------------------------------------------------------------------------- config
@@ -83,6 +83,12 @@ def reward_model_config_problem(cfg) -> Optional[str]:
         if "{response}" not in judge.prompt_template:
             return ("reward_model.judge.prompt_template has no {response} field: the judge would never see "
                             "the answer it grades; add {response} (and {prompt}, {ground_truth} if you like)")
+        try:
+            judge.prompt_template.format(prompt="", response="", ground_truth="")
+        except (KeyError, IndexError, ValueError) as exc:
+            return (f"reward_model.judge.prompt_template cannot be filled in ({type(exc).__name__}: {exc}): its "
+                    "fields are {prompt}, {response} and {ground_truth}; write any other brace twice ({{ and }}), "
+                    'e.g. a JSON example as {{"score": 7}}')
         if not judge.verdict_function.path:
             try:
                 pattern = re.compile(judge.verdict_regex)
@@ -200,15 +206,19 @@ class DiscriminativeRewardModel(_OffloadableModel):
         return self.row_scores(rows).cpu()
 
     def row_scores(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """forward_ids on the model's device, differentiable (to fit a reward model, as a bench does)."""
+        """forward_ids on the model's device, differentiable (to fit a reward model, as a bench does). A decoder
+        classifier (its head `score`, verl's reward models) scores each row's last real token through its backbone;
+        any other model (encoders: BERT, RoBERTa, DeBERTa pool or read the first token in their own way) through
+        its own forward."""
         ids, mask = right_padded(rows, self.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
+        if not isinstance(getattr(self.model, "score", None), torch.nn.Module):
+            return self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         backbone = getattr(self.model, self.model.base_model_prefix)
         hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)[0]
         last = hidden[torch.arange(len(rows), device=hidden.device), mask.sum(-1) - 1]
-        head = getattr(self.model, "score", None) or getattr(self.model, "classifier")
-        return head(last)[:, 0].float()
+        return self.model.score(last)[:, 0].float()
 
     def score(self, prompts: Sequence[Any], responses: Sequence[str]) -> tuple[torch.Tensor, dict]:
         rows = self.encode(prompts, responses)
@@ -298,6 +308,7 @@ class ModelRewardManager:
     def __init__(self, scorer, rules, combine_with_custom: bool):
         self.scorer, self.rules, self.combine = scorer, rules, combine_with_custom
         self.last_error = None
+        self.warned_nonfinite = False
 
     @property
     def num_errors(self) -> int:
@@ -317,6 +328,14 @@ class ModelRewardManager:
         finally:
             self.scorer.to_home()
         extra["rm_time_s"] = time.perf_counter() - start
+        finite = torch.isfinite(scores)
+        if not bool(finite.all()):  # e.g. an overflow in half precision: scored 0 and counted, as a rule's NaN is
+            extra["rm_nonfinite"] = int((~finite).sum())
+            if not self.warned_nonfinite:
+                self.warned_nonfinite = True
+                log.warning("the reward model gave %d non-finite scores (NaN or inf) in a batch of %d: they score 0 "
+                            "and count in reward/errors (said once)", extra["rm_nonfinite"], len(scores))
+            scores = torch.where(finite, scores, torch.zeros_like(scores))
         return scores, extra
 
     def __call__(self, responses: list[str], ground_truths: list[Any], data_sources: list[str],
@@ -340,6 +359,7 @@ class ModelRewardManager:
         self.last_error = self.rules.last_error
         info["rm_score"] = model.tolist()
         info.update(extra)
+        info["num_errors"] = info.get("num_errors", 0) + extra.get("rm_nonfinite", 0)
         info.setdefault("rm_parse_failures", 0)
         return scores.float(), info
 
@@ -375,7 +395,7 @@ def _load_verdict_fn(judge_cfg) -> Optional[Callable]:
 
 def build_scorer(cfg, plan, rm_plan: Optional[RewardModelPlan] = None):
     """Load the reward model the config names, as planned (dtype, attention, device, offload)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from .models import load_tokenizer, resolve_model_source
 
@@ -402,11 +422,11 @@ def build_scorer(cfg, plan, rm_plan: Optional[RewardModelPlan] = None):
         return GenerativeJudge(model, tokenizer, plan.device, micro_batch, rm.max_length, judge.prompt_template,
                                judge.verdict_regex, _load_verdict_fn(judge), judge.max_new_tokens, judge.failure_score,
                                offload, SimpleNamespace(rollout=rollout))
-    config = AutoConfig.from_pretrained(source.path, trust_remote_code=rm.model.trust_remote_code)
-    if getattr(config, "num_labels", 1) != 1 and not getattr(config, "id2label", None):
-        config.num_labels = 1
     model = AutoModelForSequenceClassification.from_pretrained(source.path, **kwargs)
     model.to(dtype)
+    if int(getattr(model.config, "num_labels", 1)) != 1:
+        log.warning("reward model %s has %d output labels: its score is label 0's (%s)", rm.model.path,
+                    model.config.num_labels, (getattr(model.config, "id2label", None) or {}).get(0, "label 0"))
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return DiscriminativeRewardModel(model, tokenizer, plan.device, micro_batch, rm.max_length,

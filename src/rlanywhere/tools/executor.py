@@ -103,8 +103,9 @@ def run_calls(jobs: Sequence[tuple[BaseTool | None, str, ToolCall]], timeout_s: 
     started = time.perf_counter()
     runs = []
     for i, (tool, instance_id, call) in enumerate(jobs):
-        if call.error is not None or tool is None:
-            results[i] = CallResult(call.error or f"Error: unknown tool {call.name!r}", 0.0, True, 0.0)
+        if call.error is not None or tool is None:  # the error text repeats the model's own words: cut it too
+            results[i] = CallResult(truncate_text(call.error or f"Error: unknown tool {call.name!r}", max_chars,
+                                                  truncate_side), 0.0, True, 0.0)
             done[i].set()
             continue
         runs.append(lambda i=i, tool=tool, instance_id=instance_id, call=call: work(i, tool, instance_id, call))

@@ -28,23 +28,37 @@ def parse_tool_calls(text: str, known_tools: set[str] | None = None) -> list[Too
     return calls
 
 
-def _parse_one(body: str, known_tools: set[str] | None) -> ToolCall:
+NAME_SHOWN = 64  # characters of a model-written tool name that an error text repeats
+
+
+def _json(text: str) -> tuple[object, str | None]:
+    """(the parsed value, None) or (None, why not). Besides malformed JSON, a policy can write JSON that Python's
+    parser refuses otherwise (nesting deeper than the recursion limit, an integer of thousands of digits): the
+    model gets an error text for those too, the rollout goes on."""
     try:
-        payload = json.loads(body.strip())
+        return json.loads(text), None
     except json.JSONDecodeError as err:
-        return ToolCall(None, error=f"Error: the tool call is not valid JSON ({err.msg} at character {err.pos})")
+        return None, f"{err.msg} at character {err.pos}"
+    except (ValueError, RecursionError) as err:
+        return None, f"{type(err).__name__}: {str(err)[:200]}"
+
+
+def _parse_one(body: str, known_tools: set[str] | None) -> ToolCall:
+    payload, problem = _json(body.strip())
+    if problem is not None:
+        return ToolCall(None, error=f"Error: the tool call is not valid JSON ({problem})")
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return ToolCall(None, error='Error: a tool call must be {"name": <tool>, "arguments": {...}}')
     name, arguments = payload["name"], payload.get("arguments", payload.get("parameters", {}))
+    shown = name if len(name) <= NAME_SHOWN else name[:NAME_SHOWN] + "..."
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return ToolCall(name, error=f"Error: the arguments of {name} are not a JSON object")
+        arguments, problem = _json(arguments)
+        if problem is not None:
+            return ToolCall(name, error=f"Error: the arguments of {shown} are not a JSON object")
     if not isinstance(arguments, dict):
-        return ToolCall(name, error=f"Error: the arguments of {name} must be a JSON object")
+        return ToolCall(name, error=f"Error: the arguments of {shown} must be a JSON object")
     if known_tools is not None and name not in known_tools:
-        return ToolCall(name, error=f"Error: unknown tool {name!r}; available: {', '.join(sorted(known_tools))}")
+        return ToolCall(name, error=f"Error: unknown tool {shown!r}; available: {', '.join(sorted(known_tools))}")
     return ToolCall(name, arguments)
 
 

@@ -1,16 +1,22 @@
 """A Python sandbox tool: the model's code runs in a fresh `python -I` subprocess with
-- CPU-time, address-space (memory), file-size and process-count limits (`resource.setrlimit` in the child),
+- CPU-time, address-space (memory), file-size and core-dump limits per process (`resource.setrlimit` in the child),
 - a wall-time limit (the process group is killed when it runs over, e.g. blocked on input or sleeping),
-- no network: the child runs in a new network namespace (`unshare -rn`) where the machine allows it, and in any
-  case its `socket` module is replaced before the user's code runs, so opening a socket raises,
+- where the machine allows unprivileged namespaces (`unshare -rn --pid`): no network (a network namespace of its
+  own) and a PID namespace whose first process is the code's, so when it ends or is killed every process it
+  started ends with it, even one that left its process group;
+- without namespaces, its `socket` module refusing to open sockets (a Python-level block: code that calls the C
+  library directly, e.g. through ctypes, gets past it; a warning says so once);
 - a fresh scratch directory as its working directory (deleted afterwards) and an empty environment.
-What it prints (stdout, then stderr) is the result, truncated to `max_output_chars`.
+What it prints (stdout, then stderr) is the result, truncated to `max_output_chars`. The output goes to files in the
+scratch directory, capped by the file-size limit, and only their head and tail are read back: a program that prints
+gigabytes costs the trainer no memory.
 This limits accidents and runaway code; it is not a security boundary against a hostile user on the machine.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -22,9 +28,14 @@ from typing import Any
 
 from .base import BaseTool, ToolResponse, ToolSchema
 
-# Runs before the user's code in the child: no sockets of any family (a network namespace may not be available).
+log = logging.getLogger(__name__)
+
+# The child's program: shut the socket module's doors (a network namespace may not be available), then run the
+# user's code in a process of its own and wait for it. With namespaces this first process is the PID namespace's
+# init: it reaps what the code leaves behind, and when it ends every process of the namespace ends. It writes the
+# code's wait status to .status (unshare does not pass a signal's death on), then leaves.
 _PRELUDE = """
-import socket as _s, sys as _sys
+import os as _os, socket as _s, sys as _sys
 class _NoNetwork(OSError):
     pass
 def _refuse(*a, **k):
@@ -32,25 +43,50 @@ def _refuse(*a, **k):
 class _Socket:
     def __init__(self, *a, **k):
         _refuse()
-for _name in ("socket", "create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo"):
-    setattr(_s, _name, _Socket if _name == "socket" else _refuse)
+for _name in ("socket", "SocketType", "create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo"):
+    setattr(_s, _name, _Socket if _name in ("socket", "SocketType") else _refuse)
+_s._socket = None
 _sys.modules["_socket"] = None
-del _s, _sys
-_code = open("main.py").read()
-exec(compile(_code, "main.py", "exec"), {"__name__": "__main__"})
+_pid = _os.fork()
+if _pid == 0:
+    _code = open("main.py").read()
+    exec(compile(_code, "main.py", "exec"), {"__name__": "__main__"})
+else:
+    _status = None
+    while True:
+        try:
+            _done, _got = _os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if _done == _pid:
+            _status = _got
+            break
+    with open(".status", "w") as _f:
+        _f.write(str(_status))
+    _os._exit(0)
 """
+# unshare: a user namespace (no privileges needed), no network, and a PID namespace whose init is the code's process
+_NAMESPACES = ("-rn", "--pid", "--fork", "--kill-child")
+OUTPUT_READ_BYTES = 4  # bytes read back per character of max_output_chars, from the head and from the tail
 
 
 @functools.lru_cache(maxsize=1)
 def network_namespace_available() -> bool:
-    """Whether `unshare -rn` (an unprivileged user + network namespace) works here."""
+    """Whether `unshare -rn --pid --fork` (unprivileged user, network and PID namespaces) works here."""
     unshare = shutil.which("unshare")
     if unshare is None:
         return False
     try:
-        return subprocess.run([unshare, "-rn", "true"], capture_output=True, timeout=5).returncode == 0
+        return subprocess.run([unshare, *_NAMESPACES, "true"], capture_output=True, timeout=5).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_not_isolated() -> None:
+    log.warning("python sandbox: unprivileged namespaces (unshare -rn --pid) are not available here, so the tool's "
+                "code is kept off the network by its Python socket module only, and a process it starts outside its "
+                "process group outlives the wall-time kill")
 
 
 def _limit_child(cpu_s: int, memory_bytes: int, file_bytes: int) -> None:
@@ -63,15 +99,39 @@ def _limit_child(cpu_s: int, memory_bytes: int, file_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
+def _code_exit(status_path: str, returncode: int) -> int:
+    """The code's exit code (-N: ended by signal N) from the wait status its parent wrote, else `returncode`."""
+    try:
+        with open(status_path) as handle:
+            status = int(handle.read())
+    except (OSError, ValueError):
+        return returncode
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.waitstatus_to_exitcode(status)
+
+
+def _read_bounded(path: str, keep_bytes: int) -> str:
+    """A file's text, or its first and last `keep_bytes` bytes with the size of what lies between."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        if size <= 2 * keep_bytes:
+            return handle.read().decode(errors="replace")
+        head = handle.read(keep_bytes)
+        handle.seek(size - keep_bytes)
+        tail = handle.read()
+    return (head.decode(errors="replace") + f"\n...[{size - 2 * keep_bytes} bytes cut]...\n"
+            + tail.decode(errors="replace"))
+
+
 def truncate_text(text: str, limit: int, side: str = "middle") -> str:
-    """`text` cut to about `limit` characters, keeping its head ("right" cuts the end), tail ("left") or both."""
+    """`text` cut to about `limit` characters, verl's `tool_response_truncate_side`: "left" keeps the head (the end is
+    cut), "right" keeps the tail, "middle" both halves."""
     if len(text) <= limit:
         return text
     marker = f"\n...[{len(text) - limit} characters cut]...\n"
     if side == "left":
-        return marker.lstrip("\n") + text[-limit:]
-    if side == "right":
         return text[:limit] + marker.rstrip("\n")
+    if side == "right":
+        return marker.lstrip("\n") + text[-limit:]
     head = limit // 2
     return text[:head] + marker + text[len(text) - (limit - head):]
 
@@ -86,28 +146,34 @@ def run_python(code: str, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int =
         command = [sys.executable, "-I", "-c", _PRELUDE]
         isolated = network_namespace_available()
         if isolated:
-            command = [shutil.which("unshare"), "-rn"] + command
+            command = [shutil.which("unshare"), *_NAMESPACES] + command
+        else:
+            _warn_not_isolated()
+        paths = [os.path.join(scratch, name) for name in (".stdout", ".stderr")]
         start = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=scratch, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin", "HOME": scratch},
-                                preexec_fn=functools.partial(_limit_child, cpu_s, memory_mb << 20, file_mb << 20))
+        with open(paths[0], "wb") as out, open(paths[1], "wb") as err:
+            proc = subprocess.Popen(command, cwd=scratch, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                    env={"PATH": "/usr/bin:/bin", "HOME": scratch},
+                                    preexec_fn=functools.partial(_limit_child, cpu_s, memory_mb << 20, file_mb << 20))
         timed_out = False
         try:
-            out, err = proc.communicate(timeout=wall_s)
+            proc.wait(timeout=wall_s)
         except subprocess.TimeoutExpired:
             timed_out = True
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            out, err = proc.communicate()
+            proc.wait()
         elapsed = time.perf_counter() - start
-        text = out.decode(errors="replace") + err.decode(errors="replace")
+        keep = max_output_chars * OUTPUT_READ_BYTES
+        text = _read_bounded(paths[0], keep) + _read_bounded(paths[1], keep)
+        exit_code = _code_exit(os.path.join(scratch, ".status"), proc.returncode)
         if timed_out:
             text += f"\nTimeoutError: the code ran longer than {wall_s:g} s and was stopped"
-        elif proc.returncode < 0:
-            text += f"\nthe code was stopped by signal {-proc.returncode} (CPU-time or memory limit)"
-        return truncate_text(text, max_output_chars), {"exit_code": proc.returncode, "timed_out": timed_out,
+        elif exit_code < 0:
+            text += f"\nthe code was stopped by signal {-exit_code} (a CPU-time, memory or output-size limit)"
+        return truncate_text(text, max_output_chars), {"exit_code": exit_code, "timed_out": timed_out,
                                                        "wall_s": elapsed, "isolated": isolated}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
