@@ -179,10 +179,13 @@ def test_decide_async_rollout():
     assert decide_async_rollout("sync", None, True, True, 1, 2)[0] == SYNC
     assert decide_async_rollout("one_step_off", None, False, False, None, None)[0] == IN_TURN
     assert decide_async_rollout("one_step_off", None, True, True, 10, 20)[0] == OVERLAPPED
+    # a card where the phases would take turns: the planner keeps the run synchronous (no staleness for nothing)
+    mode, why = decide_async_rollout("one_step_off", None, True, True, 30 * 2**30, 20 * 2**30)
+    assert mode == SYNC and "more than the" in why and "trainer.async.overlap=false" in why
+    mode, why = decide_async_rollout("one_step_off", None, True, False, 10, 20)
+    assert mode == SYNC and "fp32" in why
     mode, why = decide_async_rollout("one_step_off", True, True, True, 30 * 2**30, 20 * 2**30)
     assert mode == IN_TURN and "more than the" in why  # forcing cannot make it fit
-    mode, why = decide_async_rollout("one_step_off", None, True, False, 10, 20)
-    assert mode == IN_TURN and "fp32" in why
     assert decide_async_rollout("one_step_off", True, True, False, 10, 20)[0] == OVERLAPPED
     assert decide_async_rollout("one_step_off", False, True, True, 10, 20)[0] == IN_TURN
     estimate = {"phases": {"rollout": 50, "old_log_prob": 60, "actor_update": 100},
@@ -195,17 +198,19 @@ def test_decide_async_rollout():
     assert overlap_bytes(estimate) == 100 + 5 + 3 + 8
 
 
-@pytest.mark.parametrize("card, expected", [("h100", OVERLAPPED), ("p40", IN_TURN)])
+@pytest.mark.parametrize("card, expected", [("h100", OVERLAPPED), ("p40", SYNC)])
 def test_plan_says_whether_the_rollout_overlaps(card, expected):
     from rlanywhere.planner import make_plan
 
-    cfg = load_config(None, ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
-                             "actor_rollout_ref.rollout.n=8", "data.train_batch_size=16",
-                             "data.max_response_length=256", "trainer.async.mode=one_step_off",
-                             f"hardware.emulate={card}"])
-    plan = make_plan(cfg, for_execution=False)
+    items = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
+             "actor_rollout_ref.rollout.n=8", "data.train_batch_size=16", "data.max_response_length=256",
+             "trainer.async.mode=one_step_off", f"hardware.emulate={card}"]
+    plan = make_plan(load_config(None, items), for_execution=False)
     assert plan.async_rollout == expected
-    assert "async rollout" in plan.summary() and plan.reasons["async_rollout"].startswith("one_step_off")
+    assert "async rollout" in plan.summary() and "one_step_off" in plan.reasons["async_rollout"]
+    # asked for: the pipeline in turn (the batches of the overlapped run) where the planner would keep sync
+    in_turn = make_plan(load_config(None, items + ["trainer.async.overlap=false"]), for_execution=False)
+    assert in_turn.async_rollout == IN_TURN
 
 
 @pytest.mark.parametrize("extra, stays", [
@@ -235,7 +240,9 @@ QWEN_KL = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm
 
 @pytest.mark.parametrize("extra, follows, why", [
     (["trainer.async.mode=one_step_off"], True, "on the rollout's stream beside the update"),
-    (["trainer.async.mode=one_step_off", "hardware.emulate=p40"], True, "the phases take turns here"),
+    (["trainer.async.mode=one_step_off", "hardware.emulate=p40", "trainer.async.overlap=false"], True,
+     "the phases take turns here"),
+    (["trainer.async.mode=one_step_off", "hardware.emulate=p40"], False, None),  # kept sync: no pipeline
     (["trainer.async.mode=one_step_off", "actor_rollout_ref.model.lora_rank=8"], False, "adapters off"),
     (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2"], False, "rollout ranks hold no reference"),
     (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=4"], False, "balance_batch moves rows"),
@@ -258,7 +265,8 @@ def test_plan_says_where_the_reference_log_probs_run(extra, follows, why):
 
 def test_the_reference_pass_stays_in_the_step_when_it_does_not_fit_beside_the_update():
     """The overlap fits, the reference's pass beside it does not: the rollout still overlaps, the pass stays in the
-    step; neither fits: the phases take turns, and the pass (which then costs the same anywhere) follows the rollout."""
+    step; neither fits: the run stays synchronous, and with the pipeline asked for in turn the pass (which then
+    costs the same anywhere) follows the rollout."""
     from rlanywhere.async_plan import plan_async_rollout
     from rlanywhere.planner import make_plan
 
@@ -271,6 +279,9 @@ def test_the_reference_pass_stays_in_the_step_when_it_does_not_fit_beside_the_up
     assert "more than the" in plan.reasons["ref_with_rollout"]
     plan.memory_budget_bytes = without - 1
     plan_async_rollout(cfg, plan)
+    assert plan.async_rollout == SYNC and not plan.ref_with_rollout  # the planner keeps such a card sync
+    in_turn = load_config(None, QWEN_KL + ["trainer.async.mode=one_step_off", "trainer.async.overlap=false"])
+    plan_async_rollout(in_turn, plan)
     assert plan.async_rollout == IN_TURN and plan.ref_with_rollout
 
 
@@ -311,6 +322,8 @@ def test_one_step_off_on_two_ranks_is_a_split_placement():
     assert split_world(load_config(None, base), 1, False) == (False, 1)
     cfg = load_config(None, base + ["trainer.async.rollout_ranks=1"])
     assert split_world(cfg, 1, False) == (True, 2) and cfg.trainer.n_gpus_per_node == 2
+    cfg = load_config(None, base + ["trainer.async.rollout_ranks=2"])  # a trainer rank per rollout rank: 4 ranks
+    assert split_world(cfg, 1, False) == (True, 4) and cfg.trainer.n_gpus_per_node == 4
     assert split_world(load_config(None, base[:-2]), 2, True) == (False, 2)  # sync: data parallelism
     # rollout_ranks=0: both ranks train, each generating its share beside its own update
     data_parallel = base + ["trainer.n_gpus_per_node=2", "trainer.async.rollout_ranks=0"]
@@ -361,7 +374,9 @@ def test_rank_shares_of_saved_rollouts_are_joined_and_split_again_for_another_wo
                                response_mask=mask, response_logprobs=-mask.float(), num_prompts=2, n=2)
         items = [{"input_ids": [first + i], "index": first + i} for i in range(2)]
         scored = ScoredRollout(items, rollout, torch.arange(4.0) + 10 * first,
-                               {"acc": [float(first)] * 4, "num_errors": 1 + first})
+                               {"acc": [float(first)] * 4, "num_errors": 1 + first},
+                               ref_logprobs=-(torch.arange(4 * response_width).reshape(4, response_width) + 1.0
+                                              + 100 * first) * mask)
         tools = [{"tool_calls": first * 10 + row} for row in range(4)]
         return {"5": {"weights_step": 4, "seconds": 1.0 + first, "scored": scored_state(scored), "first_prompt": first,
                       "metrics": {TOOL_ROWS_KEY: tools}}}
@@ -374,6 +389,8 @@ def test_rank_shares_of_saved_rollouts_are_joined_and_split_again_for_another_wo
     scored, metrics, first = one.jobs[5].wait()
     assert [item["index"] for item in scored.items] == [0, 1, 2, 3] and first == 0 and one.jobs[5].weights_step == 4
     assert scored.rollout.response_ids.shape == (8, 6) and one.jobs[5].seconds == 3.0
+    assert scored.ref_logprobs.shape == (8, 6) and scored.ref_logprobs[4:, :].min() < -100  # kept, padded with 0
+    assert (scored.ref_logprobs[:4, 3:] == 0).all()
     assert [row["tool_calls"] for row in metrics[TOOL_ROWS_KEY]] == [0, 1, 2, 3, 20, 21, 22, 23]
     assert scored.info["num_errors"] == 1 + 3  # both ranks' counts
     for rank in range(4):
@@ -382,6 +399,8 @@ def test_rank_shares_of_saved_rollouts_are_joined_and_split_again_for_another_wo
         scored, metrics, first = part.jobs[5].wait()
         assert [item["index"] for item in scored.items] == [rank] and first == rank
         assert scored.rollout.response_ids.shape[1] == (3, 2, 6, 2)[rank]  # narrowed: its first row's or 2 columns
+        assert scored.ref_logprobs.shape == scored.rollout.response_ids.shape  # the reference's values kept with them
+        assert torch.equal(scored.ref_logprobs != 0, scored.rollout.response_mask.bool())
         assert torch.equal(scored.scores, torch.tensor([2.0 * (rank % 2), 2.0 * (rank % 2) + 1]) + 10 * (rank // 2) * 2)
         assert [row["tool_calls"] for row in metrics[TOOL_ROWS_KEY]] == [10 * 2 * (rank // 2) + 2 * (rank % 2) + j
                                                                        for j in range(2)]
@@ -928,3 +947,57 @@ def test_the_rollout_thread_may_call_compiled_ops_while_the_update_compiles(monk
         assert torch.equal(op(x), x * 2 + 1)  # on the trainer's, while the rollout's thread compiles a decode op
     finally:
         pipeline.executor.shutdown()
+
+
+@pytest.mark.slow
+def test_remax_validates_with_the_updated_weights_and_takes_its_baseline_in_the_job(tiny_model_dir, arith_data,
+                                                                                   tmp_path, monkeypatch):
+    """ReMax's greedy baseline is part of the rollout's scoring (the weights that sampled the batch: in the pipeline,
+    the job's own), so the step never settles the pipeline: validation after the update gives the engine the
+    updated weights (it validated with the weights before the update)."""
+    from rlanywhere import trainer as trainer_module
+
+    extra = {"trainer.async.mode": "one_step_off", "algorithm.adv_estimator": "remax", "trainer.test_freq": 1,
+             "trainer.total_training_steps": 2}
+    trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "remax", **extra))
+    seen, original = [], trainer_module.validate
+
+    def checking_validate(rollouts, *args, **kwargs):
+        rollouts.sampling_params(validation=True)  # what validation calls first: the pipeline settles
+        actor, copy = trainer.actor.state_dict(), trainer.pipeline.model.state_dict()
+        seen.append(all(torch.equal(actor[name], copy[name]) for name in actor))
+        return original(rollouts, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "validate", checking_validate)
+    trainer.fit()
+    rows = _rows(tmp_path / "remax")
+    assert seen == [True, True] and all("timing/greedy_baseline" not in rows[step] for step in (1, 2))
+
+
+@pytest.mark.slow
+def test_a_step_dropped_before_it_takes_its_batch_does_not_bring_back_the_trained_one(tiny_model_dir, arith_data,
+                                                                                       tmp_path):
+    """SIGTERM while step 2 draws its prompts (before it takes its batch): the checkpoint keeps step 2's batch only,
+    not step 1's, which was trained (it put step 1's back into the pipeline, saved in every later checkpoint), and
+    a rollout in flight at the save keeps its seconds."""
+    import os
+    import signal
+
+    from rlanywhere.runguard import RunInterrupted
+
+    trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "drop", **{
+        "trainer.async.mode": "one_step_off"}), overlapped=True)
+    next_batch = trainer.loader.next_batch
+
+    def signalled_at_step_2():
+        if trainer.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return next_batch()
+
+    trainer.loader.next_batch = signalled_at_step_2
+    with pytest.raises(RunInterrupted) as stopped:
+        trainer.fit()
+    with open(os.path.join(stopped.value.checkpoint, "trainer_state.json")) as handle:
+        saved = json.load(handle)["async_rollouts"]
+    assert sorted(saved) == ["1"] and sorted(trainer.pipeline.jobs) == [1]
+    assert saved["1"]["seconds"] > 0

@@ -424,3 +424,27 @@ def test_lora_grpo_with_a_generative_judge_runs(tiny_model_dir, arith_data, tmp_
     for row in rows.values():
         assert row["reward/mean"] == pytest.approx(row["reward_model/score_mean"], abs=1e-6)
         assert 0 <= row["reward_model/score_mean"] <= 4 and "reward_model/parse_failures" in row
+
+
+@pytest.mark.slow
+def test_the_split_placements_rollout_rank_scores_with_the_reward_model(tiny_model_dir, arith_data, rm_dir, tmp_path):
+    """one_step_off PPO (a critic, a KL reference) with a reward model on 1 trainer + 1 rollout rank (gloo, forked):
+    the rollout rank scores with the reward model (it scored with the rule alone), so every metric is the
+    one-process pipeline's."""
+    from rlanywhere.tracking import read_metrics
+
+    from .test_async import _split_rank
+    from .test_distributed import assert_same_metrics, forked_ranks
+    from .test_e2e import base_overrides, run_training, train_rows
+
+    extra = {"algorithm.adv_estimator": "gae", "trainer.total_training_steps": 2, "trainer.test_freq": -1,
+             "trainer.val_before_train": False, "critic.optim.lr": 1e-3, "algorithm.use_kl_in_reward": True,
+             "reward_model.enable": True, "reward_model.model.path": str(rm_dir),
+             "reward_model.micro_batch_size_per_gpu": 3, "trainer.async.mode": "one_step_off",
+             "custom_reward_function.timeout_s": 0}
+    run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "one", **extra))
+    overrides = base_overrides(tiny_model_dir, arith_data, tmp_path / "split", **extra)
+    forked_ranks(_split_rank, (overrides, f"file://{tmp_path / 'rendezvous'}"))
+    want, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "split")
+    assert all(abs(row["reward/mean"] - row["reward_model/score_mean"]) < 1e-6 for row in train_rows(got).values())
+    assert_same_metrics(got, want, steps=(1, 2))

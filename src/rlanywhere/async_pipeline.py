@@ -111,6 +111,8 @@ def cut_into_shares(whole: ScoredRollout, metrics: dict, sizes: list[int]) -> li
     for k, size in enumerate(sizes):
         part = whole.select(list(range(start, start + size)))
         part.rollout = part.rollout.narrowed()
+        if part.ref_logprobs is not None:
+            part.ref_logprobs = part.ref_logprobs[:, :part.rollout.response_ids.shape[1]]
         if k:
             part.info = {key: value if isinstance(value, list) else type(value)(0) for key, value in part.info.items()}
         share_metrics = dict(metrics)
@@ -235,14 +237,17 @@ class RolloutPipeline:
     DataParallel.share, so that each rank generates its share of the steps to come (one process: all of them)."""
 
     def __init__(self, cfg: Any, plan: Any, actor: nn.Module, loader, total_steps: int,
-                 share: Callable[[list], tuple[list, int]] | None = None, overlap: bool | None = None):
+                 share: Callable[[list], tuple[list, int]] | None = None, overlap: bool | None = None,
+                 own_weights: bool = True):
         self.cfg, self.plan, self.actor, self.total_steps = cfg, plan, actor, total_steps
         self.share = share or (lambda items: (items, 0))
         # rollouts kept ahead of the step being trained: each batch is made with weights this many updates old
         self.depth = int(cfg.trainer["async"].max_staleness)
         # on a thread beside the update, as planned (`overlap` for a subclass whose rollouts run elsewhere)
         self.overlap = plan.async_rollout == OVERLAPPED if overlap is None else overlap
-        self.model = rollout_model_copy(actor)
+        # the engine's weights: a copy of the actor's (`own_weights=False`, for a subclass whose rollouts run
+        # elsewhere: the actor itself, which only validation reads, between updates)
+        self.model = rollout_model_copy(actor) if own_weights else actor
         self.loader = LookaheadLoader(loader, on_rewind=self._restore_taken)
         self.jobs: dict[int, _Job] = {}
         self.taken: Optional[tuple[int, _Job]] = None  # the batch handed to the step being trained
@@ -296,7 +301,8 @@ class RolloutPipeline:
         for ahead in range(1, self.depth + 1):
             later = step + ahead
             if later < self.total_steps and later not in self.jobs:
-                with timer("rollout_weight_sync"):
+                # beside the update: the weight copy only; in turn: the whole rollout of the next batch
+                with timer("rollout_weight_sync" if self.executor is not None else "rollout"):
                     self._start(later, *self.share(self.loader.peek(ahead)), background=True, weights_step=step)
         # kept until now: a step dropped by a stop signal before this point finds its batch again, and one dropped
         # later (before its update) gets it back when the trainer rewinds the loader (`_restore_taken`)
@@ -309,6 +315,21 @@ class RolloutPipeline:
 
     def truncated_loss_mask(self, rollout):
         return self.phase.truncated_loss_mask(rollout)
+
+    def shutdown(self) -> None:
+        """The background thread ends (a rollout in flight finishes first, while the reward manager is open)."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+            self.executor = None
+
+    def step_trained(self) -> None:
+        """The step that took its batch finished: a stop signal that drops the next step before it takes its own
+        rewinds the loader to that next step, and must not put this batch back."""
+        self.taken = None
+
+    def weights_changed(self) -> None:
+        """The actor was updated: the engine's copy is no longer settled on its weights (validation refreshes it)."""
+        self.settled = False
 
     def settle(self) -> None:
         """Finish the rollout in flight and give the engine the actor's current weights (before validation)."""
@@ -330,10 +351,12 @@ class RolloutPipeline:
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """The finished rollouts of the steps to come (the one in flight is finished first)."""
-        return {str(step): {"weights_step": job.weights_step, "seconds": job.seconds,
-                            "scored": scored_state(job.wait()[0]), "metrics": job.wait()[1],
-                            "first_prompt": job.wait()[2]}
-                for step, job in self.jobs.items()}
+        saved = {}
+        for step, job in self.jobs.items():
+            scored, metrics, first = job.wait()  # its seconds are known once it has finished
+            saved[str(step)] = {"weights_step": job.weights_step, "seconds": job.seconds,
+                                "scored": scored_state(scored), "metrics": metrics, "first_prompt": first}
+        return saved
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         self.jobs = {}
@@ -376,7 +399,8 @@ class RolloutPipeline:
             self._publish_busy()
 
     def _refresh(self) -> None:
-        copy_weights(self.actor, self.model)
+        if self.model is not self.actor:
+            copy_weights(self.actor, self.model)
         self.engine.sync_weights()
 
     def _reference_logprobs(self, scored: ScoredRollout) -> torch.Tensor | None:
@@ -407,9 +431,9 @@ class RolloutPipeline:
         default `step`). A background rollout queued behind one still running takes a snapshot of them, which it
         loads into the engine's copy when its turn comes (the copy is in use until then)."""
         job = _Job(step, step if weights_step is None else weights_step, _prompt_keys(items), None)
-        snapshot = None
+        pending: dict[str, dict] = {}  # the snapshot, dropped as soon as the engine's copy holds it
         if background and self.executor is not None and self._running():
-            snapshot = {name: tensor.detach().clone() for name, tensor in self.actor.state_dict().items()}
+            pending["weights"] = {name: tensor.detach().clone() for name, tensor in self.actor.state_dict().items()}
         else:
             for running in self._running():  # the engine's copy is about to change under it
                 running.wait()
@@ -419,8 +443,8 @@ class RolloutPipeline:
             start = time.perf_counter()
             stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
             with stream:
-                if snapshot is not None:
-                    copy_weights(snapshot, self.model)
+                if "weights" in pending:
+                    copy_weights(pending.pop("weights"), self.model)
                     self.engine.sync_weights()
                 scored, metrics, first = self.phase.rollout_and_score(items, _WallTimer(), step, first_prompt)
                 if self.reference_pass is not None:

@@ -123,7 +123,12 @@ def overlap_bytes(estimate: dict | None, snapshots: int = 0, ref_pass: bool = Fa
 
 def decide_async_rollout(mode: str, overlap: Optional[bool], on_cuda: bool, half_precision: bool,
                          need_bytes: Optional[int], budget_bytes: Optional[int]) -> tuple[str, str]:
-    """(sync | in turn | overlapped, the reason in a user's words). Pure: the planner passes what it decided."""
+    """(sync | in turn | overlapped, the reason in a user's words). Pure: the planner passes what it decided.
+
+    On a card where generation beside the update does not fit or would not pay, the phases would take turns, and
+    then the pipeline only makes each batch one version stale at the same step time: with trainer.async.overlap
+    left to the planner the run stays synchronous there. A CPU keeps the pipeline in turn (the batches and weights
+    of the overlapped run on a card, to try a run before it goes to one)."""
     if mode == "sync":
         return SYNC, "trainer.async.mode=sync: each step generates its batch, then trains on it"
     head = "one_step_off: the next step's rollout uses this step's weights (at most one version stale)"
@@ -132,13 +137,19 @@ def decide_async_rollout(mode: str, overlap: Optional[bool], on_cuda: bool, half
     if not on_cuda:
         return IN_TURN, (f"{head}; on a CPU generation and update would share the same cores, so they take turns "
                          "(the same batches and weights as overlapped)")
+    cause = None
     if need_bytes is not None and budget_bytes and need_bytes > budget_bytes:
-        return IN_TURN, (f"{head}; generating beside the update would need {format_bytes(need_bytes)} at once (a "
-                         f"second weight copy, the KV cache and the update's memory), more than the "
-                         f"{format_bytes(budget_bytes)} budget: they take turns")
-    if overlap is None and not half_precision:
-        return IN_TURN, (f"{head}; in fp32 the update's matmuls keep the card's cores busy, so a rollout beside it "
-                         "would mostly wait for them: they take turns (trainer.async.overlap=true overlaps anyway)")
+        cause = (f"generating beside the update would need {format_bytes(need_bytes)} at once (a second weight "
+                 f"copy, the KV cache and the update's memory), more than the {format_bytes(budget_bytes)} budget")
+    elif overlap is None and not half_precision:
+        cause = ("in fp32 the update's matmuls keep the card's cores busy, so a rollout beside it would mostly wait "
+                 "for them")
+    if cause and overlap is None:
+        return SYNC, (f"trainer.async.mode=one_step_off asked, but {cause}; with the phases in turn each batch would "
+                      "only be one version stale at the same step time, so each step generates, then trains "
+                      "(trainer.async.overlap=false runs the one_step_off pipeline in turn anyway)")
+    if cause:
+        return IN_TURN, f"{head}; {cause}: they take turns"
     why = "trainer.async.overlap=true" if overlap else ("decoding is bound by launches and memory bandwidth while the "
                                                         "update is bound by compute, so each fills the other's gaps")
     return OVERLAPPED, (f"{head}; generation runs on its own CUDA stream from the engine's own weight copy while the "

@@ -77,14 +77,15 @@ class Models:
     ref: Optional[torch.nn.Module]  # a frozen copy of the initial actor; None without KL or with LoRA
 
 
-def build_models(cfg: DictConfig, plan: Plan, source: ModelSource, dp) -> Models:
+def build_models(cfg: DictConfig, plan: Plan, source: ModelSource, dp, actor_only: bool = False) -> Models:
     """Actor (+LoRA), critic (from the actor's or its own weights, +LoRA on its backbone), reference, on the plan's
-    devices; [distributed] broadcast from rank 0 so every replica starts identical."""
+    devices; [distributed] broadcast from rank 0 so every replica starts identical. actor_only: the actor alone
+    (a split placement's rollout rank generates from it and trains nothing)."""
     model_cfg, device = cfg.actor_rollout_ref.model, plan.device
     actor = load_causal_lm(source, plan, model_cfg.trust_remote_code, model_cfg.override_config)
     # The critic is built first: it copies the actor's backbone before LoRA layers are injected into it.
     critic = None
-    if plan.use_critic:
+    if plan.use_critic and not actor_only:
         critic_model_cfg = cfg.critic.model
         base = actor  # the critic starts from the actor's weights (before any LoRA is injected)
         if critic_model_cfg.path and critic_model_cfg.path != model_cfg.path:
@@ -98,7 +99,7 @@ def build_models(cfg: DictConfig, plan: Plan, source: ModelSource, dp) -> Models
     if plan.use_lora:
         actor = apply_lora(actor, model_cfg.lora_rank, model_cfg.lora_alpha, _plain(model_cfg.target_modules))
     ref = None
-    if plan.use_ref and not plan.use_lora:  # with LoRA the reference is the adapter-disabled base
+    if plan.use_ref and not plan.use_lora and not actor_only:  # with LoRA: the adapter-disabled base
         # Same weights as the initial actor; a copy avoids loading (and dequantizing) twice.
         ref = copy.deepcopy(actor).to(plan.ref_device).eval().requires_grad_(False)
     actor.to(device)

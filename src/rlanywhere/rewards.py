@@ -38,6 +38,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -399,15 +400,22 @@ class RewardManager:
         pending = set(range(len(calls)))
         # Every healthy call ends within timeout_s (SIGALRM): a longer silence means a worker is stuck.
         stall_limit = self.timeout_s + max(2.0, 0.5 * self.timeout_s)
+        last_progress = time.monotonic()
         while pending:
             finished.clear()
             for index in [i for i in pending if handles[i].ready()]:
                 pending.discard(index)
+                last_progress = time.monotonic()
                 try:
                     outcomes[index] = handles[index].get(0)
                 except Exception as err:  # noqa: BLE001 - an unpicklable result, a timeout raised late
                     outcomes[index] = ("error", f"{type(err).__name__}: {err}", "")
-            if pending and not finished.wait(stall_limit):
+            if not pending:
+                break
+            # the callback may fire just before its result reads ready (and before the clear above): the wait is
+            # short and the silence is measured from the last result, so a result in that window is never lost
+            finished.wait(0.2)
+            if time.monotonic() - last_progress > stall_limit:
                 for index in pending:
                     outcomes[index] = ("error", f"timed out after {self.timeout_s:g} s and did not stop (stuck in C "
                                                 "code or the worker died); the reward worker pool was replaced", "")

@@ -23,6 +23,7 @@ from .rollout.base import RolloutBatch, RowStreams, SamplingParams, StopStringMa
 from .rollout.multiturn import RowStats, multiturn_from_config, multiturn_metrics, reward_extra_infos
 from .sharding import weights_for_rollout
 from .stepbatch import ScoredRollout
+from .verl_steps import BASELINE_KEY, row_baselines
 from .vocabulary import STATISTICS_DTYPE
 
 log = logging.getLogger(__name__)
@@ -172,11 +173,22 @@ class RolloutPhase:
             if informative >= self.cfg.data.train_batch_size or at_cap:
                 break
             items, first_prompt = self.dp.share(self.next_prompts())
+        if not filter_cfg.enable:
+            batch, metrics = rounds[0], self.multiturn_metrics()
+        else:
+            batch, metrics, first_prompt = self._kept_batch(rounds, kept, dropped, counts)
+        if algo.estimator_needs(self.cfg.algorithm.adv_estimator).greedy_baseline:  # ReMax
+            with timer("greedy_baseline"):  # with the weights that sampled the batch (the pipeline's job: its own)
+                batch.info[BASELINE_KEY] = row_baselines(self, batch.items, step, self.n)
         if self.run.release_kv_between_phases:  # the planned peaks of the phases after it assume so
             self.engine.release_memory()
-        if not filter_cfg.enable:
-            return rounds[0], self.multiturn_metrics(), first_prompt
+        return batch, metrics, first_prompt
+
+    def _kept_batch(self, rounds: list[ScoredRollout], kept: list[ScoredRollout], dropped: list[ScoredRollout],
+                    counts: list) -> tuple[ScoredRollout, dict, int]:
+        """Dynamic sampling's batch from its rounds, its metrics and the global index of its first prompt."""
         batch, first_prompt = self._kept_prompts(kept, dropped, counts)
+        informative = sum(k for per_rank in counts for k, _ in per_rank)
         batch.info["num_errors"] = sum(part.info["num_errors"] for part in rounds)  # this rank's (summed in metrics)
         drawn = sum(n_kept + n_dropped for per_rank in counts for n_kept, n_dropped in per_rank)
         topped_up = max(len(batch.items) * self.dp.world - informative, 0)

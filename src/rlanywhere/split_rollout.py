@@ -124,7 +124,8 @@ class SplitRolloutPipeline(RolloutPipeline):
             raise UserError("the split placement (trainer.async.rollout_ranks >= 1) runs as a job of several ranks: "
                             "start it with `rlanywhere train` (it launches the ranks) or torchrun, or from Python with "
                             "split_run.run_split in each rank's process")
-        super().__init__(cfg, plan, actor, loader, total_steps, share, overlap=False)  # the other ranks overlap
+        # the other ranks overlap; this rank's engine (validation only) reads the actor itself: no second copy
+        super().__init__(cfg, plan, actor, loader, total_steps, share, overlap=False, own_weights=False)
         layout, self.rank = _PLACE["layout"], _PLACE["rank"]
         self.rollout_rank, self.weights_group = layout.rollout_rank_of(self.rank), _PLACE["weights_group"]
         self.closed = False
@@ -178,10 +179,10 @@ def serve_rollouts(cfg: Any, plan: Any, trainers: tuple[int, ...] | list[int] = 
     from .rollout_phase import RolloutPhase
 
     source, tokenizer = builders.build_tokenizer(cfg)
-    model = builders.build_models(cfg, plan, source, DataParallel(device=plan.device)).actor
+    model = builders.build_models(cfg, plan, source, DataParallel(device=plan.device), actor_only=True).actor
     model.requires_grad_(False)
     engine = builders.build_engine(cfg, plan, model, tokenizer)
-    rewards = builders.build_reward_manager(cfg)
+    rewards = builders.build_reward_manager(cfg, plan)  # a reward model too, where the run has one
     oom = OOMGuard(plan.sizes, log_fn=lambda msg: log.warning("%s", msg), enabled=cfg.hardware.oom_recovery)
 
     def no_more_prompts() -> list[dict]:

@@ -34,14 +34,15 @@ _TORCHRUN_WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", 
 
 def split_world(cfg, world: int, under_torchrun: bool) -> tuple[bool, int]:
     """(is this a split placement, its world) for `rlanywhere train`: one_step_off on 2 ranks, or with
-    trainer.async.rollout_ranks >= 1 (in one process that asks for rollout_ranks + 1 ranks: the command relaunches
-    under torchrun). Refuses what a split cannot run, before anything loads."""
+    trainer.async.rollout_ranks=R >= 1 (in one process that asks for 2R ranks, one trainer rank per rollout rank:
+    the command relaunches under torchrun). Refuses what a split cannot run, before anything loads."""
     check_split_world(cfg, world)
     if not wants_split(cfg, world):
         return False, world
     rollout = rollout_rank_count(cfg, world)
     if world == 1 and not under_torchrun:
-        cfg.trainer.n_gpus_per_node = world = rollout + 1
+        cfg.trainer.n_gpus_per_node = world = 2 * rollout
+        check_split_world(cfg, world)
     check_world_config(cfg, world - rollout)  # the trainer ranks split each batch as data parallelism does
     return True, world
 

@@ -47,7 +47,7 @@ class ScoredRollout:
     scores: torch.Tensor
     info: dict
     # [rows, response_len] the reference's log-probs, where the pipeline computed them right after the rollout
-    # (plan.ref_with_rollout); None: the step computes them. Rows picked or joined (select, concat) drop them.
+    # (plan.ref_with_rollout); None: the step computes them. Rows picked or joined (select, concat) keep theirs.
     ref_logprobs: torch.Tensor | None = None
 
     def select(self, prompts: list[int]) -> "ScoredRollout":
@@ -58,7 +58,8 @@ class ScoredRollout:
         rollout = RolloutBatch(prompt_ids=r.prompt_ids[rows], prompt_mask=r.prompt_mask[rows],
                                response_ids=r.response_ids[rows], response_mask=r.response_mask[rows],
                                response_logprobs=r.response_logprobs[rows], num_prompts=len(prompts), n=r.n)
-        return ScoredRollout([self.items[p] for p in prompts], rollout, self.scores[rows], info)
+        ref = None if self.ref_logprobs is None else self.ref_logprobs[rows]
+        return ScoredRollout([self.items[p] for p in prompts], rollout, self.scores[rows], info, ref)
 
     @staticmethod
     def concat(parts: list["ScoredRollout"], pad_token_id: int) -> "ScoredRollout":
@@ -66,6 +67,11 @@ class ScoredRollout:
             return parts[0]
         info = {key: (sum((part.info[key] for part in parts), []) if isinstance(value, list)
                       else sum(part.info[key] for part in parts)) for key, value in parts[0].info.items()}
+        ref = None
+        if all(part.ref_logprobs is not None for part in parts):  # right-padded to the widest, as the responses
+            width = max(part.ref_logprobs.shape[1] for part in parts)
+            ref = torch.cat([torch.nn.functional.pad(part.ref_logprobs, (0, width - part.ref_logprobs.shape[1]))
+                             for part in parts])
         return ScoredRollout(sum((part.items for part in parts), []),
                              RolloutBatch.concat([part.rollout for part in parts], pad_token_id),
-                             torch.cat([part.scores for part in parts]), info)
+                             torch.cat([part.scores for part in parts]), info, ref)

@@ -56,7 +56,7 @@ from .tracking import Tracker
 from .trainer_checkpoints import TrainerCheckpoints
 from .update import Updater, actor_loss, critic_loss
 from .validation import validate
-from .verl_steps import BASELINE_KEY, pf_ppo_batch, row_baselines
+from .verl_steps import BASELINE_KEY, pf_ppo_batch
 from .vocabulary import precision_name
 from .warmup_costs import WarmupClock
 
@@ -217,10 +217,8 @@ class RLTrainer(TrainerCheckpoints):
         # ([distributed] and `first_prompt` by the global index of this rank's first one of them)
         scored, sampling_metrics, first_prompt = self.rollouts.rollout_and_score(items, timer, self.global_step,
                                                                                  first_prompt)
+        # (ReMax: with each row's greedy baseline score in info, from the weights that sampled the batch)
         items, rollout, scores, info = scored.items, scored.rollout, scored.scores, scored.info
-        if algo.estimator_needs(algo_cfg.adv_estimator).greedy_baseline:  # ReMax: a greedy response per prompt
-            with timer("greedy_baseline"):
-                info[BASELINE_KEY] = row_baselines(self.rollouts, items, self.global_step, self.n)
         self.precision_guard.check_rollout(rollout.response_logprobs, rollout.response_mask)
         # each row's prompt by its index in the global batch: GRPO/RLOO groups, wherever balancing puts the row
         group_index = (first_prompt + torch.arange(len(items))).repeat_interleave(self.n)
@@ -295,8 +293,10 @@ class RLTrainer(TrainerCheckpoints):
                 metrics.update(self.update_actor(batch))
             for scheduler in self.schedulers.values():
                 scheduler.step()
-            if self.pipeline is None:  # [async] the pipeline refreshes its engine when the next rollout starts
+            if self.pipeline is None:
                 sync_engine(self.engine, self.actor)  # [distributed] sharded: synced at the next generation instead
+            else:  # [async] the engine gets these weights when the next rollout starts, or before validation
+                self.pipeline.weights_changed()
 
         # 7. diagnostics (over all ranks' rows; timings are this rank's)
         metrics.update(step_metrics(
@@ -333,6 +333,8 @@ class RLTrainer(TrainerCheckpoints):
                 self.write_plan_record()
             if self.tracker is not None:
                 self.tracker.close()
+            if self.pipeline is not None:  # [async] before the reward manager a rollout in flight may be using
+                self.pipeline.shutdown()
             self.reward_manager.close()
             if self.run_lock is not None:
                 self.run_lock.release()
@@ -382,6 +384,8 @@ class RLTrainer(TrainerCheckpoints):
         if metrics is None:
             self.loader.load_state_dict(loader_state)
             restore_rng(*rng)
+        elif self.pipeline is not None:  # [async] this step's batch is trained: a later rewind must not bring it back
+            self.pipeline.step_trained()
         return metrics
 
     def _stop_on_signal(self, saved_step: int) -> None:

@@ -6,19 +6,20 @@ rows by their score before the updates. The math lives in algorithms.py; this mo
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from . import algorithms as algo
 from .rollout.base import RolloutBatch
-from .rollout_phase import RolloutPhase
 from .stepbatch import StepBatch
 
 BASELINE_KEY = "reward_baseline"  # reward_info key of each row's greedy baseline score (moves with balanced rows)
 
 
-def greedy_baseline_scores(rollouts: RolloutPhase, items: list[dict], step: int) -> torch.Tensor:
-    """ReMax's baseline: one greedy response per prompt, scored (and length-shaped) like the samples, ``[prompts]``.
+def greedy_baseline_scores(rollouts: Any, items: list[dict], step: int) -> torch.Tensor:
+    """ReMax's baseline: one greedy response per prompt, scored (and length-shaped) like the samples, ``[prompts]``
+    (``rollouts``: the RolloutPhase, which calls this as part of its scoring).
 
     As verl's ``remax``: same prompts, ``do_sample=False``, the reward function's score of that response."""
     params = replace(rollouts.sampling_params(), temperature=0.0, top_k=0, top_p=1.0, n=1)
@@ -31,7 +32,7 @@ def greedy_baseline_scores(rollouts: RolloutPhase, items: list[dict], step: int)
     return scores
 
 
-def row_baselines(rollouts: RolloutPhase, items: list[dict], step: int, n: int) -> list[float]:
+def row_baselines(rollouts: Any, items: list[dict], step: int, n: int) -> list[float]:
     """Each row's prompt's greedy score, rows in prompt order with n samples each."""
     return greedy_baseline_scores(rollouts, items, step).repeat_interleave(n).tolist()
 

@@ -30,12 +30,17 @@ from .base import BaseTool, ToolResponse, ToolSchema
 
 log = logging.getLogger(__name__)
 
-# The child's program: shut the socket module's doors (a network namespace may not be available), then run the
-# user's code in a process of its own and wait for it. With namespaces this first process is the PID namespace's
-# init: it reaps what the code leaves behind, and when it ends every process of the namespace ends. It writes the
-# code's wait status to .status (unshare does not pass a signal's death on), then leaves.
+# The child's program: set the limits (argv: CPU seconds, address-space bytes, file bytes; set here rather than in
+# a preexec_fn, which is unsafe in the trainer's threaded process), shut the socket module's doors (a network
+# namespace may not be available), then run the user's code in a process of its own and wait for it. With
+# namespaces this first process is the PID namespace's init: it reaps what the code leaves behind, and when it ends
+# every process of the namespace ends. It writes the code's wait status to .status (unshare does not pass a signal's
+# death on), then leaves.
 _PRELUDE = """
-import os as _os, socket as _s, sys as _sys
+import os as _os, resource as _r, socket as _s, sys as _sys
+for _limit, _value in zip((_r.RLIMIT_CPU, _r.RLIMIT_AS, _r.RLIMIT_FSIZE, _r.RLIMIT_CORE), _sys.argv[1:] + ["0"]):
+    _r.setrlimit(_limit, (int(_value), int(_value)))
+_sys.argv = ["main.py"]
 class _NoNetwork(OSError):
     pass
 def _refuse(*a, **k):
@@ -89,16 +94,6 @@ def _warn_not_isolated() -> None:
                 "process group outlives the wall-time kill")
 
 
-def _limit_child(cpu_s: int, memory_bytes: int, file_bytes: int) -> None:
-    import resource
-
-    os.setsid()  # its own process group: the wall-time kill reaches any children it started
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
 def _code_exit(status_path: str, returncode: int) -> int:
     """The code's exit code (-N: ended by signal N) from the wait status its parent wrote, else `returncode`."""
     try:
@@ -143,7 +138,7 @@ def run_python(code: str, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int =
     try:
         with open(os.path.join(scratch, "main.py"), "w") as f:
             f.write(code)
-        command = [sys.executable, "-I", "-c", _PRELUDE]
+        command = [sys.executable, "-I", "-c", _PRELUDE, str(cpu_s), str(memory_mb << 20), str(file_mb << 20)]
         isolated = network_namespace_available()
         if isolated:
             command = [shutil.which("unshare"), *_NAMESPACES] + command
@@ -152,9 +147,9 @@ def run_python(code: str, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int =
         paths = [os.path.join(scratch, name) for name in (".stdout", ".stderr")]
         start = time.perf_counter()
         with open(paths[0], "wb") as out, open(paths[1], "wb") as err:
+            # its own session and process group: the wall-time kill reaches any children it started
             proc = subprocess.Popen(command, cwd=scratch, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                    env={"PATH": "/usr/bin:/bin", "HOME": scratch},
-                                    preexec_fn=functools.partial(_limit_child, cpu_s, memory_mb << 20, file_mb << 20))
+                                    env={"PATH": "/usr/bin:/bin", "HOME": scratch}, start_new_session=True)
         timed_out = False
         try:
             proc.wait(timeout=wall_s)
