@@ -68,3 +68,28 @@ def test_keep_limits_old_checkpoints(tmp_path):
         save_checkpoint(str(tmp_path), step, actor=actor, tokenizer=FakeTokenizer(), optimizers={"a": opt},
                         schedulers={}, trainer_state={}, keep=2)
     assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path))] == ["global_step_2", "global_step_3"]
+
+
+def test_retention_keeps_the_last_healthy_checkpoint_and_non_positive_keeps_all(tmp_path):
+    """keep=1 with a protected (last healthy) checkpoint: the diverged run can still resume from it; keep=-1
+    (verl's "keep all") deletes nothing (it deleted every checkpoint, the new one included)."""
+    from rlanywhere.checkpointer import Checkpointer
+    from rlanywhere.distributed import DataParallel
+
+    actor = tiny_lm()
+    opt = torch.optim.AdamW(actor.parameters())
+
+    def save(checkpointer, step, protect=None):
+        return checkpointer.save(step, actor=actor, tokenizer=FakeTokenizer(), critic=None, optimizers={"a": opt},
+                                 schedulers={}, trainer_state={}, protect=protect)
+
+    one = Checkpointer(str(tmp_path / "one"), DataParallel(), keep=1)
+    healthy = save(one, 1)
+    save(one, 2, protect=healthy)
+    save(one, 3, protect=healthy)
+    assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path / "one"))] == ["global_step_1",
+                                                                                      "global_step_3"]
+    every = Checkpointer(str(tmp_path / "all"), DataParallel(), keep=-1)
+    for step in (1, 2, 3):
+        assert os.path.isdir(save(every, step))
+    assert len(list_checkpoints(str(tmp_path / "all"))) == 3

@@ -506,6 +506,10 @@ _KL_KINDS = {
 }
 
 
+# every name kl_penalty takes: verl's, and each with a trailing "+" (the k2 gradient, straight-through)
+KL_ESTIMATORS = tuple(sorted(_KL_KINDS)) + tuple(name + "+" for name in sorted(_KL_KINDS))
+
+
 def _kl_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, canonical: str) -> torch.Tensor:
     log_ratio = logprob - ref_logprob
     if canonical == "k1":
@@ -1120,6 +1124,7 @@ def truncated_rows(
 
 
 __all__: Sequence[str] = [
+    "KL_ESTIMATORS",
     "masked_sum",
     "masked_mean",
     "masked_var",

@@ -206,7 +206,8 @@ def train(cfg: DictConfig, run_plan=None, notices: Optional[list[str]] = None) -
     trainer = RLTrainer(cfg, run_plan, run_dir, notices)
     try:
         trainer.fit()
-        final_model = trainer.save_final_model()
+        # trainer.val_only validates the model as loaded: there is nothing trained to export
+        final_model = None if cfg.trainer.val_only else trainer.save_final_model()
         # [distributed] every rank done before any leaves: a rank tearing its process group down while another still
         # has gloo traffic in flight can abort at exit ("terminate called without an active exception")
         trainer.dp.barrier()

@@ -52,9 +52,11 @@ def build_data(cfg: DictConfig, tokenizer) -> Data:
     def dataset(files):
         return RLDataset(as_list(files), tokenizer, data_cfg.max_prompt_length, prompt_key=data_cfg.prompt_key,
                          truncation=data_cfg.truncation, filter_overlong_prompts=data_cfg.filter_overlong_prompts,
-                         reward_fn_key=data_cfg.reward_fn_key)
+                         reward_fn_key=data_cfg.reward_fn_key, answers=not cfg.reward_model.enable)
 
     train_set = dataset(data_cfg.train_files)
+    if data_cfg.train_max_samples is not None and 0 <= data_cfg.train_max_samples < len(train_set):
+        train_set.items = train_set.items[:data_cfg.train_max_samples]  # verl's data.train_max_samples
     val_set = dataset(data_cfg.val_files) if data_cfg.val_files else None
     # with dynamic sampling a step draws gen_batch_size prompts per generation round (verl's DAPO trainer)
     loader = PromptLoader(train_set, data_cfg.gen_batch_size or data_cfg.train_batch_size, shuffle=data_cfg.shuffle,
@@ -125,11 +127,12 @@ def make_scheduler(optimizer, optim_cfg, total_steps: int):
     warmup = optim_cfg.lr_warmup_steps
     if warmup < 0:
         warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
-    if optim_cfg.warmup_style == "cosine":
+    schedule = optim_cfg.warmup_style or optim_cfg.lr_scheduler_type  # verl: the older key wins where set
+    if schedule == "cosine":
         return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total_steps,
                                                            min_lr_rate=optim_cfg.min_lr_ratio)
-    if optim_cfg.warmup_style != "constant":
-        raise ValueError(f"optim.warmup_style={optim_cfg.warmup_style!r}: use constant or cosine")
+    if schedule != "constant":
+        raise ValueError(f"optim.lr_scheduler_type={schedule!r}: use constant or cosine")
     return get_constant_schedule_with_warmup(optimizer, warmup)
 
 

@@ -180,18 +180,22 @@ def is_disk_full(exc: BaseException) -> bool:
 _is_disk_full = is_disk_full
 
 
-def publish_checkpoint(run_dir: str, tmp: str, step: int, keep: Optional[int]) -> str:
+def publish_checkpoint(run_dir: str, tmp: str, step: int, keep: Optional[int], protect: Optional[str] = None) -> str:
     """Make the complete `tmp` directory checkpoint `step`: rename it into place, fsync, point `latest` at it, and
-    keep only the newest `keep`. A crash before the rename leaves the previous checkpoints as they were."""
+    keep only the newest `keep` (None or <= 0: all, as verl), never the new one nor `protect` (the run's last healthy
+    checkpoint: after diverged updates it is the one to resume from). A crash before the rename leaves the previous
+    checkpoints as they were."""
     root = checkpoint_root(run_dir)
     final = os.path.join(root, f"global_step_{step}")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _fsync_dir(root)
     _atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
-    if keep:
+    if keep is not None and keep > 0:
+        spared = {os.path.realpath(path) for path in (final, protect) if path}
         for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if os.path.realpath(old) not in spared:
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -78,9 +78,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------ save
     def save(self, step: int, *, actor, tokenizer, critic, optimizers: dict, schedulers: dict,
-             trainer_state: dict, export_actor: Callable[[], Any] = None, earlier_hint: str = "") -> str:
+             trainer_state: dict, export_actor: Callable[[], Any] = None, earlier_hint: str = "",
+             protect: Optional[str] = None) -> str:
         """Write checkpoint `step` (every rank calls it); returns its directory. `export_actor()` gives the merged
-        HF model of a LoRA run (replicated layout; the sharded one merges while writing)."""
+        HF model of a LoRA run (replicated layout; the sharded one merges while writing); `protect`: a checkpoint
+        the retention (max_actor_ckpt_to_keep) must keep, the run's last healthy one."""
         from .sharding import is_sharded
 
         earlier = list_checkpoints(self.run_dir)
@@ -146,7 +148,7 @@ class Checkpointer:
                 f"the previous checkpoint {previous} is intact. Free space (or point trainer.default_local_dir "
                 "elsewhere) and re-run the same command to resume from it") from error
         if self.dp.is_main:
-            publish_checkpoint(self.run_dir, tmp, step, self.keep)
+            publish_checkpoint(self.run_dir, tmp, step, self.keep, protect)
         self.dp.barrier()
         return final
 

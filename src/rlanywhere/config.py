@@ -23,7 +23,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_needs
+from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, estimator_needs
 from .errors import UserError
 from .verl_compat import (CURRENT_VERL_KEYS, REWARD_MANAGERS, reference_offload_notice, translate_verl_spellings,
                           verl_runtime_problems)
@@ -58,9 +58,12 @@ class DataConfig:
     gen_batch_size: Optional[int] = None  # prompts per round with algorithm.filter_groups (None: train_batch_size)
     val_batch_size: Optional[int] = None
     val_max_samples: int = -1  # -1: the whole validation set
+    train_max_samples: int = -1  # -1: every training prompt; N: the first N (after filtering)
     shuffle: bool = True
     seed: Optional[int] = None  # None: trainer.seed
-    filter_overlong_prompts: bool = True
+    # None: overlong prompts are cut as data.truncation says (left / right, as verl), and dropped (counted in the log)
+    # where it says error, where verl would stop the run at the first one
+    filter_overlong_prompts: Optional[bool] = None
     truncation: str = "error"
     return_raw_chat: bool = False
     return_raw_input_ids: bool = False
@@ -72,7 +75,10 @@ class OptimConfig:
     lr_warmup_steps: int = -1
     lr_warmup_steps_ratio: float = 0.0
     min_lr_ratio: float = 0.0
-    warmup_style: str = "constant"  # constant | cosine
+    # the LR schedule after the warm-up: constant | cosine (verl's lr_scheduler_type; its older warmup_style, where
+    # set, wins, as in verl)
+    lr_scheduler_type: str = "constant"
+    warmup_style: Optional[str] = None
     total_training_steps: int = -1
     weight_decay: float = 0.01
     betas: Any = field(default_factory=lambda: [0.9, 0.999])
@@ -111,6 +117,7 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None  # the constant of seq-mean-token-sum-norm; None: the response length
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -212,6 +219,7 @@ class CriticConfig:
     grad_clip: float = 1.0
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None  # as the actor's
 
 
 @dataclass
@@ -417,7 +425,9 @@ class RewardModelConfig:
 class TrainerConfig:
     project_name: str = "rlanywhere"
     experiment_name: str = "run"
-    total_epochs: int = 1
+    # passes over the training prompts; None: one, or as many as total_training_steps needs. With both set the run
+    # stops at whichever comes first, as verl's does
+    total_epochs: Optional[int] = None
     total_training_steps: Optional[int] = None
     logger: Any = field(default_factory=lambda: ["console", "tensorboard"])
     log_val_generations: int = 0
@@ -427,6 +437,7 @@ class TrainerConfig:
     test_freq: int = -1
     critic_warmup: int = 0
     val_before_train: bool = True
+    val_only: bool = False  # verl's: validate the model as loaded (or resumed), then stop without training
     default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None
@@ -511,7 +522,7 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r"|use_shm)": "not needed: models load through transformers",
     r"critic\.model\.(external_lib|use_shm)": "not needed: models load through transformers",
     r"trainer\.(default_hdfs_dir|del_local_ckpt_after_load|ray_wait_register_center_timeout"
-    r"|val_only|esi_redundant_time|rollout_data_dir|validation_data_dir|use_legacy_worker_impl)":
+    r"|esi_redundant_time|rollout_data_dir|validation_data_dir|use_legacy_worker_impl)":
     "not used by the single-process trainer",
     r"ray_init(\..*)?": "no Ray: one process (torchrun for several GPUs)",
     r"data\.(image_key|video_key|custom_cls(\..*)?|dataloader_num_workers|return_full_prompt|use_shm"
@@ -845,17 +856,28 @@ def _value_problems(cfg: DictConfig) -> list[str]:
         "actor_rollout_ref.rollout.name": RolloutEngineName.values(),
         "data.truncation": Truncation.values(),
         "actor_rollout_ref.actor.policy_loss.loss_mode": tuple(POLICY_LOSSES),
+        "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
+        "critic.optim.lr_scheduler_type": ("constant", "cosine"),
+        "actor_rollout_ref.actor.optim.warmup_style": (None, "constant", "cosine"),
+        "critic.optim.warmup_style": (None, "constant", "cosine"),
+        "actor_rollout_ref.actor.kl_loss_type": KL_ESTIMATORS,
+        "algorithm.kl_penalty": KL_ESTIMATORS,
     }
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
-            problems.append(f"{key}={value!r} is not valid; choose one of {', '.join(allowed)}")
+            names = ", ".join("null" if choice is None else str(choice) for choice in allowed)
+            problems.append(f"{key}={value!r} is not valid; choose one of {names}")
     positive = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
                 "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs",
                 "actor_rollout_ref.rollout.n"]
     for key in positive:
         if OmegaConf.select(cfg, key) <= 0:
             problems.append(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
+    clip_c = OmegaConf.select(cfg, "actor_rollout_ref.actor.clip_ratio_c")
+    if clip_c is not None and clip_c <= 1.0:
+        problems.append(f"actor_rollout_ref.actor.clip_ratio_c={clip_c}: the dual-clip constant must be > 1.0 "
+                        "(verl's default 3.0)")
     sizes_sane = not problems
     for check in (_check_reward_model, _check_reward_values, _check_guard_values, check_batch_sizes,
                   _check_variant_values):

@@ -32,10 +32,14 @@ KEY_DOCS: dict[str, str] = {
     r"data\.gen_batch_size": "prompts drawn per generation round with dynamic sampling "
     "(`algorithm.filter_groups`); null: `data.train_batch_size`",
     r"data\.val_batch_size": "validation prompts generated at once; null: all of them, in waves the plan sizes",
-    r"data\.val_max_samples": "cap on validation prompts (the first N); -1: the whole validation set",
+    r"data\.val_max_samples": "cap on validation prompts (the first N; verl draws N at random when "
+    "`data.shuffle`); -1: the whole validation set",
+    r"data\.train_max_samples": "cap on training prompts (the first N; verl draws N at random when "
+    "`data.shuffle`); -1: every one",
     r"data\.shuffle": "shuffle the training prompts each epoch",
     r"data\.seed": "seed of the prompt order; null: `trainer.seed`",
-    r"data\.filter_overlong_prompts": "drop prompts longer than `data.max_prompt_length` when the data loads",
+    r"data\.filter_overlong_prompts": "drop prompts longer than `data.max_prompt_length` when the data loads; null: "
+    "only with `data.truncation=error` (verl would stop there), else they are cut as it says",
     r"data\.truncation": "what to do with a prompt that is still too long: `error`, or cut it on the `left` / "
     "`right`",
     r"data\.return_raw_(chat|input_ids)": "verl's switch for re-tokenising prompts for a reward model",
@@ -91,7 +95,10 @@ KEY_DOCS: dict[str, str] = {
     rf"{_OPTIM}\.lr_warmup_steps": "warm-up steps; -1: `lr_warmup_steps_ratio` of the run",
     rf"{_OPTIM}\.lr_warmup_steps_ratio": "warm-up as a fraction of the training steps",
     rf"{_OPTIM}\.min_lr_ratio": "cosine schedule's floor, as a fraction of `lr`",
-    rf"{_OPTIM}\.warmup_style": "`constant` or `cosine` after the warm-up",
+    rf"{_OPTIM}\.lr_scheduler_type": "`constant` or `cosine` after the warm-up",
+    rf"{_OPTIM}\.warmup_style": "verl's older name of `lr_scheduler_type`; where set, it wins (null: unset)",
+    r"(actor_rollout_ref\.actor|critic)\.loss_scale_factor": "the constant `T` of `seq-mean-token-sum-norm` (Dr. "
+    "GRPO); null: the response length",
     rf"{_OPTIM}\.total_training_steps": "verl's trainer fills this in itself",
     rf"{_OPTIM}\.weight_decay": "AdamW weight decay",
     rf"{_OPTIM}\.betas": "AdamW betas",
@@ -194,21 +201,24 @@ KEY_DOCS: dict[str, str] = {
     # trainer
     r"trainer\.project_name": "project name (the run directory and the trackers use it)",
     r"trainer\.experiment_name": "run name (the run directory and the trackers use it)",
-    r"trainer\.total_epochs": "passes over the training prompts",
+    r"trainer\.total_epochs": "passes over the training prompts; null: one, or as many as `total_training_steps` "
+    "needs (with both set, whichever ends first, as in verl)",
     r"trainer\.total_training_steps": "stop after this many steps; null: `total_epochs` decides",
     r"trainer\.logger": "where metrics go besides `metrics.jsonl`: `console`, `tensorboard`, `wandb`",
     r"trainer\.log_val_generations": "validation responses printed to the trackers per validation",
     r"trainer\.nnodes": "machines; taken from torchrun when launched by it",
     r"trainer\.n_gpus_per_node": "ranks per machine; above 1 alone, rlanywhere starts torchrun on this machine",
     r"trainer\.save_freq": "checkpoint every N steps (-1: only at the end of the run)",
-    r"trainer\.test_freq": "validate every N steps (-1: only at the end)",
+    r"trainer\.test_freq": "validate every N steps and after the last one (-1: never during training)",
     r"trainer\.critic_warmup": "steps that train only the critic before the actor starts",
     r"trainer\.val_before_train": "validate once before the first step",
+    r"trainer\.val_only": "validate the model as loaded (or resumed), then stop without training",
     r"trainer\.default_local_dir": "the run directory (config, plan, metrics, checkpoints, final model)",
     r"trainer\.resume_mode": "`auto` (continue the run in the run directory from its newest good checkpoint), "
     "`disable`, `resume_path`",
     r"trainer\.resume_from_path": "the checkpoint directory to resume from with `resume_mode=resume_path`",
-    r"trainer\.max_actor_ckpt_to_keep": "checkpoints kept (older ones are deleted); null: all",
+    r"trainer\.max_actor_ckpt_to_keep": "checkpoints kept (older ones are deleted, never the last one saved while the "
+    "run was healthy); null or <= 0: all, as in verl",
     r"trainer\.max_critic_ckpt_to_keep": "verl's separate limit for critic checkpoints",
     r"trainer\.seed": "seed of sampling, data order and initialisation",
     r"trainer\.device": "verl's device switch",
@@ -257,7 +267,6 @@ KEY_DOCS: dict[str, str] = {
 # Keys verl does not have (rlanywhere's own, or another project's name for the concept).
 OWN_KEYS: dict[str, str] = {
     r"hardware\..*": "rlanywhere",
-    r"data\.(val_max_samples|seed)": "rlanywhere",
     r"(actor_rollout_ref|critic)\.model\.gguf_file": "rlanywhere",
     r"actor_rollout_ref\.model\.tokenizer_path": "rlanywhere",
     r"actor_rollout_ref\.rollout\.stop": "rlanywhere",

@@ -68,12 +68,15 @@ def _blank_prompt(prompt: Any) -> bool:
         return False  # an unusual prompt shape: the dataset's own checks speak of it
 
 
-def data_file_problems(path: str, key: str, prompt_key: str, reward_fn_key: str) -> list[str]:
-    """What is wrong with one data file of `key` (data.train_files / data.val_files), one line each."""
+def data_file_problems(path: str, key: str, prompt_key: str, reward_fn_key: str, answers: bool = True,
+                       scorers: set[str] | None = None) -> list[str]:
+    """What is wrong with one data file of `key` (data.train_files / data.val_files), one line each. answers: every
+    row needs reward_model.ground_truth (not when a reward model scores); scorers: the reward functions that exist
+    for the `reward_fn_key` column's values (None: a custom reward function scores every row)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    file = Path(path)
+    file = Path(path).expanduser()
     if not file.exists():
         if _demo_data_to_write(path):
             return []
@@ -93,7 +96,9 @@ def data_file_problems(path: str, key: str, prompt_key: str, reward_fn_key: str)
         return [f"{key}: {path} has no rows. Re-create it with `rlanywhere prepare ...`, or point {key} at a file "
                 "with prompts"]
     columns = set(table.column_names)
-    needed = [(prompt_key, "data.prompt_key"), ("reward_model", None), (reward_fn_key, "data.reward_fn_key")]
+    needed = [(prompt_key, "data.prompt_key"), (reward_fn_key, "data.reward_fn_key")]
+    if answers:
+        needed.insert(1, ("reward_model", None))
     missing = [name for name, _ in needed if name not in columns]
     if missing:
         keys = [setting for name, setting in needed if name in missing and setting]
@@ -107,19 +112,32 @@ def data_file_problems(path: str, key: str, prompt_key: str, reward_fn_key: str)
         shown = ", ".join(str(i) for i in blank[:5]) + (", ..." if len(blank) > 5 else "")
         problems.append(f"{key}: {path} has {len(blank)} blank prompt(s) (row {shown}, 0-based); remove those rows "
                         "or give them a question")
-    answers = table.column("reward_model").to_pylist()
-    no_answer = [i for i, value in enumerate(answers)
-                 if not isinstance(value, dict) or value.get("ground_truth") is None
-                 or not str(value.get("ground_truth")).strip()]
-    if no_answer:
-        shown = ", ".join(str(i) for i in no_answer[:5]) + (", ..." if len(no_answer) > 5 else "")
-        problems.append(f"{key}: {path} has {len(no_answer)} row(s) without reward_model.ground_truth (row {shown}, "
-                        "0-based); the reward needs the answer of every prompt")
+    if answers:
+        truths = table.column("reward_model").to_pylist()
+        no_answer = [i for i, value in enumerate(truths)
+                     if not isinstance(value, dict) or value.get("ground_truth") is None
+                     or not str(value.get("ground_truth")).strip()]
+        if no_answer:
+            shown = ", ".join(str(i) for i in no_answer[:5]) + (", ..." if len(no_answer) > 5 else "")
+            problems.append(f"{key}: {path} has {len(no_answer)} row(s) without reward_model.ground_truth (row "
+                            f"{shown}, 0-based); the reward needs the answer of every prompt")
+    if scorers is not None:
+        unknown = sorted({str(value) for value in table.column(reward_fn_key).to_pylist()} - scorers)
+        if unknown:
+            problems.append(f"{key}: {path} has rows whose {reward_fn_key} ({', '.join(map(repr, unknown[:5]))}) "
+                            f"no built-in reward scores (built in: {', '.join(sorted(scorers))}); point "
+                            "custom_reward_function.path at your scoring function, register one with "
+                            "rlanywhere.rewards.register_reward, or set reward_model.enable=true")
     return problems
 
 
 def data_problems(cfg) -> list[str]:
+    from .rewards import REWARD_FUNCTIONS
+
     problems = []
+    answers = not cfg.reward_model.enable  # a reward model scores without them (verl's naive manager)
+    # without a custom function or a reward model, each row's data_source must have a built-in rule
+    scorers = None if cfg.custom_reward_function.path or cfg.reward_model.enable else set(REWARD_FUNCTIONS)
     for key in ("data.train_files", "data.val_files"):
         value = cfg.data.train_files if key == "data.train_files" else cfg.data.val_files
         try:
@@ -130,7 +148,8 @@ def data_problems(cfg) -> list[str]:
         if key == "data.train_files" and not paths:
             problems.append("data.train_files is empty: name the training parquet file(s)")
         for path in paths:
-            problems += data_file_problems(path, key, cfg.data.prompt_key, cfg.data.reward_fn_key)
+            problems += data_file_problems(path, key, cfg.data.prompt_key, cfg.data.reward_fn_key, answers,
+                                           scorers)
     return problems
 
 

@@ -69,6 +69,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def planned_steps(total_training_steps: int | None, total_epochs: int | None, steps_per_epoch: int) -> int:
+    """The run's steps: trainer.total_training_steps and trainer.total_epochs, whichever ends first where both are
+    set (verl's loop); one epoch where neither is."""
+    by_epochs = None if total_epochs is None else int(total_epochs) * steps_per_epoch
+    if total_training_steps:
+        return int(total_training_steps) if by_epochs is None else min(int(total_training_steps), by_epochs)
+    return steps_per_epoch if by_epochs is None else by_epochs
+
+
 class RLTrainer(TrainerCheckpoints):
     def __init__(self, cfg: DictConfig, plan: Plan, run_dir: str, notices: Optional[list[str]] = None):
         self.cfg, self.plan, self.run_dir, self.device = cfg, plan, run_dir, plan.device
@@ -97,7 +106,8 @@ class RLTrainer(TrainerCheckpoints):
         data = builders.build_data(cfg, self.tokenizer)
         self.train_set, self.val_set, self.loader = data.train_set, data.val_set, data.loader
         self.reward_manager = builders.build_reward_manager(cfg, plan)
-        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * self.loader.steps_per_epoch
+        self.total_steps = planned_steps(cfg.trainer.total_training_steps, cfg.trainer.total_epochs,
+                                         self.loader.steps_per_epoch)
         models = builders.build_models(cfg, plan, self.source, self.dp)
         self.actor, self.critic, self.ref = models.actor, models.critic, models.ref
         self.optimizers, self.schedulers = builders.build_optimizers(cfg, models, self.total_steps,
@@ -183,7 +193,8 @@ class RLTrainer(TrainerCheckpoints):
             "critic", self.critic, self.optimizers["critic"], batch, critic_loss(batch, critic_cfg, self.device),
             mini_rows=(critic_cfg.ppo_mini_batch_size or actor_cfg.ppo_mini_batch_size) * self.n,
             epochs=critic_cfg.ppo_epochs or actor_cfg.ppo_epochs, shuffle_seed=self.shuffle_seed(critic_cfg),
-            grad_clip=critic_cfg.grad_clip, kind=SizeKind.CRITIC_MICRO_BATCH, park=self.actor)
+            grad_clip=critic_cfg.grad_clip, kind=SizeKind.CRITIC_MICRO_BATCH, park=self.actor,
+            norm_length=critic_cfg.loss_scale_factor)
 
     def update_actor(self, batch: StepBatch) -> dict:
         actor_cfg = self.cfg.actor_rollout_ref.actor
@@ -193,7 +204,8 @@ class RLTrainer(TrainerCheckpoints):
         return self.updater.ppo_update(
             "actor", self.actor, self.optimizers["actor"], batch, loss_fn, mini_rows=actor_cfg.ppo_mini_batch_size
             * self.n, epochs=actor_cfg.ppo_epochs, shuffle_seed=self.shuffle_seed(actor_cfg),
-            grad_clip=actor_cfg.grad_clip, kind=SizeKind.ACTOR_MICRO_BATCH, park=self.critic)
+            grad_clip=actor_cfg.grad_clip, kind=SizeKind.ACTOR_MICRO_BATCH, park=self.critic,
+            norm_length=actor_cfg.loss_scale_factor)
 
     def shuffle_seed(self, section) -> Optional[int]:
         """Mini-batch order: shuffled per epoch from (seed, step) when the section asks for it."""
@@ -344,10 +356,12 @@ class RLTrainer(TrainerCheckpoints):
         last_val: dict = {}
         saved_step = self.global_step
         stops.failed_reward_streak = 0
-        if trainer_cfg.val_before_train and self.global_step == 0:
+        if trainer_cfg.val_only or (trainer_cfg.val_before_train and self.global_step == 0):
             last_val = stops.droppable(self.validate) or {}
             if last_val:
-                self.tracker.log(last_val, step=0)
+                self.tracker.log(last_val, step=self.global_step)
+            if trainer_cfg.val_only:  # verl's val_only: the model as loaded (or resumed), validated, no training
+                return last_val
         while self.global_step < self.total_steps:
             self._stop_on_signal(saved_step)
             stops.signals.step = self.global_step

@@ -43,7 +43,7 @@ class TrainerCheckpoints:
             self.global_step, actor=self.actor, tokenizer=self.tokenizer, critic=self.critic,
             optimizers=self.optimizers, schedulers=self.schedulers, trainer_state=self.trainer_state(),
             export_actor=(lambda: merged_state_for_export(self.actor)) if self.plan.use_lora and not sharded else None,
-            earlier_hint=self.stops.last_good_hint())
+            earlier_hint=self.stops.last_good_hint(), protect=self.stops.last_good_checkpoint)
         log.info("checkpoint saved: %s", path)
         self.stops.checkpoint_saved(path)
         return path

@@ -210,10 +210,12 @@ class Updater:
 
     def ppo_update(self, name: str, model, optimizer, batch: StepBatch, loss_fn: LossFn, *, mini_rows: int,
                    epochs: int, shuffle_seed: Optional[int], grad_clip: float, kind: SizeKind,
-                   park: Optional[torch.nn.Module] = None) -> dict:
+                   park: Optional[torch.nn.Module] = None, norm_length: Optional[float] = None) -> dict:
         """`epochs` passes over the batch in mini-batches of `mini_rows` rows (all ranks' rows), one optimizer step
         each (rows shuffled per epoch when `shuffle_seed` is given); metrics averaged over the steps as
-        `name/<metric>`. With param offload, `park` (the model not being trained) leaves the GPU meanwhile."""
+        `name/<metric>`. With param offload, `park` (the model not being trained) leaves the GPU meanwhile.
+        norm_length: the constant of seq-mean-token-sum-norm (verl's loss_scale_factor; None: the response length)."""
+        norm_length = norm_length or self.response_length
         # [distributed] a sharded model parks itself (FSDP2's CPUOffloadPolicy)
         parked = on_device(park, "cpu") if park is not None and self.plan.param_offload and self.device != "cpu" \
             and not is_sharded(park) else contextlib.nullcontext()
@@ -234,8 +236,7 @@ class Updater:
                 local_mini = -(-batch.rows // max(steps, 1)) if self.dp.enabled else mini_rows
                 minis = [order[start:start + local_mini] for start in range(0, steps * local_mini, local_mini)]
                 # [distributed] every mini-batch's loss denominators in one exchange before the first of them
-                scales = (self.dp.loss_scales([batch.mask[rows] for rows in minis], self.response_length)
-                          if self.dp.enabled else [None] * len(minis))
+                scales = self.dp.loss_scales([batch.mask[rows] for rows in minis], norm_length)
                 for rows, scale in zip(minis, scales):
                     accumulate = lambda size, rows=rows, scale=scale: self.accumulate(  # noqa: E731
                         model, optimizer, batch, rows, size, loss_fn, scale)

@@ -40,6 +40,23 @@ _NOT_PROFILED = "the profiler is trainer.profile_steps here (torch.profiler of t
 # Keys of current verl's schema (January 2026) without a meaning here -> what happens instead. Matched as regex over
 # the dotted key; a match is dropped after one notice line.
 CURRENT_VERL_KEYS: dict[str, str] = {
+    r"(.*\.)?_target_": "verl's Hydra class to instantiate: the section is read into rlanywhere's own config",
+    r"actor_rollout_ref\.(actor|ref)\.(rollout_n|data_loader_seed)": "set by verl's trainer from rollout.n and "
+    "data.seed; here they are read from those keys directly",
+    r"actor_rollout_ref\.ref\.(strategy|entropy_from_logits_with_chunking|entropy_checkpointing)": "the reference "
+    "follows the actor's planned data parallelism and passes",
+    r"actor_rollout_ref\.actor\.(tau_pos|tau_neg)": "used by verl's loss_mode=sapo, not available here",
+    r"actor_rollout_ref\.actor\.(calculate_entropy|calculate_sum_pi_squared|sum_pi_squared_checkpointing)":
+    "entropy is computed in every update (actor/entropy) and in the loss when entropy_coeff is set",
+    r"actor_rollout_ref\.rollout\.(logprobs_mode|scheduling_policy|skip_tokenizer_init|quantization_config_file"
+    r"|mtp(\..*)?)": "the built-in engine returns the log-probs of the distribution it samples from "
+    "(temperature applied), tokenizes itself and schedules its own waves",
+    r"actor_rollout_ref\.rollout\.multi_turn\.num_repeat_rollouts": "multi-turn rows are sampled rollout.n times "
+    "per prompt, as single-turn ones",
+    r"critic\.model\.enable_activation_offload": "the plan decides checkpointing and offload for actor and critic",
+    r"data\.(image_patch_size)": "text-only prompts are read from parquet directly",
+    r"data\.validation_shuffle": "validation scores every prompt it takes; their order does not change the metrics",
+    r"reward_manager(\..*)?": "the reward manager is chosen by reward_model.reward_manager / custom_reward_function",
     r"ray_kwargs(\..*)?": _NO_RAY,
     r"critic\.fsdp(\..*)?": "sharding is planned (hardware.data_parallel); offload by hardware.param_offload / "
     "hardware.optimizer_offload",
@@ -51,17 +68,17 @@ CURRENT_VERL_KEYS: dict[str, str] = {
     r"actor_rollout_ref\.actor\.(fsdp_size|fsdp_config(\..*)?)": "sharding is planned (hardware.data_parallel, "
     "hardware.shard_group_size)",
     r"actor_rollout_ref\.(actor|ref)\.(ulysses_sequence_parallel_size|use_fused_kernels|use_dynamic_bsz_balance"
-    r"|loss_scale_factor|router_replay(\..*)?|profiler(\..*)?|grad_norm_threshold)": _PLANNED_KERNELS,
+    r"|router_replay(\..*)?|profiler(\..*)?|grad_norm_threshold)": _PLANNED_KERNELS,
     r"actor_rollout_ref\.actor\.(use_prefix_grouper|tis_imp_ratio_cap|freeze_vision_tower|policy_loss\.(clip_cov|kl_cov"
     r"|ppo_kl_coef|clip_cov_ratio|clip_cov_lb|clip_cov_ub|kl_cov_ratio)(\..*)?|clip_ratio_dual)":
     "used only by loss modes and options not selected here",
-    r"actor_rollout_ref\.actor\.optim\.(clip_grad|lr_scheduler_type|num_cycles|warmup_style_kw.*"
+    r"actor_rollout_ref\.actor\.optim\.(clip_grad|num_cycles|warmup_style_kw.*"
     r"|override_optimizer_config(\..*)?|optimizer|optimizer_impl|lr_decay_style|lr_decay_steps|min_lr"
     r"|weight_decay_incr_style|lr_warmup_init|use_checkpoint_opt_param_scheduler)":
-    "AdamW with the warm-up and schedule of optim.warmup_style / lr_warmup_steps(_ratio); gradients clipped by "
+    "AdamW with the warm-up and schedule of optim.lr_scheduler_type / lr_warmup_steps(_ratio); gradients clipped by "
     "actor.grad_clip",
-    r"critic\.optim\.(clip_grad|lr_scheduler_type|num_cycles|override_optimizer_config(\..*)?|optimizer"
-    r"|optimizer_impl)": "AdamW with the warm-up and schedule of critic.optim.warmup_style; gradients clipped by "
+    r"critic\.optim\.(clip_grad|num_cycles|override_optimizer_config(\..*)?|optimizer"
+    r"|optimizer_impl)": "AdamW with the warm-up and schedule of critic.optim.lr_scheduler_type; gradients clipped by "
     "critic.grad_clip",
     r"actor_rollout_ref\.rollout\.(multi_stage_wake_up|update_weights_bucket_megabytes|skip_rollout|skip_dump_dir"
     r"|skip_use_default_dir|enable_prefix_caching|cudagraph_capture_sizes|over_sample_rate|max_num_batched_tokens"
@@ -75,7 +92,7 @@ CURRENT_VERL_KEYS: dict[str, str] = {
     r"actor_rollout_ref\.model\.(custom_chat_template|exclude_modules|lora_adapter_path|use_fused_kernels"
     r"|fused_kernel_options(\..*)?|mtp(\..*)?|hf_config_path|tiled_mlp(\..*)?)":
     "not used: models load through transformers with their own chat template",
-    r"critic\.(model\.(exclude_modules|lora_adapter_path|tiled_mlp(\..*)?)|enable|profiler(\..*)?|loss_scale_factor"
+    r"critic\.(model\.(exclude_modules|lora_adapter_path|tiled_mlp(\..*)?)|enable|profiler(\..*)?"
     r"|data_loader_seed|use_dynamic_bsz_balance|nccl_timeout)": "the critic exists exactly when the advantage "
     "estimator needs one (the plan says so)",
     r"reward_model\.(reward_loop_source|reward_loop_module_path|reward_loop_class_name|num_workers|use_reward_loop"

@@ -50,9 +50,9 @@ def _as_path_list(paths: str | Path | Sequence[str | Path]) -> list[Path]:
         text = str(paths).strip()
         # Config values like "['a.parquet', 'b.parquet']" arrive as one string from the command line.
         if text.startswith("[") and text.endswith("]"):
-            return [Path(p) for p in ast.literal_eval(text)]
-        return [Path(text)]
-    return [Path(p) for p in paths]
+            return [Path(p).expanduser() for p in ast.literal_eval(text)]
+        return [Path(text).expanduser()]
+    return [Path(p).expanduser() for p in paths]
 
 
 def read_parquet_rows(paths: str | Path | Sequence[str | Path]) -> list[dict[str, Any]]:
@@ -83,9 +83,10 @@ def _read_parquet_file(path: Path) -> list[dict[str, Any]]:
 
 
 def check_rows(rows: Sequence[dict[str, Any]], origins: Sequence[tuple[Path, int]], prompt_key: str,
-               source_key: str = "data_source") -> None:
-    """Every row needs a non-empty prompt, a `source_key` value (it picks the reward function) and
-    reward_model.ground_truth; DataError names the file, row and column of the first bad row (and how many more)."""
+               source_key: str = "data_source", answers: bool = True) -> None:
+    """Every row needs a non-empty prompt, a `source_key` value (it picks the reward function) and, with `answers`
+    (not when a reward model scores), reward_model.ground_truth; DataError names the file, row and column of the
+    first bad row (and how many more)."""
     problems = []
     for row, (path, index) in zip(rows, origins):
         reward_model = row.get("reward_model")
@@ -93,6 +94,8 @@ def check_rows(rows: Sequence[dict[str, Any]], origins: Sequence[tuple[Path, int
             problem = f"column {prompt_key!r} is {'null' if row.get(prompt_key) is None else 'empty'}"
         elif row.get(source_key) is None:
             problem = f"column {source_key!r} is missing or null"
+        elif not answers:
+            continue
         elif not isinstance(reward_model, dict):
             problem = f"column 'reward_model' is {'null' if reward_model is None else type(reward_model).__name__}, " \
                       "not a struct with 'ground_truth'"
@@ -140,7 +143,7 @@ class RLDataset:
     """Prompt rows from verl-schema parquet files, chat template applied and tokenised up front.
 
     Overlong prompts (more than ``max_prompt_length`` tokens) are dropped (``filter_overlong_prompts=True``, count
-    logged) or else handled by ``truncation``: ``"error"`` raises, ``"left"`` keeps the last tokens, ``"right"``
+    logged; None: when ``truncation`` is ``"error"``) or else handled by ``truncation``: ``"error"`` raises, ``"left"`` keeps the last tokens, ``"right"``
     keeps the first tokens. ``dataset[i]`` is a prompt item: ``input_ids``, ``ground_truth``, ``data_source`` (the
     value of the ``reward_fn_key`` column, which picks the reward function), ``index``, ``extra_info``.
     """
@@ -152,8 +155,9 @@ class RLDataset:
         max_prompt_length: int,
         prompt_key: str = "prompt",
         truncation: str = "error",
-        filter_overlong_prompts: bool = True,
+        filter_overlong_prompts: bool | None = None,
         reward_fn_key: str = "data_source",
+        answers: bool = True,
     ):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}.")
@@ -170,7 +174,7 @@ class RLDataset:
             origins += [(path, index) for index in range(len(file_rows))]
         if not rows:
             raise ValueError(f"No rows in {paths}.")
-        missing = [key for key in (prompt_key, "reward_model") if key not in rows[0]]
+        missing = [key for key in (prompt_key, "reward_model") if key not in rows[0] and (answers or key == prompt_key)]
         if reward_fn_key != "data_source" and reward_fn_key not in rows[0]:
             missing.append(reward_fn_key)
         if missing:
@@ -178,11 +182,13 @@ class RLDataset:
                 f"{paths}: column(s) {missing} missing; columns are {sorted(rows[0])}. "
                 "Set data.prompt_key / data.reward_fn_key, or re-create the files with `rlanywhere prepare ...`."
             )
-        check_rows(rows, origins, prompt_key, source_key=reward_fn_key)
+        check_rows(rows, origins, prompt_key, source_key=reward_fn_key, answers=answers)
 
         texts = [self.render_prompt(row[prompt_key]) for row in rows]
         token_ids = self._tokenize(texts)
 
+        if filter_overlong_prompts is None:  # cut where data.truncation says how, else dropped (not a stop)
+            filter_overlong_prompts = truncation == "error"
         self.items: list[dict[str, Any]] = []
         self.num_filtered = 0
         for position, (row, ids) in enumerate(zip(rows, token_ids)):
@@ -198,13 +204,16 @@ class RLDataset:
                     )
                 ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
             extra_info = dict(row.get("extra_info") or {})
+            index = extra_info.get("index")
             self.items.append(
                 {
                     "input_ids": list(ids),
-                    "ground_truth": str(row["reward_model"]["ground_truth"]),
+                    # as stored (a number, a list, a dict: verl passes it to the reward function unchanged)
+                    "ground_truth": (row.get("reward_model") or {}).get("ground_truth"),
                     # data.reward_fn_key: the column whose value picks the reward function (verl's rule)
                     "data_source": str(row.get(reward_fn_key, "")),
-                    "index": int(extra_info.get("index", position)),
+                    # verl's extra_info.index as it is (a string id too); the row's position where there is none
+                    "index": position if index is None or index != index else index,
                     "extra_info": extra_info,
                     # the messages: a reward model re-templates them, multi-turn rollouts continue them
                     "raw_prompt": _normalise_messages(row[prompt_key]),
