@@ -283,16 +283,17 @@ def test_kl_controllers():
     close(adaptive.value, 0.102)
     adaptive.update(current_kl=0.09, n_steps=10)  # error -0.1 -> x(1 - 0.01) = 0.10098
     close(adaptive.value, 0.10098)
-    restored = A.AdaptiveKLController(1.0, 1.0, 1.0)
+    # a resume: the adapted coefficient goes on; target and horizon are the (possibly changed) configuration's
+    restored = A.AdaptiveKLController(1.0, 0.5, 50.0)
     restored.load_state_dict(adaptive.state_dict())
-    assert (restored.value, restored.target, restored.horizon) == (adaptive.value, 0.1, 100.0)
+    assert (restored.value, restored.target, restored.horizon) == (adaptive.value, 0.5, 50.0)
 
     fixed = A.make_kl_controller("fixed", kl_coef=0.3)
     fixed.update(5.0, 100)
     assert fixed.value == 0.3
-    other = A.FixedKLController(0.0)
+    other = A.FixedKLController(0.05)  # a resume with another algorithm.kl_ctrl.kl_coef: the new one is used
     other.load_state_dict(fixed.state_dict())
-    assert other.value == 0.3
+    assert other.value == 0.05
     assert isinstance(A.make_kl_controller("adaptive", 0.1, 0.1, 100), A.AdaptiveKLController)
     with pytest.raises(ValueError, match="adaptive"):
         A.make_kl_controller("pid")

@@ -32,9 +32,13 @@ def test_plan_prints_decisions_and_refuses_bf16_on_p40(capsys):
 def test_eval_and_plot_a_trained_run(tiny_model_dir, arith_data, tmp_path, capsys):
     run = tmp_path / "run"
     trainer, _ = run_training(base_overrides(tiny_model_dir, arith_data, run, **{"algorithm.adv_estimator": "grpo"}))
-    actor = run / "checkpoints" / "global_step_2" / "actor"
-    # save_freq=2 wrote a checkpoint at the last step: its actor is the final model, not a second copy
-    assert trainer.save_final_model() == str(actor) and not (run / "final_model").exists()
+    checkpointed = run / "checkpoints" / "global_step_2" / "actor"
+    # save_freq=2 wrote a checkpoint at the last step: final_model/ links its actor's files, no second copy
+    actor = run / "final_model"
+    assert trainer.save_final_model() == str(actor) and (actor / "config.json").exists()
+    weights = next(actor.glob("*.safetensors"))
+    assert weights.stat().st_ino == (checkpointed / weights.name).stat().st_ino  # the same file on disk
+    assert json.loads((actor / "config.json").read_text())["use_cache"] is True  # as users load it (training: off)
     out_json = tmp_path / "eval.json"
     assert main(["eval", "--model", str(actor), "--data", str(arith_data / "test.parquet"), "--max-samples", "6",
                  "--max-new-tokens", "8", "--out", str(out_json), "hardware.device=cpu"]) == 0

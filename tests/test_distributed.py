@@ -444,7 +444,6 @@ def test_a_job_stopped_by_a_sharded_oom_is_relaunched_to_resume_at_the_saved_siz
     sizes (oom.OOMGuard.run_matched) is started again, resuming; a job that fails otherwise is not."""
     from rlanywhere import cli
     from rlanywhere.oom import remember_sizes
-    from rlanywhere.plans import RuntimeSizes
 
     run_dir = tmp_path / "run"
     items = overrides(tiny_model_dir, arith_data, run_dir, reward_file,
@@ -454,7 +453,7 @@ def test_a_job_stopped_by_a_sharded_oom_is_relaunched_to_resume_at_the_saved_siz
     def torchrun_job(command):
         launches.append(command)
         if len(launches) == 1:  # rank 1 ran out of memory in a sharded update
-            remember_sizes(str(run_dir), RuntimeSizes(actor_micro_batch_size=1), {
+            remember_sizes(str(run_dir), {"actor_micro_batch_size": 1}, {
                 "phase": "actor_update", "attribute": "actor_micro_batch_size", "old_size": 2, "new_size": 1},
                 rank=1)
             return 1

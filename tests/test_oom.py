@@ -247,13 +247,13 @@ def test_a_matched_phase_runs_once_and_stops_the_job_with_the_halved_size_saved(
     assert calls == [8] and run.changes == 1 and sizes.actor_micro_batch_size == 4
     assert "actor_micro_batch_size=4" in str(info.value) and oom_sizes_path(str(tmp_path)) in str(info.value)
     record = remembered_sizes(str(tmp_path))
-    assert record["sizes"]["actor_micro_batch_size"] == 4
+    assert record["sizes"] == {"actor_micro_batch_size": 4}  # the lowered size only: the others stay the plan's
     assert {k: record["event"][k] for k in ("phase", "old_size", "new_size", "rank")} == {
         "phase": "actor_update", "old_size": 8, "new_size": 4, "rank": 1}
 
-    fresh = RuntimeSizes(actor_micro_batch_size=16, logprob_micro_batch_size=1)
+    fresh = RuntimeSizes(actor_micro_batch_size=16, logprob_micro_batch_size=8)
     assert lowered_sizes(fresh, record) == [("actor_micro_batch_size", 16, 4)]
-    assert fresh.logprob_micro_batch_size == 1  # smaller than remembered: kept
+    assert fresh.logprob_micro_batch_size == 8  # not lowered by an out-of-memory event: the new plan's
     assert lowered_sizes(fresh, None) == [] and remembered_sizes(str(tmp_path / "other")) is None
 
     from rlanywhere.checkpoint import CheckpointError

@@ -82,6 +82,8 @@ def test_an_oom_in_a_sharded_update_stops_the_job_and_the_restart_resumes_at_hal
     record = plan_record(dist_dir)
     assert record["run_state"]["sizes"]["actor_micro_batch_size"] == 1
     assert [(e["old_size"], e["new_size"], e["rank"]) for e in record["oom_events"]] == [(2, 1, 1)]
+    # the size lives on in the checkpoints written since; the file for the next launch is retired
+    assert not (dist_dir / "checkpoints" / "oom_sizes.json").exists()
     got = read_metrics(dist_dir)
     assert [r["oom/recoveries"] for r in got if r["step"] >= 1] == [0, 1, 1]  # the stop counted from step 2 on
     without_count = lambda rows: [{k: v for k, v in r.items() if k != "oom/recoveries"} for r in rows]  # noqa: E731

@@ -141,3 +141,16 @@ def test_loss_scale_factor_is_the_constant_of_seq_mean_token_sum_norm(tiny_model
             "actor_rollout_ref.actor.loss_scale_factor": factor, "trainer.total_training_steps": 1}))
         entropies[factor] = train_rows(metrics)[1]["actor/entropy"]
     assert entropies[10] > 0 and entropies[10] == pytest.approx(2 * entropies[20], rel=1e-4)
+
+
+def test_a_run_saved_with_the_old_filter_default_resumes_where_it_drops_the_same_prompts():
+    """Runs saved when data.filter_overlong_prompts defaulted to true resume under the unset default where it acts
+    the same (truncation=error); with truncation=left it would now cut what that run dropped: refused by name."""
+    from rlanywhere.runguard import RunDirError, check_resume_config
+
+    def data(filtered, truncation):
+        return {"data": {"filter_overlong_prompts": filtered, "truncation": truncation}}
+
+    assert check_resume_config(data(True, "error"), data(None, "error"), "ckpt") == {}
+    with pytest.raises(RunDirError, match="filter_overlong_prompts: True -> False"):
+        check_resume_config(data(True, "left"), data(None, "left"), "ckpt")

@@ -557,7 +557,7 @@ class FixedKLController:
         return {"value": self.value}
 
     def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
+        """Nothing to restore: the coefficient is the configuration's (a resume may change it)."""
 
 
 class AdaptiveKLController:
@@ -585,9 +585,8 @@ class AdaptiveKLController:
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict) -> None:
+        """The adapted coefficient; target and horizon are the configuration's (a resume may change them)."""
         self.value = float(state["value"])
-        self.target = float(state.get("target", self.target))
-        self.horizon = float(state.get("horizon", self.horizon))
 
 
 def make_kl_controller(

@@ -266,9 +266,11 @@ def load_model(model: str, max_new_tokens: int = 256, batch_size: int = 64, over
     if problems:
         raise InputError([line.replace("actor_rollout_ref.model.path: ", "model ", 1) for line in problems])
     chosen = plan(cfg, check_inputs=False)
-    source = resolve_model_source(str(model))
-    tokenizer = load_tokenizer(source)
-    hf_model = load_causal_lm(source, chosen).to(chosen.device).eval()
+    model_cfg = cfg.actor_rollout_ref.model  # --overrides: trust_remote_code, gguf_file, override_config as in a run
+    source = resolve_model_source(str(model), model_cfg.gguf_file)
+    tokenizer = load_tokenizer(source, model_cfg.trust_remote_code)
+    hf_model = load_causal_lm(source, chosen, model_cfg.trust_remote_code,
+                              model_cfg.override_config).to(chosen.device).eval()
     chosen.rollout = dataclasses.replace(chosen.rollout, rows_per_wave=batch_size)  # generation only: no training
     engine = make_engine(hf_model, tokenizer, chosen, engine=chosen.rollout.engine)
     return LoadedModel(hf_model, tokenizer, chosen, engine, cfg.data.max_prompt_length)

@@ -23,6 +23,7 @@ than the resumed step (another timeline) are moved aside to `global_step_N.stale
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import hashlib
@@ -99,6 +100,15 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(directory: str) -> None:
+    """Every file under `directory` and the directories themselves on disk (before a rename publishes them)."""
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            with open(os.path.join(parent, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        _fsync_dir(parent)
 
 
 def write_manifest(directory: str) -> dict:
@@ -199,10 +209,26 @@ def publish_checkpoint(run_dir: str, tmp: str, step: int, keep: Optional[int], p
     return final
 
 
+@contextlib.contextmanager
+def as_users_load_it(model):
+    """`model`'s config while it is saved for users: the KV cache on (training turns `use_cache` off; a plain forward
+    of the exported model would otherwise run without it)."""
+    config = getattr(model, "config", None)
+    previous = getattr(config, "use_cache", None)
+    if config is not None and previous is not None:
+        config.use_cache = True
+    try:
+        yield model
+    finally:
+        if config is not None and previous is not None:
+            config.use_cache = previous
+
+
 def write_checkpoint_files(tmp: str, step: int, *, actor, tokenizer, critic, optimizers: dict, schedulers: dict,
                             trainer_state: dict, export_actor, config_yaml: Optional[str]) -> None:
     is_lora = export_actor is not None
-    (export_actor if is_lora else actor).save_pretrained(os.path.join(tmp, "actor"), safe_serialization=True)
+    with as_users_load_it(export_actor if is_lora else actor) as exported:
+        exported.save_pretrained(os.path.join(tmp, "actor"), safe_serialization=True)
     tokenizer.save_pretrained(os.path.join(tmp, "actor"))
     if is_lora:
         actor.save_pretrained(os.path.join(tmp, "actor_lora"))
@@ -329,21 +355,34 @@ def retire_later_checkpoints(run_dir: str, step: int) -> list[str]:
 
 
 def export_final_model(run_dir: str, step: int, model_to_export: Callable[[], Any], tokenizer, dp) -> str:
-    """The trained actor in HF format at the end of a run: the last checkpoint's actor/ when one was written at
-    `step`, else RUN_DIR/final_model/ (model + tokenizer, no optimizer), written atomically by rank 0.
-    `model_to_export()` gives the model to write (with LoRA: the merged one)."""
-    latest = find_latest_checkpoint(run_dir)
-    if latest and os.path.basename(latest) == f"global_step_{step}":
-        return os.path.join(latest, "actor")
+    """RUN_DIR/final_model/: the trained actor in HF format at the end of a run (model + tokenizer, no optimizer),
+    written atomically by rank 0. When a checkpoint was written at `step`, its actor/ files are linked in (hard
+    links: no second copy on disk, and they outlive the checkpoint's deletion); else `model_to_export()` (with LoRA:
+    the merged model) is written."""
     final = os.path.join(run_dir, "final_model")
-    model = model_to_export()
+    latest = find_latest_checkpoint(run_dir)
+    saved = os.path.join(latest, "actor") if latest and os.path.basename(latest) == f"global_step_{step}" else None
+    model = None if saved else model_to_export()
     if dp.is_main:  # [distributed] replicas are identical: rank 0 writes, the others wait for it
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        if saved:
+            shutil.copytree(saved, tmp, copy_function=_link_or_copy)
+        else:
+            with as_users_load_it(model):
+                model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+        _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # a run killed mid-write leaves final_model.tmp, never a half-written final_model
+        _fsync_dir(run_dir)
         log.info("final model saved: %s", final)
     dp.barrier()
     return final
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another filesystem, or one without hard links
+        shutil.copy2(source, target)

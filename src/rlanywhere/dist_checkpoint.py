@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, restore_rng, verify_checkpoint, write_run_state
+from .checkpoint import CheckpointError, as_users_load_it, restore_rng, verify_checkpoint, write_run_state
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,8 @@ def write_hf_model(directory: str, model: nn.Module, state: dict[str, torch.Tens
     os.makedirs(directory, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(directory, "model.safetensors"),
               metadata={"format": "pt"})
-    inner.config.save_pretrained(directory)
+    with as_users_load_it(inner):
+        inner.config.save_pretrained(directory)
     if getattr(inner, "generation_config", None) is not None:
         inner.generation_config.save_pretrained(directory)
     if tokenizer is not None:

@@ -155,9 +155,18 @@ def config_changes(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
     return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
 
 
+def _with_effective_filter(config: dict) -> dict:
+    """data.filter_overlong_prompts as it acts (unset: true exactly when data.truncation is error), so that a run
+    saved before the key could be unset compares equal when it drops the same prompts."""
+    data = config.get("data") if isinstance(config.get("data"), dict) else None
+    if data is None or data.get("filter_overlong_prompts") is not None:
+        return config
+    return {**config, "data": {**data, "filter_overlong_prompts": data.get("truncation", "error") == "error"}}
+
+
 def check_resume_config(saved: dict, current: dict, checkpoint: str) -> dict[str, tuple[Any, Any]]:
     """Refuse changes to FIXED_ON_RESUME keys (RunDirError naming them); return the other changes."""
-    changes = config_changes(saved, current)
+    changes = config_changes(_with_effective_filter(saved), _with_effective_filter(current))
     fixed = {key: change for key, change in changes.items() if key in FIXED_ON_RESUME}
     if fixed:
         listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in fixed.items())
@@ -202,7 +211,10 @@ def prepare_run_dir(run_dir: str, cfg) -> RunLock:
             current = OmegaConf.to_container(cfg, resolve=True)
             changes = check_resume_config(saved, current, resume_from)
             for key, (old, new) in changes.items():
-                log.warning("resume: %s changed %r -> %r (the new value is used)", key, old, new)
+                adapted = key == "algorithm.kl_ctrl.kl_coef" and cfg.algorithm.kl_ctrl.type == "adaptive"
+                log.warning("resume: %s changed %r -> %r (%s)", key, old, new,
+                            "the adaptive controller goes on from its adapted coefficient" if adapted
+                            else "the new value is used")
     except BaseException:
         lock.release()
         raise

@@ -40,14 +40,15 @@ def oom_sizes_path(run_dir: str) -> str:
     return os.path.join(checkpoint_root(run_dir), OOM_SIZES_FILE)
 
 
-def remember_sizes(run_dir: str, sizes: RuntimeSizes, event: dict, rank: int = 0) -> str:
-    """Write `sizes` (and the event that lowered them) for the next launch; atomic, any rank (two ranks that run
-    out of memory in the same phase write the same sizes). Returns the file's path."""
+def remember_sizes(run_dir: str, sizes: dict[str, int], event: dict, rank: int = 0) -> str:
+    """Write `sizes` (the ones out-of-memory events lowered, by SizeKind name) and the event that lowered the last
+    for the next launch; atomic, any rank (two ranks that run out of memory in the same phase write the same
+    sizes). Returns the file's path."""
     path = oom_sizes_path(run_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{rank}"
     with open(tmp, "w") as handle:
-        json.dump({"sizes": sizes.to_dict(), "event": {**event, "rank": rank}}, handle, indent=2)
+        json.dump({"sizes": dict(sizes), "event": {**event, "rank": rank}}, handle, indent=2)
     os.replace(tmp, path)
     return path
 
@@ -118,7 +119,7 @@ class RunState:
         """Save the sizes for the next launch (an OOM a sharded rank cannot redo alone); where, or None."""
         if self.run_dir is None:
             return None
-        return remember_sizes(self.run_dir, self.sizes, event, self.rank)
+        return remember_sizes(self.run_dir, self.ceilings(), event, self.rank)  # the lowered sizes only
 
     def engine_running(self, engine, planned: str) -> None:
         """The engine that runs; a fast engine that fell back to transformers' is a fallback with its reason."""

@@ -9,6 +9,7 @@ stops, and is not used on its own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -46,11 +47,15 @@ class TrainerCheckpoints:
             earlier_hint=self.stops.last_good_hint(), protect=self.stops.last_good_checkpoint)
         log.info("checkpoint saved: %s", path)
         self.stops.checkpoint_saved(path)
+        if getattr(self, "oom_sizes_applied", False) and self.dp.is_main:  # its sizes now live in the checkpoint
+            self.oom_sizes_applied = False
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(oom_sizes_path(self.run_dir))
         return path
 
     def save_final_model(self) -> str:
-        """The trained actor in HF format at the end of a run: the last checkpoint's actor/ when one was written at
-        this step (save_freq > 0), else RUN_DIR/final_model/ (model + tokenizer, LoRA merged, no optimizer)."""
+        """RUN_DIR/final_model/: the trained actor in HF format at the end of a run (model + tokenizer, LoRA merged,
+        no optimizer; the files of a checkpoint written at this step, linked)."""
         if is_sharded(self.actor):  # [distributed] gathered full weights, written by rank 0
             final = os.path.join(self.run_dir, "final_model")
             save_full_model(self.dp, final, self.actor, self.tokenizer)
@@ -94,8 +99,11 @@ class TrainerCheckpoints:
         """[distributed] The sizes an out-of-memory stop of this run saved for its next launch (a sharded update
         cannot be redone on one rank: OOMGuard.run_matched), each a ceiling on what the plan or checkpoint says."""
         record = remembered_sizes(self.run_dir)
-        changes = self.run.lower_to({name: size for name, size in ((record or {}).get("sizes") or {}).items()
-                                     if isinstance(size, int)})
+        sizes = {name: size for name, size in ((record or {}).get("sizes") or {}).items() if isinstance(size, int)}
+        for name, size in sizes.items():  # the next checkpoint keeps them as ceilings: the file is then retired
+            self.run.inherited_ceilings[name] = min(size, self.run.inherited_ceilings.get(name, size))
+        self.oom_sizes_applied = record is not None
+        changes = self.run.lower_to(sizes)
         if not changes:
             return
         if self.dp.is_main:  # plan.json keeps the history; counted once in oom/recoveries (a sum over ranks)
