@@ -154,3 +154,14 @@ def test_a_run_saved_with_the_old_filter_default_resumes_where_it_drops_the_same
     assert check_resume_config(data(True, "error"), data(None, "error"), "ckpt") == {}
     with pytest.raises(RunDirError, match="filter_overlong_prompts: True -> False"):
         check_resume_config(data(True, "left"), data(None, "left"), "ckpt")
+
+
+def test_without_a_chat_template_every_message_is_in_the_prompt():
+    """A one-shot prompt (system instruction, a worked example as a user and an assistant turn, the question): all
+    four texts, in order (the system and assistant turns vanished)."""
+    from rlanywhere.data import render_prompt
+
+    messages = [{"role": "system", "content": "answer after ####"}, {"role": "user", "content": "1 + 1 ?"},
+                {"role": "assistant", "content": "#### 2"}, {"role": "user", "content": "2 + 2 ?"}]
+    assert render_prompt(make_tokenizer(chat_template=None), messages) == \
+        "answer after ####\n\n1 + 1 ?\n\n#### 2\n\n2 + 2 ?"

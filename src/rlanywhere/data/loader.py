@@ -246,11 +246,12 @@ class RLDataset:
 
 
 def render_prompt(tokenizer, prompt: Any) -> str:
-    """The prompt text the model sees: chat template + generation prompt, or plain user text without one."""
+    """The prompt text the model sees: chat template + generation prompt, or without one every message's text in
+    order (a system instruction and few-shot turns included), separated by blank lines."""
     messages = _normalise_messages(prompt)
     if _has_chat_template(tokenizer):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return "\n\n".join(m["content"] for m in messages if m["role"] == "user")
+    return "\n\n".join(m["content"] for m in messages)
 
 
 def tokenize_rendered(tokenizer, texts: list[str]) -> list[list[int]]:
