@@ -239,6 +239,18 @@ def test_the_planner_shares_prompts_for_groups(card, overrides, expected):
     assert "shared prompts" in plan.summary()
 
 
+def test_prompts_are_not_shared_when_their_attention_would_not_fit_the_budget():
+    """Long responses on a P40 with LoRA: the searched micro-batch fits as packed rows, but the shared attention's
+    buffers would take the update over the budget: sharing is off and the plan's peak fits (it printed a plan at
+    110% of the budget); forced on, it stays on."""
+    long = [*GRPO[:4], "data.max_response_length=5120", "actor_rollout_ref.rollout.n=8",
+            "actor_rollout_ref.model.lora_rank=16", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+    plan = make_plan(load_config(None, long), HardwareProbe.fake("p40"))
+    assert not plan.share_prompts and "more than the" in plan.reasons["share_prompts"]
+    assert plan.estimate["peak_bytes"] <= plan.memory_budget_bytes
+    assert make_plan(load_config(None, [*long, "hardware.share_prompts=true"]), HardwareProbe.fake("p40")).share_prompts
+
+
 @pytest.mark.parametrize("flash, varlen, compiled, checkpointing, expected", [
     (True, True, True, False, (True, VARLEN)),
     (True, True, False, False, (False, VARLEN)),  # eager passes: the per-layer gathers cost more (measured)

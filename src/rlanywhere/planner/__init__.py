@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from ..algorithms import estimator_needs
 from ..async_plan import plan_async_rollout
+from ..estimator import format_bytes
 from ..machine import HardwareProbe, card_spec, probe_machine
 from ..model_shape import ModelShape, read_model_shape
 from ..plans import Plan, RolloutPlan
@@ -165,11 +166,26 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     else:
         # the estimate recounted for the training kernels (the search's figure sized the micro-batches): compiled
         # layers keep fewer activations; k/v heads stay grouped unless a kernel repeats them (shared prompts may)
-        sharding.memory = with_training_kernels(sharding.memory, kernels.compiled_layers, kernels.kv_heads_repeated)
+        searched_memory = sharding.memory
+        sharding.memory = with_training_kernels(searched_memory, kernels.compiled_layers, kernels.kv_heads_repeated)
         plan.estimate = sharding.memory.estimate
         if plan.share_prompts:
-            packed, plan.estimate = searched, count_prompts_once(sharding.memory, plan.shared_prompt_kernel)
-            reasons["share_prompts"] += shared_prompts_note(packed, plan.estimate)
+            shared = count_prompts_once(sharding.memory, plan.shared_prompt_kernel)
+            budget = plan.memory_budget_bytes
+            if budget and shared["peak_bytes"] > budget and auto_flag(cfg.hardware.share_prompts) is None:
+                # its attention's buffers (the gathered keys of every row) do not fit beside the searched sizes
+                plan.share_prompts = False
+                reasons["share_prompts"] = (
+                    f"off: with each prompt once the update would need {format_bytes(shared['peak_bytes'])}, more "
+                    f"than the {format_bytes(budget)} budget (the shared attention's buffers); the rows stay packed")
+                kernels = TrainingKernels(plan.compile_training, plan.expand_kv_heads or scores or attn == ATTN_EAGER,
+                                          False, plan.shared_prompt_kernel)
+                sharding.memory = with_training_kernels(searched_memory, kernels.compiled_layers,
+                                                        kernels.kv_heads_repeated)
+                plan.estimate = sharding.memory.estimate
+            else:
+                packed, plan.estimate = searched, shared
+                reasons["share_prompts"] += shared_prompts_note(packed, plan.estimate)
         plan.reasons["compile_training"] += (training_kernels_note(searched, plan.estimate)
                                              if plan.compile_training else "")
     plan.rollout.release_kv_between_phases, plan.rollout.reasons["release_kv_between_phases"] = decide_kv_release(
