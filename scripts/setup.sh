@@ -5,7 +5,9 @@
 #   - an NVIDIA GPU of compute capability < 7.5 (Pascal P40/P100, Volta V100) gets PyTorch's CUDA 12.6 build
 #     (--index-url https://download.pytorch.org/whl/cu126): since PyTorch 2.8 the default wheels have no kernels
 #     for those cards ("no kernel image is available for execution on the device");
-#   - newer GPUs get the default build; no GPU: torch 2.13.0 (on our CPU machines a local wheel, seconds).
+#   - newer GPUs get the default build; no GPU: torch 2.13.0 from pip's index (on Linux PyPI's build carries
+#     CUDA libraries, several GB: install the CPU build first to keep it small, it is then kept:
+#     pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu).
 # TORCH_VERSION=... picks another torch version.
 set -euo pipefail
 cd "$(dirname "$0")/.."

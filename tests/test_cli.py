@@ -156,3 +156,31 @@ def test_help_version_and_command_line_errors_answer_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout[-2000:]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.train_files=*.parquet", "is not a value the command line can read"),  # an unexpanded shell pattern
+    ("data.train_files=[a.parquet", "quote it"),
+    ("data.train_batch_size=abc", "data.train_batch_size='abc': expected an integer"),
+    ("actor_rollout_ref.actor.optim.lr=1e-6x", "expected a number"),
+    ("trainer.val_before_train=maybe", "expected true or false"),
+])
+def test_values_the_command_line_cannot_read_get_one_error_line(override, message, capsys):
+    assert main(["plan", "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", override, "--emulate",
+                 "h100"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "object_type" not in err
+
+
+def test_prepare_and_eval_name_their_inputs_before_anything_loads(tmp_path, capsys):
+    source = tmp_path / "rows.jsonl"
+    source.write_text('{"q": "1 + 1", "a": "2"}\n{"q": "1 + 2", "a": "3"}\n')
+    assert main(["prepare", "generic", "--src", str(source), "--prompt-key", "question", "--answer-key", "a",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "column 'question' not found" in capsys.readouterr().err
+    assert main(["prepare", "arithmetic", "--digits", "0", "--out", str(tmp_path / "arith")]) == 2
+    assert "digits must be an integer >= 1" in capsys.readouterr().err
+    assert main(["prepare", "gsm8k", "--src", "tests/data/no-such-folder", "--out", str(tmp_path / "g")]) == 2
+    assert "is not a directory" in capsys.readouterr().err  # a path, not a hub dataset name
+    assert main(["eval", "--model", "/no/such/model", "--data", str(tmp_path / "missing.parquet")]) == 2
+    assert "--data:" in capsys.readouterr().err

@@ -72,7 +72,7 @@ def test_hub_id_without_network_is_one_line_at_once(tmp_path, capsys, monkeypatc
                  "actor_rollout_ref.model.path=SomeOrg/not-downloaded-7b", "algorithm.adv_estimator=grpo"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
-    assert "not in the local Hugging Face cache" in lines[0] and "huggingface-cli download SomeOrg/not-downloaded-7b" \
+    assert "not in the local Hugging Face cache" in lines[0] and "hf download SomeOrg/not-downloaded-7b" \
         in lines[0]
     assert time.time() - start < 10
 

@@ -298,6 +298,11 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
     from .rewards import RewardManager
     from .rollout.base import SamplingParams
 
+    from .preflight import InputError, data_file_problems
+
+    problems = data_file_problems(str(data), "--data", "prompt", "data_source")  # before the model loads
+    if problems:
+        raise InputError(problems)
     loaded = _loaded(model, max_new_tokens=max_new_tokens, batch_size=batch_size, overrides=overrides)
     dataset = RLDataset([data], loaded.tokenizer, loaded.max_prompt_length)
     count = len(dataset) if max_samples <= 0 else min(max_samples, len(dataset))

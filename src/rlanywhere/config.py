@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -641,8 +642,17 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
         cleaned.append(item)
     try:
         return OmegaConf.from_dotlist(cleaned)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"could not parse overrides: {exc}") from exc
+    except (OmegaConfBaseException, yaml.YAMLError):
+        pass
+    for item in cleaned:  # name the override that does not parse (a YAML scalar is read from each value)
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError):
+            key, value = item.split("=", 1)
+            raise ConfigError(f"override {item!r}: {value!r} is not a value the command line can read (a shell "
+                              f"pattern, an unclosed bracket, a leading * % @ or `); quote it, e.g. "
+                              f"{key}=\"'{value}'\"") from None
+    raise ConfigError(f"could not parse the overrides {cleaned}")
 
 
 def _pop_key(cfg: DictConfig, dotted: str) -> Any:
@@ -774,8 +784,18 @@ def _merge_each_key(cfg: DictConfig, layer: DictConfig, problems: list[str]) -> 
         try:
             cfg = OmegaConf.merge(cfg, single)
         except OmegaConfBaseException as exc:
-            problems.append(f"bad config value: {exc.msg if hasattr(exc, 'msg') else exc}")
+            problems.append(_type_problem(key, OmegaConf.select(layer, key), exc))
     return cfg
+
+
+def _type_problem(key: str, value: Any, exc: Exception) -> str:
+    """One line for a value of the wrong type: the key, the value and what the key takes."""
+    message = str(getattr(exc, "msg", exc)).splitlines()[0]
+    wanted = re.search(r"converted to (\w+)|field of type '?(\w+)'?|not a valid (\w+)", message)
+    kind = next((name for name in (wanted.groups() if wanted else ()) if name), None)
+    taken = {"Integer": "an integer", "int": "an integer", "Float": "a number", "float": "a number",
+             "Boolean": "true or false", "bool": "true or false", "str": "a string"}.get(kind or "", kind)
+    return f"{key}={value!r}: " + (f"expected {taken}" if taken else message)
 
 
 def config_from(config: Any, overrides: Optional[list[str]] = None) -> DictConfig:

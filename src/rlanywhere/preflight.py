@@ -250,7 +250,7 @@ def model_problems(path: Optional[str], key: str, trust_remote_code: bool, trust
     if _hub_config_cached(path) or hub_reachable():
         return []
     return [f"{key}: {path} is not in the local Hugging Face cache and the hub cannot be reached from here; "
-            f"download it where there is network (`huggingface-cli download {path}`) and copy the cache "
+            f"download it where there is network (`hf download {path}`) and copy the cache "
             f"(~/.cache/huggingface) or the model folder here, then set {key} to that folder"]
 
 

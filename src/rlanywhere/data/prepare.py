@@ -21,6 +21,8 @@ from typing import Any, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,6 +39,17 @@ ARITHMETIC_OPERATORS = "+-*"
 # Writing verl-schema parquet, reading a source file
 # --------------------------------------------------------------------------------------------------------------------
 
+
+
+class PrepareError(UserError, ValueError):
+    """A source file or an argument `rlanywhere prepare` cannot use; the message names it and the fix."""
+
+
+class PrepareColumnError(PrepareError, KeyError):
+    """A column named by prompt_key / answer_key is not in the source file."""
+
+    def __str__(self) -> str:  # KeyError's would quote the message
+        return str(self.args[0]) if self.args else ""
 
 def make_row(
     *,
@@ -61,7 +74,7 @@ def make_row(
 
 def _write_rows(rows: list[dict[str, Any]], path: Path) -> Path:
     if not rows:
-        raise ValueError(f"No rows to write to {path}: the source split is empty.")
+        raise PrepareError(f"No rows to write to {path}: the source split is empty.")
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write to a temporary name first so an interrupted prepare never leaves a truncated parquet behind.
     tmp_path = path.with_suffix(path.suffix + ".tmp")
@@ -99,11 +112,11 @@ def _read_table_file(path: Path) -> list[dict[str, Any]]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as error:
-                    raise ValueError(
+                    raise PrepareError(
                         f"{path}:{line_number} is not valid JSON ({error.msg}); expected one JSON object per line."
                     ) from None
         return rows
-    raise ValueError(f"Unsupported file type {path.suffix!r} for {path}: use .jsonl or .parquet.")
+    raise PrepareError(f"Unsupported file type {path.suffix!r} for {path}: use .jsonl or .parquet.")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -119,7 +132,7 @@ def extract_gsm8k_answer(answer: str) -> str:
 
     number = extract_number(answer, "strict")
     if number is None:
-        raise ValueError(f"GSM8K answer has no '#### <number>' marker: {answer[-80:]!r}")
+        raise PrepareError(f"GSM8K answer has no '#### <number>' marker: {answer[-80:]!r}")
     return number
 
 
@@ -189,7 +202,8 @@ def prepare_gsm8k(src: str | Path, out_dir: str | Path, one_shot: bool = False) 
             if not file.is_file():
                 raise FileNotFoundError(f"{src_path} has no {split}.jsonl; GSM8K needs train.jsonl and test.jsonl.")
             records[split] = _read_table_file(file)
-    elif src_path.exists() or str(src).startswith((".", "/", "~")):
+    elif src_path.exists() or str(src).startswith((".", "/", "~")) or str(src).count("/") != 1 or \
+            src_path.parent.is_dir():  # a hub name is ORG/NAME; a path whose folder is here is a local one
         raise FileNotFoundError(
             f"{src} is not a directory. Pass a directory holding train.jsonl and test.jsonl, "
             "or a Hugging Face dataset name such as openai/gsm8k."
@@ -235,14 +249,14 @@ def _validate_arithmetic_knobs(train_size, test_size, digits, operators, num_ope
         ("num_operands", num_operands, 2),
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ValueError(f"prepare_arithmetic: {name} must be an integer >= {minimum}, got {value!r}.")
+            raise PrepareError(f"prepare_arithmetic: {name} must be an integer >= {minimum}, got {value!r}.")
     if digits > 18:
-        raise ValueError(f"prepare_arithmetic: digits={digits} is too large; use at most 18.")
+        raise PrepareError(f"prepare_arithmetic: digits={digits} is too large; use at most 18.")
     if not isinstance(operators, str) or not operators:
-        raise ValueError(f"prepare_arithmetic: operators must be a non-empty string drawn from {ARITHMETIC_OPERATORS!r}.")
+        raise PrepareError(f"prepare_arithmetic: operators must be a non-empty string drawn from {ARITHMETIC_OPERATORS!r}.")
     unknown = sorted(set(operators) - set(ARITHMETIC_OPERATORS))
     if unknown:
-        raise ValueError(
+        raise PrepareError(
             f"prepare_arithmetic: unsupported operator(s) {unknown}; choose from {ARITHMETIC_OPERATORS!r}, e.g. '+-'."
         )
     return "".join(sorted(set(operators), key=ARITHMETIC_OPERATORS.index))
@@ -270,7 +284,7 @@ def prepare_arithmetic(
     capacity = operand_space * len(operator_set) ** (num_operands - 1)
     needed = train_size + test_size
     if needed > capacity:
-        raise ValueError(
+        raise PrepareError(
             f"prepare_arithmetic: only {capacity} distinct questions exist for digits={digits}, "
             f"num_operands={num_operands}, operators={operator_set!r}, but train_size+test_size={needed}. "
             "Increase digits / num_operands / operators or ask for fewer examples."
@@ -339,7 +353,7 @@ def _lookup(record: dict[str, Any], dotted_key: str, source: Path) -> Any:
     value: Any = record
     for part in dotted_key.split("."):
         if not isinstance(value, dict) or part not in value:
-            raise KeyError(
+            raise PrepareColumnError(
                 f"{source}: column {dotted_key!r} not found; available columns: {sorted(record)}. "
                 "Set prompt_key / answer_key to the right column names."
             )
@@ -356,11 +370,11 @@ def _to_messages(prompt: Any, instruction: str | None, source: Path) -> tuple[li
         messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
         user_turns = [i for i, m in enumerate(messages) if m["role"] == "user"]
         if not user_turns:
-            raise ValueError(f"{source}: a prompt has no user message: {prompt!r}")
+            raise PrepareError(f"{source}: a prompt has no user message: {prompt!r}")
         question = messages[user_turns[-1]]["content"]
         messages[user_turns[-1]]["content"] = question + suffix
         return messages, question
-    raise ValueError(f"{source}: a prompt must be a string or a list of {{role, content}} messages, got {prompt!r}.")
+    raise PrepareError(f"{source}: a prompt must be a string or a list of {{role, content}} messages, got {prompt!r}.")
 
 
 def _generic_rows(records, split, prompt_key, answer_key, data_source, instruction, ability, source):
@@ -431,10 +445,10 @@ def prepare_generic(
         sources = {"train": src_path, "test": test_file}
     else:
         if not 0.0 < test_ratio < 1.0:
-            raise ValueError(f"test_ratio must be in (0, 1), got {test_ratio}; or pass test_src=FILE.")
+            raise PrepareError(f"test_ratio must be in (0, 1), got {test_ratio}; or pass test_src=FILE.")
         all_records = _read_table_file(src_path)
         if len(all_records) < 2:
-            raise ValueError(f"{src_path} has {len(all_records)} row(s); at least 2 are needed to split train/test.")
+            raise PrepareError(f"{src_path} has {len(all_records)} row(s); at least 2 are needed to split train/test.")
         order = list(range(len(all_records)))
         random.Random(seed).shuffle(order)
         test_count = min(len(order) - 1, max(1, round(len(order) * test_ratio)))
