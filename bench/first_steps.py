@@ -3,8 +3,9 @@
 Runs the GPU demo's training job (`rlanywhere.cli.demo_profile`: 64 prompts x 8, up to 96 new tokens, two optimizer
 steps a step; the time-to-accuracy job without its evaluations) a few steps, twice in one fresh cache folder:
 first with empty compile caches (inductor's and Triton's, as on a new machine), then again with what the first run
-left there. For each run it prints the process's wall time, the setup before step 1 (imports, model load, planning,
-the engine), the first step and what it spent compiling (`perf/compile_s`) and capturing decode CUDA graphs
+left there. For each run it prints the process's wall time, the time outside its steps ("outside steps s": imports,
+model load, planning and the engine before step 1, and after the last one the final model's export, the plots and
+the exit), the first step and what it spent compiling (`perf/compile_s`) and capturing decode CUDA graphs
 (`perf/graph_capture_s`), and the median later step.
 
     python bench/first_steps.py                                   # SmolLM2-135M's shape, random weights
@@ -31,13 +32,14 @@ sys.path.insert(0, HERE)
 import sides  # noqa: E402
 from time_to_accuracy import demo_task, flatten_overrides  # noqa: E402
 
-COLUMNS = ("process s", "setup s", "1st step s", "compile s", "capture s", "1st other s", "later step s")
+COLUMNS = ("process s", "outside steps s", "1st step s", "compile s", "capture s", "1st other s", "later step s")
 
 
 def first_step_breakdown(records: list[dict], process_seconds: float) -> dict:
-    """The columns of one run from its metrics.jsonl records and the process's wall seconds: setup is the wall time
-    no step accounts for (imports, loading, planning; the bench runs no evaluation), "1st other" the first step's
-    seconds that were neither compiling nor capturing."""
+    """The columns of one run from its metrics.jsonl records and the process's wall seconds: "outside steps" is the
+    wall time no step accounts for (imports, loading and planning before step 1; the final model's export, the plots
+    and the exit after the last; the bench runs no evaluation), "1st other" the first step's seconds that were
+    neither compiling nor capturing."""
     steps = sorted((r for r in records if "perf/step_time_s" in r), key=lambda r: r["step"])
     if not steps:
         raise SystemExit("the run recorded no step")
@@ -45,7 +47,7 @@ def first_step_breakdown(records: list[dict], process_seconds: float) -> dict:
     compile_s, capture_s = first.get("perf/compile_s", 0.0), first.get("perf/graph_capture_s", 0.0)
     later = [r["perf/step_time_s"] for r in steps[1:]]
     return {"process s": process_seconds,
-            "setup s": process_seconds - sum(r["perf/step_time_s"] for r in steps),
+            "outside steps s": process_seconds - sum(r["perf/step_time_s"] for r in steps),
             "1st step s": first["perf/step_time_s"], "compile s": compile_s, "capture s": capture_s,
             "1st other s": first["perf/step_time_s"] - compile_s - capture_s,
             "later step s": statistics.median(later) if later else None}

@@ -67,16 +67,16 @@ def time_update(model, batch, groups: list[list[int]], pad_token_id: int, device
         model.zero_grad(set_to_none=True)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        began = time.perf_counter()
         for group in groups:
-            ids, mask, pos, resp_len, *start = (t.to(device) if torch.is_tensor(t) else t for t in layout(
+            ids, mask, pos, resp_len, *response_start = (t.to(device) if torch.is_tensor(t) else t for t in layout(
                 batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, group, pad_token_id))
             logprobs, _ = response_logprobs(model, ids, mask, resp_len, position_ids=pos,
-                                            response_start=start[0] if start else None)
+                                            response_start=response_start[0] if response_start else None)
             (logprobs * batch.response_mask[group, :resp_len].to(device)).sum().backward()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.perf_counter() - began)
     return best
 
 

@@ -52,7 +52,9 @@ RUNS = {
     "ours-plan": "rlanywhere, the planner's choice",
     "ppo": "rlanywhere PPO + critic (GAE), verl's single-GPU recipe size",
 }
-# (metric in rlanywhere's metrics.jsonl, the same metric in the TRL side's records)
+# (metric in rlanywhere's metrics.jsonl, the same metric in the TRL side's records). The phase columns split the
+# step differently on each side: ours "generate s" is the rollout alone and "update s" the actor's update; TRL's are
+# generation with scoring and advantages, and the rest of the step. s/step and samples/s compare the same work.
 COLUMNS = {
     "s/step": ("perf/step_time_s", "perf/step_time_s"),
     "generate s": ("timing/rollout", "timing/generate_and_score"),

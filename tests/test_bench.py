@@ -313,7 +313,7 @@ def test_first_step_breakdown_splits_the_process_and_the_first_step():
                {"step": 3, "perf/step_time_s": 0.5}, {"step": 4, "perf/step_time_s": 1.0}]
     row = first_steps.first_step_breakdown(records, process_seconds=40.0)
     # setup: 40 - (20 + 1.5 + 0.5 + 1) = 17; first step other: 20 - 12 - 3 = 5; later steps' median: 1.0
-    assert row == {"process s": 40.0, "setup s": 17.0, "1st step s": 20.0, "compile s": 12.0, "capture s": 3.0,
+    assert row == {"process s": 40.0, "outside steps s": 17.0, "1st step s": 20.0, "compile s": 12.0, "capture s": 3.0,
                    "1st other s": 5.0, "later step s": 1.0}
     table = first_steps.format_rows([("cold caches", row)]).splitlines()
     assert table[1].split()[2:] == ["40.00", "17.00", "20.00", "12.00", "3.00", "5.00", "1.00"]

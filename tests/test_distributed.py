@@ -469,6 +469,38 @@ def test_a_job_stopped_by_a_sharded_oom_is_relaunched_to_resume_at_the_saved_siz
     assert cli.main(["train", *items]) == 1 and len(launches) == 1  # the saved sizes did not change: no relaunch
 
 
+@pytest.mark.slow
+def test_sampled_validation_on_two_ranks_scores_what_one_process_scores(tiny_model_dir, arith_data, tmp_path,
+                                                                       reward_file):
+    """val_kwargs with sampling (n=2, temperature 1): each validation row draws from its own stream keyed by its
+    global prompt, so 2 ranks (each its block, in its own chunks) score what one process scores."""
+    extra = {**SCORED_IN_PROCESS, "trainer.total_training_steps": 1, "trainer.test_freq": 1,
+             "trainer.val_before_train": True, "actor_rollout_ref.rollout.val_kwargs.do_sample": True,
+             "actor_rollout_ref.rollout.val_kwargs.temperature": 1.0, "actor_rollout_ref.rollout.val_kwargs.n": 2,
+             "data.val_batch_size": 3}
+    ranks = torchrun(overrides(tiny_model_dir, arith_data, tmp_path / "dist", reward_file, **extra))
+    single_process(overrides(tiny_model_dir, arith_data, tmp_path / "single", reward_file, **extra))
+    finish(ranks)
+    val = lambda rows: {r["step"]: {k: v for k, v in r.items() if k.startswith("val/")} for r in rows}  # noqa: E731
+    got, want = val(read_metrics(tmp_path / "dist")), val(read_metrics(tmp_path / "single"))
+    assert want[0] and set(got[0]) == set(want[0])
+    for step in (0, 1):
+        for key, value in want[step].items():
+            assert math.isclose(got[step][key], value, rel_tol=1e-6, abs_tol=1e-9), (step, key)
+
+
+def test_pf_ppo_on_several_ranks_is_refused_before_loading():
+    """Each rank would redraw only its own rows (and with the same seed): not what one process trains."""
+    from rlanywhere.distributed import check_world_config
+    from rlanywhere.errors import UserError
+
+    cfg = load_config(None, ["algorithm.use_pf_ppo=true", "data.train_batch_size=8",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=8"])
+    check_world_config(cfg, 1)
+    with pytest.raises(UserError, match="use_pf_ppo on 2 ranks"):
+        check_world_config(cfg, 2)
+
+
 def test_batch_sizes_must_split_over_the_ranks():
     from rlanywhere.distributed import check_batch_divisible
     from rlanywhere.errors import UserError

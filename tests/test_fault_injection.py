@@ -561,6 +561,10 @@ def test_a_survivor_names_a_rank_that_ends_just_after_its_sockets_closed(monkeyp
         line = rank_layout.failed_rank_line(failure, 0, 2)
         assert line.startswith("error: rank 0 of 2 lost its connection") and time.monotonic() - started >= 0.2
         assert rank_layout.failed_rank_line(ValueError("bad shape"), 0, 2) is None  # not a peer's failure
+        # a reward or tool server refusing this rank's connection, every peer alive: this rank's own error
+        refused = ConnectionRefusedError(111, "Connection refused")
+        assert rank_layout.failed_rank_line(refused, 0, 2) is None
+        assert rank_layout.failed_rank_line(TimeoutError("the tool timed out"), 0, 2) is None
     finally:
         for peer in peers:
             peer.kill()

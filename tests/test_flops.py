@@ -19,12 +19,12 @@ def test_a_causal_sequence_counts_its_linear_layers_head_and_attention_pairs():
     assert sequence_forward_flops(TINY, 3, context=2) == 3 * 368 + 16 * 12
 
 
-def test_a_shared_prompt_counts_once_per_group():
-    # 4 rows in 2 groups, prompt 2, response 3
+def test_a_shared_prompt_counts_once_per_group_and_the_head_runs_on_responses_only():
+    # 4 rows in 2 groups, prompt 2, response 3; the LM head (80 a token) on the 3 response tokens of each row only
     shared = step_forward_flops(TINY, rows=4, prompt_len=2, response_len=3, groups=2)
-    assert shared == 2 * (2 * 368 + 16 * 3) + 4 * (3 * 368 + 16 * 12)
+    assert shared == 2 * (2 * 288 + 16 * 3) + 4 * (3 * 288 + 16 * 12) + 4 * 3 * 80
     whole = step_forward_flops(TINY, rows=4, prompt_len=2, response_len=3)
-    assert whole == 4 * (5 * 368 + 16 * 15)
+    assert whole == 4 * (5 * 288 + 16 * 15) + 4 * 3 * 80
     assert shared < whole
 
 
@@ -50,7 +50,7 @@ def test_phase_mfus_of_a_metrics_record():
     record = {"perf/tokens_per_s": 10.0, "perf/step_time_s": 2.0, "response_length/mean": 3.0,
               "timing/old_log_prob": 8.32, "timing/update_actor": 24.96, "timing/values": 1.0}
     out = phase_mfus(record, TINY, rows=4, groups=None, ppo_epochs=2, peak=1000.0)
-    forward = 4 * (5 * 368 + 16 * 15)  # 8320
+    forward = 4 * (5 * 288 + 16 * 15) + 4 * 3 * 80  # 7680: the head on the response tokens only
     assert out["mfu/old_log_prob"] == pytest.approx(forward / 8.32 / 1000)
     assert out["mfu/update_actor"] == pytest.approx(2 * 3 * forward / 24.96 / 1000)
     critic_forward = 4 * (5 * 288 + 16 * 15)  # no LM head

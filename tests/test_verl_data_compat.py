@@ -108,6 +108,8 @@ def test_lr_scheduler_type_and_verls_null_warmup_style_pick_the_schedule():
     (["actor_rollout_ref.actor.kl_loss_type=low_var"], "kl_loss_type='low_var'"),
     (["algorithm.kl_penalty=full"], "kl_penalty='full'"),
     (["actor_rollout_ref.actor.clip_ratio_c=1.0"], "clip_ratio_c=1.0"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,embed_tokens]"],
+     "embeddings or the LM head"),  # the log-prob passes read the head's weight: an adapter there trains nothing
 ])
 def test_values_the_update_would_refuse_are_named_when_the_configuration_is_read(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -165,3 +167,12 @@ def test_without_a_chat_template_every_message_is_in_the_prompt():
                 {"role": "assistant", "content": "#### 2"}, {"role": "user", "content": "2 + 2 ?"}]
     assert render_prompt(make_tokenizer(chat_template=None), messages) == \
         "answer after ####\n\n1 + 1 ?\n\n#### 2\n\n2 + 2 ?"
+
+
+def test_response_lengths_count_a_multi_turn_rows_tool_tokens():
+    """verl's lengths come from the attention mask: a row's tool-result tokens (mask 0 between its turns) count, as
+    they count against the response length; single-turn rows (no holes) are their mask's sum."""
+    from rlanywhere.rollout.base import response_extents
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    assert response_extents(mask).tolist() == [5, 3, 0]

@@ -894,6 +894,15 @@ def _value_problems(cfg: DictConfig) -> list[str]:
     for key in positive:
         if OmegaConf.select(cfg, key) <= 0:
             problems.append(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
+    for key in ("actor_rollout_ref.model.target_modules", "critic.model.target_modules"):
+        targets = OmegaConf.select(cfg, key)
+        named = [] if targets is None or isinstance(targets, str) else [str(t) for t in targets]
+        outside = [t for t in named if re.search(r"(^|\.)(embed_tokens|wte|word_embeddings|lm_head|embed_out)$", t)]
+        if outside:
+            problems.append(f"{key} names {outside}: LoRA adapters on the embeddings or the LM head are not available "
+                            "(the log-prob passes read the LM head's weight, tied to the embeddings in many models, "
+                            "directly: an adapter there would not be the policy trained); adapt the decoder's linear "
+                            "layers (all-linear, or q_proj, v_proj, ...)")
     clip_c = OmegaConf.select(cfg, "actor_rollout_ref.actor.clip_ratio_c")
     if clip_c is not None and clip_c <= 1.0:
         problems.append(f"actor_rollout_ref.actor.clip_ratio_c={clip_c}: the dual-clip constant must be > 1.0 "

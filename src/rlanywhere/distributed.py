@@ -92,10 +92,14 @@ def check_batch_divisible(cfg, world: int) -> None:
 
 def check_world_config(cfg, world: int) -> None:
     """What data parallelism over `world` ranks cannot run, refused before anything loads: batch sizes (and DAPO's
-    prompts per generation round) that do not split evenly over the ranks."""
+    prompts per generation round) that do not split evenly over the ranks, and PF-PPO."""
     if world <= 1:
         return
     check_batch_divisible(cfg, world)
+    if cfg.algorithm.use_pf_ppo:
+        raise UserError(f"algorithm.use_pf_ppo on {world} ranks is not available: PF-PPO redraws the step's rows by "
+                        "their score over the whole batch, which the ranks hold in parts (each redrawing its own "
+                        "would train on other rows than one process); run it on one rank (trainer.n_gpus_per_node=1)")
 
 
 def relaunch_command(nproc: int, argv: Sequence[str]) -> list[str]:

@@ -71,13 +71,15 @@ def sequence_forward_flops(shape: ModelShape, length: int, *, lm_head: bool = Tr
 def step_forward_flops(shape: ModelShape, *, rows: int, prompt_len: float, response_len: float,
                        groups: Optional[int] = None, lm_head: bool = True) -> float:
     """One forward over a step's rows of `prompt_len + response_len` tokens. With `groups` (prompts shared by
-    their rows, computed once per group) each prompt counts once and each response attends to it as context."""
+    their rows, computed once per group) each prompt counts once and each response attends to it as context. The LM
+    head (`lm_head`) runs on the response positions only: the log-prob passes read no logits of prompt tokens."""
     if groups is None:
-        return rows * sequence_forward_flops(shape, round(prompt_len + response_len), lm_head=lm_head)
-    prompts = groups * sequence_forward_flops(shape, round(prompt_len), lm_head=lm_head)
-    responses = rows * sequence_forward_flops(shape, round(response_len), lm_head=lm_head,
-                                              context=round(prompt_len))
-    return prompts + responses
+        body = rows * sequence_forward_flops(shape, round(prompt_len + response_len), lm_head=False)
+    else:
+        body = (groups * sequence_forward_flops(shape, round(prompt_len), lm_head=False)
+                + rows * sequence_forward_flops(shape, round(response_len), lm_head=False, context=round(prompt_len)))
+    head = 2 * shape.hidden_size * shape.vocab_size if lm_head else 0
+    return body + rows * round(response_len) * head
 
 
 def mfu(flops: float, seconds: float, peak: Optional[float]) -> Optional[float]:

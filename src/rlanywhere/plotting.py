@@ -26,7 +26,7 @@ PLOT_FAMILIES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("reward", "Reward", ("reward/mean", "reward/acc", "reward/format"), ()),
     ("reward_model", "Reward model", ("reward_model/score_mean", "reward_model/parse_failures"), ()),
     ("validation", "Validation", (), ("val/",)),
-    ("kl", "KL divergence", ("actor/kl", "actor/approx_kl"), ()),
+    ("kl", "KL divergence", ("actor/kl", "actor/kl_loss", "actor/reward_kl_penalty", "actor/approx_kl"), ()),
     ("entropy", "Policy entropy", ("actor/entropy",), ()),
     ("losses", "Losses", ("actor/pg_loss", "critic/vf_loss", "actor/pg_clipfrac"), ()),
     ("response_length", "Response length", ("response_length/mean", "response_length/max"), ()),

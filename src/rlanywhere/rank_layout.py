@@ -79,7 +79,11 @@ def failed_rank_line(exc: BaseException, rank: int, world: int) -> Optional[str]
     import time
 
     text = f"{type(exc).__name__}: {exc}".lower()
-    if world <= 1 or not (any(part in text for part in _PEER_FAILURE_TEXTS) or "distbackenderror" in text):
+    # an error of the job's own connections (gloo, NCCL, the c10d store), where a lost peer can be the only cause;
+    # the same words from a reward or tool server's socket are this rank's error, said as it is unless a peer died
+    collective = any(part in text for part in ("distbackenderror", "distnetworkerror", "diststoreerror", "gloo",
+                                               "nccl", "c10d"))
+    if world <= 1 or not (any(part in text for part in _PEER_FAILURE_TEXTS) or collective):
         return None
     here = _other_ranks_here()
     deadline = time.monotonic() + PEER_EXIT_WAIT_S
@@ -92,5 +96,7 @@ def failed_rank_line(exc: BaseException, rank: int, world: int) -> Optional[str]
         names = ", ".join(str(index) for index in dead)
         return (f"error: rank {names} of {world} stopped (killed, or crashed without a message); rank {rank} stops "
                 "too. Run the same command to resume from the last checkpoint")
+    if not collective:
+        return None
     return (f"error: rank {rank} of {world} lost its connection to another rank (stopped, or its machine is "
             "unreachable); run the same command to resume from the last checkpoint")

@@ -14,6 +14,7 @@ import torch
 
 from . import algorithms as algo
 from .reward_model import reward_model_metrics
+from .rollout.base import response_extents
 
 
 class PhaseTimer:
@@ -51,7 +52,7 @@ def step_metrics(dp, *, scores: torch.Tensor, mask: torch.Tensor, prompt_mask: t
     """Step 7's diagnostics. `scores`, `mask` and the per-token tensors hold every rank's rows; `prompt_mask` and
     `info` are this rank's; `extra` (KL-in-reward, dynamic sampling, truncation metrics) is merged as it is.
     `compiles`: torch.compile compiles during this step on this rank (a slow step that compiled says why)."""
-    resp_len = mask.sum(-1)
+    resp_len = response_extents(mask).float()  # a multi-turn row's tool tokens included, as they count against the budget
     # [distributed] every rank's share of the per-rank numbers in one exchange (one host sync, not one per metric)
     ranks = dp.gather_objects([{
         "acc": list(info["acc"]), "format": list(info["format"]), "overlong": list(info.get("overlong_penalty", [])),
@@ -70,12 +71,16 @@ def step_metrics(dp, *, scores: torch.Tensor, mask: torch.Tensor, prompt_mask: t
         "response_length/clip_ratio": float((resp_len >= response_length).float().mean()),
         "actor/lr": actor_lr,
         "perf/step_time_s": step_time, "perf/tokens_per_s": total_tokens / step_time,
-        "perf/rollout_tokens_per_s": float(mask.sum()) / max(timer.times.get("rollout", 1e-9), 1e-9),
         "perf/peak_memory_gib": max(part["peak"] for part in ranks),
         "perf/compiles": max(part["compiles"] for part in ranks),
         **{f"timing/{k}": v for k, v in timer.times.items()},
         **extra,
     }
+    # this batch's rollout seconds: the pipeline's for a batch made in the background (the step timed only its
+    # wait for it), else the step's own rollout phase
+    rollout_s = extra.get("async/rollout_s") or timer.times.get("rollout")
+    if rollout_s:
+        metrics["perf/rollout_tokens_per_s"] = float(mask.sum()) / rollout_s
     metrics.update(reward_model_metrics([part["reward_model"] for part in ranks]))  # {} without a reward model
     if "overlong_penalty" in info:
         metrics["reward/overlong_penalty"] = float(np.mean(every("overlong")))

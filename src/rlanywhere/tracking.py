@@ -176,9 +176,14 @@ class Tracker:
         except ImportError:
             logger.warning("TensorBoard logging skipped: `pip install tensorboard` to enable it.")
             return None
-        # purge_step discards events a crashed run wrote after the checkpoint we resume from.
+        # purge_step discards events a crashed run wrote after the checkpoint we resume from; a fresh run starts
+        # without the event files of one that ran here before (as metrics.jsonl starts empty)
+        log_dir = self.run_dir / "tensorboard"
         purge_step = resume_step + 1 if resume_step is not None else None
-        writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge_step)
+        if resume_step is None and log_dir.is_dir():
+            for old in log_dir.glob("events.out.tfevents.*"):
+                old.unlink()
+        writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
         if config:
             writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```", 0)
         return writer

@@ -358,8 +358,14 @@ class RLTrainer(TrainerCheckpoints):
         stops.failed_reward_streak = 0
         if trainer_cfg.val_only or (trainer_cfg.val_before_train and self.global_step == 0):
             last_val = stops.droppable(self.validate) or {}
-            if last_val:
-                self.tracker.log(last_val, step=self.global_step)
+            if last_val and self.global_step == 0:
+                self.tracker.log(last_val, step=0)
+            elif last_val and self.dp.is_main:  # val_only on a resumed run: metrics.jsonl already has this step
+                path = os.path.join(self.run_dir, f"val_only_step_{self.global_step}.json")
+                with open(path, "w") as handle:
+                    json.dump(last_val, handle, indent=2)
+                log.info("validation of step %d: %s (%s)", self.global_step,
+                         ", ".join(f"{k} {v:.4g}" for k, v in last_val.items() if isinstance(v, float)), path)
             if trainer_cfg.val_only:  # verl's val_only: the model as loaded (or resumed), validated, no training
                 return last_val
         while self.global_step < self.total_steps:

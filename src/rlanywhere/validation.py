@@ -17,6 +17,9 @@ from .rollout_phase import RolloutPhase
 log = logging.getLogger(__name__)
 
 
+VALIDATION_SALT = 500_009  # validation's streams apart from the training rollout's (salt 0, -1, ...) of a step
+
+
 def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> dict:
     cfg = rollouts.cfg
     if val_set is None:
@@ -37,7 +40,10 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
               disable=not dp.is_main) as bar:
         for start in range(0, len(items), chunk):
             part = items[start:start + chunk]
-            rollout = rollouts.generate(part, params, rollouts.step_generator(step, salt=1 + offset + start))
+            # each row its own stream, keyed by its global validation prompt: sampled validation (val_kwargs) draws
+            # the same on any number of ranks and in chunks of any size
+            rollout = rollouts.generate(part, params, rollouts.row_streams(step, salt=VALIDATION_SALT),
+                                        first_prompt=offset + start)
             scores, info, texts = rollouts.score(part, rollout, params.n)
             accs += info["acc"]
             formats += info["format"]
@@ -45,7 +51,7 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
                 if key not in ("acc", "format") and isinstance(values, list):
                     extras.setdefault(key, []).extend(values)
             scores_all += scores.tolist()
-            lengths += rollout.response_mask.sum(-1).tolist()
+            lengths += rollout.response_lengths().tolist()
             samples += texts
             tool_stats += rollouts.multiturn.last_stats if rollouts.multiturn is not None else []
             bar.update(len(part))

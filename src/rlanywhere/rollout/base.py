@@ -101,8 +101,9 @@ class RolloutBatch:
         return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def response_lengths(self) -> torch.Tensor:
-        """Number of generated tokens per row, [B*n] long."""
-        return self.response_mask.sum(-1)
+        """Response tokens per row, [B*n] long: through its last generated token, so a multi-turn row's tool-result
+        tokens count as they count against the response length (verl's lengths, from the attention mask)."""
+        return response_extents(self.response_mask)
 
     def narrowed(self) -> RolloutBatch:
         """As wide as its rows need, as a rollout of just these rows would be (rows picked out of a wider batch):
@@ -149,6 +150,13 @@ class RolloutBatch:
         attention_mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
         position_ids = default_position_ids(attention_mask)
         return input_ids, attention_mask, position_ids
+
+
+def response_extents(response_mask: torch.Tensor) -> torch.Tensor:
+    """[rows] long: the position after each row's last token of mask 1 (0 for an empty row); the number of 1s where
+    the mask has no holes (single-turn), more where a multi-turn row's tool tokens (mask 0) sit in between."""
+    positions = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
+    return (positions * (response_mask > 0)).amax(-1) if response_mask.shape[-1] else response_mask.sum(-1).long()
 
 
 _MASK32 = 0xFFFFFFFF
@@ -517,6 +525,7 @@ __all__ = [
     "GeneratorSource",
     "RowStreams",
     "TurnStreams",
+    "response_extents",
     "keyed_exponential",
     "prompt_chunks",
     "chunk_generator",
