@@ -243,6 +243,24 @@ def test_verl_tool_config_and_gsm8k_semantics(tmp_path):
         load_tool_config(tmp_path / "missing.yaml")
 
 
+def test_a_turn_ended_by_another_eos_is_closed_before_its_tool_messages(tok):
+    """The template's end of turn (<|im_end|>) is what its tool messages follow; a turn that ended on another EOS
+    id (Qwen's <|endoftext|>, here <|im_start|> as a stand-in) gets <|im_end|> written before them."""
+    from rlanywhere.rollout.multiturn import _Row
+
+    other_eos = tok.convert_tokens_to_ids("<|im_start|>")
+    driver = MultiTurnRollout([CalculatorTool()], tok, MultiTurnSettings(), [tok.eos_token_id, other_eos])
+    appended = {}
+    for name, end in (("template", tok.eos_token_id), ("other", other_eos)):
+        row = _Row(prompt=[], global_row=0, tools_kwargs={})
+        row.add(tok(call("calculator", expression="1+1"), add_special_tokens=False)["input_ids"] + [end], True)
+        row.stats.assistant_turns = 1
+        assert driver._run_tools([row], budget=10_000) == [0]
+        appended[name] = tok.decode(row.tokens[row.mask.index(0):])
+    assert appended["template"].startswith("\n<|im_start|>tool")
+    assert appended["other"].startswith("<|im_end|>\n<|im_start|>tool")
+
+
 # ------------------------------------------------------------------------------------------------ parsing
 def test_parse_hermes_calls():
     known = {"calculator"}

@@ -189,6 +189,9 @@ class MultiTurnRollout:
         eos_id = getattr(tokenizer, "eos_token_id", None)
         eos_text = tokenizer.convert_ids_to_tokens(int(eos_id)) if eos_id is not None else None
         self.renderer = ToolMessageRenderer(tokenizer, eos_text)
+        # the chat template's end of turn: a turn that ended on another EOS id (Qwen's <|endoftext|>) gets it
+        # written before its tool messages, as the template would have closed the turn
+        self.turn_end_id = None if eos_id is None else int(eos_id)
         # FastEngine: continue rows in their KV cache (multiturn_fast.py); False: re-prefill every turn
         self.kv_continuation = kv_continuation
         self.last_stats: list[RowStats] = []
@@ -279,7 +282,7 @@ class MultiTurnRollout:
             if row.done:
                 continue
             turn = row.tokens[row.turn_start:]
-            ended_by_eos = bool(turn) and turn[-1] in self.eos_ids
+            ended_by_eos = bool(turn) and turn[-1] == self.turn_end_id
             text = self.tokenizer.decode(turn, skip_special_tokens=False)
             calls = parse_tool_calls(text, set(self.tools))
             out_of_room = len(row.tokens) >= budget
