@@ -249,3 +249,47 @@ def test_reward_manager_counts_and_logs_errors_once(caplog):
     messages = [r.getMessage() for r in caplog.records if "scorer exploded" in r.getMessage()]
     assert len(messages) == 1
     assert isinstance(scores, torch.Tensor)
+
+
+def test_answers_compare_exactly_not_within_a_tolerance():
+    """A wrong last digit of a large number is a wrong answer (a float tolerance paid it); 18 == 18.0 still."""
+    assert R.arithmetic_score("123456789000", "123456789012")["acc"] == 0.0
+    assert R.gsm8k_score("#### 1000000001", "1000000000")["acc"] == 0.0
+    assert R.gsm8k_score("#### 0.000000001", "0")["acc"] == 0.0
+    assert R.gsm8k_score("#### 18.0", "18")["acc"] == 1.0 and R.gsm8k_score("#### $1,000", "1000")["acc"] == 1.0
+
+
+def test_gsm8k_reads_the_last_300_characters_as_verl_does_and_stays_fast():
+    """An answer followed by more than 300 characters is none (verl's window); a long whitespace run after the
+    marker costs no backtracking (it took seconds)."""
+    import time
+
+    assert R.gsm8k_score("#### 72" + " and so on." * 20, "72")["acc"] == 1.0
+    assert R.gsm8k_score("#### 72" + " and so on." * 40, "72")["acc"] == 0.0
+    start = time.perf_counter()
+    R.extract_gsm8k_answer("####" + " " * 50_000 + "x")
+    R.extract_gsm8k_answer(" " * 50_000 + "####" + " " * 290 + "x")
+    assert time.perf_counter() - start < 0.5
+
+
+def test_custom_functions_are_called_by_keyword_with_their_kwargs_and_numpy_extras_count(tmp_path):
+    """verl calls the function by keyword: parameters in another order, or extras as **kwargs, get their values;
+    reward_kwargs reach every call; numpy numbers in the returned dict are kept (they were logged as 0)."""
+    source = tmp_path / "reward.py"
+    source.write_text(
+        "import numpy as np\n"
+        "def reordered(solution_str, ground_truth, data_source=None, extra_info=None, bonus=0.0):\n"
+        "    return {'score': float(solution_str == ground_truth) + bonus, 'acc': np.float32(1.0),\n"
+        "            'format': np.bool_(True)}\n"
+        "def catch_all(data_source, solution_str, ground_truth, **kwargs):\n"
+        "    return float(solution_str == ground_truth)\n")
+    for timeout in (0.0, 10.0):  # in this process, and in the worker pool
+        manager = R.RewardManager(R.load_custom_reward(source, "reordered", {"bonus": 0.5}), timeout_s=timeout)
+        try:
+            scores, info = manager(["7", "8"], ["7", "7"], ["x", "x"])
+        finally:
+            manager.close()
+        assert scores.tolist() == [1.5, 0.5] and info["acc"] == [1.0, 1.0] and info["format"] == [1.0, 1.0]
+        assert info["num_errors"] == 0
+    manager = R.RewardManager(R.load_custom_reward(source, "catch_all"))
+    assert manager(["7"], ["7"], ["x"])[0].tolist() == [1.0]

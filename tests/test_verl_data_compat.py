@@ -154,6 +154,11 @@ def test_a_run_saved_with_the_old_filter_default_resumes_where_it_drops_the_same
         return {"data": {"filter_overlong_prompts": filtered, "truncation": truncation}}
 
     assert check_resume_config(data(True, "error"), data(None, "error"), "ckpt") == {}
+    # a run saved before data.train_max_samples existed reads every prompt, as -1 (or 0) does
+    capped = {"data": {**data(None, "error")["data"], "train_max_samples": -1}}
+    assert check_resume_config(data(True, "error"), capped, "ckpt") == {}
+    with pytest.raises(RunDirError, match="train_max_samples"):
+        check_resume_config(capped, {"data": {**capped["data"], "train_max_samples": 8}}, "ckpt")
     with pytest.raises(RunDirError, match="filter_overlong_prompts: True -> False"):
         check_resume_config(data(True, "left"), data(None, "left"), "ckpt")
 
@@ -176,3 +181,17 @@ def test_response_lengths_count_a_multi_turn_rows_tool_tokens():
 
     mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
     assert response_extents(mask).tolist() == [5, 3, 0]
+
+
+def test_verl_0_6_rollout_correction_keys_move_onto_rollout_correction():
+    """verl 0.6 spelled the correction `algorithm.rollout_is` (+ level, threshold): honoured; its options without a
+    counterpart are refused when set (they were noticed as having no effect, with a reason that no longer held)."""
+    notices: list[str] = []
+    cfg = load_config(None, ["algorithm.rollout_is=true", "algorithm.rollout_is_level=sequence",
+                             "algorithm.rollout_is_threshold=3.0", "algorithm.bypass_mode=true"], notices=notices)
+    correction = cfg.algorithm.rollout_correction
+    assert (correction.rollout_is, correction.rollout_is_threshold, correction.bypass_mode) == ("sequence", 3.0, True)
+    assert any("honoured as algorithm.rollout_correction.rollout_is=sequence" in n for n in notices)
+    assert load_config(None, ["algorithm.rollout_is=false"]).algorithm.rollout_correction.rollout_is is None
+    with pytest.raises(ConfigError, match="rollout_is_veto_threshold"):
+        load_config(None, ["algorithm.rollout_is_veto_threshold=1e-4"])

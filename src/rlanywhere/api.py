@@ -205,7 +205,7 @@ def train(cfg: DictConfig, run_plan=None, notices: Optional[list[str]] = None) -
     start = time.time()
     trainer = RLTrainer(cfg, run_plan, run_dir, notices)
     try:
-        trainer.fit()
+        validated = trainer.fit()
         # trainer.val_only validates the model as loaded: there is nothing trained to export
         final_model = None if cfg.trainer.val_only else trainer.save_final_model()
         # [distributed] every rank done before any leaves: a rank tearing its process group down while another still
@@ -221,6 +221,8 @@ def train(cfg: DictConfig, run_plan=None, notices: Optional[list[str]] = None) -
         except Exception as exc:  # plots are a convenience: never fail a finished run over them
             log.warning("plotting failed: %s", exc)
     before, after = first_and_last_validation(run_dir)
+    if cfg.trainer.val_only:  # this launch's one validation (a resumed run's is not in metrics.jsonl)
+        before = after = {key: value for key, value in (validated or {}).items() if key.startswith("val/")}
     return TrainResult(run_dir=run_dir, steps=trainer.global_step, minutes=(time.time() - start) / 60,
                        final_model=final_model, val_before=before, val_after=after, trainer=trainer,
                        first_step=trainer.first_step)
@@ -331,7 +333,8 @@ def _eval_reward_manager(overrides: Sequence[str]):
     from .rewards import RewardManager, load_custom_reward
 
     custom = make_config(None, list(overrides)).custom_reward_function
-    return RewardManager(load_custom_reward(custom.path, custom.name) if custom.path else None)
+    return RewardManager(load_custom_reward(custom.path, custom.name, dict(custom.reward_kwargs or {}))
+                         if custom.path else None)
 
 
 def generate(model, prompts: Iterable[Union[str, list]], max_new_tokens: int = 128, temperature: float = 0.0,

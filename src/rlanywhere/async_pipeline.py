@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 # CUDA graph replay per token), each of which would otherwise queue behind the update's GEMM blocks. Measured on an
 # H200 (bench/async_overlap.py) it changes little: the block scheduler cannot take SMs back from GEMM blocks already
 # running, so a decode kernel still waits for some to finish (docs/async.md, "Why the phases slow each other").
+# a background job's generation seconds (its rollout phase alone, no scoring): the batch's rollout tokens/s
+GENERATE_S = "async/generate_s"
 ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority: lower is higher; 0 is the default streams'
 
 
@@ -446,7 +448,9 @@ class RolloutPipeline:
                 if "weights" in pending:
                     copy_weights(pending.pop("weights"), self.model)
                     self.engine.sync_weights()
-                scored, metrics, first = self.phase.rollout_and_score(items, _WallTimer(), step, first_prompt)
+                timer = _WallTimer()
+                scored, metrics, first = self.phase.rollout_and_score(items, timer, step, first_prompt)
+                metrics = {**metrics, GENERATE_S: timer.times.get("rollout", 0.0)}  # the generation alone
                 if self.reference_pass is not None:
                     ref_start = time.perf_counter()
                     scored.ref_logprobs = self._reference_logprobs(scored)
@@ -466,5 +470,5 @@ class RolloutPipeline:
         return job
 
 
-__all__ = ["LookaheadLoader", "RolloutPipeline", "allow_compiled_calls_beside_tracing", "copy_weights",
-           "cut_into_shares", "rollout_model_copy", "scored_from", "scored_state"]
+__all__ = ["GENERATE_S", "LookaheadLoader", "RolloutPipeline", "allow_compiled_calls_beside_tracing",
+           "copy_weights", "cut_into_shares", "rollout_model_copy", "scored_from", "scored_state"]

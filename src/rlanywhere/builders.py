@@ -19,7 +19,7 @@ from .plans import Plan
 from .lora import apply_lora
 from .models import (ModelSource, ValueModel, compile_decoder_layers, enable_gradient_checkpointing, load_causal_lm,
                      load_tokenizer, resolve_model_source)
-from .reward_model import wrap_reward_manager
+from .reward_model import rows_need_answers, wrap_reward_manager
 from .rewards import RewardManager, load_custom_reward
 from .rollout import make_engine
 from .sharding import gathered, shard_for_plan
@@ -52,10 +52,10 @@ def build_data(cfg: DictConfig, tokenizer) -> Data:
     def dataset(files):
         return RLDataset(as_list(files), tokenizer, data_cfg.max_prompt_length, prompt_key=data_cfg.prompt_key,
                          truncation=data_cfg.truncation, filter_overlong_prompts=data_cfg.filter_overlong_prompts,
-                         reward_fn_key=data_cfg.reward_fn_key, answers=not cfg.reward_model.enable)
+                         reward_fn_key=data_cfg.reward_fn_key, answers=rows_need_answers(cfg))
 
     train_set = dataset(data_cfg.train_files)
-    if data_cfg.train_max_samples is not None and 0 <= data_cfg.train_max_samples < len(train_set):
+    if data_cfg.train_max_samples is not None and 0 < data_cfg.train_max_samples < len(train_set):
         train_set.items = train_set.items[:data_cfg.train_max_samples]  # verl's data.train_max_samples
     val_set = dataset(data_cfg.val_files) if data_cfg.val_files else None
     # with dynamic sampling a step draws gen_batch_size prompts per generation round (verl's DAPO trainer)
@@ -66,7 +66,8 @@ def build_data(cfg: DictConfig, tokenizer) -> Data:
 
 def build_reward_manager(cfg: DictConfig, plan: Optional[Plan] = None) -> RewardManager:
     custom = cfg.custom_reward_function
-    rules = RewardManager(load_custom_reward(custom.path, custom.name) if custom.path else None,
+    rules = RewardManager(load_custom_reward(custom.path, custom.name, dict(custom.reward_kwargs or {}))
+                          if custom.path else None,
                           timeout_s=custom.timeout_s)
     return wrap_reward_manager(cfg, plan, rules) if plan is not None else rules  # reward_model.py
 

@@ -59,7 +59,7 @@ class DataConfig:
     gen_batch_size: Optional[int] = None  # prompts per round with algorithm.filter_groups (None: train_batch_size)
     val_batch_size: Optional[int] = None
     val_max_samples: int = -1  # -1: the whole validation set
-    train_max_samples: int = -1  # -1: every training prompt; N: the first N (after filtering)
+    train_max_samples: int = -1  # <= 0: every training prompt; N: the first N (after filtering)
     shuffle: bool = True
     seed: Optional[int] = None  # None: trainer.seed
     # None: overlong prompts are cut as data.truncation says (left / right, as verl), and dropped (counted in the log)
@@ -356,6 +356,7 @@ class CustomRewardConfig:
     path: Optional[str] = None
     name: str = "compute_score"
     timeout_s: float = 30.0  # per call; the function runs in worker processes (0: in-process, no limit)
+    reward_kwargs: Any = field(default_factory=dict)  # verl's: extra keyword arguments of every call
 
 
 @dataclass
@@ -689,8 +690,8 @@ def _vet_user_keys(user: DictConfig, notices: list[str], problems: Optional[list
             if without_effect and value != OmegaConf.select(defaults, key):
                 notices.append(f"{key}={value}: accepted, no effect here ({without_effect})")
             continue
-        # A dict-valued schema field (override_config) accepts any sub-keys.
-        if any(key.startswith(v + ".") for v in valid if v.endswith("override_config")):
+        # A dict-valued schema field (override_config, custom_reward_function.reward_kwargs) accepts any sub-keys.
+        if any(key.startswith(v + ".") for v in valid if v.endswith(("override_config", "reward_kwargs"))):
             continue
         reason = _verl_only_reason(key)
         if reason is not None:

@@ -175,6 +175,7 @@ KEY_DOCS: dict[str, str] = {
     "row's `data_source`",
     r"custom_reward_function\.name": "the function's name in that file: "
     "`fn(data_source, solution_str, ground_truth, extra_info)` returning a float or a dict with `score`",
+    r"custom_reward_function\.reward_kwargs": "extra keyword arguments of every call of your function (verl's)",
     r"custom_reward_function\.timeout_s": "seconds per reward call (run in worker processes); a call over it scores "
     "0 and counts in `reward/errors`; 0: in-process, no limit",
     # algorithm

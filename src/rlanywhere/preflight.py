@@ -132,10 +132,11 @@ def data_file_problems(path: str, key: str, prompt_key: str, reward_fn_key: str,
 
 
 def data_problems(cfg) -> list[str]:
+    from .reward_model import rows_need_answers
     from .rewards import REWARD_FUNCTIONS
 
     problems = []
-    answers = not cfg.reward_model.enable  # a reward model scores without them (verl's naive manager)
+    answers = rows_need_answers(cfg)  # a reward model scores without them (verl's naive manager), a rule not
     # without a custom function or a reward model, each row's data_source must have a built-in rule
     scorers = None if cfg.custom_reward_function.path or cfg.reward_model.enable else set(REWARD_FUNCTIONS)
     for key in ("data.train_files", "data.val_files"):
@@ -277,7 +278,7 @@ def reward_problems(cfg) -> list[str]:
     from .rewards import load_custom_reward
 
     try:
-        load_custom_reward(custom.path, custom.name)
+        load_custom_reward(custom.path, custom.name, dict(custom.reward_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - the user's file may raise anything while it is imported
         first = (str(exc).splitlines() or [""])[0][:200]
         return [f"custom_reward_function: {first or type(exc).__name__}" if isinstance(exc, (UserError, ImportError,

@@ -100,6 +100,13 @@ def reward_model_config_problem(cfg) -> Optional[str]:
     return None
 
 
+def rows_need_answers(cfg) -> bool:
+    """Whether every data row needs reward_model.ground_truth: a rule scores it, or a judge's template shows it
+    ({ground_truth}); a reward model alone scores without (verl's naive manager)."""
+    rm = cfg.reward_model
+    return not rm.enable or (bool(rm.judge.enable) and "{ground_truth}" in str(rm.judge.prompt_template))
+
+
 # -------------------------------------------------------------------------------------------- re-templating
 def conversation(prompt: Any, response: str) -> list[dict]:
     """The prompt's messages (a chat list, or a plain string as one user turn) and the response as the
@@ -329,8 +336,8 @@ class ModelRewardManager:
             self.scorer.to_home()
         extra["rm_time_s"] = time.perf_counter() - start
         finite = torch.isfinite(scores)
-        if not bool(finite.all()):  # e.g. an overflow in half precision: scored 0 and counted, as a rule's NaN is
-            extra["rm_nonfinite"] = int((~finite).sum())
+        extra["rm_nonfinite"] = int((~finite).sum())  # in every batch's info: joined batches add them up
+        if extra["rm_nonfinite"]:  # e.g. an overflow in half precision: scored 0 and counted, as a rule's NaN is
             if not self.warned_nonfinite:
                 self.warned_nonfinite = True
                 log.warning("the reward model gave %d non-finite scores (NaN or inf) in a batch of %d: they score 0 "
@@ -359,7 +366,7 @@ class ModelRewardManager:
         self.last_error = self.rules.last_error
         info["rm_score"] = model.tolist()
         info.update(extra)
-        info["num_errors"] = info.get("num_errors", 0) + extra.get("rm_nonfinite", 0)
+        info["num_errors"] = info.get("num_errors", 0) + extra["rm_nonfinite"]
         info.setdefault("rm_parse_failures", 0)
         return scores.float(), info
 

@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import importlib.util
 import logging
@@ -52,9 +53,12 @@ logger = logging.getLogger(__name__)
 
 # a number: optional minus, digits with optional thousands commas, optional decimals (or a bare ".5")
 _NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
-# GSM8K's final-answer marker "#### 42", tolerating "#### $1,234" and extra spaces
-_STRICT_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUMBER + r")")
+# GSM8K's final-answer marker "#### 42", tolerating "#### $1,234" and extra spaces (one optional "$" between two
+# whitespace runs that cannot both take the same spaces: no backtracking over a long run)
+_STRICT_ANSWER = re.compile(r"####\s*(?:\$\s*)?(" + _NUMBER + r")")
 _ANY_NUMBER = re.compile(_NUMBER)
+# verl reads a GSM8K answer in the response's last 300 characters: an answer followed by more text than that is none
+SOLUTION_CLIP_CHARS = 300
 
 
 def _clean_number(text: str) -> str:
@@ -66,7 +70,9 @@ def extract_gsm8k_answer(text: str, method: str = "strict") -> str | None:
 
     ``strict``: the number after the last ``#### `` marker (GSM8K's answer format).
     ``flexible``: the last number anywhere in the text.
+    Only the last SOLUTION_CLIP_CHARS characters are read, as verl reads them.
     """
+    text = text[-SOLUTION_CLIP_CHARS:]
     if method == "strict":
         matches = _STRICT_ANSWER.findall(text)
     elif method == "flexible":
@@ -79,13 +85,14 @@ def extract_gsm8k_answer(text: str, method: str = "strict") -> str | None:
 
 
 def _answers_match(answer: str | None, ground_truth: Any) -> bool:
-    """Numeric comparison when both parse as floats ("18" == "18.0" == "18.00"), else exact string match."""
+    """Exact numeric comparison when both are decimal numbers ("18" == "18.0" == "18.00"; never a tolerance: a wrong
+    digit of a large number is a wrong answer), else exact string match."""
     if answer is None:
         return False
     truth = _clean_number(str(ground_truth))
     try:
-        return math.isclose(float(answer), float(truth), rel_tol=1e-9, abs_tol=1e-9)
-    except ValueError:
+        return decimal.Decimal(answer) == decimal.Decimal(truth)
+    except (decimal.InvalidOperation, ValueError):
         return answer == truth
 
 
@@ -246,10 +253,13 @@ def _torch_on_one_thread() -> None:
         os.environ["OMP_NUM_THREADS"] = "1"
 
 
-def _init_worker(fn: Callable | None, source: tuple | None = None) -> None:
+def _init_worker(fn: Callable | None, source: tuple | None = None, started=None) -> None:
     global _worker_fn
     _torch_on_one_thread()
     _worker_fn = load_custom_reward(*source) if source is not None else fn
+    if started is not None:  # the pool's count of workers ready (the stall clock waits for them)
+        with started.get_lock():
+            started.value += 1
     # A process group of its own: a signal to the trainer's group (torchrun stops a rank with killpg(SIGTERM), a
     # terminal's Ctrl-C) is the trainer's to handle; a worker killed by it would leave the pool waiting forever
     # for its result, and the trainer could never save. Pool.terminate() still ends the worker by its pid.
@@ -274,7 +284,9 @@ def _score_in_worker(call: tuple, timeout_s: float) -> tuple:
     """("ok", result dict) or ("error", message, traceback) for one call, cut off after timeout_s by SIGALRM."""
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return "ok", _as_result_dict(_worker_fn(*call))
+        data_source, response, ground_truth, extra_info = call
+        return "ok", _as_result_dict(_worker_fn(data_source=data_source, solution_str=response,
+                                                ground_truth=ground_truth, extra_info=extra_info))
     except _CallTimedOut:
         return "error", f"timed out after {timeout_s:g} s (custom_reward_function.timeout_s)", ""
     except (Exception, SystemExit) as err:  # noqa: BLE001 - user code may raise anything, sys.exit included
@@ -310,6 +322,9 @@ def _as_result_dict(result: Any) -> dict:
     return out
 
 
+WORKER_START_GRACE_S = 120.0  # a new reward worker's start (imports of the user's file) before its first answer
+
+
 class RewardManager:
     """Score decoded responses: a user function (``custom_fn``, verl signature) or the registry by data_source.
 
@@ -338,7 +353,9 @@ class RewardManager:
 
     def _score_one(self, data_source: str, response: str, ground_truth: Any, extra_info: dict | None):
         if self.custom_fn is not None:
-            return self.custom_fn(data_source, response, ground_truth, extra_info)
+            # by keyword, as verl's reward managers call it (a function may order or name its extras its own way)
+            return self.custom_fn(data_source=data_source, solution_str=response, ground_truth=ground_truth,
+                                  extra_info=extra_info)
         return get_reward_fn(data_source)(response, ground_truth)
 
     _as_result_dict = staticmethod(_as_result_dict)
@@ -353,8 +370,10 @@ class RewardManager:
 
                 start_server(context)  # in a process group of its own: a signal to the trainer's leaves it running
             before = set(multiprocessing.active_children())
-            self._pool = context.Pool(self.num_workers, initializer=_init_worker, initargs=initargs)
+            started = context.Value("i", 0)  # workers past their start (the user's file imported)
+            self._pool = context.Pool(self.num_workers, initializer=_init_worker, initargs=(*initargs, started))
             self._workers = [p for p in multiprocessing.active_children() if p not in before]
+            self._workers_started = started
         return self._pool
 
     def _pool_start(self) -> tuple[str, tuple]:
@@ -398,9 +417,12 @@ class RewardManager:
                                     error_callback=lambda _: finished.set()) for call in calls]
         outcomes: list[tuple | None] = [None] * len(calls)
         pending = set(range(len(calls)))
-        # Every healthy call ends within timeout_s (SIGALRM): a longer silence means a worker is stuck.
+        # Every healthy call ends within timeout_s (SIGALRM): a longer silence means a worker is stuck. A new pool's
+        # workers first import the user's file (its own imports: seconds): the silence counts from when they all
+        # have started (at most WORKER_START_GRACE_S after the pool did)
         stall_limit = self.timeout_s + max(2.0, 0.5 * self.timeout_s)
-        last_progress = time.monotonic()
+        last_progress = submitted = time.monotonic()
+        starting = getattr(self, "_workers_started", None)
         while pending:
             finished.clear()
             for index in [i for i in pending if handles[i].ready()]:
@@ -415,6 +437,11 @@ class RewardManager:
             # the callback may fire just before its result reads ready (and before the clear above): the wait is
             # short and the silence is measured from the last result, so a result in that window is never lost
             finished.wait(0.2)
+            if starting is not None:
+                if starting.value < (self.num_workers or 1) and time.monotonic() - submitted < WORKER_START_GRACE_S:
+                    last_progress = time.monotonic()  # still importing: not silent yet
+                    continue
+                starting = None
             if time.monotonic() - last_progress > stall_limit:
                 for index in pending:
                     outcomes[index] = ("error", f"timed out after {self.timeout_s:g} s and did not stop (stuck in C "
@@ -485,7 +512,8 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) or (_is_tensor(value) and value.numel() == 1)
+    """A Python or numpy number (a bool too: an extra key such as acc may be one) or a one-element tensor."""
+    return isinstance(value, (numbers.Real, np.bool_)) or (_is_tensor(value) and value.numel() == 1)
 
 
 def _finite_or_zero(value: Any) -> float:

@@ -48,6 +48,7 @@ FIXED_ON_RESUME = (
     "algorithm.adv_estimator",
     "actor_rollout_ref.rollout.n",
     "data.train_files",
+    "data.train_max_samples",
     "data.train_batch_size",
     "data.prompt_key",
     "data.max_prompt_length",
@@ -156,12 +157,18 @@ def config_changes(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
 
 
 def _with_effective_filter(config: dict) -> dict:
-    """data.filter_overlong_prompts as it acts (unset: true exactly when data.truncation is error), so that a run
-    saved before the key could be unset compares equal when it drops the same prompts."""
+    """The data keys as they act, so that a run saved before a key existed (or could be unset) compares equal when
+    it reads the same prompts: data.filter_overlong_prompts unset is true exactly when data.truncation is error;
+    data.train_max_samples absent or <= 0 is every prompt (-1)."""
     data = config.get("data") if isinstance(config.get("data"), dict) else None
-    if data is None or data.get("filter_overlong_prompts") is not None:
+    if data is None:
         return config
-    return {**config, "data": {**data, "filter_overlong_prompts": data.get("truncation", "error") == "error"}}
+    data = dict(data)
+    if data.get("filter_overlong_prompts") is None:
+        data["filter_overlong_prompts"] = data.get("truncation", "error") == "error"
+    cap = data.get("train_max_samples")
+    data["train_max_samples"] = cap if isinstance(cap, int) and cap > 0 else -1
+    return {**config, "data": data}
 
 
 def check_resume_config(saved: dict, current: dict, checkpoint: str) -> dict[str, tuple[Any, Any]]:

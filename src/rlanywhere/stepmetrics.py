@@ -76,9 +76,9 @@ def step_metrics(dp, *, scores: torch.Tensor, mask: torch.Tensor, prompt_mask: t
         **{f"timing/{k}": v for k, v in timer.times.items()},
         **extra,
     }
-    # this batch's rollout seconds: the pipeline's for a batch made in the background (the step timed only its
-    # wait for it), else the step's own rollout phase
-    rollout_s = extra.get("async/rollout_s") or timer.times.get("rollout")
+    # this batch's generation seconds: the pipeline's for a batch made in the background or on a rollout rank (the
+    # step timed only its wait for it), else the step's own rollout phase
+    rollout_s = extra["async/generate_s"] if "async/generate_s" in extra else timer.times.get("rollout")
     if rollout_s:
         metrics["perf/rollout_tokens_per_s"] = float(mask.sum()) / rollout_s
     metrics.update(reward_model_metrics([part["reward_model"] for part in ranks]))  # {} without a reward model

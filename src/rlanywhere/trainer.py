@@ -56,7 +56,7 @@ from .tracking import Tracker
 from .trainer_checkpoints import TrainerCheckpoints
 from .update import Updater, actor_loss, critic_loss
 from .validation import validate
-from .verl_steps import BASELINE_KEY, pf_ppo_batch
+from .verl_steps import BASELINE_KEY, pf_ppo_batch, row_baselines
 from .vocabulary import precision_name
 from .warmup_costs import WarmupClock
 
@@ -231,6 +231,9 @@ class RLTrainer(TrainerCheckpoints):
                                                                                  first_prompt)
         # (ReMax: with each row's greedy baseline score in info, from the weights that sampled the batch)
         items, rollout, scores, info = scored.items, scored.rollout, scored.scores, scored.info
+        if algo.estimator_needs(algo_cfg.adv_estimator).greedy_baseline and BASELINE_KEY not in info:
+            with timer("greedy_baseline"):  # a batch a checkpoint of an earlier version kept without it
+                info[BASELINE_KEY] = row_baselines(self.rollouts, items, self.global_step, self.n)
         self.precision_guard.check_rollout(rollout.response_logprobs, rollout.response_mask)
         # each row's prompt by its index in the global batch: GRPO/RLOO groups, wherever balancing puts the row
         group_index = (first_prompt + torch.arange(len(items))).repeat_interleave(self.n)

@@ -44,7 +44,9 @@ class TrainerCheckpoints:
             self.global_step, actor=self.actor, tokenizer=self.tokenizer, critic=self.critic,
             optimizers=self.optimizers, schedulers=self.schedulers, trainer_state=self.trainer_state(),
             export_actor=(lambda: merged_state_for_export(self.actor)) if self.plan.use_lora and not sharded else None,
-            earlier_hint=self.stops.last_good_hint(), protect=self.stops.last_good_checkpoint)
+            earlier_hint=self.stops.last_good_hint(),
+            # after updates went bad the retention keeps the last healthy checkpoint (the one to resume from)
+            protect=self.stops.last_good_checkpoint if self.stops.unhealthy is not None else None)
         log.info("checkpoint saved: %s", path)
         self.stops.checkpoint_saved(path)
         if getattr(self, "oom_sizes_applied", False) and self.dp.is_main:  # its sizes now live in the checkpoint

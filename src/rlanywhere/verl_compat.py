@@ -100,11 +100,6 @@ CURRENT_VERL_KEYS: dict[str, str] = {
     "reward pool in this process's workers",
     r"reward_model\.reward_kwargs(\..*)?": "extra arguments of verl's reward managers: the rule or custom function "
     "is called with the response, the ground truth, the data source and extra_info",
-    r"custom_reward_function\.reward_kwargs(\..*)?": "the custom function is called with the response, the ground "
-    "truth, the data source and extra_info only",
-    r"algorithm\.(rollout_correction|rollout_is(_.*)?|rollout_token_veto_threshold|bypass_mode)(\..*)?":
-    "the rollout engine and the trainer compute log-probs the same way here; their gap is checked by "
-    "hardware.max_logprob_gap instead of being corrected",
     r"algorithm\.kl_ctrl\.(.*_kwargs.*)": "the KL controllers take kl_coef, target_kl and horizon",
     r"trainer\.(balance_batch_mode|ray_wait_register_center_timeout|device_mesh.*|npu_profile(\..*)?"
     r"|profile_continuous_steps|controller_nsight_options(\..*)?|worker_nsight_options(\..*)?"
@@ -139,7 +134,11 @@ def translate_verl_spellings(user: DictConfig, notices: list[str], problems: lis
       `reward_model.overlong_buffer.*` (`log`: the penalty is always logged); `reward_kwargs.max_resp_len` is the
       length the penalty counts to, which here is the response length limit;
 
+    * verl 0.6's top-level rollout correction (`algorithm.rollout_is`, `rollout_is_level`, `rollout_is_threshold`):
+      onto `algorithm.rollout_correction.*`; its other switches are refused when set (they have no counterpart).
+
     A `reward_model.sandbox_fusion.url` that does not answer is added to `problems` now, before any model loads."""
+    _translate_old_rollout_correction(user, notices, problems)
     url = OmegaConf.select(user, "reward_model.sandbox_fusion.url")
     if url:
         problem = sandbox_url_problem(url)
@@ -167,6 +166,49 @@ def translate_verl_spellings(user: DictConfig, notices: list[str], problems: lis
         if len(kwargs) == 0:
             del user.reward_model["reward_kwargs"]
     return user
+
+
+_OLD_ROLLOUT_IS = ("rollout_is", "rollout_is_level", "rollout_is_threshold", "rollout_is_threshold_lower",
+                   "rollout_is_mode", "rollout_is_veto_threshold", "rollout_token_veto_threshold", "bypass_mode")
+
+
+def _translate_old_rollout_correction(user: DictConfig, notices: list[str], problems: list[str]) -> None:
+    """verl 0.6's `algorithm.rollout_is*` keys: the switch and its level and threshold onto
+    `algorithm.rollout_correction`; the rest refused when set (no counterpart here), noticed when off."""
+    algorithm = user.get("algorithm") if isinstance(user, DictConfig) else None
+    if not isinstance(algorithm, DictConfig) or not any(key in algorithm for key in _OLD_ROLLOUT_IS):
+        return
+    given = {key: algorithm[key] for key in _OLD_ROLLOUT_IS if key in algorithm}
+    for key in given:
+        del algorithm[key]
+    if len(algorithm) == 0:  # an empty section would shadow the defaults
+        del user["algorithm"]
+    target = "algorithm.rollout_correction"
+    if given.get("rollout_is") not in (None, False, "false", "False"):
+        level = str(given.get("rollout_is_level") or "token")
+        if level not in ("token", "sequence"):
+            problems.append(f"algorithm.rollout_is_level={level}: only token and sequence weights are available "
+                            f"({target}.rollout_is=token|sequence)")
+        else:
+            OmegaConf.update(user, f"{target}.rollout_is", level, force_add=True)
+            notices.append(f"algorithm.rollout_is={given['rollout_is']}: verl 0.6's rollout correction, honoured as "
+                           f"{target}.rollout_is={level}")
+    if given.get("rollout_is_threshold") is not None:
+        OmegaConf.update(user, f"{target}.rollout_is_threshold", given["rollout_is_threshold"], force_add=True)
+        notices.append(f"algorithm.rollout_is_threshold={given['rollout_is_threshold']}: honoured as "
+                       f"{target}.rollout_is_threshold")
+    if given.get("bypass_mode") not in (None, False, "false", "False"):
+        OmegaConf.update(user, f"{target}.bypass_mode", True, force_add=True)
+        notices.append(f"algorithm.bypass_mode={given['bypass_mode']}: honoured as {target}.bypass_mode=true")
+    for key in ("rollout_is_threshold_lower", "rollout_is_mode", "rollout_is_veto_threshold",
+                "rollout_token_veto_threshold"):
+        if given.get(key) not in (None, False):
+            problems.append(f"algorithm.{key}={given[key]}: verl 0.6's rollout-correction option has no counterpart "
+                            f"here (the weights are capped at {target}.rollout_is_threshold, docs/async.md); drop it")
+        elif key in given:
+            notices.append(f"algorithm.{key}={given[key]}: off, as here")
+    if "rollout_is" in given and given["rollout_is"] in (None, False, "false", "False"):
+        notices.append(f"algorithm.rollout_is={given['rollout_is']}: off, as here ({target}.rollout_is)")
 
 
 def reference_offload_notice(user: DictConfig, key: str, value: Any) -> str:

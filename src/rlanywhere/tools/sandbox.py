@@ -104,25 +104,26 @@ def _code_exit(status_path: str, returncode: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.waitstatus_to_exitcode(status)
 
 
-def _read_bounded(path: str, keep_bytes: int) -> str:
-    """A file's text, or its first and last `keep_bytes` bytes with the size of what lies between."""
+def _read_bounded(path: str, keep_bytes: int) -> tuple[str, int]:
+    """(a file's text, 0), or (its first and last `keep_bytes` bytes joined, the bytes left out between them): the
+    caller's cut (truncate_text) falls over the join, so one marker counts both."""
     size = os.path.getsize(path)
     with open(path, "rb") as handle:
         if size <= 2 * keep_bytes:
-            return handle.read().decode(errors="replace")
+            return handle.read().decode(errors="replace"), 0
         head = handle.read(keep_bytes)
         handle.seek(size - keep_bytes)
         tail = handle.read()
-    return (head.decode(errors="replace") + f"\n...[{size - 2 * keep_bytes} bytes cut]...\n"
-            + tail.decode(errors="replace"))
+    return head.decode(errors="replace") + tail.decode(errors="replace"), size - 2 * keep_bytes
 
 
-def truncate_text(text: str, limit: int, side: str = "middle") -> str:
+def truncate_text(text: str, limit: int, side: str = "middle", left_out: int = 0) -> str:
     """`text` cut to about `limit` characters, verl's `tool_response_truncate_side`: "left" keeps the head (the end is
-    cut), "right" keeps the tail, "middle" both halves."""
-    if len(text) <= limit:
+    cut), "right" keeps the tail, "middle" both halves. `left_out`: characters already left out of `text` (in the
+    part this cut removes), counted in its marker."""
+    if len(text) <= limit and not left_out:
         return text
-    marker = f"\n...[{len(text) - limit} characters cut]...\n"
+    marker = f"\n...[{max(len(text) - limit, 0) + left_out} characters cut]...\n"
     if side == "left":
         return text[:limit] + marker.rstrip("\n")
     if side == "right":
@@ -162,14 +163,15 @@ def run_python(code: str, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int =
             proc.wait()
         elapsed = time.perf_counter() - start
         keep = max_output_chars * OUTPUT_READ_BYTES
-        text = _read_bounded(paths[0], keep) + _read_bounded(paths[1], keep)
+        (out, out_left), (err, err_left) = _read_bounded(paths[0], keep), _read_bounded(paths[1], keep)
+        text = out + err
         exit_code = _code_exit(os.path.join(scratch, ".status"), proc.returncode)
         if timed_out:
             text += f"\nTimeoutError: the code ran longer than {wall_s:g} s and was stopped"
         elif exit_code < 0:
             text += f"\nthe code was stopped by signal {-exit_code} (a CPU-time, memory or output-size limit)"
-        return truncate_text(text, max_output_chars), {"exit_code": exit_code, "timed_out": timed_out,
-                                                       "wall_s": elapsed, "isolated": isolated}
+        return (truncate_text(text, max_output_chars, left_out=out_left + err_left),
+                {"exit_code": exit_code, "timed_out": timed_out, "wall_s": elapsed, "isolated": isolated})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
