@@ -481,7 +481,9 @@ def test_sampled_validation_on_two_ranks_scores_what_one_process_scores(tiny_mod
     ranks = torchrun(overrides(tiny_model_dir, arith_data, tmp_path / "dist", reward_file, **extra))
     single_process(overrides(tiny_model_dir, arith_data, tmp_path / "single", reward_file, **extra))
     finish(ranks)
-    val = lambda rows: {r["step"]: {k: v for k, v in r.items() if k.startswith("val/")} for r in rows}  # noqa: E731
+    def val(rows):
+        return {r["step"]: {k: v for k, v in r.items() if k.startswith("val/")} for r in rows}
+
     got, want = val(read_metrics(tmp_path / "dist")), val(read_metrics(tmp_path / "single"))
     assert want[0] and set(got[0]) == set(want[0])
     for step in (0, 1):

@@ -140,14 +140,20 @@ def test_offload_round_trip_visits_the_device_only_to_score(rm_dir, monkeypatch)
 def test_encoder_reward_models_score_as_their_own_forward(kind):
     """Encoder classifiers pool (BERT, DeBERTa) or read the first token (RoBERTa) in their own way: their scores are
     their own forward's, in micro-batches of any size (the decoder path reads the last token through `score`)."""
-    from transformers import (BertConfig, BertForSequenceClassification, DebertaV2Config,
-                              DebertaV2ForSequenceClassification, RobertaConfig, RobertaForSequenceClassification)
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        DebertaV2Config,
+        DebertaV2ForSequenceClassification,
+        RobertaConfig,
+        RobertaForSequenceClassification,
+    )
 
     tokenizer = build_tiny_tokenizer([WORDS])
     tokenizer.chat_template = RM_TEMPLATE
-    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 vocab_size=len(tokenizer) + 4, num_labels=1, pad_token_id=tokenizer.pad_token_id,
-                 max_position_embeddings=300)
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": len(tokenizer) + 4, "num_labels": 1, "pad_token_id": tokenizer.pad_token_id,
+             "max_position_embeddings": 300}
     config_class, model_class = {"bert": (BertConfig, BertForSequenceClassification),
                                  "roberta": (RobertaConfig, RobertaForSequenceClassification),
                                  "deberta-v2": (DebertaV2Config, DebertaV2ForSequenceClassification)}[kind]

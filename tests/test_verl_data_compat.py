@@ -133,7 +133,9 @@ def test_val_only_validates_and_stops_and_train_max_samples_caps_the_prompts(tin
 def test_loss_scale_factor_is_the_constant_of_seq_mean_token_sum_norm(tiny_model_dir, arith_data, tmp_path):
     """Dr. GRPO's T: the first step's entropy, aggregated like the loss (one mini-batch, the initial weights), scales
     as 1 / T (its policy loss is 0 at the first step: on-policy, zero-mean group advantages, equal lengths)."""
-    from .test_async import _overrides  # a reward that differs within a group: GRPO advantages are not zero
+    from .test_async import (
+        _overrides,  # a reward that differs within a group: GRPO advantages are not zero
+    )
     from .test_e2e import run_training, train_rows
 
     entropies = {}

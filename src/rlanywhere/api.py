@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import os
 import time
@@ -297,10 +296,9 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
     from tqdm.auto import tqdm
 
     from .data import RLDataset
+    from .preflight import InputError, data_file_problems
     from .rewards import RewardManager
     from .rollout.base import SamplingParams
-
-    from .preflight import InputError, data_file_problems
 
     problems = data_file_problems(str(data), "--data", "prompt", "data_source")  # before the model loads
     if problems:
@@ -344,9 +342,8 @@ def generate(model, prompts: Iterable[Union[str, list]], max_new_tokens: int = 1
     n responses per prompt, prompt-major."""
     import torch
 
-    from .rollout.base import SamplingParams
-
     from .data import render_prompt, tokenize_rendered
+    from .rollout.base import SamplingParams
 
     loaded = _loaded(model, max_new_tokens=max_new_tokens, overrides=overrides)
     texts = [render_prompt(loaded.tokenizer, [{"role": "user", "content": p}] if isinstance(p, str) else list(p))

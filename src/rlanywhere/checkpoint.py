@@ -190,7 +190,7 @@ def is_disk_full(exc: BaseException) -> bool:
 _is_disk_full = is_disk_full
 
 
-def publish_checkpoint(run_dir: str, tmp: str, step: int, keep: Optional[int], protect: Optional[str] = None) -> str:
+def publish_checkpoint(run_dir: str, tmp: str, step: int, keep: Optional[int], protect: str | None = None) -> str:
     """Make the complete `tmp` directory checkpoint `step`: rename it into place, fsync, point `latest` at it, and
     keep only the newest `keep` (None or <= 0: all, as verl), never the new one nor `protect` (the run's last healthy
     checkpoint: after diverged updates it is the one to resume from). A crash before the rename leaves the previous

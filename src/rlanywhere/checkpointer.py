@@ -79,7 +79,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------ save
     def save(self, step: int, *, actor, tokenizer, critic, optimizers: dict, schedulers: dict,
              trainer_state: dict, export_actor: Callable[[], Any] = None, earlier_hint: str = "",
-             protect: Optional[str] = None) -> str:
+             protect: str | None = None) -> str:
         """Write checkpoint `step` (every rank calls it); returns its directory. `export_actor()` gives the merged
         HF model of a LoRA run (replicated layout; the sharded one merges while writing); `protect`: a checkpoint
         the retention (max_actor_ckpt_to_keep) must keep, the run's last healthy one."""

@@ -64,7 +64,7 @@ class DataConfig:
     seed: Optional[int] = None  # None: trainer.seed
     # None: overlong prompts are cut as data.truncation says (left / right, as verl), and dropped (counted in the log)
     # where it says error, where verl would stop the run at the first one
-    filter_overlong_prompts: Optional[bool] = None
+    filter_overlong_prompts: bool | None = None
     truncation: str = "error"
     return_raw_chat: bool = False
     return_raw_input_ids: bool = False
@@ -79,7 +79,7 @@ class OptimConfig:
     # the LR schedule after the warm-up: constant | cosine (verl's lr_scheduler_type; its older warmup_style, where
     # set, wins, as in verl)
     lr_scheduler_type: str = "constant"
-    warmup_style: Optional[str] = None
+    warmup_style: str | None = None
     total_training_steps: int = -1
     weight_decay: float = 0.01
     betas: Any = field(default_factory=lambda: [0.9, 0.999])
@@ -118,7 +118,7 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
-    loss_scale_factor: Optional[float] = None  # the constant of seq-mean-token-sum-norm; None: the response length
+    loss_scale_factor: float | None = None  # the constant of seq-mean-token-sum-norm; None: the response length
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -220,7 +220,7 @@ class CriticConfig:
     grad_clip: float = 1.0
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
-    loss_scale_factor: Optional[float] = None  # as the actor's
+    loss_scale_factor: float | None = None  # as the actor's
 
 
 @dataclass
@@ -429,7 +429,7 @@ class TrainerConfig:
     experiment_name: str = "run"
     # passes over the training prompts; None: one, or as many as total_training_steps needs. With both set the run
     # stops at whichever comes first, as verl's does
-    total_epochs: Optional[int] = None
+    total_epochs: int | None = None
     total_training_steps: Optional[int] = None
     logger: Any = field(default_factory=lambda: ["console", "tensorboard"])
     log_val_generations: int = 0

@@ -24,7 +24,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, as_users_load_it, restore_rng, verify_checkpoint, write_run_state
+from .checkpoint import (
+    CheckpointError,
+    as_users_load_it,
+    restore_rng,
+    verify_checkpoint,
+    write_run_state,
+)
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ import contextlib
 import decimal
 import functools
 import importlib.util
+import inspect
 import logging
 import math
 import multiprocessing
@@ -41,6 +42,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -280,13 +282,43 @@ def _worker_started(pid: int) -> bool:
         return True  # gone already: nothing to kill
 
 
+VERL_REWARD_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_info")
+_CALL_BY_KEYWORD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> takes verl's names
+
+
+def call_custom_reward(fn: Callable, data_source: str, response: str, ground_truth: Any, extra_info: Any) -> Any:
+    """One call of a custom reward function: by keyword where it takes verl's parameter names (or **kwargs), as verl's
+    reward managers call it, so their order and further parameters are the function's own; positionally, in verl's
+    order, where it names them otherwise."""
+    try:
+        by_keyword = _CALL_BY_KEYWORD.get(fn)
+    except TypeError:  # not weakly referable: looked at each call
+        by_keyword = None
+    if by_keyword is None:
+        by_keyword = _takes_verl_names(fn)
+        with contextlib.suppress(TypeError):
+            _CALL_BY_KEYWORD[fn] = by_keyword
+    if by_keyword:
+        return fn(data_source=data_source, solution_str=response, ground_truth=ground_truth, extra_info=extra_info)
+    return fn(data_source, response, ground_truth, extra_info)
+
+
+def _takes_verl_names(fn: Callable) -> bool:
+    """Whether `fn` takes data_source, solution_str, ground_truth and extra_info by name (**kwargs counts)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or a C function: no signature to read
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return set(VERL_REWARD_PARAMETERS[:3]) <= set(parameters) or len(parameters) == 1
+    return set(VERL_REWARD_PARAMETERS) <= set(parameters)
+
+
 def _score_in_worker(call: tuple, timeout_s: float) -> tuple:
     """("ok", result dict) or ("error", message, traceback) for one call, cut off after timeout_s by SIGALRM."""
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        data_source, response, ground_truth, extra_info = call
-        return "ok", _as_result_dict(_worker_fn(data_source=data_source, solution_str=response,
-                                                ground_truth=ground_truth, extra_info=extra_info))
+        return "ok", _as_result_dict(call_custom_reward(_worker_fn, *call))
     except _CallTimedOut:
         return "error", f"timed out after {timeout_s:g} s (custom_reward_function.timeout_s)", ""
     except (Exception, SystemExit) as err:  # noqa: BLE001 - user code may raise anything, sys.exit included
@@ -353,9 +385,7 @@ class RewardManager:
 
     def _score_one(self, data_source: str, response: str, ground_truth: Any, extra_info: dict | None):
         if self.custom_fn is not None:
-            # by keyword, as verl's reward managers call it (a function may order or name its extras its own way)
-            return self.custom_fn(data_source=data_source, solution_str=response, ground_truth=ground_truth,
-                                  extra_info=extra_info)
+            return call_custom_reward(self.custom_fn, data_source, response, ground_truth, extra_info)
         return get_reward_fn(data_source)(response, ground_truth)
 
     _as_result_dict = staticmethod(_as_result_dict)

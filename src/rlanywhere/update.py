@@ -210,7 +210,7 @@ class Updater:
 
     def ppo_update(self, name: str, model, optimizer, batch: StepBatch, loss_fn: LossFn, *, mini_rows: int,
                    epochs: int, shuffle_seed: Optional[int], grad_clip: float, kind: SizeKind,
-                   park: Optional[torch.nn.Module] = None, norm_length: Optional[float] = None) -> dict:
+                   park: Optional[torch.nn.Module] = None, norm_length: float | None = None) -> dict:
         """`epochs` passes over the batch in mini-batches of `mini_rows` rows (all ranks' rows), one optimizer step
         each (rows shuffled per epoch when `shuffle_seed` is given); metrics averaged over the steps as
         `name/<metric>`. With param offload, `park` (the model not being trained) leaves the GPU meanwhile.

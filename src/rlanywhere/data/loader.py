@@ -213,7 +213,7 @@ class RLDataset:
                     # data.reward_fn_key: the column whose value picks the reward function (verl's rule)
                     "data_source": str(row.get(reward_fn_key, "")),
                     # verl's extra_info.index as it is (a string id too); the row's position where there is none
-                    "index": position if index is None or index != index else index,
+                    "index": position if index is None or (isinstance(index, float) and math.isnan(index)) else index,
                     "extra_info": extra_info,
                     # the messages: a reward model re-templates them, multi-turn rollouts continue them
                     "raw_prompt": _normalise_messages(row[prompt_key]),
