@@ -100,8 +100,8 @@ def _field_of(key: str) -> Optional[tuple[type, dataclasses.Field]]:
 
 def _type_name(annotation: Any, default: Any) -> str:
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    optional = text.startswith("Optional[")
-    inner = text[len("Optional["):-1] if optional else text
+    optional = text.startswith("Optional[") or text.endswith(" | None")
+    inner = text[len("Optional["):-1] if text.startswith("Optional[") else text.removesuffix(" | None")
     if inner == "Any":  # the schema leaves it open: say what the default is
         inner = {list: "list", dict: "mapping", bool: "bool", int: "int", float: "float"}.get(type(default), "str")
         if isinstance(default, str) and default == "auto":
