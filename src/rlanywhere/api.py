@@ -328,11 +328,9 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
 
 def _eval_reward_manager(overrides: Sequence[str]):
     """The reward a run with these overrides would score with: the custom function they name, else the rules."""
-    from .rewards import RewardManager, load_custom_reward
+    from .rewards import RewardManager, custom_reward_from_config
 
-    custom = make_config(None, list(overrides)).custom_reward_function
-    return RewardManager(load_custom_reward(custom.path, custom.name, dict(custom.reward_kwargs or {}))
-                         if custom.path else None)
+    return RewardManager(custom_reward_from_config(make_config(None, list(overrides)).custom_reward_function))
 
 
 def generate(model, prompts: Iterable[Union[str, list]], max_new_tokens: int = 128, temperature: float = 0.0,

@@ -55,9 +55,11 @@ log = logging.getLogger(__name__)
 # CUDA graph replay per token), each of which would otherwise queue behind the update's GEMM blocks. Measured on an
 # H200 (bench/async_overlap.py) it changes little: the block scheduler cannot take SMs back from GEMM blocks already
 # running, so a decode kernel still waits for some to finish (docs/async.md, "Why the phases slow each other").
+ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority: lower is higher; 0 is the default streams'
+
+
 # a background job's generation seconds (its rollout phase alone, no scoring): the batch's rollout tokens/s
 GENERATE_S = "async/generate_s"
-ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority: lower is higher; 0 is the default streams'
 
 
 def allow_compiled_calls_beside_tracing() -> None:
@@ -178,6 +180,14 @@ class _WallTimer:
         start = time.perf_counter()
         yield
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+def timed_rollout(phase, items: list[dict], step: int, first_prompt: int) -> tuple[ScoredRollout, dict, int]:
+    """phase.rollout_and_score with the generation's own seconds in its metrics (GENERATE_S: no scoring), for a
+    rollout made away from the step that trains on it (a pipeline job, a rollout rank)."""
+    timer = _WallTimer()
+    scored, metrics, first = phase.rollout_and_score(items, timer, step, first_prompt)
+    return scored, {**metrics, GENERATE_S: timer.times.get("rollout", 0.0)}, first
 
 
 @dataclass
@@ -448,9 +458,7 @@ class RolloutPipeline:
                 if "weights" in pending:
                     copy_weights(pending.pop("weights"), self.model)
                     self.engine.sync_weights()
-                timer = _WallTimer()
-                scored, metrics, first = self.phase.rollout_and_score(items, timer, step, first_prompt)
-                metrics = {**metrics, GENERATE_S: timer.times.get("rollout", 0.0)}  # the generation alone
+                scored, metrics, first = timed_rollout(self.phase, items, step, first_prompt)
                 if self.reference_pass is not None:
                     ref_start = time.perf_counter()
                     scored.ref_logprobs = self._reference_logprobs(scored)
@@ -471,4 +479,4 @@ class RolloutPipeline:
 
 
 __all__ = ["GENERATE_S", "LookaheadLoader", "RolloutPipeline", "allow_compiled_calls_beside_tracing",
-           "copy_weights", "cut_into_shares", "rollout_model_copy", "scored_from", "scored_state"]
+           "copy_weights", "cut_into_shares", "rollout_model_copy", "scored_from", "scored_state", "timed_rollout"]

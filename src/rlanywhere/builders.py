@@ -20,7 +20,7 @@ from .lora import apply_lora
 from .models import (ModelSource, ValueModel, compile_decoder_layers, enable_gradient_checkpointing, load_causal_lm,
                      load_tokenizer, resolve_model_source)
 from .reward_model import rows_need_answers, wrap_reward_manager
-from .rewards import RewardManager, load_custom_reward
+from .rewards import RewardManager, custom_reward_from_config
 from .rollout import make_engine
 from .sharding import gathered, shard_for_plan
 
@@ -66,9 +66,7 @@ def build_data(cfg: DictConfig, tokenizer) -> Data:
 
 def build_reward_manager(cfg: DictConfig, plan: Optional[Plan] = None) -> RewardManager:
     custom = cfg.custom_reward_function
-    rules = RewardManager(load_custom_reward(custom.path, custom.name, dict(custom.reward_kwargs or {}))
-                          if custom.path else None,
-                          timeout_s=custom.timeout_s)
+    rules = RewardManager(custom_reward_from_config(custom), timeout_s=custom.timeout_s)
     return wrap_reward_manager(cfg, plan, rules) if plan is not None else rules  # reward_model.py
 
 

@@ -275,10 +275,10 @@ def reward_problems(cfg) -> list[str]:
     custom = cfg.custom_reward_function
     if not custom.path:
         return []
-    from .rewards import load_custom_reward
+    from .rewards import custom_reward_from_config
 
     try:
-        load_custom_reward(custom.path, custom.name, dict(custom.reward_kwargs or {}))
+        custom_reward_from_config(custom)
     except Exception as exc:  # noqa: BLE001 - the user's file may raise anything while it is imported
         first = (str(exc).splitlines() or [""])[0][:200]
         return [f"custom_reward_function: {first or type(exc).__name__}" if isinstance(exc, (UserError, ImportError,

@@ -197,6 +197,13 @@ def get_reward_fn(data_source: str) -> Callable[[str, Any], float | dict]:
         ) from None
 
 
+def custom_reward_from_config(section: Any) -> Callable | None:
+    """The function `custom_reward_function` (path, name, reward_kwargs) names, loaded; None without a path."""
+    if not section.path:
+        return None
+    return load_custom_reward(section.path, section.name, dict(section.reward_kwargs or {}))
+
+
 def load_custom_reward(path: str | Path, name: str = "compute_score", reward_kwargs: dict | None = None) -> Callable:
     """Import the Python file at ``path`` and return its function ``name`` (verl's custom_reward_function).
 
@@ -564,5 +571,6 @@ __all__ = [
     "register_reward",
     "get_reward_fn",
     "load_custom_reward",
+    "custom_reward_from_config",
     "RewardManager",
 ]

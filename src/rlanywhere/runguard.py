@@ -33,6 +33,7 @@ from .checkpoint_dirs import checkpoint_root, list_checkpoints
 from .errors import UserError
 from .rank_layout import a_peer_died
 from .runfaults import check_run_names
+from .vocabulary import drops_overlong_prompts
 
 
 log = logging.getLogger(__name__)
@@ -164,8 +165,8 @@ def _with_effective_filter(config: dict) -> dict:
     if data is None:
         return config
     data = dict(data)
-    if data.get("filter_overlong_prompts") is None:
-        data["filter_overlong_prompts"] = data.get("truncation", "error") == "error"
+    data["filter_overlong_prompts"] = drops_overlong_prompts(data.get("filter_overlong_prompts"),
+                                                             data.get("truncation", "error"))
     cap = data.get("train_max_samples")
     data["train_max_samples"] = cap if isinstance(cap, int) and cap > 0 else -1
     return {**config, "data": data}

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .async_pipeline import GENERATE_S, RolloutPipeline, _Job, _prompt_keys, _WallTimer, cut_into_shares
+from .async_pipeline import RolloutPipeline, _Job, _prompt_keys, cut_into_shares, timed_rollout
 from .async_plan import SPLIT, SYNC
 
 log = logging.getLogger(__name__)
@@ -216,13 +216,6 @@ def serve_rollouts(cfg: Any, plan: Any, trainers: tuple[int, ...] | list[int] = 
         rewards.close()
 
 
-def _timed_rollout(phase, items: list[dict], step: int, first_prompt: int) -> tuple:
-    """phase.rollout_and_score with the generation's own seconds in its metrics (GENERATE_S: no scoring)."""
-    timer = _WallTimer()
-    scored, metrics, first = phase.rollout_and_score(items, timer, step, first_prompt)
-    return scored, {**metrics, GENERATE_S: timer.times.get("rollout", 0.0)}, first
-
-
 def rollout_shares(phase, requests: list[tuple[int, list[dict], int]]) -> list[tuple]:
     """The (step, items, first prompt) shares of a rollout rank's trainer ranks, generated and scored in one call
     and cut back into (scored share, metrics, first prompt) each. Their prompts are one contiguous block of the step,
@@ -232,9 +225,9 @@ def rollout_shares(phase, requests: list[tuple[int, list[dict], int]]) -> list[t
     step, firsts = requests[0][0], [first for _, _, first in requests]
     sizes = [len(items) for _, items, _ in requests]
     if any(firsts[k + 1] != firsts[k] + sizes[k] for k in range(len(requests) - 1)):  # not one block: one by one
-        return [_timed_rollout(phase, items, step, first) for step, items, first in requests]
+        return [timed_rollout(phase, items, step, first) for step, items, first in requests]
     items = [item for _, share, _ in requests for item in share]
-    scored, metrics, _ = _timed_rollout(phase, items, step, firsts[0])
+    scored, metrics, _ = timed_rollout(phase, items, step, firsts[0])
     return [(part, share_metrics, first)
             for (part, share_metrics), first in zip(cut_into_shares(scored, metrics, sizes), firsts)]
 

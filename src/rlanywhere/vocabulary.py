@@ -104,6 +104,12 @@ class Truncation(Choice):
     RIGHT = "right"  # keep the first tokens
 
 
+def drops_overlong_prompts(filter_overlong_prompts: bool | None, truncation: str) -> bool:
+    """data.filter_overlong_prompts as it acts: unset, overlong prompts are dropped only with truncation=error (where
+    verl stops the run at the first one); with left / right they are cut."""
+    return truncation == Truncation.ERROR.value if filter_overlong_prompts is None else bool(filter_overlong_prompts)
+
+
 # ------------------------------------------------------------------------------ dtype and attention names
 
 # plain strings (what transformers and the Plan carry): the enum members' values

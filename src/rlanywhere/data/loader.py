@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..errors import UserError
-from ..vocabulary import Truncation
+from ..vocabulary import Truncation, drops_overlong_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +187,7 @@ class RLDataset:
         texts = [self.render_prompt(row[prompt_key]) for row in rows]
         token_ids = self._tokenize(texts)
 
-        if filter_overlong_prompts is None:  # cut where data.truncation says how, else dropped (not a stop)
-            filter_overlong_prompts = truncation == "error"
+        filter_overlong_prompts = drops_overlong_prompts(filter_overlong_prompts, truncation)
         self.items: list[dict[str, Any]] = []
         self.num_filtered = 0
         for position, (row, ids) in enumerate(zip(rows, token_ids)):
