@@ -132,11 +132,13 @@ def test_async_and_correction_keys_and_their_errors():
     assert cfg.trainer["async"].mode == "one_step_off" and cfg.trainer["async"].max_staleness == 1
     assert cfg.algorithm.rollout_correction.rollout_is_threshold == 3.0
     assert load_config(None, []).trainer["async"].mode == "sync"
+    assert load_config(None, ["trainer.async.priority=update"]).trainer["async"].priority == "update"
     for overrides, match in [(["trainer.async.mode=fully"], "trainer.async.mode='fully' is not valid"),
                              (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=2",
                                "trainer.n_gpus_per_node=2"], "the split placement keeps one rollout ahead"),
                              (["trainer.async.mode=one_step_off", "trainer.async.max_staleness=0"], "must be >= 1"),
                              (["trainer.async.overlap=maybe"], "trainer.async.overlap='maybe'"),
+                             (["trainer.async.priority=decode"], "trainer.async.priority='decode' is not valid"),
                              (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=5",
                                "trainer.async.rollout_ranks=2"], "leaves 3 trainer rank"),
                              (["trainer.async.mode=one_step_off", "trainer.n_gpus_per_node=2",
@@ -211,6 +213,10 @@ def test_plan_says_whether_the_rollout_overlaps(card, expected):
     # asked for: the pipeline in turn (the batches of the overlapped run) where the planner would keep sync
     in_turn = make_plan(load_config(None, items + ["trainer.async.overlap=false"]), for_execution=False)
     assert in_turn.async_rollout == IN_TURN
+    if expected == OVERLAPPED:  # whose kernels go first, said where the phases overlap
+        assert "the decode kernels go first" in plan.reasons["async_rollout"]
+        update_first = make_plan(load_config(None, items + ["trainer.async.priority=update"]), for_execution=False)
+        assert "trainer.async.priority=update" in update_first.reasons["async_rollout"]
 
 
 @pytest.mark.parametrize("extra, stays", [

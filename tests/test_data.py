@@ -304,6 +304,8 @@ def test_rldataset_overlong_filter_and_truncation(tmp_path, caplog):
     right = RLDataset(path, tokenizer, max_prompt_length=8, filter_overlong_prompts=False, truncation="right")
     assert left[1]["input_ids"] == full[-8:]
     assert right[1]["input_ids"] == full[:8]
+    middle = RLDataset(path, tokenizer, max_prompt_length=7, filter_overlong_prompts=False, truncation="middle")
+    assert len(full) == 11 and middle[1]["input_ids"] == full[:3] + full[-4:]  # 7 // 2 first, the other 4 last
     assert left[0]["input_ids"] == vocab_ids(tokenizer, f"<s> <|user|> {short} <|assistant|>")
     with pytest.raises(ValueError, match="truncation"):
         RLDataset(path, tokenizer, max_prompt_length=8, truncation="middle-out")

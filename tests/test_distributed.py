@@ -549,6 +549,13 @@ def _collectives_worker(rank: int, port: int, out_dir: str) -> None:
     for p in layer.parameters():
         p.grad = torch.full_like(p, float(rank + 1))
     dp.sum_gradients(layer)
+    # a parameter only rank 1 has a gradient for is summed with rank 0's zeros; one no rank has stays without
+    experts = torch.nn.ModuleList([torch.nn.Linear(2, 1, bias=False) for _ in range(3)])
+    experts[0].weight.grad = torch.ones_like(experts[0].weight)
+    if rank == 1:
+        experts[1].weight.grad = torch.full_like(experts[1].weight, 2.0)
+    dp.sum_gradients(experts)
+    expert_grads = [None if e.weight.grad is None else e.weight.grad.flatten().tolist() for e in experts]
     scale = dp.loss_scale(torch.ones(rows, width), norm_length=4)
     # two mini-batches in one exchange: all rows, then only the first row with its first column zeroed
     partial = torch.ones(1, width)
@@ -560,7 +567,7 @@ def _collectives_worker(rank: int, port: int, out_dir: str) -> None:
     exchanged = dp.exchange_rows(held, send, receive)
     result = {"whole": whole.tolist(), "back": torch.equal(dp.local_rows(whole, local), local),
               "layout": [dp.layout.start, dp.layout.stop, dp.layout.total],
-              "grads": [p.grad.flatten().tolist() for p in layer.parameters()],
+              "grads": [p.grad.flatten().tolist() for p in layer.parameters()], "expert_grads": expert_grads,
               "scale": [scale.tokens, scale.sequences, scale.norm_length],
               "scales": [[s.tokens, s.sequences, s.norm_length] for s in scales],
               "sums": dp.sum_dict({"a": rank + 1.0, f"only{rank}": 1.0}), "max": dp.max_value(rank * 10.0),
@@ -608,6 +615,7 @@ def test_collectives_with_uneven_rows_and_widths(tmp_path):
     assert first["back"] and second["back"]
     assert first["layout"] == [0, 2, 5] and second["layout"] == [2, 5, 5]
     assert first["grads"] == second["grads"] == [[3.0, 3.0], [3.0]]  # 1 + 2
+    assert first["expert_grads"] == second["expert_grads"] == [[2.0, 2.0], [2.0, 2.0], None]
     assert first["scale"] == second["scale"] == [12.0, 5.0, 4.0]  # 6 + 6 tokens, 2 + 3 sequences
     assert first["scales"] == second["scales"] == [[12.0, 5.0, 4.0], [3.0, 2.0, 4.0]]  # (3 - 1) + (2 - 1) tokens
     assert first["sums"] == {"a": 3.0, "only0": 1.0, "only1": 1.0} and first["max"] == second["max"] == 10.0

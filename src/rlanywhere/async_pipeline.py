@@ -51,11 +51,14 @@ from .stepbatch import ScoredRollout
 
 log = logging.getLogger(__name__)
 
-# The rollout's stream runs at a higher priority than the update's: a decode step is a chain of short kernels (one
-# CUDA graph replay per token), each of which would otherwise queue behind the update's GEMM blocks. Measured on an
-# H200 (bench/async_overlap.py) it changes little: the block scheduler cannot take SMs back from GEMM blocks already
-# running, so a decode kernel still waits for some to finish (docs/async.md, "Why the phases slow each other").
-ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority: lower is higher; 0 is the default streams'
+# By default (trainer.async.priority=rollout) the rollout's stream runs at a higher priority than the update's: a
+# decode step is a chain of short kernels (one CUDA graph replay per token), each of which would otherwise queue
+# behind the update's GEMM blocks. Measured on an H200 (bench/async_overlap.py) it changes little: the block
+# scheduler cannot take SMs back from GEMM blocks already running, so a decode kernel still waits for some to finish
+# (docs/async.md, "Why the phases slow each other"). With priority=update the training step runs on a stream of its
+# own at that priority instead, the rollout's at the default: for a job whose rollout has time to spare beside the
+# update, the step's critical path.
+HIGH_STREAM_PRIORITY = -1  # CUDA stream priority: lower is higher; 0 is the default streams'
 
 
 # a background job's generation seconds (its rollout phase alone, no scoring): the batch's rollout tokens/s
@@ -270,13 +273,17 @@ class RolloutPipeline:
         self.reference_pass: Callable[[ScoredRollout], torch.Tensor] | None = None
         self.reference_oom_warned = False
         self.executor: Optional[ThreadPoolExecutor] = None
-        self.stream = None
+        self.stream = None  # the rollout's CUDA stream
+        self.update_stream = None  # the training step's, with trainer.async.priority=update
         if self.overlap:
             allow_compiled_calls_beside_tracing()  # the trainer's thread (this one) and the rollout's, below
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout",
                                                initializer=allow_compiled_calls_beside_tracing)
             if str(plan.device).startswith("cuda"):
-                self.stream = torch.cuda.Stream(plan.device, priority=ROLLOUT_STREAM_PRIORITY)
+                update_first = cfg.trainer["async"].get("priority", "rollout") == "update"
+                self.stream = torch.cuda.Stream(plan.device, priority=0 if update_first else HIGH_STREAM_PRIORITY)
+                if update_first:
+                    self.update_stream = torch.cuda.Stream(plan.device, priority=HIGH_STREAM_PRIORITY)
 
     def attach(self, phase, engine, run_state=None, stops=None, reference_pass=None) -> "RolloutPipeline":
         """Stand in for `phase`; `run_state` (the trainer's RunState) learns when the engine is busy in the
@@ -291,6 +298,21 @@ class RolloutPipeline:
         # multi-turn statistics are summarised when the step takes its batch
         phase.defer_tool_stats = True
         return self
+
+    @contextlib.contextmanager
+    def step_stream(self):
+        """Around a training step: with trainer.async.priority=update, the step's kernels on the high-priority
+        stream, ordered after the work queued before it and before the work queued after it."""
+        if self.update_stream is None:
+            yield
+            return
+        outer = torch.cuda.current_stream(self.plan.device)
+        self.update_stream.wait_stream(outer)
+        try:
+            with torch.cuda.stream(self.update_stream):
+                yield
+        finally:
+            outer.wait_stream(self.update_stream)
 
     def _publish_busy(self) -> None:
         if getattr(self, "run_state", None) is not None:

@@ -27,6 +27,10 @@ def _overlap_setting(value: Any) -> Optional[bool]:
     raise UserError(f"trainer.async.overlap={value!r} is not valid; use auto (the planner decides), true or false")
 
 
+# trainer.async.priority: whose CUDA stream is at the high priority when the phases overlap on one GPU
+PRIORITIES = ("rollout", "update")
+
+
 def check_async_config(cfg: Any) -> None:
     """What trainer.async cannot run, said before anything loads."""
     section = cfg.trainer["async"]
@@ -34,6 +38,9 @@ def check_async_config(cfg: Any) -> None:
         raise UserError(f"trainer.async.mode={section.mode!r} is not valid; use sync (generate, then train) or "
                         "one_step_off (the next step's rollout runs while this step trains)")
     _overlap_setting(section.overlap)
+    if section.priority not in PRIORITIES:
+        raise UserError(f"trainer.async.priority={section.priority!r} is not valid; use rollout (the decode kernels "
+                        "take each SM that frees up first) or update (the training step's kernels do)")
     if int(section.max_staleness) < 1:
         raise UserError(f"trainer.async.max_staleness={section.max_staleness} must be >= 1 (policy versions a "
                         "trained batch may lag the weights that generated it)")
@@ -230,6 +237,11 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
         section.mode, _overlap_setting(section.overlap), on_cuda, half, need, budget)
     if plan.async_rollout == OVERLAPPED and old_policy_forward_stays(cfg):
         plan.reasons["async_rollout"] += CRITICAL_PATH_NOTE
+    if plan.async_rollout == OVERLAPPED and on_cuda:
+        plan.reasons["async_rollout"] += (
+            "; the training step's kernels go first (its stream at high priority: trainer.async.priority=update)"
+            if section.priority == "update" else
+            "; the decode kernels go first (the rollout's stream at high priority: trainer.async.priority)")
     if plan.async_rollout != SYNC and int(plan.world_size) > 1:
         plan.reasons["async_rollout"] += (f"; each of the {plan.world_size} ranks trains and generates its share of "
                                           "the next batch (trainer.async.rollout_ranks=0)")

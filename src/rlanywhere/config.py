@@ -62,7 +62,7 @@ class DataConfig:
     train_max_samples: int = -1  # <= 0: every training prompt; N: the first N (after filtering)
     shuffle: bool = True
     seed: Optional[int] = None  # None: trainer.seed
-    # None: overlong prompts are cut as data.truncation says (left / right, as verl), and dropped (counted in the log)
+    # None: overlong prompts are cut as data.truncation says (left / right / middle, as verl), and dropped (counted in the log)
     # where it says error, where verl would stop the run at the first one
     filter_overlong_prompts: bool | None = None
     truncation: str = "error"
@@ -263,6 +263,9 @@ class AsyncConfig:
     mode: str = "sync"  # sync | one_step_off
     max_staleness: int = 1  # rollouts kept ahead of the update: each batch this many policy versions old at most
     overlap: Any = "auto"  # one GPU: generation on its own CUDA stream beside the update; auto: the planner
+    # overlapped on a GPU: whose kernels take each SM that frees up first. rollout: the decode's (its stream at high
+    # priority); update: the training step's (on a high-priority stream of its own, the rollout's at the default)
+    priority: str = "rollout"
     # ranks that only generate: R = the last R ranks (split placement; each serves as many trainer ranks); 0 = none,
     # every rank trains (data parallelism) and generates its share beside its own update; unset: 1 on 2 ranks, else 0
     rollout_ranks: Optional[int] = None

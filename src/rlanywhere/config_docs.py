@@ -40,8 +40,8 @@ KEY_DOCS: dict[str, str] = {
     r"data\.seed": "seed of the prompt order; null: `trainer.seed`",
     r"data\.filter_overlong_prompts": "drop prompts longer than `data.max_prompt_length` when the data loads; null: "
     "only with `data.truncation=error` (verl would stop there), else they are cut as it says",
-    r"data\.truncation": "what to do with a prompt that is still too long: `error`, or cut it on the `left` / "
-    "`right`",
+    r"data\.truncation": "what to do with a prompt that is still too long: `error`, or cut it: `left` keeps its end, "
+    "`right` its beginning, `middle` both (half each, as verl)",
     r"data\.return_raw_(chat|input_ids)": "verl's switch for re-tokenising prompts for a reward model",
     # models
     rf"actor_rollout_ref\.model\.path": "the policy: a Hugging Face model directory, a hub id, a `.gguf` file, or "

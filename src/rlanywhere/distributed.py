@@ -308,10 +308,16 @@ class DataParallel:
     # ---------------------------------------------------------------------------- models
     def sum_gradients(self, model: torch.nn.Module) -> None:
         """Replace each trainable parameter's gradient by its sum over ranks (each rank's loss is its share of the
-        global loss, so the sum is the global gradient). Missing gradients count as zeros."""
+        global loss, so the sum is the global gradient). A gradient missing on some ranks counts as zeros there; one
+        that no rank produced (an expert no token was routed to) stays None, as in one process, so that the optimizer
+        leaves that parameter alone (no weight decay, no momentum step) on every rank alike."""
         if not self.enabled:
             return
         params = [p for p in model.parameters() if p.requires_grad]
+        produced = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                                device=params[0].device if params else "cpu")
+        dist.all_reduce(produced, group=self.group)
+        params = [p for p, count in zip(params, produced.tolist()) if count > 0]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -16,6 +16,7 @@ only follows it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -403,7 +404,8 @@ class RLTrainer(TrainerCheckpoints):
         loader_state, rng = self.loader.state_dict(), capture_rng()
         with maybe_profile(self.global_step + 1, self.profile_steps, self.run_dir, self.device,
                            self.dp.rank if self.dp.enabled else None):
-            metrics = self.stops.droppable(lambda: self.train_step(self.loader.next_batch()))
+            with self.pipeline.step_stream() if self.pipeline is not None else contextlib.nullcontext():
+                metrics = self.stops.droppable(lambda: self.train_step(self.loader.next_batch()))
         if metrics is None:
             self.loader.load_state_dict(loader_state)
             restore_rng(*rng)

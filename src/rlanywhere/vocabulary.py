@@ -102,11 +102,12 @@ class Truncation(Choice):
     ERROR = "error"
     LEFT = "left"  # keep the last tokens
     RIGHT = "right"  # keep the first tokens
+    MIDDLE = "middle"  # keep both ends: the first half and the last half (verl: the odd token to the end)
 
 
 def drops_overlong_prompts(filter_overlong_prompts: bool | None, truncation: str) -> bool:
     """data.filter_overlong_prompts as it acts: unset, overlong prompts are dropped only with truncation=error (where
-    verl stops the run at the first one); with left / right they are cut."""
+    verl stops the run at the first one); with left / right / middle they are cut."""
     return truncation == Truncation.ERROR.value if filter_overlong_prompts is None else bool(filter_overlong_prompts)
 
 

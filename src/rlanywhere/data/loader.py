@@ -139,12 +139,23 @@ def _normalise_messages(prompt: Any) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
+def cut_prompt(ids: list[int], max_length: int, truncation: str) -> list[int]:
+    """`max_length` tokens of an overlong prompt as data.truncation says: left keeps the last ones, right the first
+    ones, middle the first half and the last half (the odd one from the end), as verl's dataset does."""
+    if truncation == Truncation.LEFT.value:
+        return ids[-max_length:]
+    if truncation == Truncation.MIDDLE.value:
+        head = max_length // 2
+        return list(ids[:head]) + list(ids[len(ids) - (max_length - head):])
+    return ids[:max_length]
+
+
 class RLDataset:
     """Prompt rows from verl-schema parquet files, chat template applied and tokenised up front.
 
     Overlong prompts (more than ``max_prompt_length`` tokens) are dropped (``filter_overlong_prompts=True``, count
     logged; None: when ``truncation`` is ``"error"``) or else handled by ``truncation``: ``"error"`` raises, ``"left"`` keeps the last tokens, ``"right"``
-    keeps the first tokens. ``dataset[i]`` is a prompt item: ``input_ids``, ``ground_truth``, ``data_source`` (the
+    keeps the first tokens, ``"middle"`` both ends. ``dataset[i]`` is a prompt item: ``input_ids``, ``ground_truth``, ``data_source`` (the
     value of the ``reward_fn_key`` column, which picks the reward function), ``index``, ``extra_info``.
     """
 
@@ -199,9 +210,9 @@ class RLDataset:
                     raise ValueError(
                         f"Prompt {position} of {paths} has {len(ids)} tokens > data.max_prompt_length="
                         f"{max_prompt_length}. Raise data.max_prompt_length, set data.filter_overlong_prompts=True, "
-                        "or set data.truncation=left|right."
+                        "or set data.truncation=left|right|middle."
                     )
-                ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+                ids = cut_prompt(ids, max_prompt_length, truncation)
             extra_info = dict(row.get("extra_info") or {})
             index = extra_info.get("index")
             self.items.append(
