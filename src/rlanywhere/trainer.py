@@ -402,10 +402,10 @@ class RLTrainer(TrainerCheckpoints):
     def _train_step_or_drop(self) -> Optional[dict]:
         """One step; None when a stop signal dropped it before any update (the data position and RNG rewound)."""
         loader_state, rng = self.loader.state_dict(), capture_rng()
+        step_stream = self.pipeline.step_stream() if self.pipeline is not None else contextlib.nullcontext()
         with maybe_profile(self.global_step + 1, self.profile_steps, self.run_dir, self.device,
-                           self.dp.rank if self.dp.enabled else None):
-            with self.pipeline.step_stream() if self.pipeline is not None else contextlib.nullcontext():
-                metrics = self.stops.droppable(lambda: self.train_step(self.loader.next_batch()))
+                           self.dp.rank if self.dp.enabled else None), step_stream:
+            metrics = self.stops.droppable(lambda: self.train_step(self.loader.next_batch()))
         if metrics is None:
             self.loader.load_state_dict(loader_state)
             restore_rng(*rng)
