@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from rlanywhere.torch_setup import (CU126_INDEX, InstalledTorch, arch_list_covers, decide,
+from rlanywhere.torch_setup import (CPU_INDEX, CU126_INDEX, InstalledTorch, arch_list_covers, decide,
                                     parse_compute_capabilities)
 
 # torch 2.8+ default CUDA wheels vs the CUDA 12.6 wheels (torch.cuda.get_arch_list() of each)
@@ -47,9 +48,10 @@ def test_decisions():
     assert wrong.action == "install" and "--force-reinstall" in wrong.pip_args and "sm_61" in wrong.reason
     cpu_build = decide([(8, 6)], InstalledTorch("2.13.0+cpu", None, []))
     assert cpu_build.action == "install" and cpu_build.pip_args[0] == "torch==2.13.0"
-    # No GPU: today's behaviour (keep an installed torch, else the plain wheel)
+    # No GPU: an installed torch is kept; else on Linux the CPU build (PyPI's Linux wheel brings CUDA libraries)
     assert decide([], InstalledTorch("2.13.0+cpu", None, [])).action == "keep"
-    assert decide([], None).line() == "install torch==2.13.0"
+    assert decide([], None, platform="linux").line() == f"install torch==2.13.0 --index-url {CPU_INDEX}"
+    assert decide([], None, platform="darwin").line() == "install torch==2.13.0"
     assert decide([(6, 0)], None, version="2.9.1").pip_args[0] == "torch==2.9.1+cu126"
 
 
@@ -61,3 +63,29 @@ def test_setup_script_runs_the_helper_without_rlanywhere_installed(tmp_path):
                             env={"PATH": str(tmp_path)}, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("keep torch ") and "no NVIDIA GPU" in result.stdout
+
+
+FAKE_PYTHON = """#!/bin/bash
+# stands in for python3 in setup.sh: the helper says install the CPU build; pip fails on PyTorch's index
+echo "$*" >> "$LOG"
+case "$*" in
+  *torch_setup.py*) echo "install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" ;;
+  *whl/cpu*) exit 1 ;;
+esac
+"""
+
+
+def test_setup_falls_back_to_pips_index_when_the_cpu_index_is_out_of_reach(tmp_path):
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "calls.log"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "setup.sh"
+    result = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHON": str(fake), "LOG": str(log)})
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    assert "-m pip install -q --retries 1 torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in calls
+    assert "-m pip install -q torch==2.13.0" in calls  # the fallback, then the package itself
+    assert calls[-1].startswith("-m pip install -q -e .[")
+    assert "CPU index could not be reached" in result.stderr

@@ -19,6 +19,9 @@ from typing import Optional, Sequence
 
 TORCH_VERSION = "2.13.0"
 CU126_INDEX = "https://download.pytorch.org/whl/cu126"
+# PyTorch's CPU-only builds. On Linux, PyPI's torch wheel carries the CUDA libraries (several GB), which a machine
+# without an NVIDIA GPU never uses; setup.sh falls back to pip's own index where this one cannot be reached.
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # The oldest compute capability the default (PyPI) CUDA wheels have kernels for.
 DEFAULT_BUILD_MIN_CC = (7, 5)
 
@@ -79,11 +82,15 @@ def build_for(ccs: Sequence[tuple[int, int]], version: str = TORCH_VERSION) -> t
 
 
 def decide(ccs: Sequence[tuple[int, int]], installed: Optional[InstalledTorch],
-           version: str = TORCH_VERSION) -> TorchDecision:
+           version: str = TORCH_VERSION, platform: str = sys.platform) -> TorchDecision:
     """Keep an installed torch that works here; otherwise the build whose kernels cover every GPU (none: CPU)."""
     if not ccs:
         if installed is not None:
             return TorchDecision("keep", [], f"torch {installed.version} (no NVIDIA GPU found)")
+        if platform.startswith("linux"):
+            return TorchDecision("install", [f"torch=={version}", "--index-url", CPU_INDEX],
+                                 "no NVIDIA GPU found: the CPU build (PyPI's Linux wheel brings several GB of CUDA "
+                                 "libraries)")
         return TorchDecision("install", [f"torch=={version}"], "no NVIDIA GPU found")
     if installed is not None and installed.cuda and all(arch_list_covers(installed.arch_list, cc) for cc in ccs):
         return TorchDecision("keep", [], f"torch {installed.version} has kernels for {_ccs_text(ccs)}")
