@@ -217,6 +217,7 @@ def test_plan_says_whether_the_rollout_overlaps(card, expected):
         assert "the decode kernels go first" in plan.reasons["async_rollout"]
         update_first = make_plan(load_config(None, items + ["trainer.async.priority=update"]), for_execution=False)
         assert "trainer.async.priority=update" in update_first.reasons["async_rollout"]
+        assert update_first.update_stream_first and not plan.update_stream_first
 
 
 @pytest.mark.parametrize("extra, stays", [

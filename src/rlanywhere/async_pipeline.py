@@ -280,7 +280,7 @@ class RolloutPipeline:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout",
                                                initializer=allow_compiled_calls_beside_tracing)
             if str(plan.device).startswith("cuda"):
-                update_first = cfg.trainer["async"].get("priority", "rollout") == "update"
+                update_first = plan.update_stream_first
                 self.stream = torch.cuda.Stream(plan.device, priority=0 if update_first else HIGH_STREAM_PRIORITY)
                 if update_first:
                     self.update_stream = torch.cuda.Stream(plan.device, priority=HIGH_STREAM_PRIORITY)

@@ -238,9 +238,10 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
     if plan.async_rollout == OVERLAPPED and old_policy_forward_stays(cfg):
         plan.reasons["async_rollout"] += CRITICAL_PATH_NOTE
     if plan.async_rollout == OVERLAPPED and on_cuda:
+        plan.update_stream_first = section.priority == "update"
         plan.reasons["async_rollout"] += (
             "; the training step's kernels go first (its stream at high priority: trainer.async.priority=update)"
-            if section.priority == "update" else
+            if plan.update_stream_first else
             "; the decode kernels go first (the rollout's stream at high priority: trainer.async.priority)")
     if plan.async_rollout != SYNC and int(plan.world_size) > 1:
         plan.reasons["async_rollout"] += (f"; each of the {plan.world_size} ranks trains and generates its share of "

@@ -168,6 +168,9 @@ class Plan:
     async_rollout: str = "sync"  # "sync" | "in turn" | "overlapped": trainer.async as planned (async_pipeline.py)
     # one_step_off: the reference's log-probs of each batch computed in the rollout's job, right after its rollout
     ref_with_rollout: bool = False
+    # overlapped on a GPU: the training step on a high-priority stream of its own, the rollout's at the default
+    # (trainer.async.priority=update); else the rollout's stream at high priority
+    update_stream_first: bool = False
 
     def to_dict(self) -> dict:
         return to_jsonable(asdict(self))
