@@ -115,3 +115,7 @@ def test_evaluate_scores_with_the_custom_reward_the_overrides_name(tiny_model_di
     custom = rl.evaluate(str(tiny_model_dir), data, overrides=[
         "hardware.device=cpu", f"custom_reward_function.path={reward}", "custom_reward_function.name=score"], **common)
     assert custom["accuracy"] == 1.0 and custom["num_samples"] == 4
+    # prompts over the model's prompt length are scored too (their end kept) and counted, not dropped
+    short = rl.evaluate(str(tiny_model_dir), data, overrides=["hardware.device=cpu", "data.max_prompt_length=6"],
+                        **common)
+    assert short["num_samples"] == 4 and short["prompts_cut"] > 0

@@ -62,6 +62,8 @@ def test_verl_fsdp_size_is_honoured_as_the_shard_group_size(value, group):
     ("hardware.precision=bf32", "choose one of auto, fp32, bf16, fp16"),
     ("trainer.resume_mode=resume_path", "resume_from_path"),
     ("no_equals_sign", "has no '='"),
+    ("trainer.seed=-1", "use e.g. trainer.seed=1"),
+    ("data.seed=-7", "use e.g. data.seed=7"),
 ])
 def test_bad_input_names_problem_and_fix(override, expected):
     with pytest.raises(ConfigError, match=None) as info:

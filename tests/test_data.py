@@ -20,6 +20,7 @@ from rlanywhere.data import (
     prepare_gsm8k,
     read_parquet_rows,
 )
+from rlanywhere.data.prepare import PrepareError
 
 from .conftest import GSM8K_DIR
 
@@ -259,6 +260,11 @@ def test_prepare_generic_separate_files_and_bad_key(tmp_path):
     assert read_parquet_rows(paths_dir["test"]) == read_parquet_rows(paths["test"])
     with pytest.raises(KeyError, match="question"):
         prepare_generic(train_file, tmp_path / "out3", "question", "answer", test_src=test_file)
+    # an answer that is missing or a list would be stored as the text 'None' / "['5', 'five']": refused, named
+    for bad in (None, ["5", "five"], " "):
+        test_file.write_text(json.dumps({"prompt": "yo", "answer": bad}) + "\n")
+        with pytest.raises(PrepareError, match="record 0 has answer="):
+            prepare_generic(train_file, tmp_path / "out4", "prompt", "answer", test_src=test_file)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -374,3 +380,10 @@ def test_collate_prompts_left_pads():
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     with pytest.raises(ValueError, match="empty"):
         collate_prompts([], pad_token_id=0)
+
+
+def test_validation_size_reads_val_max_samples_as_verl():
+    from rlanywhere.validation import validation_size
+
+    assert validation_size(20, 5) == 5 and validation_size(3, 5) == 3
+    assert validation_size(20, -1) == validation_size(20, 0) == validation_size(20, None) == 20  # <= 0: all

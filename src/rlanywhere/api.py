@@ -304,7 +304,10 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
     if problems:
         raise InputError(problems)
     loaded = _loaded(model, max_new_tokens=max_new_tokens, batch_size=batch_size, overrides=overrides)
-    dataset = RLDataset([data], loaded.tokenizer, loaded.max_prompt_length)
+    # every row is scored: one over the model's prompt length keeps its end (where the question is), and the result
+    # counts them in the file (prompts_cut; dropping them would score each model on another subset)
+    dataset = RLDataset([data], loaded.tokenizer, loaded.max_prompt_length, filter_overlong_prompts=False,
+                        truncation="left")
     count = len(dataset) if max_samples <= 0 else min(max_samples, len(dataset))
     items = [dataset[i] for i in range(count)]
     manager = _eval_reward_manager(overrides)
@@ -322,7 +325,7 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
             formats += info["format"]
             bar.update(len(part))
     return {"model": str(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__, "data": data,
-            "num_samples": count, "accuracy": sum(accs) / max(count, 1), "format_rate": sum(formats) / max(count, 1),
+            "num_samples": count, "prompts_cut": dataset.num_truncated, "accuracy": sum(accs) / max(count, 1), "format_rate": sum(formats) / max(count, 1),
             "seconds": round(time.time() - start, 1)}
 
 

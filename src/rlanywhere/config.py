@@ -58,7 +58,7 @@ class DataConfig:
     train_batch_size: int = 1024
     gen_batch_size: Optional[int] = None  # prompts per round with algorithm.filter_groups (None: train_batch_size)
     val_batch_size: Optional[int] = None
-    val_max_samples: int = -1  # -1: the whole validation set
+    val_max_samples: int = -1  # <= 0: the whole validation set (as verl)
     train_max_samples: int = -1  # <= 0: every training prompt; N: the first N (after filtering)
     shuffle: bool = True
     seed: Optional[int] = None  # None: trainer.seed
@@ -946,6 +946,11 @@ def _check_guard_values(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be >= 0 (0 turns the guard off), got {OmegaConf.select(cfg, key)}")
     if cfg.hardware.logprob_gap_patience < 1:
         raise ConfigError(f"hardware.logprob_gap_patience must be >= 1 steps, got {cfg.hardware.logprob_gap_patience}")
+    for key in ("trainer.seed", "data.seed"):  # numpy's generators take no negative seed
+        value = OmegaConf.select(cfg, key)
+        if value is not None and int(value) < 0:
+            raise ConfigError(f"{key}={value}: seeds are integers >= 0 here (numpy's generators take no negative "
+                              f"seed); use e.g. {key}={-int(value)}")
     try:
         profile_step_set(cfg.trainer.profile_steps)
     except ValueError as err:

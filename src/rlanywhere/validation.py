@@ -20,12 +20,17 @@ log = logging.getLogger(__name__)
 VALIDATION_SALT = 500_009  # validation's streams apart from the training rollout's (salt 0, -1, ...) of a step
 
 
+def validation_size(rows: int, limit: int | None) -> int:
+    """The validation prompts evaluated: the first data.val_max_samples of them; all where it is unset or <= 0, as
+    verl reads it."""
+    return rows if limit is None or limit <= 0 else min(limit, rows)
+
+
 def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> dict:
     cfg = rollouts.cfg
     if val_set is None:
         return {}
-    limit = cfg.data.val_max_samples
-    indices = range(len(val_set) if limit is None or limit < 0 else min(limit, len(val_set)))
+    indices = range(validation_size(len(val_set), cfg.data.val_max_samples))
     block = -(-len(indices) // dp.world)
     offset = min(dp.rank * block, len(indices))
     total = len(indices)

@@ -201,6 +201,7 @@ class RLDataset:
         filter_overlong_prompts = drops_overlong_prompts(filter_overlong_prompts, truncation)
         self.items: list[dict[str, Any]] = []
         self.num_filtered = 0
+        self.num_truncated = 0  # prompts cut to max_prompt_length as `truncation` says
         for position, (row, ids) in enumerate(zip(rows, token_ids)):
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
@@ -213,6 +214,7 @@ class RLDataset:
                         "or set data.truncation=left|right|middle."
                     )
                 ids = cut_prompt(ids, max_prompt_length, truncation)
+                self.num_truncated += 1
             extra_info = dict(row.get("extra_info") or {})
             index = extra_info.get("index")
             self.items.append(

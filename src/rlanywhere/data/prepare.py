@@ -384,6 +384,10 @@ def _generic_rows(records, split, prompt_key, answer_key, data_source, instructi
         answer = _lookup(record, answer_key, source)
         if isinstance(answer, dict) and "ground_truth" in answer:  # a verl reward_model column
             answer = answer["ground_truth"]
+        if answer is None or isinstance(answer, (list, tuple, dict)) or not str(answer).strip():
+            # str() would store 'None' or "['5', 'five']" as the answer: a row no response could score on
+            raise PrepareError(f"{source}: record {index} has {answer_key}={answer!r}; each record needs one answer "
+                               "as text or a number (fix or drop that record, or point answer_key at another column)")
         rows.append(
             make_row(
                 data_source=data_source,
