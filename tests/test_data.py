@@ -20,6 +20,7 @@ from rlanywhere.data import (
     prepare_gsm8k,
     read_parquet_rows,
 )
+from rlanywhere.data.loader import DataError
 from rlanywhere.data.prepare import PrepareError
 
 from .conftest import GSM8K_DIR
@@ -387,3 +388,54 @@ def test_validation_size_reads_val_max_samples_as_verl():
 
     assert validation_size(20, 5) == 5 and validation_size(3, 5) == 3
     assert validation_size(20, -1) == validation_size(20, 0) == validation_size(20, None) == 20  # <= 0: all
+
+
+def _parquet_of_prompts(path, prompts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": p, "data_source": "test", "reward_model": {"ground_truth": "1"}}
+                                         for p in prompts]), path)
+    return path
+
+
+def test_rldataset_prompt_forms_verl_data_holds(tmp_path):
+    tokenizer = make_tokenizer(  # writes "+" after a turn with tool calls, "a" after the header with think=True
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+        "{% if m['tool_calls'] %}+ {% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% if think %} a{% endif %}{% endif %}")
+    few_shot = [{"role": "user", "content": "1 + 1 ?"},
+                {"role": "assistant", "content": "2", "tool_calls": [{"name": "calc"}]},
+                {"role": "user", "content": "2 + 2 ?"}]
+    path = [_parquet_of_prompts(tmp_path / "j.parquet", [json.dumps([{"role": "user", "content": "what is 3 ?"}])]),
+            _parquet_of_prompts(tmp_path / "m.parquet", [few_shot])]
+    dataset = RLDataset(path, tokenizer, max_prompt_length=64, chat_template_kwargs={"think": True})
+    # a prompt stored as JSON text is its messages, not their JSON spelling
+    assert dataset[0]["raw_prompt"] == [{"role": "user", "content": "what is 3 ?"}]
+    assert tokenizer.decode(dataset[0]["input_ids"]) == "<s> <|user|> what is 3 ? <|assistant|> a"
+    # a message keeps its other fields (tool_calls), which the template renders; the template's kwargs reach it
+    assert dataset[1]["raw_prompt"][1]["tool_calls"] == [{"name": "calc"}]
+    assert tokenizer.decode(dataset[1]["input_ids"]).startswith("<s> <|user|> 1 + 1 ? <|assistant|> 2 + <|user|>")
+    assert tokenizer.decode(dataset[1]["input_ids"]).endswith("<|assistant|> a")
+    plain = RLDataset(path, tokenizer, max_prompt_length=64)
+    assert not tokenizer.decode(plain[0]["input_ids"]).endswith(" a")
+    # ShareGPT's from/value messages: refused with the row and the form expected
+    sharegpt = _parquet_of_prompts(tmp_path / "s.parquet", [[{"from": "human", "value": "hi"}]])
+    with pytest.raises(DataError, match=r"row 0 .*without 'role' and 'content' \(ShareGPT's from/value"):
+        RLDataset(sharegpt, tokenizer, max_prompt_length=64)
+
+
+def test_rldataset_counts_lengths_as_render_ids_gives_them(tmp_path):
+    """Multi-turn with tools: the prompt lengths the filter and the truncation see are those of the prompt with the
+    tools described, which the rollout starts from."""
+    tokenizer = make_tokenizer()
+    path = write_prompt_parquet(tmp_path / "p.parquet", ["a b", "a b c d e"])  # templated: 5 and 8 tokens
+
+    def with_tools(messages):
+        return vocab_ids(tokenizer, "<s> <|user|> a b c d " + messages[0]["content"] + " <|assistant|>")
+
+    kept = RLDataset(path, tokenizer, max_prompt_length=10, filter_overlong_prompts=True, render_ids=with_tools)
+    assert [item["index"] for item in kept.items] == [0] and kept.num_filtered == 1  # 9 and 12 tokens
+    assert kept[0]["input_ids"] == with_tools([{"content": "a b"}]) and kept[0]["tools_in_input_ids"]
+    cut = RLDataset(path, tokenizer, max_prompt_length=10, truncation="left", render_ids=with_tools)
+    assert cut[1]["input_ids"] == with_tools([{"content": "a b c d e"}])[-10:] and cut.num_truncated == 1

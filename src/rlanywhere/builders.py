@@ -22,6 +22,7 @@ from .models import (ModelSource, ValueModel, compile_decoder_layers, enable_gra
 from .reward_model import rows_need_answers, wrap_reward_manager
 from .rewards import RewardManager, custom_reward_from_config
 from .rollout import make_engine
+from .rollout.multiturn import prompt_render_with_tools
 from .sharding import gathered, shard_for_plan
 
 
@@ -49,10 +50,14 @@ class Data:
 def build_data(cfg: DictConfig, tokenizer) -> Data:
     data_cfg = cfg.data
 
+    render_ids = prompt_render_with_tools(cfg, tokenizer)
+
     def dataset(files):
         return RLDataset(as_list(files), tokenizer, data_cfg.max_prompt_length, prompt_key=data_cfg.prompt_key,
                          truncation=data_cfg.truncation, filter_overlong_prompts=data_cfg.filter_overlong_prompts,
-                         reward_fn_key=data_cfg.reward_fn_key, answers=rows_need_answers(cfg))
+                         reward_fn_key=data_cfg.reward_fn_key, answers=rows_need_answers(cfg),
+                         chat_template_kwargs=OmegaConf.to_container(data_cfg.apply_chat_template_kwargs),
+                         render_ids=render_ids)
 
     train_set = dataset(data_cfg.train_files)
     if data_cfg.train_max_samples is not None and 0 < data_cfg.train_max_samples < len(train_set):

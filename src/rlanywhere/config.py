@@ -68,6 +68,8 @@ class DataConfig:
     truncation: str = "error"
     return_raw_chat: bool = False
     return_raw_input_ids: bool = False
+    # verl's: extra keyword arguments of the chat template when prompts are rendered (e.g. {enable_thinking: false})
+    apply_chat_template_kwargs: Any = field(default_factory=dict)
 
 
 @dataclass

@@ -108,7 +108,7 @@ CURRENT_VERL_KEYS: dict[str, str] = {
     r"|validation_data_dir|rollout_data_dir)": "not used by this trainer (checkpoints, validation and logging are "
     "set by save_freq, test_freq, default_local_dir and logger)",
     r"global_profiler(\..*)?|transfer_queue(\..*)?|data_transfer(\..*)?": _NOT_PROFILED,
-    r"data\.(tool_config_path|apply_chat_template_kwargs(\..*)?|max_samples|seed_for_shuffle|datagen(\..*)?"
+    r"data\.(tool_config_path|max_samples|seed_for_shuffle|datagen(\..*)?"
     r"|prompt_key_for_rm|multi_modal_keys)": "prompts are read from parquet and rendered with the tokenizer's chat "
     "template",
     r"actor_rollout_ref\.actor\.checkpoint(\..*)?|critic\.checkpoint(\..*)?": "checkpoints hold the model, optimizer, "

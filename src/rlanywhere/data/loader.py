@@ -11,10 +11,11 @@ Row schema: ``data_source: str``, ``prompt: [{"role", "content"}]``, ``ability: 
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -92,6 +93,8 @@ def check_rows(rows: Sequence[dict[str, Any]], origins: Sequence[tuple[Path, int
         reward_model = row.get("reward_model")
         if not row.get(prompt_key):
             problem = f"column {prompt_key!r} is {'null' if row.get(prompt_key) is None else 'empty'}"
+        elif (shape := _message_shape_problem(row[prompt_key])) is not None:
+            problem = f"column {prompt_key!r} {shape}"
         elif row.get(source_key) is None:
             problem = f"column {source_key!r} is missing or null"
         elif not answers:
@@ -133,10 +136,44 @@ def _strip_repeated_bos(ids: list[int], bos_token_id: int | None) -> list[int]:
     return ids
 
 
-def _normalise_messages(prompt: Any) -> list[dict[str, str]]:
+def _json_messages(text: str) -> list | None:
+    """The chat messages a prompt stored as JSON text holds (`[{"role": ..., "content": ...}]`), else None."""
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        decoded = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(decoded, list) and decoded and all(isinstance(m, dict) and "role" in m for m in decoded):
+        return decoded
+    return None
+
+
+def _message_shape_problem(prompt: Any) -> str | None:
+    """Why a prompt's messages cannot be rendered (each needs a role and a content), or None."""
     if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [{"role": m["role"], "content": m["content"]} for m in prompt]
+        prompt = _json_messages(prompt)
+        if prompt is None:
+            return None
+    for message in prompt:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            keys = sorted(message) if isinstance(message, dict) else type(message).__name__
+            hint = (" (ShareGPT's from/value form: `rlanywhere prepare generic` writes {role, content})"
+                    if isinstance(message, dict) and "from" in message else "")
+            return f"holds a message {keys} without 'role' and 'content'{hint}"
+    return None
+
+
+def _normalise_messages(prompt: Any) -> list[dict[str, Any]]:
+    """A prompt as chat messages: text is one user message (text that is a JSON list of messages is those
+    messages); each message keeps its fields (tool_calls, name, ...) but those the parquet file left null."""
+    if isinstance(prompt, str):
+        decoded = _json_messages(prompt)
+        if decoded is None:
+            return [{"role": "user", "content": prompt}]
+        prompt = decoded
+    return [{key: value for key, value in message.items() if value is not None or key == "content"}
+            for message in prompt]
 
 
 def cut_prompt(ids: list[int], max_length: int, truncation: str) -> list[int]:
@@ -155,7 +192,8 @@ class RLDataset:
 
     Overlong prompts (more than ``max_prompt_length`` tokens) are dropped (``filter_overlong_prompts=True``, count
     logged; None: when ``truncation`` is ``"error"``) or else handled by ``truncation``: ``"error"`` raises, ``"left"`` keeps the last tokens, ``"right"``
-    keeps the first tokens, ``"middle"`` both ends. ``dataset[i]`` is a prompt item: ``input_ids``, ``ground_truth``, ``data_source`` (the
+    keeps the first tokens, ``"middle"`` both ends; with ``render_ids`` (multi-turn with tools: the prompt with the
+    tools described) the lengths are those of its ids. ``dataset[i]`` is a prompt item: ``input_ids``, ``ground_truth``, ``data_source`` (the
     value of the ``reward_fn_key`` column, which picks the reward function), ``index``, ``extra_info``.
     """
 
@@ -169,12 +207,15 @@ class RLDataset:
         filter_overlong_prompts: bool | None = None,
         reward_fn_key: str = "data_source",
         answers: bool = True,
+        chat_template_kwargs: dict | None = None,
+        render_ids: Callable[[list[dict]], list[int]] | None = None,
     ):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}.")
         if not isinstance(max_prompt_length, int) or max_prompt_length < 1:
             raise ValueError(f"data.max_prompt_length must be a positive integer, got {max_prompt_length!r}.")
         self.tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         rows: list[dict[str, Any]] = []
@@ -195,8 +236,10 @@ class RLDataset:
             )
         check_rows(rows, origins, prompt_key, source_key=reward_fn_key, answers=answers)
 
-        texts = [self.render_prompt(row[prompt_key]) for row in rows]
-        token_ids = self._tokenize(texts)
+        if render_ids is not None:  # multi-turn with tools: the prompt as the rollout sees it, tools described
+            token_ids = [render_ids(_normalise_messages(row[prompt_key])) for row in rows]
+        else:
+            token_ids = self._tokenize([self.render_prompt(row[prompt_key]) for row in rows])
 
         filter_overlong_prompts = drops_overlong_prompts(filter_overlong_prompts, truncation)
         self.items: list[dict[str, Any]] = []
@@ -229,6 +272,8 @@ class RLDataset:
                     "extra_info": extra_info,
                     # the messages: a reward model re-templates them, multi-turn rollouts continue them
                     "raw_prompt": _normalise_messages(row[prompt_key]),
+                    # input_ids describe the tools (render_ids): the rollout starts from them as they are
+                    **({"tools_in_input_ids": True} if render_ids is not None else {}),
                 }
             )
         if self.num_filtered:
@@ -245,7 +290,7 @@ class RLDataset:
             )
 
     def render_prompt(self, prompt: Any) -> str:
-        return render_prompt(self.tokenizer, prompt)
+        return render_prompt(self.tokenizer, prompt, self.chat_template_kwargs)
 
     def _tokenize(self, texts: list[str]) -> list[list[int]]:
         return tokenize_rendered(self.tokenizer, texts)
@@ -257,13 +302,15 @@ class RLDataset:
         return self.items[index]
 
 
-def render_prompt(tokenizer, prompt: Any) -> str:
-    """The prompt text the model sees: chat template + generation prompt, or without one every message's text in
-    order (a system instruction and few-shot turns included), separated by blank lines."""
+def render_prompt(tokenizer, prompt: Any, chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text the model sees: chat template + generation prompt (with data.apply_chat_template_kwargs, e.g.
+    Qwen3's enable_thinking), or without one every message's text in order (a system instruction and few-shot turns
+    included), separated by blank lines."""
     messages = _normalise_messages(prompt)
     if _has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return "\n\n".join(m["content"] for m in messages)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **(chat_template_kwargs or {}))
+    return "\n\n".join(str(m.get("content") or "") for m in messages)
 
 
 def tokenize_rendered(tokenizer, texts: list[str]) -> list[list[int]]:

@@ -101,18 +101,22 @@ def tool_prompt_text(tools: Sequence[BaseTool]) -> str:
     return "\n".join(lines)
 
 
-def render_prompt_with_tools(tokenizer: Any, messages: list[dict], tools: Sequence[BaseTool]) -> list[int]:
+def render_prompt_with_tools(tokenizer: Any, messages: list[dict], tools: Sequence[BaseTool],
+                             chat_template_kwargs: dict | None = None) -> list[int]:
     """Prompt token ids with the tools described: through the chat template's own `tools=` where it renders them,
-    else as a system message (prepended to the first system message if there is one)."""
+    else as a system message (prepended to the first system message if there is one). `chat_template_kwargs`:
+    data.apply_chat_template_kwargs."""
     messages = [dict(m) for m in messages]
     schemas = [t.get_openai_tool_schema() for t in tools]
+    extra = dict(chat_template_kwargs or {})
     text = None
     if tools:
         try:
-            text = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=False,
+                                                 **extra)
         except Exception:  # noqa: BLE001 - a template without tool support: describe them ourselves
             text = None
-        plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         if text is not None and (text == plain or not all(t.name in text for t in tools)):
             text = None  # the template ignored tools=
         if text is None:
@@ -122,7 +126,7 @@ def render_prompt_with_tools(tokenizer: Any, messages: list[dict], tools: Sequen
             else:
                 messages.insert(0, {"role": "system", "content": description})
     if text is None:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -133,13 +137,14 @@ class ToolMessageRenderer:
     _USER, _ASSISTANT = "Hi.", "Hello."
     REMEMBERED = 4096  # rendered results kept
 
-    def __init__(self, tokenizer: Any, eos_text: str | None):
+    def __init__(self, tokenizer: Any, eos_text: str | None, chat_template_kwargs: dict | None = None):
         self.tokenizer, self.eos_text = tokenizer, eos_text
+        self.template_kwargs = dict(chat_template_kwargs or {})  # data.apply_chat_template_kwargs
         self._rendered: dict[tuple, list[int]] = {}
         base = [{"role": "system", "content": "s"}, {"role": "user", "content": self._USER},
                 {"role": "assistant", "content": self._ASSISTANT}]
         self.base = base
-        self.prefix = tokenizer.apply_chat_template(base, tokenize=False)
+        self.prefix = tokenizer.apply_chat_template(base, tokenize=False, **self.template_kwargs)
         # the template's text after the assistant's end-of-turn token (e.g. "\n" after <|im_end|>)
         self.after_eos = ""
         if eos_text:
@@ -150,7 +155,8 @@ class ToolMessageRenderer:
 
     def text(self, results: Sequence[str], turn_ended_by_eos: bool) -> str:
         messages = self.base + [{"role": TOOL_RESPONSE_ROLE, "content": r} for r in results]
-        full = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        full = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  **self.template_kwargs)
         if not full.startswith(self.prefix):
             raise ValueError("the chat template renders earlier messages differently once a tool message follows; "
                              "multi-turn rollouts need a template that appends messages")
@@ -183,12 +189,13 @@ class MultiTurnRollout:
     """Multi-turn generation with tools (see the module docstring). `last_stats` holds the rows of the last call."""
 
     def __init__(self, tools: Sequence[BaseTool], tokenizer: Any, settings: MultiTurnSettings,
-                 eos_ids: Sequence[int], kv_continuation: bool = True):
+                 eos_ids: Sequence[int], kv_continuation: bool = True, chat_template_kwargs: dict | None = None):
         self.tools = {t.name: t for t in tools}
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # data.apply_chat_template_kwargs
         self.tokenizer, self.settings, self.eos_ids = tokenizer, settings, set(int(e) for e in eos_ids)
         eos_id = getattr(tokenizer, "eos_token_id", None)
         eos_text = tokenizer.convert_ids_to_tokens(int(eos_id)) if eos_id is not None else None
-        self.renderer = ToolMessageRenderer(tokenizer, eos_text)
+        self.renderer = ToolMessageRenderer(tokenizer, eos_text, self.chat_template_kwargs)
         # the chat template's end of turn: a turn that ended on another EOS id (Qwen's <|endoftext|>) gets it
         # written before its tool messages, as the template would have closed the turn
         self.turn_end_id = None if eos_id is None else int(eos_id)
@@ -197,10 +204,12 @@ class MultiTurnRollout:
         self.last_stats: list[RowStats] = []
 
     def prompt_ids(self, item: dict) -> list[int]:
-        """The row's prompt: its raw chat with the tools described when there are tools, else its input_ids."""
+        """The row's prompt: its input_ids, which the dataset rendered with the tools described (and cut or
+        filtered to data.max_prompt_length); an item made elsewhere with tools: its raw chat rendered with them."""
         raw = item.get("raw_prompt")
-        if self.tools and raw:
-            return render_prompt_with_tools(self.tokenizer, list(raw), list(self.tools.values()))
+        if self.tools and raw and not item.get("tools_in_input_ids"):
+            return render_prompt_with_tools(self.tokenizer, list(raw), list(self.tools.values()),
+                                            self.chat_template_kwargs)
         return list(item["input_ids"])
 
     def generate(self, engine: Any, items: list[dict], params: SamplingParams,
@@ -402,7 +411,7 @@ def multiturn_metrics(stats: Sequence[RowStats], prefix: str = "multi_turn") -> 
 
 
 __all__ = ["MultiTurnRollout", "MultiTurnSettings", "RowStats", "multiturn_metrics", "reward_extra_infos", "plan_multiturn_lengths",
-           "render_prompt_with_tools", "ToolMessageRenderer", "tool_prompt_text", "TOOL_CALL_OPEN"]
+           "prompt_render_with_tools", "render_prompt_with_tools", "ToolMessageRenderer", "tool_prompt_text", "TOOL_CALL_OPEN"]
 
 
 # ---------------------------------------------------------------------------------------------------- from the config
@@ -420,7 +429,28 @@ def multiturn_from_config(cfg: Any, tokenizer: Any, eos_ids: Sequence[int]) -> O
         return None
     settings = multiturn_settings(mt)
     tools = load_tool_config(mt.tool_config_path) if mt.tool_config_path else []
-    return MultiTurnRollout(tools, tokenizer, settings, eos_ids)
+    return MultiTurnRollout(tools, tokenizer, settings, eos_ids,
+                            chat_template_kwargs=_chat_template_kwargs(cfg))
+
+
+def _chat_template_kwargs(cfg: Any) -> dict:
+    from omegaconf import OmegaConf
+
+    kwargs = cfg.data.get("apply_chat_template_kwargs") or {}
+    return dict(OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else kwargs)
+
+
+def prompt_render_with_tools(cfg: Any, tokenizer: Any) -> Callable[[list[dict]], list[int]] | None:
+    """For the dataset: the prompt ids a multi-turn rollout starts from (the tools described), so that prompt
+    lengths, data.filter_overlong_prompts and data.truncation count the tools' text; None without tools."""
+    from ..tools.registry import load_tool_config
+
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    tools = load_tool_config(mt.tool_config_path) if mt.enable and mt.tool_config_path else []
+    if not tools:
+        return None
+    kwargs = _chat_template_kwargs(cfg)
+    return lambda messages: render_prompt_with_tools(tokenizer, messages, tools, kwargs)
 
 
 __all__ += ["multiturn_settings", "multiturn_from_config", "plan_multiturn", "MultiTurnConfigError"]
