@@ -155,3 +155,64 @@ def test_lora_gets_gradients_with_gradient_checkpointing(use_reentrant):
     logprobs.sum().backward()
     lora_a = [p for n, p in model.named_parameters() if "lora_A" in n]
     assert lora_a and all(p.grad is not None for p in lora_a)
+
+
+def test_all_linear_adapts_gpt2_conv1d_layers():
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
+    model = apply_lora(transformers.GPT2LMHeadModel(config), 4, 8)
+    assert sorted(model.peft_config["default"].target_modules) == ["c_attn", "c_fc", "c_proj"]
+
+
+def test_saved_adapters_on_other_modules_are_refused_not_dropped():
+    from peft import get_peft_model_state_dict
+
+    from rlanywhere.lora import load_adapter_state
+
+    saved = get_peft_model_state_dict(apply_lora(tiny_qwen2(), 4, 8, ["q_proj"]))
+    same = apply_lora(tiny_qwen2(), 4, 8, ["q_proj"])
+    load_adapter_state(same, saved, "ckpt")
+    assert all(torch.equal(same.state_dict()[k.replace(".weight", ".default.weight")], v) for k, v in saved.items())
+    with pytest.raises(ValueError, match="do not fit this model's.*target_modules"):
+        load_adapter_state(apply_lora(tiny_qwen2(), 4, 8, ["o_proj"]), saved, "ckpt")
+
+
+def test_resume_refuses_a_changed_lora_scale_or_target_only_where_lora_is_on():
+    from rlanywhere.runguard import RunDirError, check_resume_config
+
+    def model(rank, alpha, targets):
+        return {"actor_rollout_ref": {"model": {"lora_rank": rank, "lora_alpha": alpha, "target_modules": targets}}}
+
+    with pytest.raises(RunDirError, match="lora_alpha: 8 -> 32"):
+        check_resume_config(model(4, 8, "all-linear"), model(4, 32, "all-linear"), "ckpt")
+    with pytest.raises(RunDirError, match="target_modules"):
+        check_resume_config(model(4, 8, ["q_proj"]), model(4, 8, ["o_proj"]), "ckpt")
+    assert "actor_rollout_ref.model.lora_alpha" in check_resume_config(model(0, 8, "all-linear"),
+                                                                        model(0, 32, "all-linear"), "ckpt")
+
+
+def test_verl_lora_adapter_path_starts_from_that_adapter_and_exclude_modules_leaves_modules_out(tmp_path):
+    from rlanywhere.builders import lora_model
+    from rlanywhere.config import load_config
+
+    trained = apply_lora(tiny_qwen2(), 4, 8, ["q_proj", "v_proj"])
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.5)
+    trained.save_pretrained(tmp_path / "adapter")
+    notices: list[str] = []
+    cfg = load_config(None, [f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}",
+                             "actor_rollout_ref.model.exclude_modules=.*\\.v_proj"], notices=notices)
+    model_cfg = cfg.actor_rollout_ref.model
+    assert (model_cfg.lora_rank, model_cfg.lora_alpha, sorted(model_cfg.target_modules)) == (4, 8, ["q_proj", "v_proj"])
+    assert any("training starts from that adapter" in line for line in notices)
+    # the adapter's weights where this run has adapters; none on the excluded v_proj, so one file tensor is left over
+    with pytest.raises(Exception, match="saved tensor"):
+        lora_model(tiny_qwen2(), model_cfg)
+    cfg.actor_rollout_ref.model.exclude_modules = None
+    started = lora_model(tiny_qwen2(), cfg.actor_rollout_ref.model)
+    assert all(torch.equal(started.state_dict()[k], v) for k, v in trained.state_dict().items() if "lora_" in k)
+    excluded = apply_lora(tiny_qwen2(), 4, 8, ["q_proj", "v_proj"], exclude_modules=".*\\.v_proj")
+    assert not any("v_proj.lora" in name for name, _ in excluded.named_parameters())
+    with pytest.raises(Exception, match="no readable adapter_config.json"):
+        load_config(None, [f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'nowhere'}"])

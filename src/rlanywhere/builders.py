@@ -7,6 +7,7 @@ Each builder takes the config/plan and returns objects; none decides anything ab
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,8 +17,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from .config import as_list
 from .data import PromptLoader, RLDataset
 from .plans import Plan
-from .lora import apply_lora
-from .models import (ModelSource, ValueModel, compile_decoder_layers, enable_gradient_checkpointing, load_causal_lm,
+from .lora import apply_lora, load_adapter_state
+from .models import (ModelFilesError, ModelSource, ValueModel, compile_decoder_layers, enable_gradient_checkpointing, load_causal_lm,
                      load_tokenizer, resolve_model_source)
 from .reward_model import rows_need_answers, wrap_reward_manager
 from .rewards import RewardManager, custom_reward_from_config
@@ -32,6 +33,26 @@ def _plain(value):
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer, data
+def lora_model(model, model_cfg: DictConfig):
+    """`model` with LoRA adapters as `model_cfg` says (rank, alpha, targets, exclusions), holding the weights of the
+    adapter at its lora_adapter_path where one is given (verl's: a run that starts from a trained adapter)."""
+    peft_model = apply_lora(model, model_cfg.lora_rank, model_cfg.lora_alpha, _plain(model_cfg.target_modules),
+                            exclude_modules=_plain(model_cfg.exclude_modules))
+    if model_cfg.lora_adapter_path:
+        from safetensors.torch import load_file
+
+        folder = os.path.expanduser(str(model_cfg.lora_adapter_path))
+        weights = os.path.join(folder, "adapter_model.safetensors")
+        if not os.path.isfile(weights):
+            raise ModelFilesError(f"lora_adapter_path={folder}: no adapter_model.safetensors there (adapters are read "
+                                  "from safetensors only; re-save the adapter with peft's save_pretrained)")
+        try:
+            load_adapter_state(peft_model, load_file(weights), folder)
+        except ValueError as err:
+            raise ModelFilesError(str(err)) from None
+    return peft_model
+
+
 def build_tokenizer(cfg: DictConfig):
     """(the actor's model source, the tokenizer: data.tokenizer or model.tokenizer_path, else the model's)."""
     model_cfg = cfg.actor_rollout_ref.model
@@ -100,10 +121,9 @@ def build_models(cfg: DictConfig, plan: Plan, source: ModelSource, dp, actor_onl
         critic = ValueModel.from_causal_lm(base).to(device)
         if critic_model_cfg.lora_rank > 0:
             # LoRA on the backbone only: the value head is new and is trained in full.
-            critic.backbone = apply_lora(critic.backbone, critic_model_cfg.lora_rank, critic_model_cfg.lora_alpha,
-                                         _plain(critic_model_cfg.target_modules))
+            critic.backbone = lora_model(critic.backbone, critic_model_cfg)
     if plan.use_lora:
-        actor = apply_lora(actor, model_cfg.lora_rank, model_cfg.lora_alpha, _plain(model_cfg.target_modules))
+        actor = lora_model(actor, model_cfg)
     ref = None
     if plan.use_ref and not plan.use_lora and not actor_only:  # with LoRA: the adapter-disabled base
         # Same weights as the initial actor; a copy avoids loading (and dequantizing) twice.

@@ -39,6 +39,7 @@ import torch
 
 from .checkpoint_dirs import LATEST_FILE, checkpoint_root, find_latest_checkpoint, list_checkpoints  # noqa: F401
 from .errors import UserError
+from .lora import load_adapter_state
 
 log = logging.getLogger(__name__)
 
@@ -286,9 +287,10 @@ def _load_checkpoint_files(path: str, *, actor, critic, optimizers: dict, schedu
     with open(os.path.join(path, "trainer_state.json")) as handle:
         state = json.load(handle)
     if state.get("lora"):
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(actor, _load_safetensors_dir(os.path.join(path, "actor_lora")))
+        try:
+            load_adapter_state(actor, _load_safetensors_dir(os.path.join(path, "actor_lora")), path)
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
     else:
         weights = _load_safetensors_dir(os.path.join(path, "actor"))
         missing, unexpected = actor.load_state_dict(weights, strict=False)

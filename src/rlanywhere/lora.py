@@ -54,8 +54,10 @@ def _all_linear_targets(model: nn.Module, modules_to_save: Sequence[str]) -> lis
     if output_embeddings is not None:
         excluded_modules.add(id(output_embeddings))
     included, excluded_names = [], []
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers (peft adapts them too)
+
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, (nn.Linear, Conv1D)):
             continue
         leaf = name.rsplit(".", 1)[-1]
         if id(module) in excluded_modules or leaf in modules_to_save or name in modules_to_save:
@@ -63,7 +65,7 @@ def _all_linear_targets(model: nn.Module, modules_to_save: Sequence[str]) -> lis
         else:
             included.append(name)
     if not included:
-        raise ValueError(f"target_modules='all-linear' found no nn.Linear layers to adapt in {type(model).__name__}")
+        raise ValueError(f"target_modules='all-linear' found no linear layers to adapt in {type(model).__name__}")
     leaves = {name.rsplit(".", 1)[-1] for name in included}
     excluded_leaves = {name.rsplit(".", 1)[-1] for name in excluded_names}
     # short leaf names (q_proj, ...) keep the adapter config readable; fall back to full names when ambiguous
@@ -77,12 +79,14 @@ def apply_lora(
     target_modules: str | Sequence[str] = "all-linear",
     dropout: float = 0.0,
     modules_to_save: Sequence[str] | None = None,
+    exclude_modules: str | Sequence[str] | None = None,
 ):
     """Wrap ``model`` with fresh LoRA adapters (peft); the base weights are frozen, the adapters trainable.
 
     ``target_modules``: "all-linear" (every linear layer except the lm head and ``modules_to_save``) or a list of
     module names (peft matching, e.g. ["q_proj", "v_proj"]). ``modules_to_save``: modules trained in full (a
-    critic's value head). Note peft modifies ``model`` in place (LoRA layers are injected into it).
+    critic's value head). ``exclude_modules``: names or a regex of modules left without adapters (peft matching).
+    Note peft modifies ``model`` in place (LoRA layers are injected into it).
     """
     peft = _peft()
     if is_peft_model(model):
@@ -112,6 +116,7 @@ def apply_lora(
         target_modules=targets,
         lora_dropout=dropout,
         modules_to_save=modules_to_save or None,
+        exclude_modules=exclude_modules or None,  # verl's: names or a regex left without adapters
         task_type=task_type,
     )
     peft_model = peft.get_peft_model(model, config)
@@ -119,6 +124,22 @@ def apply_lora(
     if _uses_activation_checkpointing(model) and hasattr(peft_model, "enable_input_require_grads"):
         peft_model.enable_input_require_grads()
     return peft_model
+
+
+def load_adapter_state(model: nn.Module, state: dict, where: str) -> None:
+    """Load saved LoRA weights into `model`'s adapters, every one of them: a saved tensor with no adapter to take it
+    (the adapters are on other modules now) or an adapter the file has nothing for raises ValueError naming both,
+    where peft's loader would drop the one and leave the other fresh without a word."""
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model, state)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    missing = [key for key in (getattr(result, "missing_keys", []) or []) if "lora_" in key]
+    if unexpected or missing:
+        raise ValueError(f"the LoRA adapters saved in {where} do not fit this model's: "
+                         f"{len(unexpected)} saved tensor(s) without an adapter (e.g. {unexpected[:2]}), "
+                         f"{len(missing)} adapter tensor(s) not saved (e.g. {missing[:2]}); the run's lora_rank, "
+                         "lora_alpha and target_modules must be those the checkpoint was trained with")
 
 
 def _uses_activation_checkpointing(model: nn.Module) -> bool:

@@ -344,9 +344,9 @@ class ValueModel(nn.Module):
 
         self.value_head.load_state_dict(load_file(os.path.join(directory, "value_head.safetensors")))
         if self.is_lora:
-            from peft import set_peft_model_state_dict
+            from .lora import load_adapter_state
 
-            set_peft_model_state_dict(self.backbone, self.saved_adapter(directory))
+            load_adapter_state(self.backbone, self.saved_adapter(directory), directory)
             return
         missing, unexpected = self.backbone.load_state_dict(self.saved_backbone(directory), strict=False)
         if unexpected or [m for m in missing if "rotary" not in m]:

@@ -44,8 +44,12 @@ LOCK_FILE = ".rlanywhere.lock"
 FIXED_ON_RESUME = (
     "actor_rollout_ref.model.path",
     "actor_rollout_ref.model.lora_rank",
+    "actor_rollout_ref.model.lora_alpha",  # the adapters' scale: the same weights would be another policy
+    "actor_rollout_ref.model.target_modules",  # which modules hold the trained adapters
     "critic.model.path",
     "critic.model.lora_rank",
+    "critic.model.lora_alpha",
+    "critic.model.target_modules",
     "algorithm.adv_estimator",
     "actor_rollout_ref.rollout.n",
     "data.train_files",
@@ -172,10 +176,18 @@ def _with_effective_filter(config: dict) -> dict:
     return {**config, "data": data}
 
 
+def _acts(key: str, config: dict) -> bool:
+    """Whether `key` shapes the run: a LoRA setting only where that model has LoRA adapters."""
+    if key.rsplit(".", 1)[-1] not in ("lora_alpha", "target_modules"):
+        return True
+    rank = _leaves(config).get(key.rsplit(".", 1)[0] + ".lora_rank")
+    return isinstance(rank, int) and rank > 0
+
+
 def check_resume_config(saved: dict, current: dict, checkpoint: str) -> dict[str, tuple[Any, Any]]:
     """Refuse changes to FIXED_ON_RESUME keys (RunDirError naming them); return the other changes."""
     changes = config_changes(_with_effective_filter(saved), _with_effective_filter(current))
-    fixed = {key: change for key, change in changes.items() if key in FIXED_ON_RESUME}
+    fixed = {key: change for key, change in changes.items() if key in FIXED_ON_RESUME and _acts(key, current)}
     if fixed:
         listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in fixed.items())
         raise RunDirError(

@@ -18,6 +18,7 @@ config.py owns the schema; this module holds what only exists to meet verl where
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 from typing import Any, Callable, Optional
@@ -89,10 +90,10 @@ CURRENT_VERL_KEYS: dict[str, str] = {
     r"|engine_kwargs(\..*)?)": "the built-in rollout engine plans its cache, batches and kernels itself",
     r"actor_rollout_ref\.(nccl_timeout|rollout\.update_weights_bucket_megabytes)": "actor and rollout share weights "
     "in one process: nothing is sent between them",
-    r"actor_rollout_ref\.model\.(custom_chat_template|exclude_modules|lora_adapter_path|use_fused_kernels"
+    r"actor_rollout_ref\.model\.(custom_chat_template|use_fused_kernels"
     r"|fused_kernel_options(\..*)?|mtp(\..*)?|hf_config_path|tiled_mlp(\..*)?)":
     "not used: models load through transformers with their own chat template",
-    r"critic\.(model\.(exclude_modules|lora_adapter_path|tiled_mlp(\..*)?)|enable|profiler(\..*)?"
+    r"critic\.(model\.(tiled_mlp(\..*)?)|enable|profiler(\..*)?"
     r"|data_loader_seed|use_dynamic_bsz_balance|nccl_timeout)": "the critic exists exactly when the advantage "
     "estimator needs one (the plan says so)",
     r"reward_model\.(reward_loop_source|reward_loop_module_path|reward_loop_class_name|num_workers|use_reward_loop"
@@ -139,6 +140,8 @@ def translate_verl_spellings(user: DictConfig, notices: list[str], problems: lis
 
     A `reward_model.sandbox_fusion.url` that does not answer is added to `problems` now, before any model loads."""
     _translate_old_rollout_correction(user, notices, problems)
+    for model_key in ("actor_rollout_ref.model", "critic.model"):
+        _adopt_lora_adapter(user, model_key, notices, problems)
     url = OmegaConf.select(user, "reward_model.sandbox_fusion.url")
     if url:
         problem = sandbox_url_problem(url)
@@ -166,6 +169,30 @@ def translate_verl_spellings(user: DictConfig, notices: list[str], problems: lis
         if len(kwargs) == 0:
             del user.reward_model["reward_kwargs"]
     return user
+
+
+def _adopt_lora_adapter(user: DictConfig, model_key: str, notices: list[str], problems: list[str]) -> None:
+    """verl's `<model>.lora_adapter_path`: training starts from that peft adapter, whose rank, alpha and target
+    modules are the run's (LoRA is on even with lora_rank 0, as in verl); builders.py loads its weights."""
+    path = OmegaConf.select(user, f"{model_key}.lora_adapter_path")
+    if not path:
+        return
+    config_file = os.path.join(os.path.expanduser(str(path)), "adapter_config.json")
+    try:
+        with open(config_file) as handle:
+            adapter = json.load(handle)
+    except (OSError, ValueError) as err:
+        problems.append(f"{model_key}.lora_adapter_path={path}: no readable adapter_config.json there ({err}); "
+                        "give a folder a peft adapter was saved in (adapter_config.json, adapter_model.safetensors)")
+        return
+    settings = {"lora_rank": adapter.get("r"), "lora_alpha": adapter.get("lora_alpha"),
+                "target_modules": adapter.get("target_modules")}
+    for leaf, value in settings.items():
+        if value is not None:
+            OmegaConf.update(user, f"{model_key}.{leaf}", value, force_add=True)
+    notices.append(f"{model_key}.lora_adapter_path={path}: training starts from that adapter, with its lora_rank="
+                   f"{settings['lora_rank']}, lora_alpha={settings['lora_alpha']} and target_modules="
+                   f"{settings['target_modules']}")
 
 
 _OLD_ROLLOUT_IS = ("rollout_is", "rollout_is_level", "rollout_is_threshold", "rollout_is_threshold_lower",
