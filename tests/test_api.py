@@ -114,8 +114,38 @@ def test_evaluate_scores_with_the_custom_reward_the_overrides_name(tiny_model_di
     assert rl.evaluate(str(tiny_model_dir), data, overrides=["hardware.device=cpu"], **common)["accuracy"] < 1.0
     custom = rl.evaluate(str(tiny_model_dir), data, overrides=[
         "hardware.device=cpu", f"custom_reward_function.path={reward}", "custom_reward_function.name=score"], **common)
-    assert custom["accuracy"] == 1.0 and custom["num_samples"] == 4
+    assert custom["accuracy"] == 1.0 and custom["num_samples"] == 4 and custom["reward"] == 1.0
+    number = tmp_path / "number.py"  # a function returning a number: its mean is the result's reward
+    number.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 0.25\n")
+    scored = rl.evaluate(str(tiny_model_dir), data, overrides=["hardware.device=cpu",
+                                                              f"custom_reward_function.path={number}"], **common)
+    assert scored["reward"] == 0.25 and scored["reward_errors"] == 0
+    # a data_source no rule scores, without a function of yours: refused before the model loads
+    from rlanywhere.data import prepare_generic
+    from rlanywhere.preflight import InputError
+
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"q": "capital of France?", "a": "Paris"}\n' * 4)
+    generic = prepare_generic(qa, tmp_path / "qa", "q", "a", data_source="capitals", test_ratio=0.5)["test"]
+    with pytest.raises(InputError, match="'capitals'.*custom_reward_function.path"):
+        rl.evaluate(str(tmp_path / "no-such-model"), str(generic), **common)
     # prompts over the model's prompt length are scored too (their end kept) and counted, not dropped
     short = rl.evaluate(str(tiny_model_dir), data, overrides=["hardware.device=cpu", "data.max_prompt_length=6"],
                         **common)
     assert short["num_samples"] == 4 and short["prompts_cut"] > 0
+
+
+def test_a_model_folder_without_tokenizer_files_is_named_and_tokenizer_path_is_honoured(tiny_model_dir, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in os.listdir(tiny_model_dir):
+        if not name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(os.path.join(tiny_model_dir, name), bare / name)
+    with pytest.raises(Exception, match="tokenizer_path"):
+        rl.generate(str(bare), ["hi"], max_new_tokens=2, overrides=["hardware.device=cpu"])
+    texts = rl.generate(str(bare), ["hi"], max_new_tokens=2, overrides=[
+        "hardware.device=cpu", f"actor_rollout_ref.model.tokenizer_path={tiny_model_dir}"])
+    assert texts == rl.generate(str(tiny_model_dir), ["hi"], max_new_tokens=2, overrides=["hardware.device=cpu"])

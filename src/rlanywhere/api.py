@@ -254,7 +254,8 @@ class LoadedModel:
 def load_model(model: str, max_new_tokens: int = 256, batch_size: int = 64, overrides: Sequence[str] = (),
                max_prompt_length: Optional[int] = None) -> LoadedModel:
     """Load `model` (HF dir, hub id, .gguf, or 'smollm2-135m-instruct') for generation, planned like a run."""
-    from .models import load_causal_lm, load_tokenizer, resolve_model_source
+    from .builders import build_tokenizer
+    from .models import load_causal_lm
     from .rollout import make_engine
 
     extra = [f"data.max_prompt_length={max_prompt_length}"] if max_prompt_length else []
@@ -268,8 +269,7 @@ def load_model(model: str, max_new_tokens: int = 256, batch_size: int = 64, over
         raise InputError([line.replace("actor_rollout_ref.model.path: ", "model ", 1) for line in problems])
     chosen = plan(cfg, check_inputs=False)
     model_cfg = cfg.actor_rollout_ref.model  # --overrides: trust_remote_code, gguf_file, override_config as in a run
-    source = resolve_model_source(str(model), model_cfg.gguf_file)
-    tokenizer = load_tokenizer(source, model_cfg.trust_remote_code)
+    source, tokenizer = build_tokenizer(cfg)  # model.tokenizer_path / data.tokenizer as in a run, else the model's
     hf_model = load_causal_lm(source, chosen, model_cfg.trust_remote_code,
                               model_cfg.override_config).to(chosen.device).eval()
     chosen.rollout = dataclasses.replace(chosen.rollout, rows_per_wave=batch_size)  # generation only: no training
@@ -289,51 +289,56 @@ def _loaded(model, **kwargs) -> LoadedModel:
 
 def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256, batch_size: int = 64,
              overrides: Sequence[str] = (), progress: bool = True) -> dict:
-    """Greedy accuracy and format rate of `model` (a path, a LoadedModel, a TrainResult) on a verl-schema parquet
-    file, scored by the reward for each row's data_source, or by your function when `overrides` name one
-    (custom_reward_function.path=FILE, as in training): what `rlanywhere eval` prints."""
+    """Greedy accuracy, format rate and mean reward of `model` (a path, a LoadedModel, a TrainResult) on a
+    verl-schema parquet file, scored by the reward for each row's data_source, or by your function when `overrides`
+    name one (custom_reward_function.path=FILE, as in training); the overrides' data.prompt_key,
+    data.reward_fn_key, data.apply_chat_template_kwargs and rollout stop strings are honoured as in a run. What
+    `rlanywhere eval` prints."""
     import torch
     from tqdm.auto import tqdm
 
     from .data import RLDataset
     from .preflight import InputError, data_file_problems
-    from .rewards import RewardManager
+    from .config import as_list
+    from .rewards import REWARD_FUNCTIONS, RewardManager, custom_reward_from_config
     from .rollout.base import SamplingParams
 
-    problems = data_file_problems(str(data), "--data", "prompt", "data_source")  # before the model loads
+    cfg = make_config(None, list(overrides))
+    custom = custom_reward_from_config(cfg.custom_reward_function)
+    data_cfg = cfg.data
+    problems = data_file_problems(str(data), "--data", data_cfg.prompt_key, data_cfg.reward_fn_key,
+                                  scorers=None if custom else set(REWARD_FUNCTIONS))  # before the model loads
     if problems:
         raise InputError(problems)
     loaded = _loaded(model, max_new_tokens=max_new_tokens, batch_size=batch_size, overrides=overrides)
     # every row is scored: one over the model's prompt length keeps its end (where the question is), and the result
     # counts them in the file (prompts_cut; dropping them would score each model on another subset)
-    dataset = RLDataset([data], loaded.tokenizer, loaded.max_prompt_length, filter_overlong_prompts=False,
-                        truncation="left")
+    dataset = RLDataset([data], loaded.tokenizer, loaded.max_prompt_length, prompt_key=data_cfg.prompt_key,
+                        filter_overlong_prompts=False, truncation="left", reward_fn_key=data_cfg.reward_fn_key,
+                        chat_template_kwargs=OmegaConf.to_container(data_cfg.apply_chat_template_kwargs))
     count = len(dataset) if max_samples <= 0 else min(max_samples, len(dataset))
     items = [dataset[i] for i in range(count)]
-    manager = _eval_reward_manager(overrides)
-    accs, formats = [], []
+    manager = RewardManager(custom)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                            stop_strings=tuple(as_list(cfg.actor_rollout_ref.rollout.stop)))
+    accs, formats, rewards, errors = [], [], [], 0
     start = time.time()
     with tqdm(total=count, desc="eval", unit="prompt", disable=not progress) as bar:
         for begin in range(0, count, batch_size):
             part = items[begin:begin + batch_size]
             with torch.no_grad():
-                out = loaded.engine.generate([it["input_ids"] for it in part],
-                                             SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
-            _, info = manager(out.decode(loaded.tokenizer), [it["ground_truth"] for it in part],
-                              [it["data_source"] for it in part], [it["extra_info"] for it in part])
+                out = loaded.engine.generate([it["input_ids"] for it in part], params)
+            scores, info = manager(out.decode(loaded.tokenizer), [it["ground_truth"] for it in part],
+                                   [it["data_source"] for it in part], [it["extra_info"] for it in part])
             accs += info["acc"]
             formats += info["format"]
+            rewards += [float(score) for score in scores]
+            errors += info["num_errors"]
             bar.update(len(part))
     return {"model": str(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__, "data": data,
-            "num_samples": count, "prompts_cut": dataset.num_truncated, "accuracy": sum(accs) / max(count, 1), "format_rate": sum(formats) / max(count, 1),
-            "seconds": round(time.time() - start, 1)}
-
-
-def _eval_reward_manager(overrides: Sequence[str]):
-    """The reward a run with these overrides would score with: the custom function they name, else the rules."""
-    from .rewards import RewardManager, custom_reward_from_config
-
-    return RewardManager(custom_reward_from_config(make_config(None, list(overrides)).custom_reward_function))
+            "num_samples": count, "prompts_cut": dataset.num_truncated, "accuracy": sum(accs) / max(count, 1),
+            "format_rate": sum(formats) / max(count, 1), "reward": sum(rewards) / max(count, 1),
+            "reward_errors": errors, "seconds": round(time.time() - start, 1)}
 
 
 def generate(model, prompts: Iterable[Union[str, list]], max_new_tokens: int = 128, temperature: float = 0.0,

@@ -131,12 +131,21 @@ def _looks_like_hub_id(path: str) -> bool:
     return len(parts) == 2 and all(parts) and not Path(path).exists()
 
 
+MIN_TOKENIZER_SIZE = 8  # fewer tokens than this: no tokenizer was found (tests' word-level ones have ~200)
+
+
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     source.require_gguf()
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
+    if len(tokenizer) < MIN_TOKENIZER_SIZE:
+        # a folder without tokenizer files: some transformers releases build an empty tokenizer rather than fail,
+        # which turns every prompt into no tokens at all
+        raise ModelFilesError(f"{source.path} holds no usable tokenizer ({len(tokenizer)} tokens): copy the "
+                              "tokenizer files (tokenizer.json, tokenizer_config.json) into it, or name a folder "
+                              "that has them with actor_rollout_ref.model.tokenizer_path=<dir>")
     if source.gguf_file:
         align_eos_with_gguf(tokenizer, os.path.join(source.path, source.gguf_file))
     if tokenizer.pad_token_id is None:
