@@ -149,3 +149,15 @@ def test_a_model_folder_without_tokenizer_files_is_named_and_tokenizer_path_is_h
     texts = rl.generate(str(bare), ["hi"], max_new_tokens=2, overrides=[
         "hardware.device=cpu", f"actor_rollout_ref.model.tokenizer_path={tiny_model_dir}"])
     assert texts == rl.generate(str(tiny_model_dir), ["hi"], max_new_tokens=2, overrides=["hardware.device=cpu"])
+
+
+def test_the_suggested_eval_command_scores_as_the_run_validated():
+    from rlanywhere.api import eval_arguments
+
+    plain = eval_arguments(rl.make_config(None, ["data.max_response_length=12"]))
+    assert plain == " --max-new-tokens 12"
+    custom = eval_arguments(rl.make_config(None, ["actor_rollout_ref.rollout.response_length=8",
+                                                  "custom_reward_function.path=mine.py",
+                                                  "actor_rollout_ref.rollout.stop=['2']"]))
+    assert custom.startswith(" --max-new-tokens 8 custom_reward_function.path=mine.py")
+    assert custom.endswith(" \"actor_rollout_ref.rollout.stop=['2']\"")

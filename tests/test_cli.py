@@ -184,3 +184,16 @@ def test_prepare_and_eval_name_their_inputs_before_anything_loads(tmp_path, caps
     assert "is not a directory" in capsys.readouterr().err  # a path, not a hub dataset name
     assert main(["eval", "--model", "/no/such/model", "--data", str(tmp_path / "missing.parquet")]) == 2
     assert "--data:" in capsys.readouterr().err
+
+
+def test_flags_and_an_empty_run_get_one_line_errors(tmp_path, capsys):
+    for argv in (["chat", "--model", "m", "--prompt", "hi", "--temperature", "-1"],
+                 ["eval", "--model", "m", "--data", "d.parquet", "--batch-size", "0"],
+                 ["eval", "--model", "m", "--data", "d.parquet", "--max-new-tokens", "0"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+    assert "must be at least 1" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "has no metrics yet" in capsys.readouterr().err

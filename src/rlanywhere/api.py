@@ -162,9 +162,28 @@ class TrainResult:
             lines.append(f"final model (Hugging Face format): {self.final_model}")
             lines.append(f"  chat:     rlanywhere chat --model {self.final_model}")
             if val:
-                lines.append(f"  evaluate: rlanywhere eval --model {self.final_model} --data {val}")
+                lines.append(f"  evaluate: rlanywhere eval --model {self.final_model} --data {val}"
+                             + eval_arguments(cfg))
         lines.append(f"  plots:    {os.path.join(self.run_dir, 'plots')}")
         return lines
+
+
+def eval_arguments(cfg: DictConfig) -> str:
+    """What `rlanywhere eval` needs besides the model and the data to score as this run's validation did: its
+    response length, and its reward function and stop strings where it has them."""
+    from .config import as_list
+
+    length = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
+    parts = [f" --max-new-tokens {length}"]
+    reward = cfg.custom_reward_function
+    if reward.path:
+        parts.append(f" custom_reward_function.path={reward.path}")
+        if reward.get("name"):
+            parts.append(f" custom_reward_function.name={reward.name}")
+    stop = as_list(cfg.actor_rollout_ref.rollout.stop)
+    if stop:
+        parts.append(" \"actor_rollout_ref.rollout.stop=[" + ",".join(repr(str(s)) for s in stop) + "]\"")
+    return "".join(parts)
 
 
 def as_list_first(value) -> Optional[str]:

@@ -22,6 +22,7 @@ import argparse
 import faulthandler
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -332,6 +333,27 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1 (the flag's own error, before any model loads)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0 (0: greedy)")
+    return value
+
+
 def cmd_chat(args) -> int:
     """One answer per prompt: --prompt TEXT (repeatable), or an interactive loop reading stdin."""
     from .api import generate, load_model
@@ -484,9 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev = command("eval", "greedy accuracy and format rate of a model on a parquet file", cmd_eval)
     ev.add_argument("--model", required=True, help="HF dir (a run's final_model), hub id, .gguf file")
     ev.add_argument("--data", required=True, help="a verl-schema parquet file (`rlanywhere prepare` writes them)")
-    ev.add_argument("--max-samples", type=int, default=-1, help="score the first N rows (-1: all)")
-    ev.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per answer at most")
-    ev.add_argument("--batch-size", type=int, default=64, help="prompts generated at once")
+    ev.add_argument("--max-samples", type=int, default=-1, help="score the first N rows (<= 0: all)")
+    ev.add_argument("--max-new-tokens", type=_at_least_one, default=256, help="tokens generated per answer at most")
+    ev.add_argument("--batch-size", type=_at_least_one, default=64, help="prompts generated at once")
     ev.add_argument("--out", help="also write the result JSON to this file")
     ev.add_argument("overrides", nargs="*",
                     help="dotted.key=value config overrides (e.g. custom_reward_function.path=FILE)")
@@ -494,8 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     ch = command("chat", "talk to a model: --prompt TEXT, or type lines", cmd_chat)
     ch.add_argument("--model", required=True, help="HF dir (a run's final_model), hub id, .gguf file")
     ch.add_argument("--prompt", action="append", help="answer this and exit (repeatable)")
-    ch.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per answer at most")
-    ch.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    ch.add_argument("--max-new-tokens", type=_at_least_one, default=128, help="tokens generated per answer at most")
+    ch.add_argument("--temperature", type=_temperature, default=0.0, help="sampling temperature (0: greedy)")
 
     prep = command("prepare", "write train/test parquet for a task", cmd_prepare)
     prep.add_argument("task", choices=vocabulary.PREPARE_TASKS, help="what to write")

@@ -17,7 +17,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from rlanywhere.errors import UserError
 from rlanywhere.tracking import METRICS_FILE, read_metrics
+
+
+class PlotError(UserError, ValueError):
+    """A run directory with nothing to plot yet."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +118,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     records = [record for record in read_metrics(run_dir) if "step" in record]
     if not records:
         source = run_dir / METRICS_FILE if run_dir.is_dir() else run_dir
-        raise ValueError(f"{source} has no metrics yet: train for at least one step before plotting.")
+        raise PlotError(f"{source} has no metrics yet: train for at least one step before plotting.")
     out_dir = Path(out_dir) if out_dir is not None else (run_dir if run_dir.is_dir() else run_dir.parent) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
 
