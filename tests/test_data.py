@@ -20,7 +20,7 @@ from rlanywhere.data import (
     prepare_gsm8k,
     read_parquet_rows,
 )
-from rlanywhere.data.loader import DataError
+from rlanywhere.data.loader import DataError, MissingColumnError
 from rlanywhere.data.prepare import PrepareError
 
 from .conftest import GSM8K_DIR
@@ -439,3 +439,17 @@ def test_rldataset_counts_lengths_as_render_ids_gives_them(tmp_path):
     assert kept[0]["input_ids"] == with_tools([{"content": "a b"}]) and kept[0]["tools_in_input_ids"]
     cut = RLDataset(path, tokenizer, max_prompt_length=10, truncation="left", render_ids=with_tools)
     assert cut[1]["input_ids"] == with_tools([{"content": "a b c d e"}])[-10:] and cut.num_truncated == 1
+
+
+def test_errors_of_a_set_of_files_name_the_file_and_its_row(tmp_path):
+    tokenizer = make_tokenizer()
+    first = write_prompt_parquet(tmp_path / "a.parquet", ["a b"])
+    second = write_prompt_parquet(tmp_path / "b.parquet", ["a b", "a b c d e 1 2 3"])
+    with pytest.raises(ValueError, match=r"b\.parquet, row 1 \(0-based\): the prompt has 11 tokens"):
+        RLDataset([first, second], tokenizer, max_prompt_length=8, truncation="error", filter_overlong_prompts=False)
+    other = _parquet_of_prompts(tmp_path / "c.parquet", ["a b"])
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(other).rename_columns(["question", "data_source", "reward_model"]), other)
+    with pytest.raises(MissingColumnError, match=r"c\.parquet: column\(s\) \['prompt'\] missing; columns are"):
+        RLDataset([first, other], tokenizer, max_prompt_length=8)

@@ -222,18 +222,20 @@ class RLDataset:
         origins: list[tuple[Path, int]] = []
         for path in _as_path_list(paths):
             file_rows = read_parquet_rows([path])
+            if file_rows:  # each file's columns: files of one set may differ
+                missing = [key for key in (prompt_key, "reward_model")
+                           if key not in file_rows[0] and (answers or key == prompt_key)]
+                if reward_fn_key != "data_source" and reward_fn_key not in file_rows[0]:
+                    missing.append(reward_fn_key)
+                if missing:
+                    raise MissingColumnError(
+                        f"{path}: column(s) {missing} missing; columns are {sorted(file_rows[0])}. Set "
+                        "data.prompt_key / data.reward_fn_key, or re-create the file with `rlanywhere prepare ...`."
+                    )
             rows += file_rows
             origins += [(path, index) for index in range(len(file_rows))]
         if not rows:
             raise ValueError(f"No rows in {paths}.")
-        missing = [key for key in (prompt_key, "reward_model") if key not in rows[0] and (answers or key == prompt_key)]
-        if reward_fn_key != "data_source" and reward_fn_key not in rows[0]:
-            missing.append(reward_fn_key)
-        if missing:
-            raise MissingColumnError(
-                f"{paths}: column(s) {missing} missing; columns are {sorted(rows[0])}. "
-                "Set data.prompt_key / data.reward_fn_key, or re-create the files with `rlanywhere prepare ...`."
-            )
         check_rows(rows, origins, prompt_key, source_key=reward_fn_key, answers=answers)
 
         if render_ids is not None:  # multi-turn with tools: the prompt as the rollout sees it, tools described
@@ -252,7 +254,8 @@ class RLDataset:
                     continue
                 if truncation == "error":
                     raise ValueError(
-                        f"Prompt {position} of {paths} has {len(ids)} tokens > data.max_prompt_length="
+                        f"{origins[position][0]}, row {origins[position][1]} (0-based): the prompt has {len(ids)} "
+                        f"tokens > data.max_prompt_length="
                         f"{max_prompt_length}. Raise data.max_prompt_length, set data.filter_overlong_prompts=True, "
                         "or set data.truncation=left|right|middle."
                     )
