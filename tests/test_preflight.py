@@ -131,6 +131,13 @@ def test_model_checks(tmp_path, tiny_model_dir):
     (no_weights / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert "no weights" in preflight.model_problems(str(no_weights), key, False, trust)[0]
     assert "does not exist" in preflight.model_problems("./nowhere", key, False, trust)[0]
+    checkpoint = tmp_path / "global_step_2"
+    (checkpoint / "actor").mkdir(parents=True)
+    (checkpoint / "actor" / "config.json").write_text("{}")
+    (checkpoint / "actor_lora").mkdir()
+    (checkpoint / "actor_lora" / "adapter_config.json").write_text("{}")
+    assert "is a checkpoint; its model is in" in preflight.model_problems(str(checkpoint), key, False, trust)[0]
+    assert "LoRA adapters only" in preflight.model_problems(str(checkpoint / "actor_lora"), key, False, trust)[0]
     assert "does not exist" in preflight.model_problems(str(tmp_path / "m.gguf"), key, False, trust)[0]
     # planning needs only the shape: a named shape plans without the hub
     assert preflight.model_problems("Qwen/Qwen2.5-0.5B-Instruct", key, False, trust, named_shape_ok=True) == []
