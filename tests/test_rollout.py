@@ -767,3 +767,20 @@ def test_compiled_elementwise_decode_matches_the_plain_decode():
         assert torch.equal(plain.response_ids, fused.response_ids), dtype
         gap = (plain.response_logprobs - fused.response_logprobs)[plain.response_mask.bool()].abs()
         assert gap.max() < tolerance, (dtype, float(gap.max()))
+
+
+def test_a_stop_string_completed_inside_a_token_stops_the_row():
+    """BPE vocabularies merge a stop string's last characters with what follows (`>\\n`): the token that completes
+    it stops the row (transformers' StopStringCriteria and vLLM match it too), and only that token."""
+    from rlanywhere.rollout.base import StopStringMatcher
+
+    class Pieces:  # a tokenizer whose tokens are these strings
+        pieces = ["</", "answer", ">\n", ">", "x"]
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(self.pieces[i] for i in ids)
+
+    matcher = StopStringMatcher(Pieces(), ["</answer>"])
+    assert matcher.ends_with_stop([4, 0, 1, 2]) and matcher.ends_with_stop([0, 1, 3])
+    assert not matcher.ends_with_stop([0, 1]) and not matcher.ends_with_stop([0, 1, 3, 4])  # not the last token's
+    assert matcher.first_stop_length([4, 0, 1, 2, 4, 4]) == 4

@@ -433,7 +433,10 @@ def sample_from_logits(
 
 
 class StopStringMatcher:
-    """Decides whether a decoded response ends with one of the stop strings.
+    """Decides whether a response's last token completed one of the stop strings: an occurrence of it that ends
+    within the text that token added, also where the token runs on past it (`>\n` after `</answer`: a BPE vocabulary
+    merges a stop string's last characters with what follows), as transformers' StopStringCriteria and vLLM do.
+    The token stays in the response.
 
     Decodes only a tail of the response (enough tokens to cover the longest stop string), falling back to the
     whole response when the tail decodes to too few characters.
@@ -454,10 +457,15 @@ class StopStringMatcher:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def ends_with_stop(self, ids: Sequence[int]) -> bool:
-        text = self._decode(ids[-self.tail_tokens :])
+        """Whether the last token of `ids` completed a stop string."""
+        tail = list(ids[-self.tail_tokens:])
+        text = self._decode(tail)
         if len(text) < self.max_chars and len(ids) > self.tail_tokens:
-            text = self._decode(ids)
-        return any(text.endswith(s) for s in self.stop_strings)
+            tail = list(ids)
+            text = self._decode(tail)
+        before = len(self._decode(tail[:-1])) if len(tail) > 1 else 0  # the characters earlier tokens wrote
+        # an occurrence ending after `before` characters ends in the last token's text
+        return any(text.find(stop, max(0, before - len(stop) + 1)) != -1 for stop in self.stop_strings)
 
     def first_stop_length(self, ids: Sequence[int], start: int = 0) -> int | None:
         """Smallest length L > start such that ids[:L] ends with a stop string, or None."""
