@@ -775,7 +775,7 @@ def test_a_stop_string_completed_inside_a_token_stops_the_row():
     from rlanywhere.rollout.base import StopStringMatcher
 
     class Pieces:  # a tokenizer whose tokens are these strings
-        pieces = ["</", "answer", ">\n", ">", "x"]
+        pieces = ("</", "answer", ">\n", ">", "x")
 
         def decode(self, ids, skip_special_tokens=False):
             return "".join(self.pieces[i] for i in ids)

@@ -100,7 +100,7 @@ class ModelConfig:
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
     exclude_modules: Any = None  # modules left without adapters (peft: a list of names or a regex), as verl
-    lora_adapter_path: Optional[str] = None  # a peft adapter folder to start from (its r, alpha, targets; as verl)
+    lora_adapter_path: str | None = None  # a peft adapter folder to start from (its r, alpha, targets; as verl)
 
 
 @dataclass

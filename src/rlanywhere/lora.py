@@ -48,14 +48,15 @@ def _all_linear_targets(model: nn.Module, modules_to_save: Sequence[str]) -> lis
     peft's own "all-linear" only excludes the lm head of transformers models; a critic wrapper's value head would
     otherwise get LoRA instead of being trained in full.
     """
+    # GPT-2's linear layers are Conv1D modules (peft adapts them too)
+    from transformers.pytorch_utils import Conv1D
+
     excluded_modules = set()
     get_output_embeddings = getattr(model, "get_output_embeddings", None)
     output_embeddings = get_output_embeddings() if callable(get_output_embeddings) else None
     if output_embeddings is not None:
         excluded_modules.add(id(output_embeddings))
     included, excluded_names = [], []
-    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers (peft adapts them too)
-
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, Conv1D)):
             continue

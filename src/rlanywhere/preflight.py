@@ -230,8 +230,8 @@ def model_problems(path: Optional[str], key: str, trust_remote_code: bool, trust
             if (local / "actor" / "config.json").is_file():  # a checkpoint: its actor/ holds the model
                 return [f"{key}: {path} is a checkpoint; its model is in {local / 'actor'}"]
             if (local / "adapter_config.json").is_file():
-                return [f"{key}: {path} holds LoRA adapters only; point at the merged model (a checkpoint's actor/ "
-                        "or the run's final_model/)"]
+                return [(f"{key}: {path} holds LoRA adapters only; point at the merged model (a checkpoint's "
+                         "actor/ or the run's final_model/)")]
             return [f"{key}: {path} has no config.json and no .gguf file: it is not a model folder. Point it at a "
                     "Hugging Face model folder (a run's final_model/), a .gguf file or a hub id"]
         problem = _custom_code_problem(local, key, trust_key) if not trust_remote_code else None
