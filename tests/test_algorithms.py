@@ -116,18 +116,18 @@ def test_gae_gamma_lam_one_is_reward_to_go_minus_value():
 
 def test_grpo_hand_computed():
     # group "a": scores 1, 0, 0, 1 -> mean 0.5, unbiased std sqrt(4*0.25/3) = sqrt(1/3)
-    # group "b": single response -> 0; group "c": 2, 2 -> std 0 -> 0/(0+eps) = 0
+    # group "b": single response -> mean 0, std 1 (verl): 5 / (1 + eps); group "c": 2, 2 -> std 0 -> 0/(0+eps) = 0
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 2.0, 2.0])
     groups = ["a", "a", "a", "a", "b", "c", "c"]
     mask = torch.tensor([[1, 1, 0]] * 7)
     advantages, returns = A.compute_grpo_advantages(scores, groups, mask)
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
-    expected_seq = [a, -a, -a, a, 0.0, 0.0, 0.0]
+    expected_seq = [a, -a, -a, a, 5.0 / (1 + 1e-6), 0.0, 0.0]
     close(advantages, [[v, v, 0.0] for v in expected_seq], atol=1e-5)
     assert torch.equal(advantages, returns)
 
     plain, _ = A.compute_grpo_advantages(scores, torch.tensor([0, 0, 0, 0, 1, 2, 2]), mask, norm_by_std=False)
-    close(plain[:, 0], [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0])
+    close(plain[:, 0], [0.5, -0.5, -0.5, 0.5, 5.0, 0.0, 0.0])
 
 
 def test_grpo_accepts_int_scores_and_token_rewards():
@@ -141,12 +141,12 @@ def test_grpo_accepts_int_scores_and_token_rewards():
 
 def test_rloo_hand_computed():
     # group 0: scores 1, 0, 0, 1: row 0 -> 1 - mean(0, 0, 1) = 2/3, row 1 -> 0 - mean(0, 1, 1) = -2/3
-    # group 1: single -> 0; group 2: 1, 4 -> 1 - 4 = -3, 4 - 1 = 3
+    # group 1: single -> its raw score 3 (verl); group 2: 1, 4 -> 1 - 4 = -3, 4 - 1 = 3
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 4.0])
     groups = torch.tensor([0, 0, 0, 0, 1, 2, 2])
     mask = torch.tensor([[1, 0]] * 7)
     advantages, returns = A.compute_rloo_advantages(scores, groups, mask)
-    close(advantages[:, 0], [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, -3.0, 3.0])
+    close(advantages[:, 0], [2 / 3, -2 / 3, -2 / 3, 2 / 3, 3.0, -3.0, 3.0])
     close(advantages[:, 1], [0.0] * 7)
     assert torch.equal(advantages, returns)
 

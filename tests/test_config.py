@@ -83,7 +83,8 @@ def test_gamma_with_reinforce_plus_plus_baseline_is_noticed():
     load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus_baseline", "algorithm.gamma=0.99"], notices=notices)
     assert any("verl ignores gamma" in line for line in notices)
     notices.clear()
-    load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus_baseline"], notices=notices)
+    load_config(None, ["algorithm.adv_estimator=reinforce_plus_plus_baseline", "actor_rollout_ref.rollout.n=4"],
+                notices=notices)
     assert notices == []
 
 
@@ -113,3 +114,12 @@ def test_batch_sizes_that_divide_or_exceed_are_accepted():
            "critic.ppo_mini_batch_size=3"]]  # no critic in GRPO: its keys are not used
     for overrides in ok:
         load_config(None, overrides)
+
+
+def test_pf_ppo_outside_gae_is_noticed_as_verl_ignores_it():
+    notices: list[str] = []
+    load_config(None, ["algorithm.adv_estimator=grpo", "algorithm.use_pf_ppo=true"], notices=notices)
+    assert any("PF-PPO reweights the rows of gae runs only" in line for line in notices)
+    notices.clear()
+    load_config(None, ["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"], notices=notices)
+    assert any("its advantage is its raw score (no baseline), as in verl" in line for line in notices)

@@ -20,7 +20,7 @@ from rlanywhere.trainer import RLTrainer
 from .test_e2e import base_overrides
 
 RUNS = {
-    "ppo": {"algorithm.adv_estimator": "gae", "algorithm.use_kl_in_reward": True,
+    "ppo": {"algorithm.adv_estimator": "gae", "algorithm.use_kl_in_reward": True, "algorithm.use_pf_ppo": True,
             "algorithm.kl_ctrl.type": "adaptive", "actor_rollout_ref.actor.use_kl_loss": True,
             "actor_rollout_ref.actor.optim.warmup_style": "cosine", "critic.optim.warmup_style": "cosine",
             "trainer.max_actor_ckpt_to_keep": 1, "data.val_batch_size": 4,
@@ -30,7 +30,7 @@ RUNS = {
     "grpo-lora": {"algorithm.adv_estimator": "grpo", "actor_rollout_ref.model.lora_rank": 4,
                   "actor_rollout_ref.actor.use_dynamic_bsz": True, "trainer.total_training_steps": 1,
                   "trainer.save_freq": 1, "trainer.test_freq": 1, "data.seed": 5,
-                  "actor_rollout_ref.model.enable_gradient_checkpointing": True, "algorithm.use_pf_ppo": True},
+                  "actor_rollout_ref.model.enable_gradient_checkpointing": True},
     "dapo-gspo": {"algorithm.adv_estimator": "grpo", "algorithm.filter_groups.enable": True,
                   "algorithm.filter_groups.max_num_gen_batches": 2, "data.gen_batch_size": 3,
                   "reward_model.overlong_buffer.enable": True, "reward_model.overlong_buffer.len": 4,

@@ -279,7 +279,7 @@ def test_ppo_with_critic_and_adaptive_kl_on_two_ranks_matches_one_process(tiny_m
     assert plan["balance_batch"] is True and "batch balance: on" in out  # verl's default
     want = read_metrics(single_dir)
     assert_rows_moved(read_metrics(dist_dir))
-    assert {"critic/vf_loss", "actor/kl_coef", "actor/kl"} <= set(want[-1])
+    assert {"critic/vf_loss", "actor/reward_kl_penalty_coeff", "actor/kl"} <= set(want[-1])
     assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2))
     assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_2"), reference.actor)
 

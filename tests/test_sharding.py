@@ -171,7 +171,8 @@ def test_ppo_sharded_with_critic_and_reference_matches_one_process(tiny_model_di
     finish(proc)
     assert plan_record(dist_dir)["data_parallel"] == "shard"
     want = read_metrics(single_dir)
-    assert {"critic/vf_loss", "actor/kl_coef", "actor/kl", "actor/grad_norm", "critic/grad_norm"} <= set(want[-1])
+    assert {"critic/vf_loss", "actor/reward_kl_penalty_coeff", "actor/kl", "actor/grad_norm",
+            "critic/grad_norm"} <= set(want[-1])
     assert_same_metrics(read_metrics(dist_dir), want, steps=(0, 1, 2))
 
 

@@ -237,17 +237,17 @@ def compute_grpo_advantages(
     """GRPO outcome advantage: ``(score - group mean) / (group std + eps)`` broadcast to every real token.
 
     The group std is unbiased (``torch.std``). ``norm_by_std=False`` gives Dr.GRPO-style ``score - group mean``.
-    A group with a single response has no baseline and gets advantage 0 (verl instead keeps its raw score).
-    Returns ``(advantages, advantages)`` like verl.
+    A group with a single response has no baseline: as in verl, its mean counts as 0 and its std as 1, so it keeps
+    its raw score. Returns ``(advantages, advantages)`` like verl.
     """
     scores = _sequence_scores(scores, mask)
     group_ids, num_groups = _group_ids(group_index, scores.shape[0], scores.device)
     size, total, squared_dev = _group_stats(scores, group_ids, num_groups)
-    centered = scores - total / size
+    alone = size < 2
+    centered = scores - torch.where(alone, torch.zeros_like(total), total / size)
     if norm_by_std:
         std = torch.sqrt(squared_dev / (size - 1).clamp(min=1))
-        centered = centered / (std + eps)
-    centered = torch.where(size > 1, centered, torch.zeros_like(centered))
+        centered = centered / (torch.where(alone, torch.ones_like(std), std) + eps)
     advantages = centered.unsqueeze(-1) * mask.to(device=centered.device, dtype=centered.dtype)
     return advantages, advantages
 
@@ -256,13 +256,13 @@ def compute_grpo_advantages(
 def compute_rloo_advantages(scores: torch.Tensor, group_index, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: ``score_i - mean(scores of the other responses in the group)``, broadcast to real tokens.
 
-    A group of one has no other response and gets 0. Returns ``(advantages, advantages)``.
+    A group of one has no other response and keeps its raw score, as in verl. Returns ``(advantages, advantages)``.
     """
     scores = _sequence_scores(scores, mask)
     group_ids, num_groups = _group_ids(group_index, scores.shape[0], scores.device)
     size, total, _ = _group_stats(scores, group_ids, num_groups)
     others_mean = (total - scores) / (size - 1).clamp(min=1)
-    advantage = torch.where(size > 1, scores - others_mean, torch.zeros_like(scores))
+    advantage = torch.where(size > 1, scores - others_mean, scores)
     advantages = advantage.unsqueeze(-1) * mask.to(device=advantage.device, dtype=advantage.dtype)
     return advantages, advantages
 
@@ -290,13 +290,13 @@ def compute_reinforce_plus_plus_baseline_advantages(
 
     ``rewards`` is either ``[batch]`` scores or ``[batch, T]`` token rewards (summed per row). The centred
     score sits on the last real token and is turned into a return-to-go with ``gamma`` (``gamma=1``, verl's
-    behaviour, gives the same centred score on every real token). A group of one is centred on itself and so
-    contributes 0 before whitening (verl uses a mean of 0 there). Returns ``(advantages, advantages)`` like verl.
+    behaviour, gives the same centred score on every real token). A group of one is centred on a mean of 0 (it keeps
+    its raw score before whitening), as in verl. Returns ``(advantages, advantages)`` like verl.
     """
     scores = _sequence_scores(rewards, mask)
     group_ids, num_groups = _group_ids(group_index, scores.shape[0], scores.device)
     size, total, _ = _group_stats(scores, group_ids, num_groups)
-    centered = scores - total / size
+    centered = scores - torch.where(size > 1, total / size, torch.zeros_like(total))
     returns = _discounted_returns(scores_to_token_rewards(centered, mask), mask, gamma)
     mask_f = _as_float_mask(mask, returns)
     advantages = masked_whiten(returns, mask_f) * mask_f

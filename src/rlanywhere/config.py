@@ -990,6 +990,14 @@ def _check_variant_values(cfg: DictConfig) -> None:
 def _differences_from_verl(cfg: DictConfig) -> list[str]:
     """Settings whose meaning here differs from verl's on purpose (docs/algorithms.md says why)."""
     out = []
+    if estimator_needs(cfg.algorithm.adv_estimator).groups and cfg.actor_rollout_ref.rollout.n == 1:
+        out.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} with actor_rollout_ref.rollout.n=1: each "
+                   "group holds one response, with no other to compare it with, so its advantage is its raw score "
+                   "(no baseline), as in verl; several responses per prompt (rollout.n) give the estimator its "
+                   "baseline")
+    if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator != "gae":
+        out.append(f"algorithm.use_pf_ppo=true with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: PF-PPO "
+                   "reweights the rows of gae runs only, as in verl; this run trains on the batch as it is")
     if cfg.algorithm.adv_estimator == AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE and cfg.algorithm.gamma != 1.0:
         out.append(f"algorithm.gamma={cfg.algorithm.gamma}: reinforce_plus_plus_baseline discounts the centred "
                    "score back from the last token here; verl ignores gamma for this estimator (same score on "

@@ -96,7 +96,7 @@ def check_world_config(cfg, world: int) -> None:
     if world <= 1:
         return
     check_batch_divisible(cfg, world)
-    if cfg.algorithm.use_pf_ppo:
+    if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator == "gae":  # (PF-PPO acts on gae runs only)
         raise UserError(f"algorithm.use_pf_ppo on {world} ranks is not available: PF-PPO redraws the step's rows by "
                         "their score over the whole batch, which the ranks hold in parts (each redrawing its own "
                         "would train on other rows than one process); run it on one rank (trainer.n_gpus_per_node=1)")

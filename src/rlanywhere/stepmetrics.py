@@ -87,7 +87,7 @@ def step_metrics(dp, *, scores: torch.Tensor, mask: torch.Tensor, prompt_mask: t
     if ref_logprobs is not None and old_logprobs is not None:
         metrics["actor/kl"] = float(algo.masked_mean(algo.kl_penalty(old_logprobs, ref_logprobs, "kl"), mask))
     if kl_coef is not None:
-        metrics["actor/kl_coef"] = kl_coef  # after this step's update: the next step's beta
+        metrics["actor/kl_coef"] = kl_coef  # verl's: the KL loss's coefficient (in-reward: reward_kl_penalty_coeff)
     if values is not None:
         metrics["critic/values_mean"] = float(algo.masked_mean(values, mask))
         metrics["critic/returns_mean"] = float(algo.masked_mean(returns, mask))

@@ -296,7 +296,7 @@ class RLTrainer(TrainerCheckpoints):
             batch.token_rewards = self.dp.local_rows(token_rewards, local_mask)
             batch.advantages = self.dp.local_rows(advantages, local_mask)
             batch.returns = self.dp.local_rows(returns, local_mask)
-        if algo_cfg.use_pf_ppo:  # PF-PPO: the rows redrawn by their score before the updates
+        if algo_cfg.use_pf_ppo and algo_cfg.adv_estimator == "gae":  # PF-PPO: rows redrawn by score (GAE, as verl)
             batch = pf_ppo_batch(batch, algo_cfg.pf_ppo, self.cfg.trainer.seed * 1_000_003 + self.global_step)
 
         # 6. updates: critic first (it is trained on the same returns), then the actor after the warm-up
@@ -304,11 +304,12 @@ class RLTrainer(TrainerCheckpoints):
         if self.critic is not None:
             with timer("update_critic"):
                 metrics.update(self.update_critic(batch))
-        if self.global_step >= self.cfg.trainer.critic_warmup:
+            self.schedulers["critic"].step()  # each model's schedule counts its own updates, as verl's
+        # verl counts steps from 1: trainer.critic_warmup=N trains the critic alone for N - 1 steps
+        if self.global_step + 1 >= self.cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics.update(self.update_actor(batch))
-            for scheduler in self.schedulers.values():
-                scheduler.step()
+            self.schedulers["actor"].step()
             if self.pipeline is None:
                 sync_engine(self.engine, self.actor)  # [distributed] sharded: synced at the next generation instead
             else:  # [async] the engine gets these weights when the next rollout starts, or before validation
@@ -320,9 +321,10 @@ class RLTrainer(TrainerCheckpoints):
             response_length=self.response_length, actor_lr=self.schedulers["actor"].get_last_lr()[0],
             step_time=time.perf_counter() - step_start, timer=timer, device=self.device,
             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-            kl_coef=self.kl_ctrl.value if algo_cfg.use_kl_in_reward else None, values=values, returns=returns,
+            kl_coef=actor_cfg.kl_loss_coef if actor_cfg.use_kl_loss else None, values=values, returns=returns,
             oom_recoveries=len(self.run.oom_events), compiles=compiles_so_far() - compiles_at_start,
-            extra={**kl_metrics, **sampling_metrics, **truncation_metrics, **balance_metrics, **warmup.metrics()}))
+            extra={**kl_metrics, **sampling_metrics, **truncation_metrics, **balance_metrics, **warmup.metrics(),
+                   **({"critic/lr": self.schedulers["critic"].get_last_lr()[0]} if self.critic is not None else {})}))
         metrics.update(self.precision_guard.end_step(metrics))  # loss scale, skipped steps; stops on a tripped rail
         return metrics
 
