@@ -156,7 +156,8 @@ def _message_shape_problem(prompt: Any) -> str | None:
         if prompt is None:
             return None
     for message in prompt:
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        if not isinstance(message, dict) or "role" not in message or (
+                "content" not in message and "tool_calls" not in message):  # an assistant's call may have no text
             keys = sorted(message) if isinstance(message, dict) else type(message).__name__
             hint = (" (ShareGPT's from/value form: `rlanywhere prepare generic` writes {role, content})"
                     if isinstance(message, dict) and "from" in message else "")
