@@ -316,9 +316,10 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
     import torch
     from tqdm.auto import tqdm
 
-    from .data import RLDataset
-    from .preflight import InputError, data_file_problems
     from .config import as_list
+    from .data import RLDataset
+    from .data.loader import chat_template_kwargs
+    from .preflight import InputError, data_file_problems
     from .rewards import REWARD_FUNCTIONS, RewardManager, custom_reward_from_config
     from .rollout.base import SamplingParams
 
@@ -334,7 +335,7 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
     # counts them in the file (prompts_cut; dropping them would score each model on another subset)
     dataset = RLDataset([data], loaded.tokenizer, loaded.max_prompt_length, prompt_key=data_cfg.prompt_key,
                         filter_overlong_prompts=False, truncation="left", reward_fn_key=data_cfg.reward_fn_key,
-                        chat_template_kwargs=OmegaConf.to_container(data_cfg.apply_chat_template_kwargs))
+                        chat_template_kwargs=chat_template_kwargs(data_cfg))
     count = len(dataset) if max_samples <= 0 else min(max_samples, len(dataset))
     items = [dataset[i] for i in range(count)]
     manager = RewardManager(custom)

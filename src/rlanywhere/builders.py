@@ -16,10 +16,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .config import as_list
 from .data import PromptLoader, RLDataset
+from .data.loader import chat_template_kwargs
 from .plans import Plan
 from .lora import apply_lora, load_adapter_state
-from .models import (ModelFilesError, ModelSource, ValueModel, compile_decoder_layers, enable_gradient_checkpointing, load_causal_lm,
-                     load_tokenizer, resolve_model_source)
+from .models import (ModelFilesError, ModelSource, ValueModel, compile_decoder_layers, enable_gradient_checkpointing,
+                     load_causal_lm, load_tokenizer, resolve_model_source)
 from .reward_model import rows_need_answers, wrap_reward_manager
 from .rewards import RewardManager, custom_reward_from_config
 from .rollout import make_engine
@@ -77,7 +78,7 @@ def build_data(cfg: DictConfig, tokenizer) -> Data:
         return RLDataset(as_list(files), tokenizer, data_cfg.max_prompt_length, prompt_key=data_cfg.prompt_key,
                          truncation=data_cfg.truncation, filter_overlong_prompts=data_cfg.filter_overlong_prompts,
                          reward_fn_key=data_cfg.reward_fn_key, answers=rows_need_answers(cfg),
-                         chat_template_kwargs=OmegaConf.to_container(data_cfg.apply_chat_template_kwargs),
+                         chat_template_kwargs=chat_template_kwargs(data_cfg),
                          render_ids=render_ids)
 
     train_set = dataset(data_cfg.train_files)

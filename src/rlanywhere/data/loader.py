@@ -177,6 +177,14 @@ def _normalise_messages(prompt: Any) -> list[dict[str, Any]]:
             for message in prompt]
 
 
+def chat_template_kwargs(data_cfg: Any) -> dict:
+    """data.apply_chat_template_kwargs as a plain dict (a DictConfig, a dict, or unset)."""
+    from omegaconf import OmegaConf
+
+    kwargs = data_cfg.get("apply_chat_template_kwargs") or {}
+    return dict(OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else kwargs)
+
+
 def cut_prompt(ids: list[int], max_length: int, truncation: str) -> list[int]:
     """`max_length` tokens of an overlong prompt as data.truncation says: left keeps the last ones, right the first
     ones, middle the first half and the last half (the odd one from the end), as verl's dataset does."""

@@ -422,6 +422,7 @@ def multiturn_settings(mt: Any) -> MultiTurnSettings:
 
 def multiturn_from_config(cfg: Any, tokenizer: Any, eos_ids: Sequence[int]) -> Optional[MultiTurnRollout]:
     """The run's MultiTurnRollout, or None when multi_turn.enable is off."""
+    from ..data.loader import chat_template_kwargs as template_kwargs
     from ..tools.registry import load_tool_config
 
     mt = cfg.actor_rollout_ref.rollout.multi_turn
@@ -430,26 +431,20 @@ def multiturn_from_config(cfg: Any, tokenizer: Any, eos_ids: Sequence[int]) -> O
     settings = multiturn_settings(mt)
     tools = load_tool_config(mt.tool_config_path) if mt.tool_config_path else []
     return MultiTurnRollout(tools, tokenizer, settings, eos_ids,
-                            chat_template_kwargs=_chat_template_kwargs(cfg))
-
-
-def _chat_template_kwargs(cfg: Any) -> dict:
-    from omegaconf import OmegaConf
-
-    kwargs = cfg.data.get("apply_chat_template_kwargs") or {}
-    return dict(OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else kwargs)
+                            chat_template_kwargs=template_kwargs(cfg.data))
 
 
 def prompt_render_with_tools(cfg: Any, tokenizer: Any) -> Callable[[list[dict]], list[int]] | None:
     """For the dataset: the prompt ids a multi-turn rollout starts from (the tools described), so that prompt
     lengths, data.filter_overlong_prompts and data.truncation count the tools' text; None without tools."""
+    from ..data.loader import chat_template_kwargs as template_kwargs
     from ..tools.registry import load_tool_config
 
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     tools = load_tool_config(mt.tool_config_path) if mt.enable and mt.tool_config_path else []
     if not tools:
         return None
-    kwargs = _chat_template_kwargs(cfg)
+    kwargs = template_kwargs(cfg.data)
     return lambda messages: render_prompt_with_tools(tokenizer, messages, tools, kwargs)
 
 
