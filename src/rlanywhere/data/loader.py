@@ -181,7 +181,7 @@ def chat_template_kwargs(data_cfg: Any) -> dict:
     """data.apply_chat_template_kwargs as a plain dict (a DictConfig, a dict, or unset)."""
     from omegaconf import OmegaConf
 
-    kwargs = data_cfg.get("apply_chat_template_kwargs") or {}
+    kwargs = getattr(data_cfg, "apply_chat_template_kwargs", None) or {}
     return dict(OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else kwargs)
 
 
