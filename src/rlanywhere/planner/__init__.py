@@ -148,9 +148,13 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
         plan_prompt_sharing(decided, auto_flag(cfg.hardware.share_prompts), int(arr.rollout.n), shape.model_type,
                             flash_runs=target.is_cuda and "flash_attention" in backends)
 
+    def decided_kernels() -> TrainingKernels:
+        """The update's kernels as the plan has them now (shared prompts may repeat the k/v heads)."""
+        return TrainingKernels(plan.compile_training, plan.expand_kv_heads or scores or attn == ATTN_EAGER
+                               or plan.share_prompts, plan.share_prompts, plan.shared_prompt_kernel)
+
     decide_kernels(plan)
-    kernels = TrainingKernels(plan.compile_training, plan.expand_kv_heads or scores or attn == ATTN_EAGER
-                              or plan.share_prompts, plan.share_prompts, plan.shared_prompt_kernel)
+    kernels = decided_kernels()
     searched = plan.estimate or {}
     # the search counted eager layers and packed rows; the update's micro-batch and checkpointing searched again for
     # the kernels decided since, kept when those kernels still follow from the new settings
@@ -167,7 +171,11 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
         # the estimate recounted for the training kernels (the search's figure sized the micro-batches): compiled
         # layers keep fewer activations; k/v heads stay grouped unless a kernel repeats them (shared prompts may)
         searched_memory = sharding.memory
-        sharding.memory = with_training_kernels(searched_memory, kernels.compiled_layers, kernels.kv_heads_repeated)
+
+        def recounted(kernels: TrainingKernels):
+            return with_training_kernels(searched_memory, kernels.compiled_layers, kernels.kv_heads_repeated)
+
+        sharding.memory = recounted(kernels)
         plan.estimate = sharding.memory.estimate
         if plan.share_prompts:
             shared = count_prompts_once(sharding.memory, plan.shared_prompt_kernel)
@@ -178,10 +186,7 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
                 reasons["share_prompts"] = (
                     f"off: with each prompt once the update would need {format_bytes(shared['peak_bytes'])}, more "
                     f"than the {format_bytes(budget)} budget (the shared attention's buffers); the rows stay packed")
-                kernels = TrainingKernels(plan.compile_training, plan.expand_kv_heads or scores or attn == ATTN_EAGER,
-                                          False, plan.shared_prompt_kernel)
-                sharding.memory = with_training_kernels(searched_memory, kernels.compiled_layers,
-                                                        kernels.kv_heads_repeated)
+                sharding.memory = recounted(decided_kernels())
                 plan.estimate = sharding.memory.estimate
             else:
                 packed, plan.estimate = searched, shared
