@@ -247,10 +247,11 @@ class RLDataset:
             raise ValueError(f"No rows in {paths}.")
         check_rows(rows, origins, prompt_key, source_key=reward_fn_key, answers=answers)
 
+        conversations = [_normalise_messages(row[prompt_key]) for row in rows]  # each row's, read once
         if render_ids is not None:  # multi-turn with tools: the prompt as the rollout sees it, tools described
-            token_ids = [render_ids(_normalise_messages(row[prompt_key])) for row in rows]
+            token_ids = [render_ids(messages) for messages in conversations]
         else:
-            token_ids = self._tokenize([self.render_prompt(row[prompt_key]) for row in rows])
+            token_ids = self._tokenize([self.render_prompt(messages) for messages in conversations])
 
         filter_overlong_prompts = drops_overlong_prompts(filter_overlong_prompts, truncation)
         self.items: list[dict[str, Any]] = []
@@ -283,7 +284,7 @@ class RLDataset:
                     "index": position if index is None or (isinstance(index, float) and math.isnan(index)) else index,
                     "extra_info": extra_info,
                     # the messages: a reward model re-templates them, multi-turn rollouts continue them
-                    "raw_prompt": _normalise_messages(row[prompt_key]),
+                    "raw_prompt": conversations[position],
                     # input_ids describe the tools (render_ids): the rollout starts from them as they are
                     **({"tools_in_input_ids": True} if render_ids is not None else {}),
                 }

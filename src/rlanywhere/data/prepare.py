@@ -40,7 +40,6 @@ ARITHMETIC_OPERATORS = "+-*"
 # --------------------------------------------------------------------------------------------------------------------
 
 
-
 class PrepareError(UserError, ValueError):
     """A source file or an argument `rlanywhere prepare` cannot use; the message names it and the fix."""
 
@@ -50,6 +49,7 @@ class PrepareColumnError(PrepareError, KeyError):
 
     def __str__(self) -> str:  # KeyError's would quote the message
         return str(self.args[0]) if self.args else ""
+
 
 def make_row(
     *,

@@ -423,25 +423,29 @@ def multiturn_settings(mt: Any) -> MultiTurnSettings:
 def multiturn_from_config(cfg: Any, tokenizer: Any, eos_ids: Sequence[int]) -> Optional[MultiTurnRollout]:
     """The run's MultiTurnRollout, or None when multi_turn.enable is off."""
     from ..data.loader import chat_template_kwargs as template_kwargs
-    from ..tools.registry import load_tool_config
 
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if not mt.enable:
         return None
     settings = multiturn_settings(mt)
-    tools = load_tool_config(mt.tool_config_path) if mt.tool_config_path else []
+    tools = configured_tools(mt)
     return MultiTurnRollout(tools, tokenizer, settings, eos_ids,
                             chat_template_kwargs=template_kwargs(cfg.data))
+
+
+def configured_tools(mt: Any) -> list[BaseTool]:
+    """The tools `actor_rollout_ref.rollout.multi_turn` names (its tool_config_path), none when it is off."""
+    from ..tools.registry import load_tool_config
+
+    return load_tool_config(mt.tool_config_path) if mt.enable and mt.tool_config_path else []
 
 
 def prompt_render_with_tools(cfg: Any, tokenizer: Any) -> Callable[[list[dict]], list[int]] | None:
     """For the dataset: the prompt ids a multi-turn rollout starts from (the tools described), so that prompt
     lengths, data.filter_overlong_prompts and data.truncation count the tools' text; None without tools."""
     from ..data.loader import chat_template_kwargs as template_kwargs
-    from ..tools.registry import load_tool_config
 
-    mt = cfg.actor_rollout_ref.rollout.multi_turn
-    tools = load_tool_config(mt.tool_config_path) if mt.enable and mt.tool_config_path else []
+    tools = configured_tools(cfg.actor_rollout_ref.rollout.multi_turn)
     if not tools:
         return None
     kwargs = template_kwargs(cfg.data)
