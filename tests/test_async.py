@@ -223,7 +223,7 @@ def test_plan_says_whether_the_rollout_overlaps(card, expected):
 @pytest.mark.parametrize("extra, stays", [
     ([], True),  # two mini-batches a step: the old policy's log-probs are a forward of their own
     (["algorithm.rollout_correction.bypass_mode=true"], False),  # the PPO ratio against the rollout's log-probs
-    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"], True),
+    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"], False),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], False),  # one optimizer step: the update's own forward
 ])
 def test_plan_says_what_stays_on_the_critical_path(extra, stays):
@@ -775,7 +775,7 @@ def test_split_placement_from_the_command_line_under_torchrun(tiny_model_dir, ar
     _assert_split_matches_one_process(tmp_path / "one", tmp_path / "split")
 
 
-def test_only_bypass_mode_without_weights_skips_the_old_policys_log_probs():
+def test_bypass_mode_skips_the_old_policys_log_probs():
     from rlanywhere.rollout_correction import recomputes_old_logprobs
 
     def section(*overrides):
@@ -784,8 +784,28 @@ def test_only_bypass_mode_without_weights_skips_the_old_policys_log_probs():
     assert recomputes_old_logprobs(section())
     assert recomputes_old_logprobs(section("algorithm.rollout_correction.rollout_is=token"))
     assert not recomputes_old_logprobs(section("algorithm.rollout_correction.bypass_mode=true"))
-    assert recomputes_old_logprobs(section("algorithm.rollout_correction.bypass_mode=true",
-                                           "algorithm.rollout_correction.rollout_is=token"))
+    assert not recomputes_old_logprobs(section("algorithm.rollout_correction.bypass_mode=true",
+                                               "algorithm.rollout_correction.rollout_is=token"))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_bypass_mode_logs_the_importance_weights_without_applying_them(level):
+    """In bypass mode the clipped PPO ratio pi_theta / pi_rollout is the importance ratio already: verl's ppo_clip
+    loss there takes no weights (they would count the correction twice) and logs them. Here: the same loss as
+    without rollout_is, and the weights' metrics of pi_theta against pi_rollout."""
+    from rlanywhere.rollout_correction import RolloutCorrection
+
+    current = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.2, 0.3]]))  # token ratios 2, 1, 3 (3 capped at 2)
+    mask = torch.ones(1, 3)
+    weights, means = RolloutCorrection(level, 2.0, bypass_mode=True).weights(current, rollout, mask)
+    assert weights is None
+    applied, applied_means = RolloutCorrection(level, 2.0).weights(current, rollout, mask)
+    assert {key: float(value) for key, value in means.items()} == \
+        {key: float(value) for key, value in applied_means.items()}
+    expected_mean = 2.0 if level == "token" else 6.0  # before the cap: mean(2, 1, 3), or the product
+    assert float(means["rollout_is_mean"]) == pytest.approx(expected_mean)
+    assert applied is not None and float(applied.max()) == pytest.approx(2.0)
 
 
 @pytest.mark.slow

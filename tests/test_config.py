@@ -123,3 +123,18 @@ def test_pf_ppo_outside_gae_is_noticed_as_verl_ignores_it():
     notices.clear()
     load_config(None, ["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"], notices=notices)
     assert any("its advantage is its raw score (no baseline), as in verl" in line for line in notices)
+
+
+def test_keys_a_loss_does_not_follow_are_noticed():
+    """GSPO's policy loss averages per sequence whatever loss_agg_mode says; bypass mode logs rollout_is's weights
+    without applying them. Each is said once, and not when the settings agree."""
+    notices: list[str] = []
+    load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], notices=notices)
+    assert sum("GSPO's policy loss averages per sequence" in line for line in notices) == 1
+    notices.clear()
+    load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                       "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], notices=notices)
+    assert not any("GSPO" in line for line in notices)
+    load_config(None, ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
+                notices=notices)
+    assert sum("the importance weights are logged, not applied" in line for line in notices) == 1

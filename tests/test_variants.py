@@ -27,17 +27,30 @@ def _gspo_case():
 def test_gspo_sequence_ratio_clips_whole_sequences():
     old, logprob, adv, mask = _gspo_case()
     # row 0: max(-1.2214, -1.2) = -1.2 (clipped at 1 + 0.2) on all 3 tokens; row 1: max(1, 1) = 1 on 2 tokens
-    # token-mean: (3 * -1.2 + 2 * 1) / 5 = -0.32
+    # per sequence (GSPO's own aggregation, as verl): (-1.2 + 1) / 2 = -0.1
     loss, metrics = A.gspo_policy_loss(old, logprob, adv, mask, 0.2, 0.2)
-    close(loss, -0.32)
+    close(loss, -0.1)
     close(metrics["pg_clipfrac"], 3 / 5)  # the three tokens of the clipped sequence
     close(metrics["ratio_mean"], (math.exp(0.2) + 1.0) / 2)
     close(metrics["ratio_max"], math.exp(0.2))
     close(metrics["ppo_kl"], -(0.1 + 0.2 + 0.3 - 0.1 + 0.1) / 5)
     assert metrics["pg_clipfrac_lower"] == 0.0
-    # the clipped sequence passes no gradient; row 1's tokens get d(-A s)/dlogprob_t = s1 = 1, / 5 tokens
+    # the clipped sequence passes no gradient; row 1's tokens get d(-A s)/dlogprob_t = s1 = 1, / 2 tokens / 2 rows
     loss.backward()
-    close(logprob.grad, [[0.0, 0.0, 0.0], [0.2, 0.2, 0.0]])
+    close(logprob.grad, [[0.0, 0.0, 0.0], [0.25, 0.25, 0.0]])
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_gspo_averages_per_sequence_whatever_loss_agg_mode_says(mode):
+    """verl's GSPO aggregates its policy loss seq-mean-token-mean whatever loss_agg_mode is (the paper's mean).
+    Ratio 1, a one-token row with A = +1 and a three-token row with A = -1: the two rows cancel, per sequence."""
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    logprob = torch.zeros(2, 3, requires_grad=True)
+    adv = torch.tensor([[1.0, 0.0, 0.0], [-1.0, -1.0, -1.0]])
+    loss, _ = A.gspo_policy_loss(logprob.detach(), logprob, adv, mask, 0.2, 0.2, loss_agg_mode=mode)
+    close(loss, 0.0)  # token-mean would give (-1 + 3) / 4 = 0.5
+    loss.backward()
+    close(logprob.grad, [[-0.5, 0.0, 0.0], [1 / 6, 1 / 6, 1 / 6]])
 
 
 def test_gspo_differs_from_token_ppo_on_the_same_numbers():

@@ -173,6 +173,14 @@ def test_geo_mean_hand_computed():
     close(loss, (-math.exp(0.25) + math.exp(0.35)) / 2)
 
 
+def test_geo_mean_weighs_a_sequence_by_the_geometric_mean_of_its_token_weights():
+    """verl's GMPO takes the rollout correction's token weights per sequence as exp(mean log w): one row, ratio 1,
+    A = 1, weights 0.5 and 2 -> geometric mean 1, loss -1 (the arithmetic mean 1.25 would give -1.25)."""
+    loss, _ = A.geo_mean_policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), 0.4,
+                                     token_weights=torch.tensor([[0.5, 2.0]]))
+    close(loss, -1.0)
+
+
 # ---------------------------------------------------------------- PF-PPO
 
 

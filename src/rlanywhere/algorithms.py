@@ -632,6 +632,7 @@ def apply_kl_in_reward(
 # ----------------------------------------------------------------------------------------------------------------
 
 LOSS_AGG_MODES = LossAggMode.values()
+GSPO_LOSS_AGG_MODE = LossAggMode.SEQ_MEAN_TOKEN_MEAN  # GSPO's policy loss, whatever actor.loss_agg_mode says (as verl)
 
 
 @dataclass(frozen=True)
@@ -877,8 +878,9 @@ def gspo_policy_loss(
     ``s_i`` is a geometric mean. Same arguments and return as :func:`ppo_policy_loss` so the trainer can call
     either; ``clip_ratio_c`` (dual clip) has no sequence-level counterpart and is not used, as in verl.
 
-    The GSPO paper averages per sequence (``loss_agg_mode="seq-mean-token-mean"``); verl's current GSPO honours
-    ``loss_agg_mode`` and so do we. Metrics as :func:`ppo_policy_loss`, with ``ratio_mean``/``ratio_max`` over
+    The loss averages per sequence (``seq-mean-token-mean``) whatever ``loss_agg_mode`` says, as the GSPO paper and
+    verl do (a length-weighted token mean would undo the sequence-level ratio's length normalisation); the entropy
+    and KL terms still follow ``loss_agg_mode``. Metrics as :func:`ppo_policy_loss`, with ``ratio_mean``/``ratio_max`` over
     sequences and ``pg_clipfrac`` the token-weighted fraction of clipped sequences.
     """
     del clip_ratio_c  # no dual clip at sequence level
@@ -898,7 +900,7 @@ def gspo_policy_loss(
     pg_losses = torch.maximum(unclipped, clipped)
     if token_weights is not None:  # the rollout correction's importance weights (rollout_correction.py)
         pg_losses = pg_losses * token_weights.detach()
-    pg_loss = aggregate_loss(pg_losses, mask_f, loss_agg_mode, scale)
+    pg_loss = aggregate_loss(pg_losses, mask_f, GSPO_LOSS_AGG_MODE, scale)
     with torch.no_grad():
         approx_kl = masked_mean(-token_log_ratio, mask_f)
         real_rows = mask_f.sum(-1) > 0
@@ -1010,7 +1012,7 @@ def geo_mean_policy_loss(
     is the mean over sequences (``loss_agg_mode`` is not used, as in verl; the mean is over the mini-batch's
     non-empty sequences via ``scale``, where verl averages each micro-batch's rows). Metrics as verl: clipped
     tokens with ``A > 0`` (``pg_clipfrac``) and with ``A < 0`` (``pg_clipfrac_lower``). ``token_weights`` (the
-    rollout correction's) weigh a sequence's loss by their mean over its real tokens.
+    rollout correction's) weigh a sequence's loss by their geometric mean over its real tokens, as verl.
     """
     del clip_ratio_c, loss_agg_mode
     _check_token_tensors(mask, old_logprob=old_logprob, logprob=logprob, advantages=advantages)
@@ -1029,7 +1031,8 @@ def geo_mean_policy_loss(
     seq_advantage = (advantages * mask_f).sum(-1) / (tokens + 1e-8)
     per_sequence = -seq_advantage * seq_ratio
     if token_weights is not None:  # the rollout correction's importance weights, per sequence
-        per_sequence = per_sequence * (token_weights.detach() * mask_f).sum(-1) / (tokens + 1e-8)
+        log_weights = torch.log(token_weights.detach() + 1e-10) * mask_f
+        per_sequence = per_sequence * torch.exp(log_weights.sum(-1) / (tokens + 1e-8))
     pg_loss = per_sequence.sum() / max(scale.sequences, _MASK_SUM_FLOOR)
     with torch.no_grad():
         clipped = torch.ne(log_ratio, clamped).to(mask_f.dtype)

@@ -174,11 +174,10 @@ def split_reason(rollout: int) -> str:
 def old_policy_forward_stays(cfg: Any) -> bool:
     """Whether each step runs the trainer's forward for the old policy's log-probs, which the background cannot take:
     it needs the weights the previous update produced. Skipped with one optimizer step a step (the update's own
-    forward gives them) and in bypass mode without importance weights (rollout_correction.recomputes_old_logprobs)."""
-    actor, correction = cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
+    forward gives them) and in bypass mode (rollout_correction.recomputes_old_logprobs)."""
+    actor = cfg.actor_rollout_ref.actor
     single_update = int(actor.ppo_epochs) == 1 and int(actor.ppo_mini_batch_size) >= int(cfg.data.train_batch_size)
-    bypassed = bool(correction.bypass_mode) and correction.rollout_is is None
-    return not single_update and not bypassed
+    return not single_update and not cfg.algorithm.rollout_correction.bypass_mode
 
 
 CRITICAL_PATH_NOTE = ("; the trainer's forward for the old policy's log-probs stays on each step's critical path "

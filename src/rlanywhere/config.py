@@ -998,6 +998,15 @@ def _differences_from_verl(cfg: DictConfig) -> list[str]:
     if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator != "gae":
         out.append(f"algorithm.use_pf_ppo=true with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: PF-PPO "
                    "reweights the rows of gae runs only, as in verl; this run trains on the batch as it is")
+    actor, correction = cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
+    if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != LossAggMode.SEQ_MEAN_TOKEN_MEAN:
+        out.append(f"actor_rollout_ref.actor.loss_agg_mode={actor.loss_agg_mode} with policy_loss.loss_mode=gspo: "
+                   "GSPO's policy loss averages per sequence (seq-mean-token-mean) whatever loss_agg_mode says, as "
+                   "in verl; loss_agg_mode applies to the entropy and KL terms")
+    if correction.bypass_mode and correction.rollout_is is not None:
+        out.append(f"algorithm.rollout_correction.rollout_is={correction.rollout_is} with bypass_mode=true: the PPO "
+                   "ratio is already taken against the rollout's log-probs, so the importance weights are logged, "
+                   "not applied (as in verl's bypass mode)")
     if cfg.algorithm.adv_estimator == AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE and cfg.algorithm.gamma != 1.0:
         out.append(f"algorithm.gamma={cfg.algorithm.gamma}: reinforce_plus_plus_baseline discounts the centred "
                    "score back from the last token here; verl ignores gamma for this estimator (same score on "

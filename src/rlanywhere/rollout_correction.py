@@ -92,7 +92,11 @@ class RolloutCorrection:
     """The configured correction (verl's `algorithm.rollout_correction`), applied inside the actor's loss.
 
     `weights(old, rollout, mask)` -> (token weights or None, metrics); `behaviour(old, rollout)` -> the log-probs
-    the PPO ratio is taken against (`bypass_mode`: the rollout's own, skipping the trainer's old policy)."""
+    the PPO ratio is taken against (`bypass_mode`: the rollout's own, skipping the trainer's old policy).
+
+    In bypass mode the clipped PPO ratio pi_theta / pi_rollout already is the importance ratio, so weights on top
+    would count the correction twice: they are measured (pi_theta against pi_rollout) and logged, not applied, as
+    verl's bypass mode does with its ppo_clip loss."""
 
     def __init__(self, level: Optional[str] = None, threshold: float = 2.0, bypass_mode: bool = False):
         self.level, self.threshold, self.bypass_mode = level, float(threshold), bool(bypass_mode)
@@ -114,14 +118,15 @@ class RolloutCorrection:
                 mask: torch.Tensor) -> tuple[Optional[torch.Tensor], dict[str, torch.Tensor]]:
         if not self.enabled:
             return None, {}
-        return rollout_is_weights(old_logprob, rollout_logprob, mask, self.level, self.threshold)
+        weights, means = rollout_is_weights(old_logprob, rollout_logprob, mask, self.level, self.threshold)
+        return (None if self.bypass_mode else weights), means
 
 
 def recomputes_old_logprobs(section: Any) -> bool:
-    """Whether the trainer's log-probs of the sampled tokens (the old policy) are needed: not in bypass mode without
-    importance weights, where the PPO ratio is taken against the rollout's own log-probs and nothing else reads them
-    (verl skips that forward there too)."""
-    return not (section.bypass_mode and section.rollout_is is None)
+    """Whether the trainer's log-probs of the sampled tokens (the old policy) are needed: not in bypass mode, where
+    the PPO ratio is taken against the rollout's own log-probs and the logged weights compare the current policy
+    with the rollout's (verl skips that forward there too)."""
+    return not section.bypass_mode
 
 
 def check_rollout_correction(section: Any, top_k: Optional[int], top_p: Optional[float]) -> None:
