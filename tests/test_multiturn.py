@@ -150,6 +150,20 @@ def test_sandbox_output_is_read_back_bounded_and_its_processes_end_with_it(tmp_p
     assert not marker.exists()  # the process that left the group ended with the code
 
 
+def test_sandbox_without_namespaces_starts_no_process(monkeypatch):
+    """Without a network namespace, a process the code starts would have the network: the fallback refuses to start
+    any (os and subprocess), and the code runs as before otherwise."""
+    from rlanywhere.tools import sandbox
+
+    monkeypatch.setattr(sandbox, "network_namespace_available", lambda: False)
+    for start in ("import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'print(1)'])",
+                  "import os\nos.system('true')", "import os\nos.fork()",
+                  "import os\nos.execv('/bin/true', ['true'])"):
+        text, info = sandbox.run_python(start)
+        assert "starting processes is disabled" in text and not info["isolated"], start
+    assert sandbox.run_python("import os, subprocess\nprint(os.getcwd() != '/')")[0] == "True\n"
+
+
 def test_tool_response_truncation_sides_are_verls():
     """verl's tool_response_truncate_side: left keeps the head, right keeps the tail, middle both ends."""
     from rlanywhere.tools.sandbox import truncate_text
@@ -311,6 +325,59 @@ def test_tool_messages_rendered_with_the_chat_template(tok):
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_tool_texts_reach_the_model_whatever_the_tool_returns():
+    """A lone surrogate (half an emoji the model wrote as a JSON escape) repeated by an error text or a tool's
+    exception becomes an escape the tokenizer takes; ToolResponse(text=None) is an empty result, not an error."""
+
+    class Weather(BaseTool):
+        def execute(self, instance_id, parameters, **kwargs):
+            if parameters.get("city") is None:
+                return ToolResponse(text=None), 1.0, {}
+            raise ValueError(f"no such city: {parameters['city']}")
+
+    weather = Weather(None, {"type": "function", "function": {"name": "weather"}})
+    bad_name = parse_tool_calls('<tool_call>{"name": "calc\\ud83d", "arguments": 5}</tool_call>', {"weather"})[0]
+    results = run_calls([(None, "", bad_name), (weather, "i", ToolCall("weather", {"city": "Paris\ud83d"})),
+                         (weather, "i", ToolCall("weather", {}))])
+    for result in results[:2]:
+        assert "\\ud83d" in result.text and result.error
+        byte_tokenizer()(result.text)  # no lone surrogate left for the tokenizer to refuse
+    assert (results[2].text, results[2].reward, results[2].error) == ("", 1.0, False)
+
+
+# Qwen3's way with turns: the last assistant message gets an empty think block, an earlier one does not; tool
+# results go in a user turn
+LAST_TURN_THINKS = (
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{% if loop.last %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}"
+    "{% if messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}{{ '\\n<tool_response>\\n' }}"
+    "{{ m.content }}{{ '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_messages_of_templates_that_render_each_call_differently(monkeypatch):
+    """Templates render a last assistant message differently from an earlier one (Qwen3), or stamp the date into
+    every rendering (Llama 3: a run crossing midnight): the tool results' text comes from one rendering."""
+    qwen3_like = byte_tokenizer()
+    qwen3_like.chat_template = LAST_TURN_THINKS
+    renderer = ToolMessageRenderer(qwen3_like, "<|im_end|>")
+    assert renderer.text(["4"], True) == ("\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"
+                                         "<|im_start|>assistant\n")
+    assert renderer.text(["1", "2"], False).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n1\n")
+    dated = byte_tokenizer()
+    renderings = iter(range(1000))
+    render = dated.apply_chat_template
+    monkeypatch.setattr(dated, "apply_chat_template",
+                        lambda messages, **options: f"day {next(renderings)}\n" + render(messages, **options))
+    renderer = ToolMessageRenderer(dated, "<|im_end|>")
+    for _ in range(2):
+        assert renderer.text(["42"], True) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+
+
 # ------------------------------------------------------------------------------------------------ the driver
 def arithmetic_script(context, turn):
     if turn == 0:
@@ -375,6 +442,7 @@ def test_no_room_for_the_tool_result_ends_the_row(tok):
     batch = driver.generate(engine, items_for(tok, ["q"]), params(max_new=first + 10))
     assert batch.response_mask.tolist() == [[1] * first]  # the call ran, its result did not fit: no hole at the end
     assert driver.last_stats[0].tool_calls == 1 and len(engine.calls) == 1
+    assert driver.last_stats[0].user_turns == 0  # a tool turn the model never saw is not counted (as verl)
 
 
 def test_tools_kwargs_reach_create(tok):
@@ -385,6 +453,25 @@ def test_tools_kwargs_reach_create(tok):
     batch = driver.generate(engine, items_for(tok, ["q"], kwargs), params())
     assert "reward=1.0" in tok.decode(batch.response_ids[0])
     assert tool._instances == {}  # released
+
+
+def test_tools_written_for_verls_agent_loop_get_create_kwargs(tok):
+    """verl's agent loop calls create(create_kwargs={...}); a tool reading them there gets the row's."""
+
+    class Checker(BaseTool):
+        async def create(self, instance_id=None, **kwargs):
+            self.seen = kwargs["create_kwargs"]["ground_truth"]
+            return "id", ToolResponse()
+
+        async def execute(self, instance_id, parameters, **kwargs):
+            return ToolResponse(f"truth {self.seen}"), 0.0, {}
+
+    engine = ScriptedEngine(tok, lambda c, t: call("check", answer="72") if t == 0 else "done")
+    driver = MultiTurnRollout([Checker(None, {"type": "function", "function": {"name": "check"}})], tok,
+                              MultiTurnSettings(), engine.eos_ids)
+    batch = driver.generate(engine, items_for(tok, ["q"], {"check": {"create_kwargs": {"ground_truth": "72"}}}),
+                            params())
+    assert "truth 72" in tok.decode(batch.response_ids[0])
 
 
 # ------------------------------------------------------------------------------------------------ holes in the mask

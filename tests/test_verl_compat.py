@@ -26,6 +26,21 @@ def test_current_verl_keys_get_one_notice_each():
         assert notices.count(key.split("=")[0]) == 1, key
 
 
+def test_verls_tool_agent_loop_is_a_multi_turn_rollout():
+    """verl picks each row's agent loop (default_agent_loop when the data names none): tool_agent is multi-turn
+    with tools here; an agent loop not available here is refused, not run as a single turn."""
+    cfg, notices = loaded("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+                          "actor_rollout_ref.rollout.agent.num_workers=4")
+    assert cfg.actor_rollout_ref.rollout.multi_turn.enable is True
+    assert "honoured as actor_rollout_ref.rollout.multi_turn.enable=true" in notices
+    assert "agent.num_workers=4: verl-only key, ignored (no agent-loop workers" in notices
+    cfg, notices = loaded("actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent")
+    assert cfg.actor_rollout_ref.rollout.multi_turn.enable is False and "multi_turn.enable decides" in notices
+    for key in ("default_agent_loop=react_agent", "agent_loop_config_path=loops.yaml"):
+        with pytest.raises(ConfigError, match="not available here"):
+            loaded(f"actor_rollout_ref.rollout.agent.{key}")
+
+
 def test_reference_offload_offloads_the_reference_only():
     cfg, notices = loaded("actor_rollout_ref.ref.fsdp_config.param_offload=True")
     assert cfg.hardware.ref_device == "cpu" and cfg.hardware.param_offload == "auto"

@@ -518,8 +518,10 @@ VERL_ONLY_KEYS: dict[str, str] = {
     "hardware.param_offload / hardware.optimizer_offload",
     r"actor_rollout_ref\.rollout\.(gpu_memory_utilization|max_num_batched_tokens|max_num_seqs|max_model_len"
     r"|enable_chunked_prefill|enforce_eager|load_format|disable_log_stats|mode"
-    r"|tensor_model_parallel_size|calculate_log_probs|engine_kwargs(\..*)?|multi_turn\._target_|layered_summon"
-    r"|agent(\..*)?)": "the built-in rollout engine sizes its KV cache and batches from the plan",
+    r"|tensor_model_parallel_size|calculate_log_probs|engine_kwargs(\..*)?|multi_turn\._target_|layered_summon)":
+    "the built-in rollout engine sizes its KV cache and batches from the plan",
+    r"actor_rollout_ref\.rollout\.agent\..*": "no agent-loop workers or servers: the built-in engine runs every "
+    "turn (multi-turn rollouts: actor_rollout_ref.rollout.multi_turn)",
     r"actor_rollout_ref\.hybrid_engine": ("the rollout engine reads the actor's weights, or with "
                                           "trainer.async.mode=one_step_off its own copy of them"),
     r"actor_rollout_ref\.(actor|ref|rollout)\.(ulysses_sequence_parallel_size|checkpoint(\..*)?"

@@ -140,6 +140,7 @@ def translate_verl_spellings(user: DictConfig, notices: list[str], problems: lis
 
     A `reward_model.sandbox_fusion.url` that does not answer is added to `problems` now, before any model loads."""
     _translate_old_rollout_correction(user, notices, problems)
+    _adopt_agent_loop(user, notices, problems)
     for model_key in ("actor_rollout_ref.model", "critic.model"):
         _adopt_lora_adapter(user, model_key, notices, problems)
     url = OmegaConf.select(user, "reward_model.sandbox_fusion.url")
@@ -169,6 +170,39 @@ def translate_verl_spellings(user: DictConfig, notices: list[str], problems: lis
         if len(kwargs) == 0:
             del user.reward_model["reward_kwargs"]
     return user
+
+
+AGENT_LOOP = "actor_rollout_ref.rollout.agent"
+
+
+def _adopt_agent_loop(user: DictConfig, notices: list[str], problems: list[str]) -> None:
+    """verl's agent loops: `agent.default_agent_loop=tool_agent` runs every row as a tool-using conversation, which is
+    `rollout.multi_turn.enable=true` here; `single_turn_agent` (verl's default) is a single-turn rollout. Other loops,
+    custom ones (`agent_loop_config_path`) among them, are refused: each row would run as something it is not."""
+    loop = OmegaConf.select(user, f"{AGENT_LOOP}.default_agent_loop")
+    if loop is not None:
+        _pop(user, f"{AGENT_LOOP}.default_agent_loop")
+        given = f"{AGENT_LOOP}.default_agent_loop={loop}"
+        enabled = OmegaConf.select(user, "actor_rollout_ref.rollout.multi_turn.enable")
+        if loop == "tool_agent" and enabled is None:
+            OmegaConf.update(user, "actor_rollout_ref.rollout.multi_turn.enable", True, force_add=True)
+            notices.append(f"{given}: verl's tool agent loop; honoured as actor_rollout_ref.rollout.multi_turn."
+                           "enable=true (the tools of multi_turn.tool_config_path)")
+        elif loop in ("tool_agent", "single_turn_agent"):
+            notices.append(f"{given}: actor_rollout_ref.rollout.multi_turn.enable decides here "
+                           f"(multi_turn.enable={bool(enabled)})")
+        else:
+            problems.append(f"{given}: that agent loop is not available here; tool_agent (multi-turn rollouts with "
+                            "tools: actor_rollout_ref.rollout.multi_turn) and single_turn_agent are")
+    custom = OmegaConf.select(user, f"{AGENT_LOOP}.agent_loop_config_path")
+    if custom is not None:
+        _pop(user, f"{AGENT_LOOP}.agent_loop_config_path")
+        problems.append(f"{AGENT_LOOP}.agent_loop_config_path={custom}: custom agent loops are not available here; "
+                        "multi-turn rollouts with tools are (actor_rollout_ref.rollout.multi_turn, docs/multi-turn.md)")
+    key = AGENT_LOOP  # emptied sections go too, so that they do not read as keys of their own
+    while key and isinstance(OmegaConf.select(user, key), DictConfig) and len(OmegaConf.select(user, key)) == 0:
+        _pop(user, key)
+        key = key.rpartition(".")[0]
 
 
 def _adopt_lora_adapter(user: DictConfig, model_key: str, notices: list[str], problems: list[str]) -> None:

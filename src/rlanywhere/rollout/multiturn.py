@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..tools.base import BaseTool, call_tool_method
+from ..tools.base import BaseTool, accepts_keyword, call_tool_method
 from ..tools.executor import run_calls
 from ..tools.parsing import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
 from ..planner.multiturn import (MultiTurnConfigError, multiturn_values, plan_multiturn,  # noqa: F401
@@ -132,7 +132,11 @@ def render_prompt_with_tools(tokenizer: Any, messages: list[dict], tools: Sequen
 
 class ToolMessageRenderer:
     """Token ids appended after an assistant turn for its tool results: whatever the chat template writes after the
-    assistant's end-of-turn token, the `tool` messages, and the next assistant header."""
+    assistant's end-of-turn token, the `tool` messages, and the next assistant header.
+
+    Each text is cut from one rendering of a dummy conversation followed by the results, right after the dummy
+    assistant's turn: templates render a last assistant message differently from an earlier one (Qwen3 adds an
+    empty think block) and may stamp the date (Llama 3), so no part of another rendering is reused."""
 
     _USER, _ASSISTANT = "Hi.", "Hello."
     REMEMBERED = 4096  # rendered results kept
@@ -141,27 +145,29 @@ class ToolMessageRenderer:
         self.tokenizer, self.eos_text = tokenizer, eos_text
         self.template_kwargs = dict(chat_template_kwargs or {})  # data.apply_chat_template_kwargs
         self._rendered: dict[tuple, list[int]] = {}
-        base = [{"role": "system", "content": "s"}, {"role": "user", "content": self._USER},
-                {"role": "assistant", "content": self._ASSISTANT}]
-        self.base = base
-        self.prefix = tokenizer.apply_chat_template(base, tokenize=False, **self.template_kwargs)
-        # the template's text after the assistant's end-of-turn token (e.g. "\n" after <|im_end|>)
-        self.after_eos = ""
-        if eos_text:
-            marker = self._ASSISTANT + eos_text
-            at = self.prefix.rfind(marker)
-            if at >= 0:
-                self.after_eos = self.prefix[at + len(marker):]
+        self.base = [{"role": "system", "content": "s"}, {"role": "user", "content": self._USER},
+                     {"role": "assistant", "content": self._ASSISTANT}]
+        self.text(["probe"], True)  # a template that cannot render tool results fails here, before the run
+
+    def _render(self, messages: list[dict], **options: Any) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, **options, **self.template_kwargs)
 
     def text(self, results: Sequence[str], turn_ended_by_eos: bool) -> str:
-        messages = self.base + [{"role": TOOL_RESPONSE_ROLE, "content": r} for r in results]
-        full = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                  **self.template_kwargs)
-        if not full.startswith(self.prefix):
-            raise ValueError("the chat template renders earlier messages differently once a tool message follows; "
-                             "multi-turn rollouts need a template that appends messages")
-        lead = self.after_eos if turn_ended_by_eos else (self.eos_text or "") + self.after_eos
-        return lead + full[len(self.prefix):]
+        full = self._render(self.base + [{"role": TOOL_RESPONSE_ROLE, "content": r} for r in results],
+                            add_generation_prompt=True)
+        # the dummy assistant's turn ends at its first "Hello.<eos>" (the system and user texts hold no "Hello.")
+        marker = self._ASSISTANT + (self.eos_text or "")
+        at = full.find(marker) if self.eos_text else -1
+        if at >= 0:
+            after = full[at + len(marker):]
+        else:  # a template that does not close the turn with the EOS token: what follows the conversation alone
+            prefix = self._render(self.base)
+            if not full.startswith(prefix):
+                raise ValueError("the chat template renders earlier messages differently once a tool message "
+                                 "follows, and does not end an assistant turn with the tokenizer's EOS token; "
+                                 "multi-turn rollouts need a template that appends messages")
+            return ("" if turn_ended_by_eos else self.eos_text or "") + full[len(prefix):]
+        return after if turn_ended_by_eos else (self.eos_text or "") + after
 
     def ids(self, results: Sequence[str], turn_ended_by_eos: bool) -> list[int]:
         """The ids of `text`, remembered: rows often get the same results (a template render costs ~0.1 ms, paid
@@ -321,11 +327,11 @@ class MultiTurnRollout:
             row.stats.tool_latency_s += [r.latency_s for r in mine]
             row.stats.tool_reward += sum(r.reward for r in mine)
             appended = self.renderer.ids([r.text for r in mine], ended_by_eos)
-            row.stats.user_turns += 1
             if len(row.tokens) + len(appended) >= budget:  # no room left for the model to answer: the row ends
                 row.done = True
                 continue
             row.add(appended, False)
+            row.stats.user_turns += 1  # a tool turn the model saw (as verl counts them)
             continuing.append(i)
         return continuing
 
@@ -339,6 +345,8 @@ class MultiTurnRollout:
             return ""
         if call.name not in row.instances:
             kwargs = dict((row.tools_kwargs.get(call.name) or {}).get("create_kwargs") or {})
+            if "create_kwargs" not in kwargs and accepts_keyword(tool.create, "create_kwargs"):
+                kwargs["create_kwargs"] = dict(kwargs)  # verl's agent loop passes them as one dict of that name
             try:
                 instance_id, _ = call_tool_method(tool.create, None, **kwargs)
             except Exception as err:  # noqa: BLE001 - a tool that cannot start: its calls get the error

@@ -86,8 +86,17 @@ def call_tool_method(method, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
+def accepts_keyword(method, name: str) -> bool:
+    """Whether `method` takes a keyword argument `name` (a parameter of that name, or **kwargs)."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 async def _await(awaitable):
     return await awaitable
 
 
-__all__ = ["BaseTool", "ToolResponse", "ToolSchema", "call_tool_method"]
+__all__ = ["BaseTool", "ToolResponse", "ToolSchema", "accepts_keyword", "call_tool_method"]

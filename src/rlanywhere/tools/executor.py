@@ -14,7 +14,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from .base import BaseTool, ToolResponse, call_tool_method
@@ -37,7 +37,7 @@ def _as_response(value: Any) -> tuple[str, float]:
     else:
         response, reward = value, 0.0
     if isinstance(response, ToolResponse):
-        text = response.text
+        text = response.text or ""
     elif isinstance(response, str):
         text = response
     elif hasattr(response, "text") and isinstance(getattr(response, "text"), (str, type(None))):
@@ -113,7 +113,13 @@ def run_calls(jobs: Sequence[tuple[BaseTool | None, str, ToolCall]], timeout_s: 
     for i, event in enumerate(done):
         if not event.wait(max(timeout_s - (time.perf_counter() - started), 0.0)):
             results[i] = CallResult(f"Error: the tool did not answer within {timeout_s:g} s", 0.0, True, timeout_s)
-    return [r for r in results]  # type: ignore[misc]
+    return [replace(r, text=_encodable(r.text)) for r in results]  # type: ignore[union-attr]
+
+
+def _encodable(text: str) -> str:
+    """`text` with lone surrogates written as escapes: a model's JSON may hold half an emoji ("\\ud83d"), which a
+    tool's result or error repeats, and a tokenizer refuses such a string."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 __all__ = ["run_calls", "CallResult"]

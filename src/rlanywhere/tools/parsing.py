@@ -54,9 +54,9 @@ def _parse_one(body: str, known_tools: set[str] | None) -> ToolCall:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         arguments, problem = _json(arguments)
         if problem is not None:
-            return ToolCall(name, error=f"Error: the arguments of {shown} are not a JSON object")
+            return ToolCall(name, error=f"Error: the arguments of {shown!r} are not a JSON object")
     if not isinstance(arguments, dict):
-        return ToolCall(name, error=f"Error: the arguments of {shown} must be a JSON object")
+        return ToolCall(name, error=f"Error: the arguments of {shown!r} must be a JSON object")
     if known_tools is not None and name not in known_tools:
         return ToolCall(name, error=f"Error: unknown tool {shown!r}; available: {', '.join(sorted(known_tools))}")
     return ToolCall(name, arguments)

@@ -4,8 +4,9 @@
 - where the machine allows unprivileged namespaces (`unshare -rn --pid`): no network (a network namespace of its
   own) and a PID namespace whose first process is the code's, so when it ends or is killed every process it
   started ends with it, even one that left its process group;
-- without namespaces, its `socket` module refusing to open sockets (a Python-level block: code that calls the C
-  library directly, e.g. through ctypes, gets past it; a warning says so once);
+- without namespaces, its `socket` module refusing to open sockets and its `os` / `subprocess` refusing to start
+  processes (which would have the network): a Python-level block that code calling the C library directly, e.g.
+  through ctypes, gets past (a warning says so once);
 - a fresh scratch directory as its working directory (deleted afterwards) and an empty environment.
 What it prints (stdout, then stderr) is the result, truncated to `max_output_chars`. The output goes to files in the
 scratch directory, capped by the file-size limit, and only their head and tail are read back: a program that prints
@@ -32,14 +33,16 @@ log = logging.getLogger(__name__)
 
 # The child's program: set the limits (argv: CPU seconds, address-space bytes, file bytes; set here rather than in
 # a preexec_fn, which is unsafe in the trainer's threaded process), shut the socket module's doors (a network
-# namespace may not be available), then run the user's code in a process of its own and wait for it. With
+# namespace may not be available), then run the user's code in a process of its own and wait for it; outside a
+# network namespace (argv[4] "0") that process may start no other, which would have the network. With
 # namespaces this first process is the PID namespace's init: it reaps what the code leaves behind, and when it ends
 # every process of the namespace ends. It writes the code's wait status to .status (unshare does not pass a signal's
 # death on), then leaves.
 _PRELUDE = """
 import os as _os, resource as _r, socket as _s, sys as _sys
-for _limit, _value in zip((_r.RLIMIT_CPU, _r.RLIMIT_AS, _r.RLIMIT_FSIZE, _r.RLIMIT_CORE), _sys.argv[1:] + ["0"]):
+for _limit, _value in zip((_r.RLIMIT_CPU, _r.RLIMIT_AS, _r.RLIMIT_FSIZE, _r.RLIMIT_CORE), _sys.argv[1:4] + ["0"]):
     _r.setrlimit(_limit, (int(_value), int(_value)))
+_isolated = _sys.argv[4] == "1"
 _sys.argv = ["main.py"]
 class _NoNetwork(OSError):
     pass
@@ -54,6 +57,14 @@ _s._socket = None
 _sys.modules["_socket"] = None
 _pid = _os.fork()
 if _pid == 0:
+    if not _isolated:
+        import _posixsubprocess as _ps
+        def _no_process(*a, **k):
+            raise PermissionError("starting processes is disabled in the sandbox (it would have the network)")
+        _ps.fork_exec = _no_process
+        for _name in dir(_os):
+            if _name.startswith(("exec", "spawn", "posix_spawn", "fork")) or _name in ("system", "popen"):
+                setattr(_os, _name, _no_process)
     _code = open("main.py").read()
     exec(compile(_code, "main.py", "exec"), {"__name__": "__main__"})
 else:
@@ -90,8 +101,8 @@ def network_namespace_available() -> bool:
 @functools.lru_cache(maxsize=1)
 def _warn_not_isolated() -> None:
     log.warning("python sandbox: unprivileged namespaces (unshare -rn --pid) are not available here, so the tool's "
-                "code is kept off the network by its Python socket module only, and a process it starts outside its "
-                "process group outlives the wall-time kill")
+                "code is kept off the network by its Python socket, os and subprocess modules only (code calling the "
+                "C library directly gets past them)")
 
 
 def _code_exit(status_path: str, returncode: int) -> int:
@@ -139,8 +150,9 @@ def run_python(code: str, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int =
     try:
         with open(os.path.join(scratch, "main.py"), "w") as f:
             f.write(code)
-        command = [sys.executable, "-I", "-c", _PRELUDE, str(cpu_s), str(memory_mb << 20), str(file_mb << 20)]
         isolated = network_namespace_available()
+        command = [sys.executable, "-I", "-c", _PRELUDE, str(cpu_s), str(memory_mb << 20), str(file_mb << 20),
+                   "1" if isolated else "0"]
         if isolated:
             command = [shutil.which("unshare"), *_NAMESPACES] + command
         else:
