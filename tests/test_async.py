@@ -1028,3 +1028,48 @@ def test_a_step_dropped_before_it_takes_its_batch_does_not_bring_back_the_traine
         saved = json.load(handle)["async_rollouts"]
     assert sorted(saved) == ["1"] and sorted(trainer.pipeline.jobs) == [1]
     assert saved["1"]["seconds"] > 0
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_a_failing_rollout_ahead_leaves_the_checkpoint_of_the_step_that_trained(tiny_model_dir, arith_data, tmp_path,
+                                                                              overlapped):
+    """The rollout of step 3 fails (a tool server, an OOM at the smallest size) while or after step 2 trains: as in
+    a synchronous run, step 2's checkpoint is written (without that batch) and the error is raised by step 3."""
+    extra = {"trainer.async.mode": "one_step_off", "trainer.save_freq": 2, "trainer.total_training_steps": 4}
+    trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "r", **extra), overlapped=overlapped)
+    generate, calls = trainer.engine.generate, []
+
+    def failing_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("tool server crashed")
+        return generate(*args, **kwargs)
+
+    trainer.engine.generate = failing_third
+    with pytest.raises(RuntimeError, match="tool server crashed"):
+        trainer.fit()
+    assert trainer.global_step == 2
+    assert (tmp_path / "r" / "checkpoints" / "global_step_2").is_dir()
+
+
+def test_a_lower_max_staleness_on_resume_regenerates_the_staler_saved_rollouts(tiny_model_dir, arith_data, tmp_path,
+                                                                               monkeypatch):
+    from rlanywhere.trainer import RLTrainer
+
+    base = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 5, "trainer.save_freq": 2}
+    train_step = RLTrainer.train_step
+
+    def dying_at_step_3(self, items):
+        if self.global_step == 3:
+            raise KeyboardInterrupt
+        return train_step(self, items)
+
+    monkeypatch.setattr(RLTrainer, "train_step", dying_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "r", **base,
+                            **{"trainer.async.max_staleness": 2})).fit()
+    monkeypatch.setattr(RLTrainer, "train_step", train_step)
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "r", **base,
+                        **{"trainer.async.max_staleness": 1})).fit()
+    staleness = {step: row["async/staleness"] for step, row in _rows(tmp_path / "r").items() if step > 2}
+    assert staleness and max(staleness.values()) <= 1, staleness

@@ -107,6 +107,16 @@ def test_gap_guard_trips_after_patience_steps_in_a_row():
     off.end_step({"actor/rollout_logprob_gap": 50.0})
 
 
+def test_gap_guard_counts_only_batches_of_the_current_policy():
+    """A batch an older policy sampled (trainer.async) differs from the trainer by the update since: not counted."""
+    guard = PrecisionGuard(max_logprob_gap=0.1, patience=2, precision="bf16")
+    for _ in range(3):
+        guard.end_step({"actor/rollout_logprob_gap": 0.3, "async/staleness": 1.0})
+    guard.end_step({"actor/rollout_logprob_gap": 0.3, "async/staleness": 0.0})
+    with pytest.raises(PrecisionGuardError, match="last 2 steps"):
+        guard.end_step({"actor/rollout_logprob_gap": 0.3})
+
+
 def test_non_finite_rollout_logprobs_stop_before_the_update():
     guard = PrecisionGuard(precision="fp16")
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -231,10 +241,13 @@ def test_fp16_training_counts_an_injected_overflow_and_keeps_going(tiny_model_di
 
 
 @pytest.mark.slow
-def test_trainer_stops_when_the_logprob_gap_stays_above_the_threshold(tiny_model_dir, arith_data, tmp_path):
-    # the rail watches every precision; fp32's gap is ~1e-6, so a threshold of 1e-9 trips it
+@pytest.mark.parametrize("bypass", [False, True])
+def test_trainer_stops_when_the_logprob_gap_stays_above_the_threshold(tiny_model_dir, arith_data, tmp_path, bypass):
+    # the rail watches every precision; fp32's gap is ~1e-6, so a threshold of 1e-9 trips it. In bypass mode the
+    # PPO ratio is taken against the rollout's log-probs, but the gap is still the trainer's against the rollout's
     trainer = _trainer(tiny_model_dir, arith_data, tmp_path / "run", fp16=False, **{
-        "hardware.max_logprob_gap": 1e-9, "hardware.logprob_gap_patience": 2, "algorithm.adv_estimator": "grpo"})
+        "hardware.max_logprob_gap": 1e-9, "hardware.logprob_gap_patience": 2, "algorithm.adv_estimator": "grpo",
+        "algorithm.rollout_correction.bypass_mode": bypass})
     assert trainer.train_step(trainer.loader.next_batch())["actor/rollout_logprob_gap"] < 1e-4
     with pytest.raises(PrecisionGuardError, match="last 2 steps, above hardware.max_logprob_gap=1e-09 \\(fp32\\)"):
         trainer.train_step(trainer.loader.next_batch())

@@ -210,6 +210,16 @@ class _Job:
         return self.result
 
 
+def _run_now(work: Callable[[], Any]) -> Future:
+    """`work` run now, as a finished future holding its result or its error."""
+    future: Future = Future()
+    try:
+        future.set_result(work())
+    except Exception as err:  # noqa: BLE001 - kept for whoever waits on the job
+        future.set_exception(err)
+    return future
+
+
 def _prompt_keys(items: list[dict]) -> list:
     return [(item.get("index"), list(item["input_ids"])) for item in items]
 
@@ -384,21 +394,39 @@ class RolloutPipeline:
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """The finished rollouts of the steps to come (the one in flight is finished first)."""
+        """The finished rollouts of the steps to come (the one in flight is finished first). A rollout that failed
+        is left out, so that the checkpoint of the step that trained is still written: its error is raised when its
+        step needs the batch, and a resumed run generates the batch again."""
         saved = {}
         for step, job in self.jobs.items():
-            scored, metrics, first = job.wait()  # its seconds are known once it has finished
+            try:
+                scored, metrics, first = job.wait()  # its seconds are known once it has finished
+            except Exception as err:  # noqa: BLE001 - raised again by the step that waits for it
+                log.warning("the rollout for step %d failed (%s: %s); the checkpoint leaves it out", step,
+                            type(err).__name__, err)
+                continue
             saved[str(step)] = {"weights_step": job.weights_step, "seconds": job.seconds,
                                 "scored": scored_state(scored), "metrics": metrics, "first_prompt": first}
         return saved
 
     def load_state_dict(self, state: Optional[dict]) -> None:
-        self.jobs = {}
+        jobs = {}
         for step, saved in (state or {}).items():
             scored = scored_from(saved["scored"])
-            self.jobs[int(step)] = _Job(int(step), saved["weights_step"], _prompt_keys(scored.items),
-                                        (scored, saved["metrics"], saved["first_prompt"]), saved["seconds"])
+            jobs[int(step)] = _Job(int(step), saved["weights_step"], _prompt_keys(scored.items),
+                                   (scored, saved["metrics"], saved["first_prompt"]), saved["seconds"])
+        self.jobs = self._within_staleness(jobs)
         self._publish_busy()
+
+    def _within_staleness(self, jobs: dict[int, _Job]) -> dict[int, _Job]:
+        """The saved rollouts, or none where one is staler than this run allows (trainer.async.max_staleness
+        lowered on resume): the resumed run generates them again from its weights."""
+        stale = sorted(step for step, job in jobs.items() if step - job.weights_step > self.depth)
+        if stale:
+            log.warning("the checkpoint's rollouts for steps %s are more than trainer.async.max_staleness=%d policy "
+                        "versions old: generated again", stale, self.depth)
+            return {}
+        return jobs
 
     def load_rank_states(self, states: list[dict], rank: int, world: int, pad_token_id: int) -> None:
         """[distributed] Resume from the pipelines of the ranks that saved (`states`, in rank order): this rank's
@@ -419,7 +447,7 @@ class RolloutPipeline:
             mine, metrics = cut_into_shares(whole, metrics, [size] * world)[rank]
             jobs[int(step)] = _Job(int(step), parts[0]["weights_step"], _prompt_keys(mine.items),
                                    (mine, metrics, rank * size), max(part["seconds"] for part in parts))
-        self.jobs = jobs
+        self.jobs = self._within_staleness(jobs)
         self._publish_busy()
 
     # ------------------------------------------------------------------------------------------ internals
@@ -478,7 +506,12 @@ class RolloutPipeline:
             stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
             with stream:
                 if "weights" in pending:
-                    copy_weights(pending.pop("weights"), self.model)
+                    snapshot = pending.pop("weights")
+                    copy_weights(snapshot, self.model)
+                    if self.stream is not None:  # freed below while the copy may still be queued on this stream
+                        for tensor in snapshot.values():
+                            tensor.record_stream(self.stream)
+                    del snapshot
                     self.engine.sync_weights()
                 scored, metrics, first = timed_rollout(self.phase, items, step, first_prompt)
                 if self.reference_pass is not None:
@@ -488,10 +521,12 @@ class RolloutPipeline:
             job.seconds = time.perf_counter() - start
             return scored, metrics, first
 
+        if self.stream is not None:  # the refreshed weights (or the snapshot) first
+            self.stream.wait_stream(torch.cuda.current_stream(self.plan.device))
         if background and self.executor is not None:
-            if self.stream is not None:  # the refreshed weights (or the snapshot) first
-                self.stream.wait_stream(torch.cuda.current_stream(self.plan.device))
             job.result = self.executor.submit(run)
+        elif background:  # in turn, ahead of its step: a failure is raised when the step needs the batch, as in sync
+            job.result = _run_now(run)
         else:
             job.result = run()
         if background:

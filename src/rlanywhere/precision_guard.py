@@ -148,7 +148,8 @@ class PrecisionGuard:
     def end_step(self, metrics: dict) -> dict:
         """Metrics of this step (loss scale, skipped steps) to log; raises PrecisionGuardError when a rail trips.
 
-        Reads `actor/rollout_logprob_gap` from `metrics` when the update measured it."""
+        Reads `actor/rollout_logprob_gap` from `metrics` when the update measured it on a batch of the current
+        policy (`async/staleness` 0 or absent)."""
         out: dict[str, float] = {}
         for name, skips in self.step_skips.items():
             out[f"{name}/skipped_steps"] = float(skips)
@@ -164,7 +165,9 @@ class PrecisionGuard:
                     f"gradients overflow at every scale (an overflow in the forward pass, not a spike), so nothing "
                     f"is being learned. {FIX[0].upper() + FIX[1:]}")
         gap = metrics.get("actor/rollout_logprob_gap")
-        if gap is not None:
+        # a batch sampled by an older policy (trainer.async: async/staleness > 0) differs from the trainer's by the
+        # updates since too: its gap measures staleness, not precision, and is logged only
+        if gap is not None and not metrics.get("async/staleness"):
             self.gap_history.append(float(gap))
             recent = self.gap_history[-self.patience:]
             over = lambda g: not math.isfinite(g) or g > self.max_logprob_gap  # noqa: E731

@@ -353,7 +353,7 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
         pick = lambda t: to_device(t[rows, :micro.response_len], device)  # noqa: E731
         old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
         is_weights, correction_means = correction.weights(old, pick(batch.rollout.response_logprobs), resp_mask)
-        old = correction.behaviour(old, pick(batch.rollout.response_logprobs))
+        trainer_old, old = old, correction.behaviour(old, pick(batch.rollout.response_logprobs))
         # means: pg_clipfrac, approx_kl, ratio statistics (algorithms.POLICY_LOSSES)
         pg_loss, means = policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low, clip_high,
                                      actor_cfg.clip_ratio_c, mode, scale, token_weights=is_weights)
@@ -364,7 +364,8 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
         loss = pg_loss - actor_cfg.entropy_coeff * ent if bonus else pg_loss
         shares = {"pg_loss": pg_loss.detach(), "entropy": ent.detach()}
         if compare_rollout:  # trainer vs rollout log-probs of the behaviour policy (precision_guard)
-            means["rollout_logprob_gap"] = rollout_logprob_gap(old, pick(batch.rollout.response_logprobs), resp_mask)
+            means["rollout_logprob_gap"] = rollout_logprob_gap(trainer_old, pick(batch.rollout.response_logprobs),
+                                                               resp_mask)
         if actor_cfg.use_kl_loss and batch.ref_logprobs is not None:
             kl = algo.kl_loss(logprob, pick(batch.ref_logprobs), resp_mask, actor_cfg.kl_loss_type, mode, scale)
             loss = loss + actor_cfg.kl_loss_coef * kl
