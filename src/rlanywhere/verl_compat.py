@@ -136,7 +136,9 @@ def translate_verl_spellings(user: DictConfig, notices: list[str], problems: lis
       length the penalty counts to, which here is the response length limit;
 
     * verl 0.6's top-level rollout correction (`algorithm.rollout_is`, `rollout_is_level`, `rollout_is_threshold`):
-      onto `algorithm.rollout_correction.*`; its other switches are refused when set (they have no counterpart).
+      onto `algorithm.rollout_correction.*`; its other switches are refused when set (they have no counterpart);
+
+    * verl's agent loops (`rollout.agent.default_agent_loop=tool_agent`): multi-turn rollouts with tools.
 
     A `reward_model.sandbox_fusion.url` that does not answer is added to `problems` now, before any model loads."""
     _translate_old_rollout_correction(user, notices, problems)

@@ -155,19 +155,17 @@ class ToolMessageRenderer:
     def text(self, results: Sequence[str], turn_ended_by_eos: bool) -> str:
         full = self._render(self.base + [{"role": TOOL_RESPONSE_ROLE, "content": r} for r in results],
                             add_generation_prompt=True)
+        lead = "" if turn_ended_by_eos else self.eos_text or ""  # a turn that ended otherwise is closed first
         # the dummy assistant's turn ends at its first "Hello.<eos>" (the system and user texts hold no "Hello.")
-        marker = self._ASSISTANT + (self.eos_text or "")
-        at = full.find(marker) if self.eos_text else -1
+        at = full.find(self._ASSISTANT + self.eos_text) if self.eos_text else -1
         if at >= 0:
-            after = full[at + len(marker):]
-        else:  # a template that does not close the turn with the EOS token: what follows the conversation alone
-            prefix = self._render(self.base)
-            if not full.startswith(prefix):
-                raise ValueError("the chat template renders earlier messages differently once a tool message "
-                                 "follows, and does not end an assistant turn with the tokenizer's EOS token; "
-                                 "multi-turn rollouts need a template that appends messages")
-            return ("" if turn_ended_by_eos else self.eos_text or "") + full[len(prefix):]
-        return after if turn_ended_by_eos else (self.eos_text or "") + after
+            return lead + full[at + len(self._ASSISTANT + self.eos_text):]
+        prefix = self._render(self.base)  # a template that ends no turn with the EOS token: what follows the rest
+        if not full.startswith(prefix):
+            raise ValueError("the chat template renders earlier messages differently once a tool message follows, "
+                             "and does not end an assistant turn with the tokenizer's EOS token; multi-turn rollouts "
+                             "need a template that appends messages")
+        return lead + full[len(prefix):]
 
     def ids(self, results: Sequence[str], turn_ended_by_eos: bool) -> list[int]:
         """The ids of `text`, remembered: rows often get the same results (a template render costs ~0.1 ms, paid
