@@ -120,10 +120,15 @@ def test_evaluate_scores_with_the_custom_reward_the_overrides_name(tiny_model_di
                       "    return 0.25\n")
     scored = rl.evaluate(str(tiny_model_dir), data, overrides=["hardware.device=cpu",
                                                               f"custom_reward_function.path={number}"], **common)
-    assert scored["reward"] == 0.25 and scored["reward_errors"] == 0
+    assert scored["reward"] == 0.25 and scored["reward_errors"] == 0 and scored["accuracy"] is None
+    from rlanywhere.preflight import InputError
+
+    for unscored in ("actor_rollout_ref.rollout.multi_turn.enable=true",
+                     f"reward_model.enable=true reward_model.model.path={tmp_path}"):
+        with pytest.raises(InputError, match="trainer.val_only=true"):  # before the model loads
+            rl.evaluate(str(tmp_path / "no_model"), data, overrides=unscored.split(), **common)
     # a data_source no rule scores, without a function of yours: refused before the model loads
     from rlanywhere.data import prepare_generic
-    from rlanywhere.preflight import InputError
 
     qa = tmp_path / "qa.jsonl"
     qa.write_text('{"q": "capital of France?", "a": "Paris"}\n' * 4)

@@ -389,3 +389,49 @@ def test_critic_warmup_counts_as_verl_and_the_critic_schedule_runs_through_it(ti
     rows = train_rows(metrics)
     assert "actor/pg_loss" not in rows[1] and "actor/pg_loss" in rows[2]
     assert rows[1]["critic/lr"] < rows[2]["critic/lr"] == pytest.approx(1e-3)
+
+
+PARTIAL_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # a number for half of the prompts (their index is even), a dict with a `bonus` for the others
+    if extra_info["index"] % 2 == 0:
+        return 1.0
+    return {"score": 0.5, "bonus": 1.0}
+'''
+
+
+def test_validation_metrics_of_a_reward_that_returns_numbers(tiny_model_dir, arith_data, tmp_path):
+    """A reward that returns a number has no accuracy: no val/acc (it would read 0), and the summary follows the
+    reward. A key some samples return counts 0 for the others over the whole set, in chunks of any size; verl's
+    per-source names hold the same means."""
+    from rlanywhere.api import TrainResult
+
+    reward = tmp_path / "partial.py"
+    reward.write_text(PARTIAL_REWARD)
+    found = []
+    for chunk in (8, 3):
+        cfg = load_config(None, base_overrides(tiny_model_dir, arith_data, tmp_path / f"run{chunk}", **{
+            "custom_reward_function.path": str(reward), "custom_reward_function.timeout_s": 0,
+            "data.val_batch_size": chunk}))
+        trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
+        found.append(trainer.validate())
+    metrics = found[0]
+    assert "val/acc" not in metrics and metrics["val/reward"] == pytest.approx(0.75)
+    assert metrics["val/bonus"] == pytest.approx(0.5) and all(other == metrics for other in found[1:])
+    assert metrics["val-core/arithmetic/reward/mean@1"] == metrics["val/reward"]
+    assert metrics["val-aux/arithmetic/bonus/mean@1"] == metrics["val/bonus"]
+    lines = TrainResult(run_dir=str(tmp_path), steps=0, minutes=0.0, final_model=None, val_before=metrics,
+                        val_after=metrics, trainer=trainer).summary_lines()
+    assert any(line.startswith("held-out reward (8 prompts, greedy): 0.750 -> 0.750") for line in lines), lines
+
+
+def test_validation_settings_that_cannot_run_are_refused_before_loading(tiny_model_dir, arith_data, tmp_path):
+    from rlanywhere.config import ConfigError
+
+    items = base_overrides(tiny_model_dir, arith_data, tmp_path)
+    for bad, message in (("actor_rollout_ref.rollout.val_kwargs.n=0", "val_kwargs.n must be positive"),
+                         ("data.val_batch_size=-1", "data.val_batch_size must be positive")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, items + [bad])
+    with pytest.raises(ConfigError, match="trainer.val_only=true validates on data.val_files"):
+        load_config(None, items + ["data.val_files=null", "trainer.val_only=true"])

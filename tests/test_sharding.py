@@ -371,3 +371,18 @@ def test_hsdp_on_four_ranks_matches_one_process_and_resumes_in_one(tiny_model_di
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3]  # resumed, not started over
     assert_same_metrics(rows, want, steps=(3,))
     assert_same_weights(actor_weights(dist_dir / "checkpoints" / "global_step_3"), reference.actor)
+
+
+def test_sharded_validation_with_more_chunks_on_one_rank_matches_one_process(tiny_model_dir, arith_data, tmp_path,
+                                                                               reward_file):
+    """5 validation prompts in chunks of 2 on 2 sharded ranks: rank 0 has 2 chunks, rank 1 one. Each generation
+    gathers the sharded weights (a collective), so rank 1 gathers for an empty chunk too; val/* equal one process."""
+    def items(name):
+        return overrides(tiny_model_dir, arith_data, tmp_path / name, reward_file, **NO_POOL, **{
+            "trainer.val_only": True, "data.val_max_samples": 5, "data.val_batch_size": 2})
+
+    finish(torchrun(items("dist") + [f"{key}={value}" for key, value in SHARD.items()]), timeout=120)
+    single_process(items("single"))
+    got, want = ({key: value for row in read_metrics(tmp_path / name) for key, value in row.items()
+                  if key.startswith("val")} for name in ("dist", "single"))
+    assert got["val/num_samples"] == 5 and got == pytest.approx(want)

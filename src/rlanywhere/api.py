@@ -139,20 +139,32 @@ class TrainResult:
     trainer: Any = field(default=None, repr=False)  # the RLTrainer: actor, tokenizer, engine, ... for more use
     first_step: int = 0  # the step this launch resumed at (0: it started the run)
 
+    def _sampling(self) -> str:
+        """How validation answered (actor_rollout_ref.rollout.val_kwargs), for the summary."""
+        if self.trainer is None:
+            return ""
+        val = self.trainer.cfg.actor_rollout_ref.rollout.val_kwargs
+        if not val.do_sample or val.temperature == 0:
+            return ", greedy"
+        return f", sampled at temperature {val.temperature:g}, {val.n} per prompt"
+
     def summary_lines(self) -> list[str]:
         """A short human summary: accuracy before -> after, minutes, where the model is, what to run next."""
         done = (f"{self.steps} steps in {self.minutes:.1f} min" if not self.first_step else
                 f"{self.steps} steps, {self.steps - self.first_step} of them in {self.minutes:.1f} min (resumed at step "
                 f"{self.first_step})")
         lines = [f"run dir: {self.run_dir}", done]
-        before, after = self.val_before.get("val/acc"), self.val_after.get("val/acc")
+        # accuracy where the reward returns one (`acc`), else the reward itself (a reward function returning a number)
+        name, key = ("accuracy", "val/acc") if "val/acc" in self.val_after else ("reward", "val/reward")
+        before, after = self.val_before.get(key), self.val_after.get(key)
         if before is not None and after is not None:
             count = int(self.val_after.get("val/num_samples", 0))
             verdict = "learned" if after > before else "did not improve"
-            lines.append(f"held-out accuracy{f' ({count} prompts, greedy)' if count else ''}: "
+            how = f"{count} prompts{self._sampling()}"
+            lines.append(f"held-out {name}{f' ({how})' if count else ''}: "
                          f"{before:.3f} -> {after:.3f} ({(after - before) * 100:+.1f} points: {verdict})")
             marker_rate = self.val_after.get("val/format")
-            if marker_rate is not None and marker_rate < 0.5 <= after:
+            if key == "val/acc" and marker_rate is not None and marker_rate < 0.5 <= after:
                 # the GSM8K-style rule: the number after "####", else the reply's last number (small models skip it)
                 lines.append(f"  (the model writes the '####' marker in {marker_rate:.0%} of its answers; the reward "
                              "reads the last number of a reply that has none)")
@@ -161,7 +173,9 @@ class TrainResult:
             val = as_list_first(cfg.data.val_files) if cfg is not None else None
             lines.append(f"final model (Hugging Face format): {self.final_model}")
             lines.append(f"  chat:     rlanywhere chat --model {self.final_model}")
-            if val:
+            one_turn_rule = cfg is not None and not (cfg.actor_rollout_ref.rollout.multi_turn.enable
+                                                     or cfg.reward_model.enable)  # what `rlanywhere eval` scores
+            if val and one_turn_rule:
                 lines.append(f"  evaluate: rlanywhere eval --model {self.final_model} --data {val}"
                              + eval_arguments(cfg))
         lines.append(f"  plots:    {os.path.join(self.run_dir, 'plots')}")
@@ -254,7 +268,7 @@ def first_and_last_validation(run_dir: str) -> tuple[dict, dict]:
         records = read_metrics(run_dir)
     except FileNotFoundError:
         return {}, {}
-    vals = [{k: v for k, v in r.items() if k.startswith("val/")} for r in records if "val/acc" in r]
+    vals = [{k: v for k, v in r.items() if k.startswith("val/")} for r in records if "val/reward" in r]
     return (vals[0], vals[-1]) if vals else ({}, {})
 
 
@@ -326,6 +340,13 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
     cfg = make_config(None, list(overrides))
     custom = custom_reward_from_config(cfg.custom_reward_function)
     data_cfg = cfg.data
+    unscored = [key for key, on in (("actor_rollout_ref.rollout.multi_turn.enable",
+                                     cfg.actor_rollout_ref.rollout.multi_turn.enable),
+                                    ("reward_model.enable", cfg.reward_model.enable)) if on]
+    if unscored:  # evaluate answers in one turn, scored by the rule or your function: it would quietly differ
+        raise InputError([f"{key}=true: evaluate answers each prompt in one turn and scores it with the rule or "
+                          "custom reward function; evaluate multi-turn or reward-model runs with trainer.val_only=true "
+                          "and the run's config (rlanywhere train CONFIG trainer.val_only=true)" for key in unscored])
     problems = data_file_problems(str(data), "--data", data_cfg.prompt_key, data_cfg.reward_fn_key,
                                   scorers=None if custom else set(REWARD_FUNCTIONS))  # before the model loads
     if problems:
@@ -341,7 +362,7 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
     manager = RewardManager(custom)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_strings=tuple(as_list(cfg.actor_rollout_ref.rollout.stop)))
-    accs, formats, rewards, errors = [], [], [], 0
+    accs, formats, rewards, errors, acc_returned = [], [], [], 0, 0
     start = time.time()
     with tqdm(total=count, desc="eval", unit="prompt", disable=not progress) as bar:
         for begin in range(0, count, batch_size):
@@ -354,9 +375,12 @@ def evaluate(model, data: str, max_samples: int = -1, max_new_tokens: int = 256,
             formats += info["format"]
             rewards += [float(score) for score in scores]
             errors += info["num_errors"]
+            acc_returned += info.get("acc_returned", 0)
             bar.update(len(part))
     return {"model": str(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__, "data": data,
-            "num_samples": count, "prompts_cut": dataset.num_truncated, "accuracy": sum(accs) / max(count, 1),
+            "num_samples": count, "prompts_cut": dataset.num_truncated,
+            # null where the reward returns no `acc` (a function returning a number): `reward` is its measure
+            "accuracy": sum(accs) / max(count, 1) if acc_returned else None,
             "format_rate": sum(formats) / max(count, 1), "reward": sum(rewards) / max(count, 1),
             "reward_errors": errors, "seconds": round(time.time() - start, 1)}
 

@@ -900,10 +900,14 @@ def _value_problems(cfg: DictConfig) -> list[str]:
             problems.append(f"{key}={value!r} is not valid; choose one of {names}")
     positive = ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
                 "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_epochs",
-                "actor_rollout_ref.rollout.n"]
+                "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.val_kwargs.n", "data.val_batch_size"]
     for key in positive:
-        if OmegaConf.select(cfg, key) <= 0:
-            problems.append(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value <= 0:  # data.val_batch_size may be null (chunks the planner sizes)
+            problems.append(f"{key} must be positive, got {value}")
+    if cfg.trainer.val_only and not as_list(cfg.data.val_files):
+        problems.append("trainer.val_only=true validates on data.val_files, and none are given: set data.val_files "
+                        "(e.g. data.val_files=$HOME/data/gsm8k/test.parquet)")
     for key in ("actor_rollout_ref.model.target_modules", "critic.model.target_modules"):
         targets = OmegaConf.select(cfg, key)
         named = [] if targets is None or isinstance(targets, str) else [str(t) for t in targets]

@@ -536,6 +536,7 @@ class RewardManager:
         )
         info: dict[str, Any] = {key: [_finite_or_zero(r.get(key)) if r else 0.0 for r in results] for key in extra_keys}
         info["num_errors"] = num_errors
+        info["acc_returned"] = sum(1 for r in results if r and "acc" in r)  # none: `acc` means nothing (all 0)
         import torch  # here, not at the top: the reward workers' server imports this module and needs no torch
 
         scores = torch.tensor([r["score"] if r else 0.0 for r in results], dtype=torch.get_default_dtype())

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from .rollout.multiturn import multiturn_metrics
 from .rollout_phase import RolloutPhase
+from .sharding import weights_for_rollout
 
 log = logging.getLogger(__name__)
 
@@ -37,24 +38,29 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
     items = [val_set[i] for i in indices[offset:offset + block]]
     params = rollouts.sampling_params(validation=True)
     chunk = cfg.data.val_batch_size or max(cfg.data.train_batch_size * rollouts.n, 64)
-    accs, formats, scores_all, lengths, samples = [], [], [], [], []
+    # [distributed] every rank generates as many times as the rank with the most chunks (a sharded model gathers
+    # its weights in each call, a collective): a rank out of prompts generates for an empty chunk
+    chunks = int(dp.max_value(float(-(-len(items) // chunk)))) if dp.enabled else -(-len(items) // chunk)
+    samples, scores_all, lengths, rows = [], [], [], []  # rows: each sample's source and reward numbers
+    acc_returned = 0  # samples whose reward returned an `acc`
     tool_stats: list = []  # multi-turn rows' turn and tool-call counts (this rank's)
-    extras: dict[str, list[float]] = {}  # the reward's other per-sample numbers (e.g. gsm8k's flexible_acc)
     # [distributed] the progress bar is rank 0's (it counts rank 0's block of prompts)
     with tqdm(total=len(items), desc=f"validation (step {step})", unit="prompt", leave=False,
               disable=not dp.is_main) as bar:
-        for start in range(0, len(items), chunk):
+        for start in range(0, chunks * chunk, chunk):
             part = items[start:start + chunk]
+            if not part:  # [distributed] the weight gather of the other ranks' generation, with nothing to generate
+                with weights_for_rollout(rollouts.engine, rollouts.actor):
+                    continue
             # each row its own stream, keyed by its global validation prompt: sampled validation (val_kwargs) draws
             # the same on any number of ranks and in chunks of any size
             rollout = rollouts.generate(part, params, rollouts.row_streams(step, salt=VALIDATION_SALT),
                                         first_prompt=offset + start)
             scores, info, texts = rollouts.score(part, rollout, params.n)
-            accs += info["acc"]
-            formats += info["format"]
-            for key, values in info.items():
-                if key not in ("acc", "format") and isinstance(values, list):
-                    extras.setdefault(key, []).extend(values)
+            acc_returned += info.get("acc_returned", len(info["acc"]))
+            numbers = {key: values for key, values in info.items() if isinstance(values, list)}
+            rows += [{"data_source": part[i // params.n].get("data_source", "unknown"),
+                      **{key: float(values[i]) for key, values in numbers.items()}} for i in range(len(texts))]
             scores_all += scores.tolist()
             lengths += rollout.response_lengths().tolist()
             samples += texts
@@ -68,13 +74,34 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
         write_val_generations(run_dir, step, rollouts.tokenizer, all_items, all_samples, all_scores, params.n)
         for text, item in list(zip(all_samples[::params.n], all_items))[: cfg.trainer.log_val_generations]:
             log.info("val sample [truth %s]: %s", item["ground_truth"], text.strip()[:300])
-    accs, formats, lengths = (dp.gather_objects(v) for v in (accs, formats, lengths))
-    # [distributed] the key names first: a rank whose samples all failed to score has fewer keys than the others
-    extra_keys = sorted(set(dp.gather_objects(sorted(extras)))) if dp.enabled else sorted(extras)
-    extra_means = {f"val/{key}": float(np.mean(dp.gather_objects(extras.get(key, [])))) for key in extra_keys}
-    return {"val/acc": float(np.mean(accs)), "val/format": float(np.mean(formats)),
-            "val/reward": float(np.mean(all_scores)), "val/response_length": float(np.mean(lengths)),
-            "val/num_samples": float(total), **extra_means, **multiturn_metrics(dp.gather_objects(tool_stats), "val/multi_turn")}
+    rows = dp.gather_objects(rows) if dp.enabled else rows
+    for row, score in zip(rows, all_scores):
+        row["reward"] = score
+    with_acc = (dp.sum_dict({"n": float(acc_returned)})["n"] if dp.enabled else acc_returned) > 0
+    lengths = dp.gather_objects(lengths)
+    return {**sample_means(rows, "val/", with_acc), "val/response_length": float(np.mean(lengths)),
+            "val/num_samples": float(total), **by_data_source(rows, params.n, with_acc),
+            **multiturn_metrics(dp.gather_objects(tool_stats), "val/multi_turn")}
+
+
+def sample_means(rows: list[dict], prefix: str, with_acc: bool) -> dict[str, float]:
+    """The mean of each reward number over the samples (one the reward returned for some samples only counts 0 for
+    the others, as in training), `acc` only where the reward returned it for some sample (otherwise it would read 0:
+    `reward` is then the number to watch, as verl's core metric)."""
+    keys = sorted({key for row in rows for key in row if key != "data_source"} - (set() if with_acc else {"acc"}))
+    return {f"{prefix}{key}": float(np.mean([row.get(key, 0.0) for row in rows])) for key in keys}
+
+
+def by_data_source(rows: list[dict], n: int, with_acc: bool) -> dict[str, float]:
+    """verl's per-source names for the same means: `val-core/<data_source>/<acc, else reward>/mean@<n>`, the other
+    numbers under `val-aux/` (verl's std, best, worst and majority-vote statistics are not computed here)."""
+    out = {}
+    for source in sorted({row["data_source"] for row in rows}):
+        means = sample_means([row for row in rows if row["data_source"] == source], "", with_acc)
+        core = "acc" if with_acc else "reward"
+        for key, value in means.items():
+            out[f"{'val-core' if key == core else 'val-aux'}/{source}/{key}/mean@{n}"] = value
+    return out
 
 
 def write_val_generations(run_dir: str, step: int, tokenizer, items: list[dict], texts: list[str],
