@@ -176,3 +176,33 @@ def test_variant_keys_bad_values_name_the_fix(overrides, expected):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert expected in str(info.value)
+
+
+def test_joined_rollouts_fill_the_reward_numbers_a_part_lacks():
+    """A number the reward returned in one round only counts 0 in the other round's rows (as within one reward
+    call); counts add up; filter_groups.metric=score compares the reward's own scores, not ones recovered from the
+    overlong-shaped score (0.1 + penalty - penalty is not 0.1 in float32)."""
+    from types import SimpleNamespace
+
+    from rlanywhere.config import load_config
+    from rlanywhere.rollout.base import RolloutBatch
+    from rlanywhere.rollout_phase import RolloutPhase
+    from rlanywhere.stepbatch import ScoredRollout
+
+    def part(info, scores):
+        ids = torch.ones(2, 2, dtype=torch.long)
+        rollout = RolloutBatch(prompt_ids=ids, prompt_mask=torch.ones(2, 2), response_ids=ids,
+                               response_mask=torch.ones(2, 2), response_logprobs=torch.zeros(2, 2), num_prompts=1, n=2)
+        return ScoredRollout([{"index": 0}], rollout, torch.tensor(scores), info)
+
+    first = part({"acc": [1.0, 0.0], "parsed": [3.0, 4.0], "num_errors": 1}, [1.0, 0.0])
+    second = part({"acc": [0.0, 0.0], "num_errors": 2}, [0.0, 0.0])
+    for parts, parsed in (([first, second], [3.0, 4.0, 0.0, 0.0]), ([second, first], [0.0, 0.0, 3.0, 4.0])):
+        joined = ScoredRollout.concat(parts, pad_token_id=0)
+        assert joined.info["parsed"] == parsed and joined.info["num_errors"] == 3
+    cfg = load_config(None, ["algorithm.filter_groups.metric=score"])
+    penalty = A.overlong_penalty(torch.tensor([50, 60]), 64, 16, 1.0)
+    shaped = part({"score": [0.1, 0.1], "overlong_penalty": penalty.tolist()}, (0.1 + penalty).float().tolist())
+    phase = SimpleNamespace(cfg=cfg, reward_keys_seen=set())
+    assert RolloutPhase.filter_metric(phase, shaped).tolist() == [pytest.approx(0.1)] * 2
+    assert len(set(RolloutPhase.filter_metric(phase, shaped).tolist())) == 1  # one group value: not informative

@@ -9,6 +9,7 @@ import torch
 from rlanywhere.config import load_config
 from rlanywhere.planner import make_plan
 from rlanywhere.stepmetrics import PhaseTimer
+from rlanywhere.tracking import read_metrics
 from rlanywhere.trainer import RLTrainer
 
 from .test_e2e import base_overrides, killed_then_resumed, run_training, train_rows
@@ -54,6 +55,7 @@ def test_dynamic_sampling_keeps_only_informative_groups(tiny_model_dir, arith_da
     assert metrics["filter_groups/prompts_drawn"] == 3 * rounds  # gen_batch_size prompts a round
     assert trainer.loader.position == rounds  # every round drew a new loader batch
     assert metrics["filter_groups/prompts_informative"] >= 4 and rounds >= 2
+    assert scored.info["acc_returned"] == 3 * rounds * 2  # counts: every round's samples once
     # the kept prompts' rows line up with their items: prompt ids of row 2i are item i's
     for i, item in enumerate(scored.items):
         real = scored.rollout.prompt_ids[2 * i][scored.rollout.prompt_mask[2 * i].bool()].tolist()
@@ -177,3 +179,31 @@ def test_dynamic_sampling_resumes_exactly(tiny_model_dir, arith_data, tmp_path, 
     for key in ("filter_groups/prompts_drawn", "filter_groups/num_gen_batches", "reward/mean", "actor/pg_loss",
                 "actor/grad_norm", "response_length/mean"):
         assert b[2][key] == pytest.approx(a[2][key], rel=1e-5, abs=1e-7), key
+
+
+FLAKY_REWARD = (  # fails on about half of the samples (scored 0 and counted), the rest scored by parity
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    value = sum(map(ord, solution_str)) % 4\n"
+    "    if value < 2:\n"
+    "        raise RuntimeError('flaky scorer')\n"
+    "    return float(value == 2)\n")
+
+
+def test_dynamic_sampling_ends_with_the_last_pass_and_counts_reward_errors_per_row_scored(tiny_model_dir,
+                                                                                          arith_data, tmp_path):
+    """trainer.total_epochs=1 with dynamic sampling: a step may draw several batches, so the prompts run out before
+    the planned steps; the run ends there (as verl's loop), each prompt drawn once, the last step topped up. Reward
+    failures are counted against every round's rows: half of them failing does not read as every call failing."""
+    trainer = make_trainer(base_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
+        "algorithm.adv_estimator": "grpo", "algorithm.filter_groups.enable": True,
+        "algorithm.filter_groups.metric": "score", "algorithm.filter_groups.max_num_gen_batches": 10,
+        "data.train_max_samples": 16, "trainer.total_epochs": 1, "trainer.total_training_steps": "null",
+        "trainer.test_freq": -1, "trainer.save_freq": -1, "trainer.val_before_train": False,
+        "trainer.max_consecutive_failed_reward_steps": 1, "custom_reward_function.timeout_s": 0,
+        "custom_reward_function.path": reward_file(tmp_path, FLAKY_REWARD)}))
+    assert trainer.total_steps == 4
+    trainer.fit()
+    rows = list(train_rows(read_metrics(str(tmp_path / "run"))).values())
+    assert trainer.loader.batches_drawn() == 4 and trainer.loader.epoch == 0  # 16 prompts, each drawn once
+    assert sum(row["filter_groups/num_gen_batches"] for row in rows) == 4 and len(rows) < 4
+    assert any(row["reward/errors"] > trainer.loader.batch_size * 2 for row in rows)  # more than one round's rows

@@ -165,6 +165,11 @@ class LookaheadLoader:
     def epoch(self) -> int:
         return int(self.ahead[0][1]["epoch"]) if self.ahead else self.inner.epoch
 
+    def batches_drawn(self) -> int:
+        """The batches of the steps trained and being trained (not those peeked)."""
+        state = self.state_dict()
+        return int(state["epoch"]) * self.inner.steps_per_epoch + int(state["position"])
+
     def __getattr__(self, name: str):  # batch_size, steps_per_epoch, ...
         if name in ("ahead", "inner", "on_rewind"):  # before __init__ set them (copy, pickle)
             raise AttributeError(name)

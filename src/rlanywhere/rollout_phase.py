@@ -43,6 +43,8 @@ class RolloutPhase:
                  next_prompts: Callable[[], list[dict]], dp: Optional[DataParallel] = None):
         self.cfg, self.plan, self.engine, self.actor, self.tokenizer = cfg, plan, engine, actor, tokenizer
         self.reward_manager, self.oom, self.next_prompts = reward_manager, oom, next_prompts
+        self.prompts_left: Callable[[], bool] = lambda: True  # the trainer's: the run's passes over the prompts
+        self.reward_keys_seen: set[str] = set()  # the per-sample numbers the reward has returned so far
         self.run = oom.run_state  # the sizes and the KV-release flag as they are now (the plan is never changed)
         self.dp = dp or DataParallel()  # [distributed] dynamic sampling decides over every rank's prompts
         self.n = cfg.actor_rollout_ref.rollout.n
@@ -122,6 +124,7 @@ class RolloutPhase:
         if buffer.enable:
             penalty = algo.overlong_penalty(rollout.response_lengths(), self.response_length, buffer.len,
                                             buffer.penalty_factor)
+            info["score"] = scores.tolist()  # before the penalty: filter_groups.metric=score compares these exactly
             scores = scores + penalty.to(scores.dtype)
             info["overlong_penalty"] = penalty.tolist()
         return ScoredRollout(items, rollout, scores, info)
@@ -132,10 +135,15 @@ class RolloutPhase:
         name = self.cfg.algorithm.filter_groups.metric
         if name == "seq_reward":
             return part.scores
-        if name == "score":
+        if name == "score":  # the reward's own scores (shaped_scores keeps them exact), else recovered
+            if isinstance(part.info.get("score"), list):
+                return torch.tensor(part.info["score"], dtype=STATISTICS_DTYPE)
             return part.scores - torch.tensor(part.info.get("overlong_penalty", 0.0), dtype=part.scores.dtype)
+        self.reward_keys_seen.update(k for k, v in part.info.items() if isinstance(v, list))
         if not isinstance(part.info.get(name), list):
-            known = ["score", "seq_reward"] + sorted(k for k, v in part.info.items() if isinstance(v, list))
+            if name in self.reward_keys_seen:  # returned for other samples, none of these: 0, as within one call
+                return torch.zeros(len(part.scores), dtype=STATISTICS_DTYPE)
+            known = ["score", "seq_reward"] + sorted(self.reward_keys_seen)
             raise UserError(f"algorithm.filter_groups.metric={name!r} is not a reward value; use one of {known}")
         return torch.tensor(part.info[name], dtype=STATISTICS_DTYPE)
 
@@ -169,7 +177,7 @@ class RolloutPhase:
             # [distributed] every rank's (kept, dropped) prompt counts of this round, in rank order
             counts.append(self.dp.gather_objects([(len(kept[-1].items), len(dropped[-1].items))]))
             informative = sum(k for per_rank in counts for k, _ in per_rank)
-            at_cap = 0 < filter_cfg.max_num_gen_batches <= len(rounds)
+            at_cap = 0 < filter_cfg.max_num_gen_batches <= len(rounds) or not self.prompts_left()
             if informative >= self.cfg.data.train_batch_size or at_cap:
                 break
             items, first_prompt = self.dp.share(self.next_prompts())
@@ -189,13 +197,16 @@ class RolloutPhase:
         """Dynamic sampling's batch from its rounds, its metrics and the global index of its first prompt."""
         batch, first_prompt = self._kept_prompts(kept, dropped, counts)
         informative = sum(k for per_rank in counts for k, _ in per_rank)
-        batch.info["num_errors"] = sum(part.info["num_errors"] for part in rounds)  # this rank's (summed in metrics)
+        for key, value in rounds[0].info.items():  # counts (num_errors, ...): each round's once, this rank's
+            if not isinstance(value, list):
+                batch.info[key] = sum(part.info.get(key, 0) for part in rounds)
         drawn = sum(n_kept + n_dropped for per_rank in counts for n_kept, n_dropped in per_rank)
         topped_up = max(len(batch.items) * self.dp.world - informative, 0)
         if topped_up and self.dp.is_main:
-            log.warning("dynamic sampling: %d informative prompts after %d generation rounds "
-                        "(algorithm.filter_groups.max_num_gen_batches); topped up with %d uninformative ones",
-                        informative, len(rounds), topped_up)
+            why = ("the run's last pass over the prompts ended" if not self.prompts_left() else
+                   "algorithm.filter_groups.max_num_gen_batches")
+            log.warning("dynamic sampling: %d informative prompts after %d generation rounds (%s); topped up with "
+                        "%d uninformative ones", informative, len(rounds), why, topped_up)
         acc = self.dp.sum_dict({"sum": float(sum(a for part in rounds for a in part.info["acc"])),
                                 "count": float(sum(len(part.info["acc"]) for part in rounds))})
         return batch, {"filter_groups/num_gen_batches": float(len(rounds)),

@@ -65,8 +65,10 @@ class ScoredRollout:
     def concat(parts: list["ScoredRollout"], pad_token_id: int) -> "ScoredRollout":
         if len(parts) == 1:
             return parts[0]
-        info = {key: (sum((part.info[key] for part in parts), []) if isinstance(value, list)
-                      else sum(part.info[key] for part in parts)) for key, value in parts[0].info.items()}
+        # a number the reward returned in some parts only counts 0 in the others' rows, as within one reward call
+        kinds = {key: isinstance(value, list) for part in parts for key, value in part.info.items()}
+        info = {key: (sum((part.info.get(key, [0.0] * len(part.scores)) for part in parts), []) if is_list
+                      else sum(part.info.get(key, 0) for part in parts)) for key, is_list in kinds.items()}
         ref = None
         if all(part.ref_logprobs is not None for part in parts):  # right-padded to the widest, as the responses
             width = max(part.ref_logprobs.shape[1] for part in parts)

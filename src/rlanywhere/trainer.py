@@ -109,6 +109,10 @@ class RLTrainer(TrainerCheckpoints):
         self.reward_manager = builders.build_reward_manager(cfg, plan)
         self.total_steps = planned_steps(cfg.trainer.total_training_steps, cfg.trainer.total_epochs,
                                          self.loader.steps_per_epoch)
+        # passes over the prompts that bound the run (None: steps alone do); dynamic sampling may draw several
+        # batches a step, so the prompts can run out before the planned steps do (verl's loop ends there too)
+        self.prompt_passes = (int(cfg.trainer.total_epochs) if cfg.trainer.total_epochs is not None
+                              else None if cfg.trainer.total_training_steps else 1)
         models = builders.build_models(cfg, plan, self.source, self.dp)
         self.actor, self.critic, self.ref = models.actor, models.critic, models.ref
         self.optimizers, self.schedulers = builders.build_optimizers(cfg, models, self.total_steps,
@@ -142,6 +146,7 @@ class RLTrainer(TrainerCheckpoints):
         self.write_plan_record()  # after the engine is known: the record shows what runs
         self.rollouts = RolloutPhase(cfg, plan, self.engine, rollout_model, self.tokenizer, self.reward_manager,
                                      self.oom_guard, self.loader.next_batch, self.dp)
+        self.rollouts.prompts_left = self.prompts_left  # dynamic sampling draws no round past the last pass
         if self.pipeline:  # plan.ref_with_rollout: each job computes its batch's reference log-probs after it
             self.rollouts = self.pipeline.attach(self.rollouts, self.engine, self.run, self.stops,
                                                  self.ref_logprobs_beside if plan.ref_with_rollout else None)
@@ -374,7 +379,7 @@ class RLTrainer(TrainerCheckpoints):
                          ", ".join(f"{k} {v:.4g}" for k, v in last_val.items() if isinstance(v, float)), path)
             if trainer_cfg.val_only:  # verl's val_only: the model as loaded (or resumed), validated, no training
                 return last_val
-        while self.global_step < self.total_steps:
+        while self.global_step < self.total_steps and self.prompts_left():
             self._stop_on_signal(saved_step)
             stops.signals.step = self.global_step
             metrics = self._train_step_or_drop()
@@ -383,7 +388,7 @@ class RLTrainer(TrainerCheckpoints):
             self.global_step += 1
             stops.signals.step = self.global_step
             metrics["train/epoch"] = float(self.loader.epoch)
-            is_last = self.global_step >= self.total_steps
+            is_last = self.global_step >= self.total_steps or not self.prompts_left()
             if trainer_cfg.test_freq > 0 and (self.global_step % trainer_cfg.test_freq == 0 or is_last) and \
                     stops.signal_received() is None:
                 last_val = stops.droppable(self.validate) or {}
@@ -394,12 +399,17 @@ class RLTrainer(TrainerCheckpoints):
                 self.write_plan_record()
             if self.dp.is_main:
                 self.run_dir_watch.check(self.global_step)  # the folder deleted: its metrics are lost, stop
-            stops.record_rewards(metrics["reward/errors"], self.loader.batch_size * self.n,
-                                 self.reward_manager.last_error)
+            scored = metrics.get("filter_groups/prompts_drawn", self.loader.batch_size)  # dynamic sampling: rounds
+            stops.record_rewards(metrics["reward/errors"], scored * self.n, self.reward_manager.last_error)
             if trainer_cfg.save_freq > 0 and (self.global_step % trainer_cfg.save_freq == 0 or is_last):
                 self.save()
                 saved_step = self.global_step
         return last_val  # a signal during the last step: the run is complete, so it ends as usual
+
+    def prompts_left(self) -> bool:
+        """Whether the passes over the prompts that bound the run (trainer.total_epochs) have prompts left."""
+        return self.prompt_passes is None or \
+            self.loader.batches_drawn() < self.prompt_passes * self.loader.steps_per_epoch
 
     def _train_step_or_drop(self) -> Optional[dict]:
         """One step; None when a stop signal dropped it before any update (the data position and RNG rewound)."""

@@ -383,6 +383,10 @@ class PromptLoader:
         self.position += 1
         return [self.dataset[int(i)] for i in indices]
 
+    def batches_drawn(self) -> int:
+        """Batches handed out since the first epoch began (a resumed loader counts those before the checkpoint)."""
+        return self.epoch * self.steps_per_epoch + self.position
+
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
         while True:
             yield self.next_batch()
