@@ -376,7 +376,8 @@ class ModelRewardManager:
         if all(source in REWARD_FUNCTIONS for source in data_sources):
             return self.rules(responses, ground_truths, data_sources, infos)
         zeros = [0.0] * len(responses)
-        return torch.zeros(len(responses)), {"acc": list(zeros), "format": list(zeros), "num_errors": 0}
+        return torch.zeros(len(responses)), {"acc": list(zeros), "format": list(zeros), "num_errors": 0,
+                                             "acc_returned": 0}
 
 
 def reward_model_metrics(infos: Sequence[dict]) -> dict:

@@ -57,7 +57,7 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
             rollout = rollouts.generate(part, params, rollouts.row_streams(step, salt=VALIDATION_SALT),
                                         first_prompt=offset + start)
             scores, info, texts = rollouts.score(part, rollout, params.n)
-            acc_returned += info.get("acc_returned", len(info["acc"]))
+            acc_returned += info.get("acc_returned", 0)
             numbers = {key: values for key, values in info.items() if isinstance(values, list)}
             rows += [{"data_source": part[i // params.n].get("data_source", "unknown"),
                       **{key: float(values[i]) for key, values in numbers.items()}} for i in range(len(texts))]
