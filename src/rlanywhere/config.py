@@ -533,8 +533,10 @@ VERL_ONLY_KEYS: dict[str, str] = {
     r"|use_shm)": "not needed: models load through transformers",
     r"critic\.model\.(external_lib|use_shm)": "not needed: models load through transformers",
     r"trainer\.(default_hdfs_dir|del_local_ckpt_after_load|ray_wait_register_center_timeout"
-    r"|esi_redundant_time|rollout_data_dir|validation_data_dir|use_legacy_worker_impl)":
+    r"|esi_redundant_time|rollout_data_dir|use_legacy_worker_impl)":
     "not used by the single-process trainer",
+    r"trainer\.validation_data_dir": "every validation's responses, prompts, ground truths and scores are written to "
+    "RUN_DIR/val_generations/step_N.jsonl",
     r"ray_init(\..*)?": "no Ray: one process (torchrun for several GPUs)",
     r"data\.(image_key|video_key|custom_cls(\..*)?|dataloader_num_workers|return_full_prompt|use_shm"
     r"|trust_remote_code|sampler(\..*)?|return_multi_modal_inputs|filter_overlong_prompts_workers)":

@@ -31,7 +31,7 @@ KEY_DOCS: dict[str, str] = {
     r"data\.train_batch_size": "prompts per training step (each sampled `actor_rollout_ref.rollout.n` times)",
     r"data\.gen_batch_size": "prompts drawn per generation round with dynamic sampling "
     "(`algorithm.filter_groups`); null: `data.train_batch_size`",
-    r"data\.val_batch_size": "validation prompts generated at once; null: all of them, in waves the plan sizes",
+    r"data\.val_batch_size": "validation prompts generated at once; null: max(train_batch_size x n, 64)",
     r"data\.val_max_samples": "cap on validation prompts (the first N; verl draws N at random when "
     "`data.shuffle`); -1: the whole validation set",
     r"data\.train_max_samples": "cap on training prompts (the first N; verl draws N at random when "
@@ -206,7 +206,7 @@ KEY_DOCS: dict[str, str] = {
     "needs (with both set, whichever ends first, as in verl)",
     r"trainer\.total_training_steps": "stop after this many steps; null: `total_epochs` decides",
     r"trainer\.logger": "where metrics go besides `metrics.jsonl`: `console`, `tensorboard`, `wandb`",
-    r"trainer\.log_val_generations": "validation responses printed to the trackers per validation",
+    r"trainer\.log_val_generations": "validation responses written to the log per validation (the first sample of the first N prompts)",
     r"trainer\.nnodes": "machines; taken from torchrun when launched by it",
     r"trainer\.n_gpus_per_node": "ranks per machine; above 1 alone, rlanywhere starts torchrun on this machine",
     r"trainer\.save_freq": "checkpoint every N steps (-1: only at the end of the run)",
