@@ -446,3 +446,25 @@ def test_multiturn_split_placement_matches_the_one_process_pipeline(tool_model_d
     want, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "split")
     assert train_rows(want)[2]["multi_turn/tool_calls/mean"] > 0 and train_rows(got)[2]["async/staleness"] == 1.0
     assert_same_metrics(got, want, steps=(1, 2))
+
+
+def test_dynamic_sampling_reports_the_tool_use_of_the_rows_it_trains(tool_model_dir, gsm8k_tool_data, tmp_path):
+    """Multi-turn with algorithm.filter_groups: multi_turn/* describe the rows kept for training (from every
+    generation round), not the last round's: the tool calls counted are those written in the trained responses."""
+    from rlanywhere.config import load_config
+    from rlanywhere.planner import make_plan
+    from rlanywhere.stepmetrics import PhaseTimer
+    from rlanywhere.trainer import RLTrainer
+
+    from .test_variants_e2e import reward_file
+
+    cfg = load_config(None, verl_multiturn_overrides(tool_model_dir, gsm8k_tool_data, tmp_path / "run", **{
+        "algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
+        "algorithm.filter_groups.max_num_gen_batches": 6, "actor_rollout_ref.rollout.temperature": 1.0,
+        "custom_reward_function.timeout_s": 0, "custom_reward_function.path": reward_file(tmp_path)}))
+    trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
+    scored, metrics, _ = trainer.rollouts.rollout_and_score(trainer.loader.next_batch(), PhaseTimer("cpu"))
+    assert metrics["filter_groups/num_gen_batches"] >= 2
+    texts = scored.rollout.decode(trainer.tokenizer)  # the model's turns and the tool results between them
+    assert metrics["multi_turn/tool_calls/total"] == sum(text.count("<tool_call>") for text in texts) > 0
+    assert "multi_turn_row_stats" not in scored.info  # not a number to train or log with

@@ -29,6 +29,7 @@ from .vocabulary import STATISTICS_DTYPE
 log = logging.getLogger(__name__)
 
 TOOL_ROWS_KEY = "_multi_turn_rows"  # a deferred rollout's rows' tool statistics, in its metrics (finish_tool_stats)
+ROW_STATS_KEY = "multi_turn_row_stats"  # dynamic sampling: each row's RowStats, kept with the row
 
 
 def response_length(cfg: DictConfig) -> int:
@@ -172,6 +173,8 @@ class RolloutPhase:
                 break
             keep = algo.informative_groups(self.filter_metric(rounds[-1]),
                                            torch.arange(len(items)).repeat_interleave(self.n))
+            if self.multiturn is not None:  # each row's turn and tool counts go with it: the metrics of those trained
+                rounds[-1].info[ROW_STATS_KEY] = list(self.multiturn.last_stats)
             kept.append(rounds[-1].select([p for p in range(len(items)) if keep[p * self.n]]))
             dropped.append(rounds[-1].select([p for p in range(len(items)) if not keep[p * self.n]]))
             # [distributed] every rank's (kept, dropped) prompt counts of this round, in rank order
@@ -196,6 +199,9 @@ class RolloutPhase:
                     counts: list) -> tuple[ScoredRollout, dict, int]:
         """Dynamic sampling's batch from its rounds, its metrics and the global index of its first prompt."""
         batch, first_prompt = self._kept_prompts(kept, dropped, counts)
+        row_stats = batch.info.pop(ROW_STATS_KEY, None)  # multi-turn: the kept rows' (not numbers to train with)
+        for part in rounds:
+            part.info.pop(ROW_STATS_KEY, None)
         informative = sum(k for per_rank in counts for k, _ in per_rank)
         for key, value in rounds[0].info.items():  # counts (num_errors, ...): each round's once, this rank's
             if not isinstance(value, list):
@@ -213,7 +219,9 @@ class RolloutPhase:
                        "filter_groups/prompts_drawn": float(drawn),
                        "filter_groups/prompts_informative": float(informative),
                        "filter_groups/prompts_topped_up": float(topped_up),
-                       "filter_groups/drawn_acc": acc["sum"] / acc["count"], **self.multiturn_metrics()}, first_prompt
+                       "filter_groups/drawn_acc": acc["sum"] / acc["count"],
+                       **(multiturn_metrics(self.dp.gather_objects(row_stats)) if row_stats is not None else {})}, \
+            first_prompt
 
     def multiturn_metrics(self) -> dict:
         """Turn, tool-call, tool-error and tool-latency summaries of the last rollout (multi-turn runs); with
