@@ -422,7 +422,7 @@ def test_validation_metrics_of_a_reward_that_returns_numbers(tiny_model_dir, ari
     assert metrics["val-aux/arithmetic/bonus/mean@1"] == metrics["val/bonus"]
     lines = TrainResult(run_dir=str(tmp_path), steps=0, minutes=0.0, final_model=None, val_before=metrics,
                         val_after=metrics, trainer=trainer).summary_lines()
-    assert any(line.startswith("held-out reward (8 prompts, greedy): 0.750 -> 0.750") for line in lines), lines
+    assert "held-out reward (8 prompts, greedy): 0.750" in lines  # one validation: no before -> after
 
 
 def test_validation_settings_that_cannot_run_are_refused_before_loading(tiny_model_dir, arith_data, tmp_path):
@@ -435,3 +435,21 @@ def test_validation_settings_that_cannot_run_are_refused_before_loading(tiny_mod
             load_config(None, items + [bad])
     with pytest.raises(ConfigError, match="trainer.val_only=true validates on data.val_files"):
         load_config(None, items + ["data.val_files=null", "trainer.val_only=true"])
+
+
+def test_validating_an_earlier_checkpoint_leaves_the_run_as_it_is(tiny_model_dir, arith_data, tmp_path, capsys):
+    """verl's way to evaluate a checkpoint, trainer.val_only=true with resume_from_path, on a finished run: its
+    metrics, later checkpoints and latest marker stay; the figures go to val_only_step_N.json, and the summary gives
+    the one validation, not a comparison with itself."""
+    run = tmp_path / "run"
+    items = base_overrides(tiny_model_dir, arith_data, run, **{"trainer.total_training_steps": 4,
+                                                               "trainer.logger": "console,tensorboard"})
+    assert cli_main(["train", *items]) == 0
+    steps = [row["step"] for row in read_metrics(str(run))]
+    assert cli_main(["train", *items, "trainer.val_only=true", "trainer.resume_mode=resume_path",
+                     f"trainer.resume_from_path={run / 'checkpoints' / 'global_step_2'}"]) == 0
+    assert [row["step"] for row in read_metrics(str(run))] == steps
+    assert (run / "checkpoints" / "global_step_4").is_dir()
+    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert json.loads((run / "val_only_step_2.json").read_text())["val/num_samples"] == 8
+    assert "held-out accuracy at step 2 (8 prompts, greedy): " in capsys.readouterr().out

@@ -56,13 +56,23 @@ def test_non_numeric_metrics_skipped_and_tensors_converted(tmp_path):
     assert read_metrics(tmp_path) == [{"step": 1, "a": 2.5, "c": 1.0}]
 
 
+def test_non_finite_values_are_written_as_null(tmp_path):
+    import json
+
+    with Tracker(tmp_path, loggers=[]) as tracker:
+        tracker.log({"loss": float("nan"), "rate": float("inf"), "ok": 1.0}, step=1)
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+    strict = json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert strict == {"step": 1, "loss": None, "rate": None, "ok": 1.0}
+
+
 def test_console_summary_line(tmp_path, capsys):
     with Tracker(tmp_path, loggers="console", experiment_name="exp", total_steps=4, resume_step=1) as tracker:
         assert tracker._progress.n == 1  # bar starts at the resume step
-        tracker.log({"reward/mean": 0.25, "reward/acc": 0.5, "timing/step": 1.5}, step=2)
+        tracker.log({"reward/mean": 0.25, "reward/acc": 0.5, "perf/step_time_s": 1.5}, step=2)
         assert tracker._progress.n == 2
     out = capsys.readouterr().out
-    assert "step 2/4 | reward/mean 0.25 | reward/acc 0.5 | timing/step 1.5" in out
+    assert "step 2/4 | reward/mean 0.25 | reward/acc 0.5 | perf/step_time_s 1.5" in out
 
 
 def test_wandb_missing_is_clear_error(tmp_path, monkeypatch):
@@ -116,6 +126,18 @@ def test_plot_run_writes_pngs_for_present_keys(tmp_path):
 
     custom = plot_run(tmp_path, out_dir=tmp_path / "elsewhere")
     assert {p.name for p in custom} == set(names) and all(p.parent == tmp_path / "elsewhere" for p in custom)
+
+    # a fresh run in the same folder: the earlier run's curves and validation responses go; a file with validation
+    # only leaves no curve of the earlier file behind
+    (tmp_path / "val_generations").mkdir()
+    (tmp_path / "val_generations" / "step_4.jsonl").write_text("{}\n")
+    with Tracker(tmp_path, loggers=[]) as tracker:
+        assert not list((tmp_path / "plots").glob("*.png")) and not list((tmp_path / "val_generations").iterdir())
+        tracker.log({"reward/mean": 0.5}, step=1)
+    plot_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "val/acc": 0.5}\n{"step": 2, "val/acc": 0.7}\n')
+    assert [p.name for p in plot_run(tmp_path)] == ["validation.png"]
+    assert [p.name for p in (tmp_path / "plots").glob("*.png")] == ["validation.png"]
 
 
 def test_constant_panels_are_hidden():

@@ -106,6 +106,21 @@ def test_missing_logger_is_replaced_by_local_logging():
     assert kept == ["console", "tensorboard"] and "swanlab" in notices[0]
 
 
+def test_trainer_logger_is_one_list_whichever_way_it_is_written(monkeypatch):
+    """console,tensorboard / [console,TensorBoard] / a list: the same loggers; a name that is none is a config error
+    (before the model loads, not a traceback after)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    for written in ("console,tensorboard", "[console,TensorBoard]", "['console', 'tensorboard']"):
+        assert list(loaded(f"trainer.logger={written}")[0].trainer.logger) == ["console", "tensorboard"]
+    cfg, notices = loaded("trainer.logger=[console,WandB]")
+    assert list(cfg.trainer.logger) == ["console", "tensorboard"] and "wandb is not installed" in notices
+    with pytest.raises(ConfigError, match="'tensorbord' is not a logger.*did you mean 'tensorboard'"):
+        loaded("trainer.logger=[console,tensorbord]")
+
+
 @pytest.mark.parametrize("asked, gpus, device, torchrun, expected, says", [
     ((8, 1), 0, "auto", False, (1, 1), "the CPU"),
     ((8, 1), 1, "auto", False, (1, 1), "1 GPU"),

@@ -134,8 +134,8 @@ class TrainResult:
     steps: int  # the run's, from its first launch
     minutes: float  # this launch's
     final_model: Optional[str]
-    val_before: dict = field(default_factory=dict)  # the first validation of this run dir (step 0 when asked)
-    val_after: dict = field(default_factory=dict)  # the last validation
+    val_before: dict = field(default_factory=dict)  # the first validation of this run dir (its "step": 0 when asked)
+    val_after: dict = field(default_factory=dict)  # the last validation (the same dict where there was one)
     trainer: Any = field(default=None, repr=False)  # the RLTrainer: actor, tokenizer, engine, ... for more use
     first_step: int = 0  # the step this launch resumed at (0: it started the run)
 
@@ -157,12 +157,17 @@ class TrainResult:
         # accuracy where the reward returns one (`acc`), else the reward itself (a reward function returning a number)
         name, key = ("accuracy", "val/acc") if "val/acc" in self.val_after else ("reward", "val/reward")
         before, after = self.val_before.get(key), self.val_after.get(key)
-        if before is not None and after is not None:
+        if after is not None:
             count = int(self.val_after.get("val/num_samples", 0))
-            verdict = "learned" if after > before else "did not improve"
-            how = f"{count} prompts{self._sampling()}"
-            lines.append(f"held-out {name}{f' ({how})' if count else ''}: "
-                         f"{before:.3f} -> {after:.3f} ({(after - before) * 100:+.1f} points: {verdict})")
+            how = f" ({count} prompts{self._sampling()})" if count else ""
+            # before -> after only from a validation of the untrained model to a later one (not one with itself)
+            if before is not None and self.val_before is not self.val_after and self.val_before.get("step", 0) == 0:
+                verdict = "learned" if after > before else "did not improve"
+                lines.append(f"held-out {name}{how}: {before:.3f} -> {after:.3f} ({(after - before) * 100:+.1f} "
+                             f"points: {verdict})")
+            else:
+                step = self.val_after.get("step")
+                lines.append(f"held-out {name}{'' if step is None else f' at step {step}'}{how}: {after:.3f}")
             marker_rate = self.val_after.get("val/format")
             if key == "val/acc" and marker_rate is not None and marker_rate < 0.5 <= after:
                 # the GSM8K-style rule: the number after "####", else the reply's last number (small models skip it)
@@ -254,7 +259,8 @@ def train(cfg: DictConfig, run_plan=None, notices: Optional[list[str]] = None) -
             log.warning("plotting failed: %s", exc)
     before, after = first_and_last_validation(run_dir)
     if cfg.trainer.val_only:  # this launch's one validation (a resumed run's is not in metrics.jsonl)
-        before = after = {key: value for key, value in (validated or {}).items() if key.startswith("val/")}
+        before = after = {"step": trainer.global_step,
+                          **{key: value for key, value in (validated or {}).items() if key.startswith("val/")}}
     return TrainResult(run_dir=run_dir, steps=trainer.global_step, minutes=(time.time() - start) / 60,
                        final_model=final_model, val_before=before, val_after=after, trainer=trainer,
                        first_step=trainer.first_step)
@@ -268,7 +274,8 @@ def first_and_last_validation(run_dir: str) -> tuple[dict, dict]:
         records = read_metrics(run_dir)
     except FileNotFoundError:
         return {}, {}
-    vals = [{k: v for k, v in r.items() if k.startswith("val/")} for r in records if "val/reward" in r]
+    vals = [{"step": r["step"], **{k: v for k, v in r.items() if k.startswith("val/")}} for r in records
+            if "val/reward" in r]
     return (vals[0], vals[-1]) if vals else ({}, {})
 
 

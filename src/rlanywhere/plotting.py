@@ -128,6 +128,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         keys = _family_keys(records, present, exact, prefixes)
         if keys:
             written.append(_plot_family(records, title, keys, out_dir / f"{stem}.png"))
+        else:  # a curve of an earlier file of this run dir is not this one's
+            (out_dir / f"{stem}.png").unlink(missing_ok=True)
     if not written:
         logger.warning("none of the plotted metrics (reward/*, val/*, actor/*, ...) appear in %s", run_dir)
     return written

@@ -37,9 +37,9 @@ SUMMARY_KEYS = (
     "response_length/mean",
     "perf/tokens_per_s",
     "perf/peak_memory_gib",
-    "timing/step",
+    "perf/step_time_s",
 )
-STEP_TIME_KEY = "timing/step"
+STEP_TIME_KEY = "perf/step_time_s"  # the step's own seconds (the bar's rate also counts validation and saving)
 
 
 def parse_loggers(loggers: str | Sequence[str] | None) -> list[str]:
@@ -143,6 +143,9 @@ class Tracker:
             if self.metrics_path.exists() and self.metrics_path.stat().st_size > 0:
                 logger.info("starting a fresh run: replacing %s", self.metrics_path)
             self.metrics_path.write_text("", encoding="utf-8")
+            # an earlier run's validation responses and curves would read as this run's
+            for stale in [*self.run_dir.glob("val_generations/step_*.jsonl"), *self.run_dir.glob("plots/*.png")]:
+                stale.unlink()
         else:
             dropped = _truncate_metrics_file(self.metrics_path, resume_step)
             if dropped:
@@ -215,7 +218,9 @@ class Tracker:
                 continue
             scalars[key] = number
 
-        self._metrics_file.write(json.dumps({"step": int(step), **scalars}) + "\n")
+        # standard JSON: a non-finite value (a NaN loss before the guard stops the run) is written as null
+        record = {key: value if math.isfinite(value) else None for key, value in scalars.items()}
+        self._metrics_file.write(json.dumps({"step": int(step), **record}, allow_nan=False) + "\n")
         self._metrics_file.flush()
 
         if self._progress is not None:

@@ -35,7 +35,7 @@ from .balance import balance_rows, balance_text
 from .checkpoint import capture_rng, restore_rng
 from .checkpointer import Checkpointer
 from .compiling import compiles_so_far
-from .config import as_list, to_yaml
+from .config import to_yaml
 from .distributed import DataParallel, NullTracker, check_world_config
 from .runtime import make_grad_scaler
 from .plans import Plan, SizeKind
@@ -343,10 +343,13 @@ class RLTrainer(TrainerCheckpoints):
             self.maybe_resume()
             self.first_step = self.global_step
             self.apply_remembered_sizes()
-            self.tracker = Tracker(self.run_dir, as_list(trainer_cfg.logger), trainer_cfg.project_name,
+            # [distributed] metrics, progress and plots from rank 0 alone; validating a checkpoint (val_only at a
+            # resumed step) leaves the run's metrics as they are: its figures go to val_only_step_N.json
+            keep_run_files = trainer_cfg.val_only and self.global_step > 0
+            self.tracker = Tracker(self.run_dir, trainer_cfg.logger, trainer_cfg.project_name,
                                    trainer_cfg.experiment_name, OmegaConf.to_container(self.cfg, resolve=True),
                                    self.total_steps, resume_step=self.global_step if self.global_step > 0 else None) \
-                if self.dp.is_main else NullTracker()  # [distributed] metrics, progress and plots from rank 0 alone
+                if self.dp.is_main and not keep_run_files else NullTracker()
             self.run_dir_watch = RunDirWatch(self.run_dir)
             with StopSignals() as self.stops.signals:
                 return self._loop()

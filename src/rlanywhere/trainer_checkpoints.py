@@ -93,7 +93,8 @@ class TrainerCheckpoints:
         self.write_plan_record()
         builders.apply_optim_config(self.cfg, self.optimizers, self.schedulers)
         sync_engine(self.engine, self.actor)  # [distributed]
-        self.checkpointer.retire_later(self.global_step)  # never a mix of two timelines
+        if not self.cfg.trainer.val_only:  # validating an earlier checkpoint starts no new timeline
+            self.checkpointer.retire_later(self.global_step)  # never a mix of two timelines
         self.stops.resumed(path, state)
         log.info("resumed from %s at step %d", path, self.global_step)
 

@@ -17,6 +17,7 @@ config.py owns the schema; this module holds what only exists to meet verl where
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -342,16 +343,22 @@ def verl_runtime_problems(cfg: DictConfig, notices: list[str]) -> list[str]:
     """What verl finds only once its workers start, found now: loggers that are not installed (a notice, and local
     logging instead; a problem with hardware.require_loggers). (A sandbox URL that does not answer is found as the
     keys are read.)"""
+    from .tracking import KNOWN_LOGGERS
+
     problems: list[str] = []
-    asked = _logger_names(cfg.trainer.logger)
-    kept, logger_notices = resolve_loggers(asked)
+    asked = list(dict.fromkeys(name.lower() for name in _logger_names(cfg.trainer.logger)))  # WandB, wandb: one
+    unknown = [name for name in asked if name not in KNOWN_LOGGERS and name not in VERL_ONLY_LOGGERS]
+    for name in unknown:
+        close = difflib.get_close_matches(name, KNOWN_LOGGERS, n=1)
+        problems.append(f"trainer.logger: {name!r} is not a logger; choose from {', '.join(KNOWN_LOGGERS)}"
+                        + (f" (did you mean {close[0]!r}?)" if close else ""))
+    kept, logger_notices = resolve_loggers([name for name in asked if name not in unknown])
     require = bool(cfg.hardware.require_loggers) if "hardware" in cfg else False
     if logger_notices and require:
         problems.extend(f"{line.split(';')[0]}, and hardware.require_loggers=true asks for a hard failure: install "
                         "it, or drop it from trainer.logger" for line in logger_notices)
-    elif logger_notices:
-        notices.extend(logger_notices)
-        cfg.trainer.logger = kept
+    notices.extend([] if require else logger_notices)
+    cfg.trainer.logger = kept  # one list, whichever way it was written (console,wandb / [console,wandb] / a list)
     return problems
 
 
