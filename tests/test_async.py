@@ -1073,3 +1073,57 @@ def test_a_lower_max_staleness_on_resume_regenerates_the_staler_saved_rollouts(t
                         **{"trainer.async.max_staleness": 1})).fit()
     staleness = {step: row["async/staleness"] for step, row in _rows(tmp_path / "r").items() if step > 2}
     assert staleness and max(staleness.values()) <= 1, staleness
+
+
+def test_an_overlap_that_would_score_with_a_large_reward_model_beside_the_update_takes_turns(tmp_path):
+    """Overlapped, the rollout's job scores each batch with the reward model beside the update: its forward counts
+    in the overlap's memory. A 7B reward model beside a 0.5B policy's update does not fit an H100: in turn."""
+    def reward_model_dir(name, hidden, layers, heads, kv_heads, intermediate):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({
+            "model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"], "num_labels": 1,
+            "max_position_embeddings": 4096, "hidden_size": hidden, "intermediate_size": intermediate,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "vocab_size": 152064, "tie_word_embeddings": False}))
+        return folder
+
+    from rlanywhere.planner import make_plan
+
+    base = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.n=8", "data.train_batch_size=64", "data.max_prompt_length=256",
+            "data.max_response_length=256", "trainer.async.mode=one_step_off", "hardware.emulate=h100",
+            "reward_model.enable=true"]
+    small = make_plan(load_config(None, base + [
+        f"reward_model.model.path={reward_model_dir('rm3b', 2048, 36, 16, 2, 11008)}"]), for_execution=False)
+    large = make_plan(load_config(None, base + [
+        f"reward_model.model.path={reward_model_dir('rm7b', 3584, 28, 28, 4, 18944)}"]), for_execution=False)
+    assert small.async_rollout == OVERLAPPED
+    assert large.async_rollout == IN_TURN and "scoring with the reward model" in large.reasons["async_rollout"]
+
+
+def test_batches_saved_ahead_are_made_again_when_the_reward_changes_on_resume(tiny_model_dir, arith_data, tmp_path,
+                                                                              monkeypatch):
+    """A one_step_off checkpoint keeps the next step's batch, generated and scored already: resumed with another
+    reward function, that batch is made again, so step 3 trains on the new reward's scores."""
+    from rlanywhere.trainer import RLTrainer
+
+    base = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 4, "trainer.save_freq": 2}
+    train_step = RLTrainer.train_step
+
+    def dying_at_step_3(self, items):
+        if self.global_step == 2:
+            raise KeyboardInterrupt
+        return train_step(self, items)
+
+    monkeypatch.setattr(RLTrainer, "train_step", dying_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "r", **base)).fit()
+    monkeypatch.setattr(RLTrainer, "train_step", train_step)
+    quarter = tmp_path / "quarter.py"
+    quarter.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                       "    return 0.25\n")
+    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "r", **base,
+                        **{"custom_reward_function.path": str(quarter)})).fit()
+    rewards = {step: row["reward/mean"] for step, row in _rows(tmp_path / "r").items()}
+    assert rewards[3] == rewards[4] == pytest.approx(0.25), rewards

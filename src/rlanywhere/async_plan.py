@@ -111,20 +111,21 @@ def ref_pass_bytes(estimate: dict | None) -> int:
     return int(parts.get("activations", 0) + parts.get("logits_chunks", 0))
 
 
-def overlap_bytes(estimate: dict | None, snapshots: int = 0, ref_pass: bool = False) -> int | None:
+def overlap_bytes(estimate: dict | None, snapshots: int = 0, ref_pass: bool = False, scoring: int = 0) -> int | None:
     """Memory the overlapped pipeline holds at its peak: the update's phase (weights, gradients, optimizer,
     activations, engine weights) plus, at the same time, the rollout's KV cache and sampling buffers and a second
     copy of the actor's weights for the engine to read, and `snapshots` more copies (the weights of rollouts queued
     behind a running one, with max_staleness > 1). With `ref_pass` the reference's log-prob pass follows the
-    rollout in its job, with the KV cache still held: the larger of its memory and the sampling buffers counts.
-    None without an estimate."""
+    rollout in its job, with the KV cache still held: the larger of its memory and the sampling buffers counts; so
+    does `scoring`, a reward model's scoring in the rollout's job (its forward, and its weights where they are moved
+    in for it). None without an estimate."""
     if not estimate or "phases" not in estimate:
         return None
     phases, breakdown = estimate["phases"], estimate.get("breakdown", {})
     rollout = breakdown.get("rollout", {})
-    training = max(value for name, value in phases.items() if name != "rollout")
+    training = max(value for name, value in phases.items() if name not in ("rollout", "reward"))  # the rollout's job
     copy_bytes = rollout.get("actor_weights", 0) * (1 + snapshots)
-    transient = max(rollout.get("prefill_or_sampling", 0), ref_pass_bytes(estimate) if ref_pass else 0)
+    transient = max(rollout.get("prefill_or_sampling", 0), ref_pass_bytes(estimate) if ref_pass else 0, scoring)
     return int(training + rollout.get("kv_cache", 0) + transient + copy_bytes)
 
 
@@ -250,6 +251,26 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
         # the cache is in use while the update runs: counted in the overlap's memory above
         plan.rollout.release_kv_between_phases = False
         plan.rollout.reasons["release_kv_between_phases"] = "kept: the next rollout decodes while the update runs"
+
+
+def recheck_overlap_with_reward_model(cfg: Any, plan: Any, rm_plan: Any) -> None:
+    """After the reward model is planned: an overlapped pipeline scores each batch in the rollout's job, beside the
+    update, so its scoring (and its weights, where offloaded) must fit there too; otherwise the phases take turns."""
+    if plan.async_rollout != OVERLAPPED:
+        return
+    forward = int((plan.estimate or {}).get("breakdown", {}).get("reward", {}).get("reward_model_forward", 0))
+    scoring = forward + (int(rm_plan.weights_bytes) if rm_plan.offload else 0)
+    snapshots, budget = int(cfg.trainer["async"].max_staleness) - 1, plan.memory_budget_bytes
+    need = overlap_bytes(plan.estimate, snapshots, ref_pass=plan.ref_with_rollout, scoring=scoring)
+    if need is None or not budget or need <= budget:
+        return
+    plan.async_rollout = IN_TURN
+    plan.update_stream_first = False
+    plan.reasons["async_rollout"] = (
+        f"one_step_off in turn: generating and scoring with the reward model beside the update would need "
+        f"{format_bytes(need)} at once, more than the {format_bytes(budget)} budget, so the next batch is made "
+        "between updates (at most one version stale)")
+    _plan_reference(plan, True, rows_move=int(plan.world_size) > 1 and bool(cfg.trainer.balance_batch))
 
 
 def _plan_reference(plan: Any, on_cuda: bool, fits_beside: bool = True, need_beside: int | None = None,

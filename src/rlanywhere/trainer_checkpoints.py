@@ -10,8 +10,12 @@ stops, and is not used on its own.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
+
+from omegaconf import OmegaConf
 
 from . import builders
 from .checkpoint import export_final_model
@@ -23,6 +27,17 @@ from .sharding import is_sharded, sync_engine
 log = logging.getLogger("rlanywhere.trainer")
 
 
+def batch_settings(cfg) -> str:
+    """A fingerprint of what makes and scores a batch (the rollout's sampling and turns, the reward function or
+    model): a resumed one_step_off run trains the saved batches only where it is unchanged."""
+    rollout = OmegaConf.to_container(cfg.actor_rollout_ref.rollout, resolve=True)
+    rollout.pop("val_kwargs", None)
+    made = {"rollout": rollout, "reward_model": OmegaConf.to_container(cfg.reward_model, resolve=True),
+            "custom_reward_function": OmegaConf.to_container(cfg.custom_reward_function, resolve=True),
+            "max_response_length": cfg.data.max_response_length}
+    return hashlib.sha256(json.dumps(made, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 class TrainerCheckpoints:
     """Checkpoint, export and resume for RLTrainer."""
 
@@ -30,7 +45,8 @@ class TrainerCheckpoints:
         return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,  # fp16 loss scale
                 "run_state": self.run.checkpoint_record(), **self.stops.health_record(),
-                **({"async_rollouts": self.pipeline_state()} if self.pipeline else {})}  # finished, in flight
+                **({"async_rollouts": self.pipeline_state(), "async_batch_settings": batch_settings(self.cfg)}
+                   if self.pipeline else {})}  # finished, in flight; and what made them
 
     def pipeline_state(self) -> dict:
         """[async] The finished rollouts of the steps to come; [distributed] every rank's share of them (its
@@ -86,6 +102,11 @@ class TrainerCheckpoints:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         if self.pipeline is not None:  # [async] the next steps' rollouts, made with weights no checkpoint holds
             saved = state.get("async_rollouts") or {}
+            made_by = state.get("async_batch_settings")
+            if saved and made_by is not None and made_by != batch_settings(self.cfg):
+                log.warning("the checkpoint's rollouts for the next steps were generated or scored with other "
+                            "rollout or reward settings than this run's: generated again")
+                saved = {"ranks": [{} for _ in saved["ranks"]]} if "ranks" in saved else {}
             self.pipeline.load_rank_states(saved["ranks"] if "ranks" in saved else [saved], self.dp.rank,
                                            self.dp.world, self.tokenizer.pad_token_id)
         for name, old, new in self.run.restore(state.get("run_state")):  # what OOM recovery learned, as ceilings
