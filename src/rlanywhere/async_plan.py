@@ -269,7 +269,7 @@ def recheck_overlap_with_reward_model(cfg: Any, plan: Any, rm_plan: Any) -> None
     plan.reasons["async_rollout"] = (
         f"one_step_off in turn: generating and scoring with the reward model beside the update would need "
         f"{format_bytes(need)} at once, more than the {format_bytes(budget)} budget, so the next batch is made "
-        "between updates (at most one version stale)")
+        "between updates (at most one version stale)") + (CRITICAL_PATH_NOTE if old_policy_forward_stays(cfg) else "")
     _plan_reference(plan, True, rows_move=int(plan.world_size) > 1 and bool(cfg.trainer.balance_batch))
 
 
