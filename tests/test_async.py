@@ -1052,26 +1052,33 @@ def test_a_failing_rollout_ahead_leaves_the_checkpoint_of_the_step_that_trained(
     assert (tmp_path / "r" / "checkpoints" / "global_step_2").is_dir()
 
 
-def test_a_lower_max_staleness_on_resume_regenerates_the_staler_saved_rollouts(tiny_model_dir, arith_data, tmp_path,
-                                                                               monkeypatch):
+def _killed_then_resumed_with(model_dir, data_dir, run_dir, monkeypatch, die_at: int, first: dict, second: dict,
+                              **base) -> dict[int, dict]:
+    """A one_step_off run killed inside step `die_at + 1` (its settings `first`), resumed with `second`: its rows."""
     from rlanywhere.trainer import RLTrainer
 
-    base = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 5, "trainer.save_freq": 2}
     train_step = RLTrainer.train_step
 
-    def dying_at_step_3(self, items):
-        if self.global_step == 3:
+    def dying(self, items):
+        if self.global_step == die_at:
             raise KeyboardInterrupt
         return train_step(self, items)
 
-    monkeypatch.setattr(RLTrainer, "train_step", dying_at_step_3)
+    monkeypatch.setattr(RLTrainer, "train_step", dying)
     with pytest.raises(KeyboardInterrupt):
-        _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "r", **base,
-                            **{"trainer.async.max_staleness": 2})).fit()
+        _trainer(_overrides(model_dir, data_dir, run_dir, **base, **first)).fit()
     monkeypatch.setattr(RLTrainer, "train_step", train_step)
-    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "r", **base,
-                        **{"trainer.async.max_staleness": 1})).fit()
-    staleness = {step: row["async/staleness"] for step, row in _rows(tmp_path / "r").items() if step > 2}
+    _trainer(_overrides(model_dir, data_dir, run_dir, **base, **second)).fit()
+    return _rows(run_dir)
+
+
+def test_a_lower_max_staleness_on_resume_regenerates_the_staler_saved_rollouts(tiny_model_dir, arith_data, tmp_path,
+                                                                               monkeypatch):
+    rows = _killed_then_resumed_with(
+        tiny_model_dir, arith_data, tmp_path / "r", monkeypatch, 3, {"trainer.async.max_staleness": 2},
+        {"trainer.async.max_staleness": 1}, **{"trainer.async.mode": "one_step_off",
+                                               "trainer.total_training_steps": 5, "trainer.save_freq": 2})
+    staleness = {step: row["async/staleness"] for step, row in rows.items() if step > 2}
     assert staleness and max(staleness.values()) <= 1, staleness
 
 
@@ -1106,24 +1113,11 @@ def test_batches_saved_ahead_are_made_again_when_the_reward_changes_on_resume(ti
                                                                               monkeypatch):
     """A one_step_off checkpoint keeps the next step's batch, generated and scored already: resumed with another
     reward function, that batch is made again, so step 3 trains on the new reward's scores."""
-    from rlanywhere.trainer import RLTrainer
-
-    base = {"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 4, "trainer.save_freq": 2}
-    train_step = RLTrainer.train_step
-
-    def dying_at_step_3(self, items):
-        if self.global_step == 2:
-            raise KeyboardInterrupt
-        return train_step(self, items)
-
-    monkeypatch.setattr(RLTrainer, "train_step", dying_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "r", **base)).fit()
-    monkeypatch.setattr(RLTrainer, "train_step", train_step)
     quarter = tmp_path / "quarter.py"
     quarter.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                        "    return 0.25\n")
-    _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "r", **base,
-                        **{"custom_reward_function.path": str(quarter)})).fit()
-    rewards = {step: row["reward/mean"] for step, row in _rows(tmp_path / "r").items()}
+    rows = _killed_then_resumed_with(
+        tiny_model_dir, arith_data, tmp_path / "r", monkeypatch, 2, {}, {"custom_reward_function.path": str(quarter)},
+        **{"trainer.async.mode": "one_step_off", "trainer.total_training_steps": 4, "trainer.save_freq": 2})
+    rewards = {step: row["reward/mean"] for step, row in rows.items()}
     assert rewards[3] == rewards[4] == pytest.approx(0.25), rewards
