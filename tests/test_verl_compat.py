@@ -117,7 +117,7 @@ def test_trainer_logger_is_one_list_whichever_way_it_is_written(monkeypatch):
         assert list(loaded(f"trainer.logger={written}")[0].trainer.logger) == ["console", "tensorboard"]
     cfg, notices = loaded("trainer.logger=[console,WandB]")
     assert list(cfg.trainer.logger) == ["console", "tensorboard"] and "wandb is not installed" in notices
-    with pytest.raises(ConfigError, match="'tensorbord' is not a logger.*did you mean 'tensorboard'"):
+    with pytest.raises(ConfigError, match="Unknown trainer.logger entry 'tensorbord'.*Did you mean 'tensorboard'"):
         loaded("trainer.logger=[console,tensorbord]")
 
 

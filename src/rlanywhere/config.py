@@ -26,8 +26,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, estimator_needs
 from .errors import UserError
-from .verl_compat import (CURRENT_VERL_KEYS, REWARD_MANAGERS, reference_offload_notice, translate_verl_spellings,
-                          verl_runtime_problems)
+from .verl_compat import (CURRENT_VERL_KEYS, REWARD_MANAGERS, pop_key, reference_offload_notice,
+                          translate_verl_spellings, verl_runtime_problems)
 from .profiling import profile_step_set
 from .reward_model import reward_model_config_problem
 from .vocabulary import (
@@ -306,7 +306,7 @@ def _translate_async_placement(user: DictConfig, notices: list[str], problems: l
     rollout_nodes, rollout_per_node = int(section.get("nnodes", 1)), int(section.get("n_gpus_per_node", 1))
     for key in ("rollout.nnodes", "rollout.n_gpus_per_node"):
         if OmegaConf.select(user, key) is not None:
-            _pop_key(user, key)
+            pop_key(user, key)
     trainer_nodes = int(OmegaConf.select(user, "trainer.nnodes") or 1)
     trainer_per_node = int(OmegaConf.select(user, "trainer.n_gpus_per_node") or 1)
     given = f"rollout.nnodes={rollout_nodes} rollout.n_gpus_per_node={rollout_per_node}"
@@ -667,24 +667,6 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
     raise ConfigError(f"could not parse the overrides {cleaned}")
 
 
-def _pop_key(cfg: DictConfig, dotted: str) -> Any:
-    parts = dotted.split(".")
-    node = cfg
-    for part in parts[:-1]:
-        node = node[part]
-    value = node[parts[-1]]
-    del node[parts[-1]]
-    # Drop now-empty parents so they do not shadow schema defaults.
-    for depth in range(len(parts) - 1, 0, -1):
-        parent = OmegaConf.select(cfg, ".".join(parts[: depth - 1])) if depth > 1 else cfg
-        child = parts[depth - 1]
-        if isinstance(parent[child], DictConfig) and len(parent[child]) == 0:
-            del parent[child]
-        else:
-            break
-    return value
-
-
 def _vet_user_keys(user: DictConfig, notices: list[str], problems: Optional[list[str]] = None) -> DictConfig:
     """Drop verl-only keys (with a notice), translate offload switches and verl's other spellings, reject unknown
     keys: each one is added to `problems` (raised at once when no list is given) and dropped."""
@@ -706,7 +688,7 @@ def _vet_user_keys(user: DictConfig, notices: list[str], problems: Optional[list
             continue
         reason = _verl_only_reason(key)
         if reason is not None:
-            value = _pop_key(user, key)
+            value = pop_key(user, key)
             leaf = key.rsplit(".", 1)[-1]
             target = OFFLOAD_TRANSLATIONS.get(leaf)
             if target is not None and key.startswith("actor_rollout_ref.ref."):
@@ -724,14 +706,14 @@ def _vet_user_keys(user: DictConfig, notices: list[str], problems: Optional[list
         close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         problems.append(f"unknown config key {key!r}{hint} (every key: docs/reference/config.md)")
-        _pop_key(user, key)
+        pop_key(user, key)
     for key, mapping in VERL_VALUE_MAP.items():
         value = OmegaConf.select(user, key)
         if value is None:
             continue
         if value not in mapping:
             problems.append(f"{key}={value!r} is not supported; use one of {sorted(set(mapping))}")
-            _pop_key(user, key)
+            pop_key(user, key)
             continue
         if mapping[value] != value:
             notices.append(f"{key}={value}: not available here; using rlanywhere's built-in engine ({mapping[value]})")

@@ -42,8 +42,9 @@ SUMMARY_KEYS = (
 STEP_TIME_KEY = "perf/step_time_s"  # the step's own seconds (the bar's rate also counts validation and saving)
 
 
-def parse_loggers(loggers: str | Sequence[str] | None) -> list[str]:
-    """``trainer.logger`` as a list: accepts ``"console"``, ``"console,wandb"``, ``"['console','wandb']"`` or a list."""
+def logger_names(loggers: str | Sequence[str] | None) -> list[str]:
+    """``trainer.logger`` as lower-case names, each once: ``"console"``, ``"console,wandb"``,
+    ``"['console','wandb']"``, ``"[console,wandb]"`` or a list."""
     if loggers is None:
         return []
     if isinstance(loggers, str):
@@ -58,13 +59,23 @@ def parse_loggers(loggers: str | Sequence[str] | None) -> list[str]:
     else:
         names = list(loggers)
     names = [str(name).strip().strip("'\"").lower() for name in names]
-    names = [name for name in names if name]
+    return list(dict.fromkeys(name for name in names if name))
+
+
+def unknown_logger_problem(name: str) -> str:
+    """What to say of a trainer.logger entry that is no logger here, with the closest one."""
+    close = difflib.get_close_matches(name, KNOWN_LOGGERS, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"Unknown trainer.logger entry {name!r}; choose from {list(KNOWN_LOGGERS)}.{hint}"
+
+
+def parse_loggers(loggers: str | Sequence[str] | None) -> list[str]:
+    """``trainer.logger`` as a list of the loggers here (`logger_names`); ValueError for one that is not."""
+    names = logger_names(loggers)
     for name in names:
         if name not in KNOWN_LOGGERS:
-            close = difflib.get_close_matches(name, KNOWN_LOGGERS, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"Unknown trainer.logger entry {name!r}; choose from {list(KNOWN_LOGGERS)}.{hint}")
-    return list(dict.fromkeys(names))
+            raise ValueError(unknown_logger_problem(name))
+    return names
 
 
 def _to_float(value: Any) -> float | None:

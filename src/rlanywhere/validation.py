@@ -40,7 +40,7 @@ def validate(rollouts: RolloutPhase, val_set, dp, run_dir: str, step: int) -> di
     chunk = cfg.data.val_batch_size or max(cfg.data.train_batch_size * rollouts.n, 64)
     # [distributed] every rank generates as many times as the rank with the most chunks (a sharded model gathers
     # its weights in each call, a collective): a rank out of prompts generates for an empty chunk
-    chunks = int(dp.max_value(float(-(-len(items) // chunk)))) if dp.enabled else -(-len(items) // chunk)
+    chunks = int(dp.max_value(float(-(-len(items) // chunk))))
     samples, scores_all, lengths, rows = [], [], [], []  # rows: each sample's source and reward numbers
     acc_returned = 0  # samples whose reward returned an `acc`
     tool_stats: list = []  # multi-turn rows' turn and tool-call counts (this rank's)

@@ -17,7 +17,6 @@ config.py owns the schema; this module holds what only exists to meet verl where
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import json
 import os
@@ -25,7 +24,7 @@ import socket
 from typing import Any, Callable, Optional
 from urllib.parse import urlparse
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from .errors import UserError
 
@@ -121,11 +120,22 @@ CURRENT_VERL_KEYS: dict[str, str] = {
 }
 
 
-def _pop(cfg: DictConfig, dotted: str) -> Any:
-    parent_key, _, leaf = dotted.rpartition(".")
-    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-    value = parent[leaf]
-    del parent[leaf]
+def pop_key(cfg: DictConfig, dotted: str) -> Any:
+    """Remove a dotted key from `cfg` and return its value; parents it leaves empty go too, so that they neither
+    shadow the schema's defaults nor read as keys of their own."""
+    parts = dotted.split(".")
+    node = cfg
+    for part in parts[:-1]:
+        node = node[part]
+    value = node[parts[-1]]
+    del node[parts[-1]]
+    for depth in range(len(parts) - 1, 0, -1):
+        parent = OmegaConf.select(cfg, ".".join(parts[: depth - 1])) if depth > 1 else cfg
+        child = parts[depth - 1]
+        if isinstance(parent[child], DictConfig) and len(parent[child]) == 0:
+            del parent[child]
+        else:
+            break
     return value
 
 
@@ -184,7 +194,7 @@ def _adopt_agent_loop(user: DictConfig, notices: list[str], problems: list[str])
     custom ones (`agent_loop_config_path`) among them, are refused: each row would run as something it is not."""
     loop = OmegaConf.select(user, f"{AGENT_LOOP}.default_agent_loop")
     if loop is not None:
-        _pop(user, f"{AGENT_LOOP}.default_agent_loop")
+        pop_key(user, f"{AGENT_LOOP}.default_agent_loop")
         given = f"{AGENT_LOOP}.default_agent_loop={loop}"
         enabled = OmegaConf.select(user, "actor_rollout_ref.rollout.multi_turn.enable")
         if loop == "tool_agent" and enabled is None:
@@ -199,13 +209,9 @@ def _adopt_agent_loop(user: DictConfig, notices: list[str], problems: list[str])
                             "tools: actor_rollout_ref.rollout.multi_turn) and single_turn_agent are")
     custom = OmegaConf.select(user, f"{AGENT_LOOP}.agent_loop_config_path")
     if custom is not None:
-        _pop(user, f"{AGENT_LOOP}.agent_loop_config_path")
+        pop_key(user, f"{AGENT_LOOP}.agent_loop_config_path")
         problems.append(f"{AGENT_LOOP}.agent_loop_config_path={custom}: custom agent loops are not available here; "
                         "multi-turn rollouts with tools are (actor_rollout_ref.rollout.multi_turn, docs/multi-turn.md)")
-    key = AGENT_LOOP  # emptied sections go too, so that they do not read as keys of their own
-    while key and isinstance(OmegaConf.select(user, key), DictConfig) and len(OmegaConf.select(user, key)) == 0:
-        _pop(user, key)
-        key = key.rpartition(".")[0]
 
 
 def _adopt_lora_adapter(user: DictConfig, model_key: str, notices: list[str], problems: list[str]) -> None:
@@ -293,17 +299,6 @@ EXTERNAL_LOGGERS = {"wandb": "wandb"}  # trainer.logger entry -> the package it 
 VERL_ONLY_LOGGERS = ("swanlab", "mlflow", "vemlp_wandb", "clearml", "trackio", "file")
 
 
-def _logger_names(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple, ListConfig)):
-        return [str(v).strip() for v in value]
-    text = str(value).strip()
-    if text.startswith("[") and text.endswith("]"):
-        text = text[1:-1]
-    return [part.strip().strip("'\"") for part in text.split(",") if part.strip()]
-
-
 def resolve_loggers(asked: list[str], installed=importlib.util.find_spec) -> tuple[list[str], list[str]]:
     """The loggers that will run and one notice per one that will not (its package absent, or verl-only): those
     runs log locally instead (metrics.jsonl always, and TensorBoard)."""
@@ -343,15 +338,11 @@ def verl_runtime_problems(cfg: DictConfig, notices: list[str]) -> list[str]:
     """What verl finds only once its workers start, found now: loggers that are not installed (a notice, and local
     logging instead; a problem with hardware.require_loggers). (A sandbox URL that does not answer is found as the
     keys are read.)"""
-    from .tracking import KNOWN_LOGGERS
+    from .tracking import KNOWN_LOGGERS, logger_names, unknown_logger_problem
 
-    problems: list[str] = []
-    asked = list(dict.fromkeys(name.lower() for name in _logger_names(cfg.trainer.logger)))  # WandB, wandb: one
+    asked = logger_names(cfg.trainer.logger)  # WandB and wandb: one
     unknown = [name for name in asked if name not in KNOWN_LOGGERS and name not in VERL_ONLY_LOGGERS]
-    for name in unknown:
-        close = difflib.get_close_matches(name, KNOWN_LOGGERS, n=1)
-        problems.append(f"trainer.logger: {name!r} is not a logger; choose from {', '.join(KNOWN_LOGGERS)}"
-                        + (f" (did you mean {close[0]!r}?)" if close else ""))
+    problems = [unknown_logger_problem(name) for name in unknown]
     kept, logger_notices = resolve_loggers([name for name in asked if name not in unknown])
     require = bool(cfg.hardware.require_loggers) if "hardware" in cfg else False
     if logger_notices and require:
