@@ -19,6 +19,11 @@ pipeline, so that every setting sees the same model, prompts and compiled kernel
   update_first overlapped, the priorities the other way round: the training step on a stream of the highest
                priority, the rollout's at the lowest (the default streams'). The update is the step's critical path
                and the rollout has time to spare, so the update's kernels take each SM that frees up first
+  spinning     `both`, with the rollout's host waits spinning a CPU core (a plain host read of the GPU's results)
+               instead of sleeping on a blocking event (DecodeRunner.wait_for_steps): what the update's CPU thread
+               pool loses to them
+  all_cores    `both`, with torch's CPU thread pool at every core of the process during the overlapped steps
+               instead of the plan's one fewer (plan.cpu_threads: the rollout's thread has a core of its own)
   ref_in_step  with --kl: `both`, but the reference's log-probs computed in the step that trains on the batch, as
                without the pipeline (in every other setting the plan puts them right after the batch's rollout, in
                its job: plan.ref_with_rollout)
@@ -32,6 +37,11 @@ SmolLM2 tokenizer via RLANYWHERE_BENCH_TOKENIZER):
     python bench/async_overlap.py --tiny --per-setting 2              # CPU smoke run (no overlap on a CPU)
     python bench/async_overlap.py --settings in_turn,both,partition24,partition40,partition64 --per-setting 3
     python bench/async_overlap.py --kl --settings in_turn,ref_in_step,both --per-setting 3   # a KL loss term
+    python bench/async_overlap.py --settings in_turn,both --profile-dir traces   # where the slowdown comes from
+
+--profile-dir profiles each setting's first measured step (torch.profiler; DIR/<setting>.trace.json) and prints
+each CUDA stream's busy and idle time in the step and in its update (trace_gaps.py --streams): beside the update,
+a rollout stream busy longer than in turn waited for the card, one idle longer waited for its Python thread.
 """
 
 from __future__ import annotations
@@ -60,6 +70,8 @@ SETTINGS = {
     "carveout": (True, -1, 2e-4, "carveout"),
     "green": (True, -1, 2e-4, "green"),
     "update_first": (True, 0, 2e-4, "update_first"),
+    "spinning": (True, -1, 2e-4, "spinning"),
+    "all_cores": (True, -1, 2e-4, "all_cores"),
     "ref_in_step": (True, -1, 2e-4, "ref_in_step"),
 }
 DEFAULT_SETTINGS = ("in_turn", "plain", "priority", "gil", "both")
@@ -177,7 +189,7 @@ def disjoint_green_streams(rollout_sms: int, priority: int):
 
 
 def apply_setting(pipeline, name: str, executor, carveout_sms: int, rollout_stream=None,
-                  reference_pass=None) -> None:
+                  reference_pass=None, threads: int = 1, all_threads: int = 1) -> None:
     """The pipeline's overlap, its rollout stream (`rollout_stream`: one of a green context), the GIL interval and
     where the reference's log-probs run (`reference_pass`: the plan's, None when they run in the step) of setting
     `name`. A rollout started under the previous setting keeps that setting's choice."""
@@ -191,8 +203,45 @@ def apply_setting(pipeline, name: str, executor, carveout_sms: int, rollout_stre
         pipeline.stream = (rollout_stream if rollout_stream is not None
                            else torch.cuda.Stream(pipeline.plan.device, priority=priority))
     sys.setswitchinterval(interval)
+    runner = getattr(getattr(pipeline, "engine", None), "runner", None)  # FastEngine's DecodeRunner
+    if runner is not None:  # the instance attribute shadows the method for `spinning`'s steps only
+        runner.__dict__.pop("wait_for_steps", None)
+        if partition == "spinning":
+            runner.wait_for_steps = lambda: None
+    torch.set_num_threads(all_threads if partition == "all_cores" else threads)
     if torch.cuda.is_available():
         torch._C._set_sm_carveout_experimental(carveout_sms if partition == "carveout" else None)
+
+
+@contextlib.contextmanager
+def profiling(stem: str | None):
+    """Profile the block (CPU and CUDA activity) into stem.trace.json and print each stream's busy and idle time
+    in the block and in its update; nothing when stem is None."""
+    if stem is None:
+        yield
+        return
+    import torch
+    from trace_gaps import phase_ranges, stream_lines
+
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    on_gpu = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+        if on_gpu:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(stem + ".trace.json")
+    with open(stem + ".trace.json") as handle:
+        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if not kernels:
+        print(f"profile {os.path.basename(stem)}: no GPU kernels in the trace (a CPU run)", flush=True)
+        return
+    windows = [("whole step", min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels))]
+    windows += [(name, start, end) for start, end, name in phase_ranges(events) if name == "phase/update_actor"]
+    for label, start, end in windows:
+        print(f"profile {os.path.basename(stem)}, {label}: {(end - start) / 1e3:.1f} ms", flush=True)
+        print("\n".join(stream_lines(events, (start, end))), flush=True)
 
 
 def write(path: str, records: list[dict], summary: dict, settings: list[str], device: str) -> None:
@@ -216,6 +265,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny model and sizes on the CPU")
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--out", default=None, help="write per-step records and the summary as JSON")
+    parser.add_argument("--profile-dir", default=None, help="profile each setting's first measured step into DIR")
     args = parser.parse_args()
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     unknown = [s for s in settings if s not in SETTINGS and partition_sms(s) is None]
@@ -227,7 +277,7 @@ def main() -> int:
 
     import torch
     from rlanywhere.config import load_config
-    from rlanywhere.planner import make_plan
+    from rlanywhere.api import plan as plan_of_run
     from rlanywhere.trainer import RLTrainer
 
     if args.tiny:
@@ -247,7 +297,7 @@ def main() -> int:
         print(f"prompts: {what}; model {args.model}; {args.prompts} x {args.n}, {args.new_tokens} new tokens",
               flush=True)
         cfg = load_config(None, overrides)
-        plan = make_plan(cfg, for_execution=True)
+        plan = plan_of_run(cfg)  # applied to the process as a run's is: TF32 for the fp32 matmuls where the card has it
         trainer = RLTrainer(cfg, plan, cfg.trainer.default_local_dir)
         pipeline = trainer.pipeline
         print(f"async rollout: {plan.async_rollout} ({plan.reasons.get('async_rollout')})", flush=True)
@@ -259,6 +309,7 @@ def main() -> int:
             print("the plan runs the phases in turn here (no CUDA overlap): every setting below is in turn", flush=True)
         records: list[dict] = []
         train_step = trainer.train_step
+        threads = torch.get_num_threads()  # the plan's (one core left to an overlapped rollout's thread)
         device = torch.cuda.get_device_name(0) if on_gpu else "CPU"
         greens = {}  # setting -> (the training step's stream, the rollout's), made at the setting's first step
 
@@ -285,10 +336,13 @@ def main() -> int:
         def step(items):
             name = plan_of_steps[trainer.global_step]
             update_stream, rollout_stream = streams_of(name)
-            apply_setting(pipeline, name, executor, args.carveout, rollout_stream, reference_pass)
+            apply_setting(pipeline, name, executor, args.carveout, rollout_stream, reference_pass, threads,
+                          threads + 1 if plan.cpu_threads else threads)
             if update_stream is not None:  # the step's own work (update, log-probs) on its green context's SMs
                 update_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(update_stream) if update_stream is not None else contextlib.nullcontext():
+            profiled = args.profile_dir and trainer.global_step in profiled_steps
+            with torch.cuda.stream(update_stream) if update_stream is not None else contextlib.nullcontext(), \
+                    profiling(os.path.join(args.profile_dir, name) if profiled else None):
                 metrics = train_step(items)
             if update_stream is not None:
                 torch.cuda.current_stream().wait_stream(update_stream)
@@ -302,6 +356,9 @@ def main() -> int:
             return metrics
 
         samples = args.prompts * args.n
+        # each setting's second step after the warm-up (its first measured one: summarise leaves the first out)
+        profiled_steps = {args.warmup + k * args.per_setting + 1 for k in range(len(settings))} \
+            if args.per_setting > 1 else set()
         trainer.train_step = step
         trainer.fit()
     # the run's last step starts no rollout beside its update: left out too

@@ -305,7 +305,7 @@ def run(args) -> dict:
         records = sides.run_rlanywhere(run_dir, overrides + args.overrides + [
             "trainer.val_before_train=true", f"trainer.test_freq={test_freq}"])
         points = curve_from_rlanywhere(records)
-        label = f"rlanywhere {args.algo}"
+        label = f"rlanywhere {args.algo}" + (f", {args.label}" if args.label else "")
         warmup = warmup_minutes(records)
         timing = step_summary(records)
         print("step medians (steps 3..): " + ", ".join(f"{k} {v:.3f}" for k, v in timing.items()), flush=True)
@@ -372,6 +372,8 @@ def main() -> int:
     run_p.add_argument("--steps", type=int, default=None, help="default: the demo profile's (60)")
     run_p.add_argument("--test-freq", type=int, default=5, help="evaluate every this many steps (and at 0, last)")
     run_p.add_argument("--emulate", default=None, help="rlanywhere --emulate CARD (e.g. p40)")
+    run_p.add_argument("--label", default=None, help="the curve's name in plots after 'rlanywhere ALGO, ' (e.g. the "
+                       "mode the extra overrides set)")
     run_p.add_argument("--trl-micro-batch", default="64",
                        help="TRL completions per forward/backward; a comma list (e.g. 16,32,64,128,256) first runs "
                             "TRL --trl-sweep-steps steps per value without evaluation and takes the fastest (the "

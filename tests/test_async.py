@@ -213,11 +213,17 @@ def test_plan_says_whether_the_rollout_overlaps(card, expected):
     # asked for: the pipeline in turn (the batches of the overlapped run) where the planner would keep sync
     in_turn = make_plan(load_config(None, items + ["trainer.async.overlap=false"]), for_execution=False)
     assert in_turn.async_rollout == IN_TURN
-    if expected == OVERLAPPED:  # whose kernels go first, said where the phases overlap
+    assert in_turn.cpu_threads is None  # in turn: the rollout's thread never runs beside the update's operators
+    if expected == OVERLAPPED:  # a core left to the rollout's thread; whose kernels go first
+        from rlanywhere.machine import usable_cpu_cores
+
+        assert plan.cpu_threads == max(1, usable_cpu_cores() - 1) and "cpu threads" in plan.summary()
         assert "the decode kernels go first" in plan.reasons["async_rollout"]
         update_first = make_plan(load_config(None, items + ["trainer.async.priority=update"]), for_execution=False)
         assert "trainer.async.priority=update" in update_first.reasons["async_rollout"]
         assert update_first.update_stream_first and not plan.update_stream_first
+    else:
+        assert plan.cpu_threads is None and "cpu threads" not in plan.summary()
 
 
 @pytest.mark.parametrize("extra, stays", [
@@ -290,6 +296,26 @@ def test_the_reference_pass_stays_in_the_step_when_it_does_not_fit_beside_the_up
     in_turn = load_config(None, QWEN_KL + ["trainer.async.mode=one_step_off", "trainer.async.overlap=false"])
     plan_async_rollout(in_turn, plan)
     assert plan.async_rollout == IN_TURN and plan.ref_with_rollout
+
+
+def test_the_runtime_leaves_the_planned_core_to_an_overlapped_rollout(monkeypatch):
+    """A GPU plan's cpu_threads (an overlapped rollout's spare core) sizes torch's CPU thread pool as a CPU rank's
+    does; a plan without it leaves the pool as it is."""
+    from rlanywhere.plans import Plan
+    from rlanywhere.runtime import apply_runtime
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    try:
+        apply_runtime(Plan(device="cuda", cpu_threads=1))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(before)
+        apply_runtime(Plan(device="cuda"))
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+        torch.set_float32_matmul_precision("highest")
 
 
 def test_training_attention_backends_hold_until_the_last_pass_on_any_thread_ends():

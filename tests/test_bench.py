@@ -239,6 +239,23 @@ def test_trace_gaps_names_the_cpu_operator_the_gpu_waited_on(tmp_path, capsys, m
                               "cudaStreamSynchronize"]
 
 
+def test_stream_table_splits_busy_and_idle_time_per_stream():
+    # window [0, 1000] us. stream 7: kernels [100, 300] and [250, 400] (overlapping: 300 busy), then [700, 800]:
+    # span 100..800 = 700, busy 400, idle 300. stream 9: one kernel [900, 1100] cut at the window's end: busy 100, idle 0.
+    # A kernel on stream 7 after the window and a CPU op are not counted.
+    events = [{"cat": "kernel", "ts": 100, "dur": 200, "args": {"stream": 7}},
+              {"cat": "kernel", "ts": 250, "dur": 150, "args": {"stream": 7}},
+              {"cat": "kernel", "ts": 700, "dur": 100, "args": {"stream": 7}},
+              {"cat": "kernel", "ts": 1500, "dur": 100, "args": {"stream": 7}},
+              {"cat": "kernel", "ts": 900, "dur": 200, "args": {"stream": 9}},
+              {"cat": "cpu_op", "ts": 0, "dur": 1000}]
+    rows = trace_gaps.stream_table(events, (0.0, 1000.0))
+    assert [(r["stream"], r["kernels"]) for r in rows] == [(7, 3), (9, 1)]
+    assert rows[0]["busy_ms"] == pytest.approx(0.4) and rows[0]["span_ms"] == pytest.approx(0.7)
+    assert rows[0]["idle_ms"] == pytest.approx(0.3)
+    assert rows[1]["busy_ms"] == pytest.approx(0.1) and rows[1]["idle_ms"] == 0
+
+
 def test_scaling_summary_reports_the_whole_run_and_the_steps_that_compiled():
     import distributed_scaling
 

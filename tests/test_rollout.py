@@ -784,3 +784,17 @@ def test_a_stop_string_completed_inside_a_token_stops_the_row():
     assert matcher.ends_with_stop([4, 0, 1, 2]) and matcher.ends_with_stop([0, 1, 3])
     assert not matcher.ends_with_stop([0, 1]) and not matcher.ends_with_stop([0, 1, 3, 4])  # not the last token's
     assert matcher.first_stop_length([4, 0, 1, 2, 4, 4]) == 4
+
+
+def test_the_decode_loop_waits_for_its_steps_before_each_host_read(monkeypatch):
+    """The scheduler reads the GPU's results on the host every check_every steps and after the last one; before each
+    read it waits through DecodeRunner.wait_for_steps (asleep on a GPU: a spinning wait takes a CPU core from an
+    update running beside the rollout, docs/async.md). 8 tokens, checks before steps 2, 4 and 6."""
+    engine = FastEngine(tiny_model("llama"), None, RolloutPlan(check_every=2), pad_token_id=PAD)
+    log = []
+    step = engine.runner.decode_step
+    monkeypatch.setattr(engine.runner, "wait_for_steps", lambda: log.append("wait"))
+    monkeypatch.setattr(engine.runner, "decode_step", lambda *a, **k: log.append("step") or step(*a, **k))
+    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+    expected = ["step"] + [kind for t in range(2, 8) for kind in (["wait"] if t % 2 == 0 else []) + ["step"]]
+    assert log == expected + ["wait"]

@@ -253,6 +253,21 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
         plan.rollout.reasons["release_kv_between_phases"] = "kept: the next rollout decodes while the update runs"
 
 
+def spare_core_for_rollout(plan: Any, cpu_cores: int, ranks_per_node: int) -> None:
+    """Overlapped on a GPU: torch's CPU thread pool one thread short of this process's cores (plan.cpu_threads), so
+    that the rollout's thread, launching decode steps beside the update, has a core of its own. With every core in
+    the pool, each parallel CPU operator of the update (indexing the batch into micro-batches, ...) waits for the
+    pool thread that shares its core with the rollout's: on the Qwen-shaped bench the update's CPU indexing took
+    62 ms with every core in the pool, 8 ms with one left (bench/async_overlap.py --settings both,all_cores
+    --profile-dir)."""
+    if plan.async_rollout != OVERLAPPED or not (str(plan.device).startswith("cuda") or plan.emulated):
+        return
+    cores = max(1, int(cpu_cores) // max(1, int(ranks_per_node)))
+    plan.cpu_threads = max(1, cores - 1)
+    plan.reasons["cpu_threads"] = (f"{plan.cpu_threads} CPU threads for torch's operators: one of this process's "
+                                   f"{cores} cores left to the rollout's thread, which runs beside the update")
+
+
 def recheck_overlap_with_reward_model(cfg: Any, plan: Any, rm_plan: Any) -> None:
     """After the reward model is planned: an overlapped pipeline scores each batch in the rollout's job, beside the
     update, so its scoring (and its weights, where offloaded) must fit there too; otherwise the phases take turns."""

@@ -152,7 +152,7 @@ class Plan:
     data_parallel: str = "none"  # "none" | "replicate" (full models per rank) | "shard" (FSDP2; sharding.py)
     shard_group_size: int = 0  # sharded: ranks that split the weights (= world_size, or fewer: HSDP replicas of them)
     dist_backend: Optional[str] = None  # "nccl" | "gloo" when world_size > 1
-    cpu_threads: Optional[int] = None  # torch threads per process when several CPU ranks share a machine
+    cpu_threads: Optional[int] = None  # torch threads per process (CPU ranks sharing cores; an overlapped rollout's core)
     training_sdpa_backends: tuple[str, ...] = ()  # SDPA backends training passes may use; (): PyTorch's choice
     expand_kv_heads: bool = False  # SDPA gets grouped K/V heads repeated per query head (sdpa_expanded_kv_attention)
     fused_optimizer: bool = False  # AdamW's fused (one kernel) step instead of foreach
@@ -229,6 +229,7 @@ class Plan:
             ("async rollout", self.async_rollout, self.reasons.get("async_rollout", "")),
             *([("reference log-probs", "with the rollout" if self.ref_with_rollout else "in the step",
                 self.reasons["ref_with_rollout"])] if "ref_with_rollout" in self.reasons else []),
+            *([("cpu threads", str(self.cpu_threads), self.reasons["cpu_threads"])] if self.cpu_threads else []),
         ]
         if self.reward_model:
             rm = self.reward_model

@@ -43,6 +43,8 @@ def apply_runtime(plan: Plan) -> None:
     torch.backends.cuda.matmul.allow_tf32 = plan.allow_tf32
     torch.backends.cudnn.allow_tf32 = plan.allow_tf32
     torch.set_float32_matmul_precision("high" if plan.allow_tf32 else "highest")
+    if plan.cpu_threads:  # [async] overlapped: a core left to the rollout's thread (async_plan.spare_core_for_rollout)
+        torch.set_num_threads(plan.cpu_threads)
     if plan.memory_fraction is not None:
         torch.cuda.set_per_process_memory_fraction(plan.memory_fraction, torch.device(plan.device))
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..algorithms import estimator_needs
-from ..async_plan import plan_async_rollout, recheck_overlap_with_reward_model
+from ..async_plan import plan_async_rollout, recheck_overlap_with_reward_model, spare_core_for_rollout
 from ..estimator import format_bytes
 from ..machine import HardwareProbe, card_spec, probe_machine
 from ..model_shape import ModelShape, read_model_shape
@@ -201,6 +201,7 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
                                                   scores)
         plan.reward_model = rm_plan.to_dict()
         recheck_overlap_with_reward_model(cfg, plan, rm_plan)  # overlapped: it scores beside the update
+    spare_core_for_rollout(plan, machine.cpu_cores, int(cfg.trainer.n_gpus_per_node))
     if for_execution and card is not None and real is not None:
         check_real_card_runs(plan, real, machine)
     return plan

@@ -131,6 +131,7 @@ class Scheduler:
             if stop.use_eos:
                 state.done |= torch.isin(tok, stop.eos)
             self.runner.advance(tok)
+        self.runner.wait_for_steps()  # the request's outputs are read on the host next
         if stop.matcher:
             self._scan_stop_strings(state, out, stop, params.max_new_tokens)
 
@@ -183,6 +184,7 @@ class Scheduler:
     def check_rows(self, state: WaveState, out: RequestOutputs, stop: StopRule, step: int) -> bool:
         """The host check before decode step `step`: stop strings, then compaction into a smaller bucket.
         Returns False when every row has finished."""
+        self.runner.wait_for_steps()
         if stop.matcher:
             self._scan_stop_strings(state, out, stop, step)
         active = (~state.done).nonzero().squeeze(1)
