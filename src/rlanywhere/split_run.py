@@ -121,6 +121,7 @@ def run_split_rank(cfg, notices: list[str], emulate: Optional[str], rank: int,
 def run_split(overrides: list[str], rank: int, world: int, init_method: str) -> None:
     """One rank of a split one_step_off job started from Python (gloo on CPUs, NCCL on GPUs): the first ranks train,
     the last trainer.async.rollout_ranks (1 when unset) roll out."""
+    from . import api
     from .config import load_config
     from .planner import make_plan
     from .trainer import RLTrainer
@@ -134,8 +135,8 @@ def run_split(overrides: list[str], rank: int, world: int, init_method: str) -> 
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=init_method, rank=rank,
                             world_size=world)
 
-    def train() -> int:
-        trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
+    def train() -> int:  # planned and applied to this process as a command-line rank's plan is (TF32, threads)
+        trainer = RLTrainer(cfg, api.plan(cfg), cfg.trainer.default_local_dir)
         try:
             trainer.fit()
         finally:
@@ -143,7 +144,7 @@ def run_split(overrides: list[str], rank: int, world: int, init_method: str) -> 
         return 0
 
     try:
-        _play_role(cfg, layout, rank, lambda c: make_plan(c, for_execution=True), train)
+        _play_role(cfg, layout, rank, api.plan, train)
     finally:
         dist.destroy_process_group()
 
