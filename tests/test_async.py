@@ -298,6 +298,22 @@ def test_the_reference_pass_stays_in_the_step_when_it_does_not_fit_beside_the_up
     assert plan.async_rollout == IN_TURN and plan.ref_with_rollout
 
 
+def test_the_core_left_to_an_overlapped_rollout_counts_ranks_and_a_users_thread_limit(monkeypatch):
+    from rlanywhere.async_plan import spare_core_for_rollout
+    from rlanywhere.plans import Plan
+
+    def threads(cores, ranks, mode=OVERLAPPED, device="cuda"):
+        plan = Plan(device=device, async_rollout=mode)
+        spare_core_for_rollout(plan, cores, ranks)
+        return plan.cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads(16, 1) == 15 and threads(16, 4) == 3 and threads(1, 1) == 1 and threads(16, 32) == 1
+    assert threads(16, 1, IN_TURN) is None and threads(16, 1, SYNC) is None and threads(16, 1, device="cpu") is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's limit stays one: 3 for torch, 1 for the rollout
+    assert threads(16, 1) == 3 and threads(2, 1) == 1
+
+
 def test_the_runtime_leaves_the_planned_core_to_an_overlapped_rollout(monkeypatch):
     """A GPU plan's cpu_threads (an overlapped rollout's spare core) sizes torch's CPU thread pool as a CPU rank's
     does; a plan without it leaves the pool as it is."""

@@ -4,6 +4,7 @@ The pipeline itself is async_pipeline.py. Pure functions; a leaf (imports errors
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from .errors import UserError
@@ -263,9 +264,12 @@ def spare_core_for_rollout(plan: Any, cpu_cores: int, ranks_per_node: int) -> No
     if plan.async_rollout != OVERLAPPED or not (str(plan.device).startswith("cuda") or plan.emulated):
         return
     cores = max(1, int(cpu_cores) // max(1, int(ranks_per_node)))
-    plan.cpu_threads = max(1, cores - 1)
-    plan.reasons["cpu_threads"] = (f"{plan.cpu_threads} CPU threads for torch's operators: one of this process's "
-                                   f"{cores} cores left to the rollout's thread, which runs beside the update")
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    pool = min(cores, int(asked)) if asked.isdigit() and int(asked) > 0 else cores  # a user's limit stays a limit
+    plan.cpu_threads = max(1, pool - 1)
+    plan.reasons["cpu_threads"] = (f"{plan.cpu_threads} CPU threads for torch's operators: one of the process's "
+                                   f"{pool} " + ("cores" if pool == cores else "threads (OMP_NUM_THREADS)")
+                                   + " left to the rollout's thread, which runs beside the update")
 
 
 def recheck_overlap_with_reward_model(cfg: Any, plan: Any, rm_plan: Any) -> None:
