@@ -472,6 +472,35 @@ def test_a_job_stopped_by_a_sharded_oom_is_relaunched_to_resume_at_the_saved_siz
     assert cli.main(["train", *items]) == 1 and len(launches) == 1  # the saved sizes did not change: no relaunch
 
 
+def test_a_micro_batch_one_replicated_rank_lowered_for_memory_is_in_the_checkpoint(tiny_model_dir, arith_data, tmp_path,
+                                                                          reward_file):
+    """Rank 1 alone runs out of memory in its replicated update of step 2 (tests/dist_oom_worker.py) and goes on at
+    half the micro-batch; rank 0 never did. The checkpoint (written by rank 0) keeps rank 1's lowered size, so a
+    resumed run starts every rank below the size that ran out of memory."""
+    run = tmp_path / "dist"
+    worker = Path(__file__).with_name("dist_oom_worker.py")
+    finish(torchrun(overrides(tiny_model_dir, arith_data, run, reward_file, **SCORED_IN_PROCESS,
+                              **{"hardware.data_parallel": "replicate"}), script=str(worker)))
+    recoveries = {r["step"]: r.get("oom/recoveries") for r in read_metrics(run) if "oom/recoveries" in r}
+    assert recoveries[2] == 1  # the injected OOM, recovered from on rank 1 within the step
+    for step in (1, 2, 3):
+        state = json.loads((run / "checkpoints" / f"global_step_{step}" / "trainer_state.json").read_text())
+        assert state["run_state"]["oom_ceilings"] == ({} if step == 1 else {"actor_micro_batch_size": 1}), step
+
+
+def test_run_records_of_the_ranks_merge_at_their_lowest():
+    from rlanywhere.runstate import RunState
+
+    records = [{"oom_ceilings": {"actor_micro_batch_size": 4}, "release_kv_between_phases": False,
+                "fallbacks": {"rollout_engine": "rank 0's reason"}},
+               {"oom_ceilings": {"actor_micro_batch_size": 2, "rollout_batch_size": 8},
+                "release_kv_between_phases": True,
+                "fallbacks": {"rollout_engine": "rank 1's reason", "release_kv_between_phases": "freed"}}]
+    assert RunState.merged_records(records) == {
+        "oom_ceilings": {"actor_micro_batch_size": 2, "rollout_batch_size": 8}, "release_kv_between_phases": True,
+        "fallbacks": {"rollout_engine": "rank 0's reason", "release_kv_between_phases": "freed"}}
+
+
 @pytest.mark.slow
 def test_sampled_validation_on_two_ranks_scores_what_one_process_scores(tiny_model_dir, arith_data, tmp_path,
                                                                        reward_file):

@@ -799,3 +799,19 @@ def test_planned_micro_batch_sizes_are_bounds_that_short_rows_merge_under():
     assert not logprob.merge_micro_batches
     dynamic = make_plan(cfg_of(*job, "actor_rollout_ref.actor.use_dynamic_bsz=true"), fake("h100"))
     assert not dynamic.merge_micro_batches and "use_dynamic_bsz" in dynamic.reasons["merge_micro_batches"]
+
+
+def test_an_emulated_newer_card_is_refused_where_the_real_card_cannot_run_its_plan():
+    """A plan for an emulated card runs on the real one: emulating an A10 (cc 8.6) on a P40 (cc 6.1) would plan bf16,
+    compiled training and the rollout's Triton kernels, none of which a Pascal card runs; each is refused before
+    anything loads. Emulating the older card on the newer one is what emulation is for."""
+    from rlanywhere.machine import HardwareProbe
+
+    p40 = HardwareProbe.fake("p40", triton_usable=True)
+    with pytest.raises(PlanError, match="bf16"):
+        make_plan(load_config(None, PPO_05B), p40, emulate="a10")
+    with pytest.raises(PlanError, match="Triton kernels") as refused:
+        make_plan(load_config(None, PPO_05B + ["hardware.precision=fp32"]), p40, emulate="a10")
+    assert "compiled training" in str(refused.value) and "cc 6.1" in str(refused.value)
+    plan = make_plan(load_config(None, PPO_05B), HardwareProbe.fake("h200", triton_usable=True), emulate="p40")
+    assert plan.emulated and plan.rollout.decode_attention != "triton" and not plan.compile_training

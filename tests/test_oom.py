@@ -187,6 +187,25 @@ def test_minimum_per_attribute_for_token_budgets():
         guard.run("logprobs", always_oom, SizeKind.TOKENS_PER_MICRO_BATCH)
 
 
+def test_a_token_budget_tries_its_minimum_before_giving_up():
+    """The budget's minimum is a whole row (prompt + response: 1536 here), not a power-of-two fraction of the planned
+    budget: 16384 -> 8192 -> 4096 -> 2048 -> 1536, which fits."""
+    guard = OOMGuard(RuntimeSizes(max_token_len_per_micro_batch=16384), log_fn=lambda _: None,
+                     min_size={SizeKind.TOKENS_PER_MICRO_BATCH: 1536})
+    calls = []
+
+    def fits_at_the_minimum(size):
+        calls.append(size)
+        if size > 1536:
+            raise fake_oom(size)
+        return size
+
+    assert guard.run("actor_update", fits_at_the_minimum, SizeKind.TOKENS_PER_MICRO_BATCH) == 1536
+    assert calls == [16384, 8192, 4096, 2048, 1536]
+    with pytest.raises(OutOfMemoryAtMinimumError, match="max_token_len_per_micro_batch=1536 .its minimum"):
+        guard.run("actor_update", lambda size: (_ for _ in ()).throw(fake_oom(size)), SizeKind.TOKENS_PER_MICRO_BATCH)
+
+
 def test_other_errors_are_not_retried_and_bad_kinds_are_explained():
     plan = RuntimeSizes(actor_micro_batch_size=8, max_token_len_per_micro_batch=None)
     calls = []

@@ -167,9 +167,9 @@ class OOMGuard:
 
     def _halved(self, phase: str, kind: SizeKind, size: int, exc: BaseException) -> int:
         """The size after an OOM at `size`; OutOfMemoryAtMinimumError when it cannot shrink."""
-        new_size, name = size // 2, kind.value
-        minimum = self._minimum(kind)
-        if size <= minimum or new_size < minimum:
+        name, minimum = kind.value, self._minimum(kind)
+        new_size = max(size // 2, minimum)  # the minimum itself is tried before giving up
+        if size <= minimum:
             raise OutOfMemoryAtMinimumError(
                 f"Out of memory in phase {phase!r} even at {name}={size} (its minimum). To fit, reduce "
                 "memory another way: train LoRA adapters instead of all weights "

@@ -159,6 +159,20 @@ class RunState:
         return {"oom_ceilings": self.ceilings(), "release_kv_between_phases": self.release_kv_between_phases,
                 "fallbacks": dict(self.fallbacks)}
 
+    @staticmethod
+    def merged_records(records: list[dict]) -> dict:
+        """Every rank's checkpoint_record as one (rank order): each OOM-lowered size at its lowest over the ranks (a
+        replicated update lowers each rank's own), the KV cache freed where any rank freed it, the first rank's
+        reason for each fallback. A resumed run starts every rank at sizes none of them ran out of memory at."""
+        ceilings: dict[str, int] = {}
+        fallbacks: dict[str, str] = {}
+        for record in records:
+            for name, size in record["oom_ceilings"].items():
+                ceilings[name] = min(size, ceilings.get(name, size))
+            fallbacks = {**record["fallbacks"], **fallbacks}
+        return {"oom_ceilings": ceilings, "fallbacks": fallbacks,
+                "release_kv_between_phases": any(record["release_kv_between_phases"] for record in records)}
+
     def restore(self, record: Optional[dict]) -> list[tuple[str, int, int]]:
         """Apply a checkpoint's record: its OOM-lowered sizes as ceilings on this run's; a KV cache freed for memory
         stays freed. A record of an older version (whole sizes, not knowing which were lowered) is not applied."""

@@ -44,9 +44,14 @@ class TrainerCheckpoints:
     def trainer_state(self) -> dict:
         return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,  # fp16 loss scale
-                "run_state": self.run.checkpoint_record(), **self.stops.health_record(),
+                "run_state": self.run_record(), **self.stops.health_record(),
                 **({"async_rollouts": self.pipeline_state(), "async_batch_settings": batch_settings(self.cfg)}
                    if self.pipeline else {})}  # finished, in flight; and what made them
+
+    def run_record(self) -> dict:
+        """The run state a checkpoint keeps; [distributed] every rank's, merged (RunState.merged_records)."""
+        record = self.run.checkpoint_record()
+        return self.run.merged_records(self.dp.gather_objects([record])) if self.dp.enabled else record
 
     def pipeline_state(self) -> dict:
         """[async] The finished rollouts of the steps to come; [distributed] every rank's share of them (its

@@ -164,3 +164,18 @@ def check_real_card_runs(plan: Plan, real: DeviceInfo, machine: HardwareProbe) -
                                                        flash_attn_capable(real.compute_capability)):
         raise PlanError(f"the plan for the emulated {plan.card} uses {ATTN_FLASH}, which the real {real.name} cannot "
                         f"run. Set hardware.attn_implementation={ATTN_SDPA}")
+    from .rollout import TRITON_DECODE_MIN_CC
+    from .training import COMPILE_TRAINING_MIN_CC
+
+    rollout = plan.rollout
+    kernels = [name for name, used, min_cc in (
+        ("compiled training passes (actor_rollout_ref.actor.use_torch_compile)", plan.compile_training,
+         COMPILE_TRAINING_MIN_CC),
+        ("the rollout's Triton kernels", rollout.decode_attention == "triton" or rollout.fused_sampling
+         or rollout.compile_elementwise or rollout.fused_kv_write, TRITON_DECODE_MIN_CC)) if used and (
+        real.compute_capability is None or tuple(real.compute_capability) < min_cc)]
+    if kernels:
+        raise PlanError(f"the plan for the emulated {plan.card} uses {' and '.join(kernels)}, which the real "
+                        f"{real.name} (cc {cc_str(real.compute_capability)}) cannot run: emulate a card of compute "
+                        f"capability {cc_str(real.compute_capability)} or lower, or run on a card at least as new "
+                        f"as the {plan.card}")
