@@ -13,6 +13,7 @@ from rlanywhere import algorithms as algo
 from rlanywhere.config import load_config
 from rlanywhere.planner import make_plan
 from rlanywhere.plans import SizeKind
+from rlanywhere.rollout_correction import RolloutCorrection
 from rlanywhere.stepbatch import StepBatch
 from rlanywhere.trainer import RLTrainer
 from rlanywhere.update import actor_loss, critic_loss
@@ -216,3 +217,29 @@ def test_without_entropy_bonus_backward_skips_the_entropy(trainer_and_batch, mon
     torch.testing.assert_close(results[0.0][0], results[1e-300][0], rtol=1e-12, atol=0)
     assert not torch.equal(results[0.0][0], results[0.01][0])
     assert results[0.0][1]["entropy"] == pytest.approx(results[0.01][1]["entropy"], rel=1e-12)
+
+
+@pytest.mark.parametrize("loss_mode", ["gspo", "geo_mean"])
+def test_sequence_metrics_do_not_depend_on_the_split(trainer_and_batch, loss_mode):
+    """GSPO's and geo_mean's ratio_mean (a mean over sequences) and the sequence-level correction's shares of
+    capped and low rows are weighted by each micro-batch's rows, not its tokens: the logged values are the whole
+    mini-batch's, however it is split (rows of 1 to 12 tokens here)."""
+    trainer, batch = trainer_and_batch
+    section = trainer.cfg.actor_rollout_ref.actor
+    section.policy_loss.loss_mode, section.loss_agg_mode = loss_mode, "token-mean"
+    saved = batch.rollout.response_logprobs
+    gen = torch.Generator().manual_seed(1)
+    batch.rollout.response_logprobs = (batch.old_logprobs + 0.2 * torch.randn(
+        batch.mask.shape, generator=gen, dtype=torch.float64) * batch.mask).float()
+    try:
+        loss_fn = actor_loss(batch, section, trainer.cfg.actor_rollout_ref.rollout, trainer.plan.logprob_chunk_size,
+                             "cpu", correction=RolloutCorrection("sequence", 1.1))
+        whole = _gradient(trainer, trainer.actor, loss_fn, batch, size=batch.rows)[1]
+        assert 0 < whole["rollout_is_capped_frac"] < 1 and 0 < whole["rollout_is_low_frac"] < 1
+        for size in (1, 3):
+            split = _gradient(trainer, trainer.actor, loss_fn, batch, size=size)[1]
+            for key in ("ratio_mean", "rollout_is_capped_frac", "rollout_is_low_frac", "pg_loss"):
+                assert split[key] == pytest.approx(whole[key], rel=1e-6), (size, key)
+    finally:
+        section.policy_loss.loss_mode = "vanilla"
+        batch.rollout.response_logprobs = saved

@@ -708,15 +708,19 @@ def aggregate_loss(
 # (old_logprob, logprob, advantages, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, scale)
 # and returns (loss, metrics) with the same metric names
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict]]] = {}
+# the metrics each loss reports as means over sequences, not tokens (the update weighs them by its rows)
+SEQUENCE_METRICS: dict[str, tuple[str, ...]] = {}
 
 
-def register_policy_loss(name: str):
-    """Register a policy loss under its ``actor.policy_loss.loss_mode`` name (verl's ``register_policy_loss``)."""
+def register_policy_loss(name: str, sequence_metrics: tuple[str, ...] = ()):
+    """Register a policy loss under its ``actor.policy_loss.loss_mode`` name (verl's ``register_policy_loss``).
+    sequence_metrics: those of its metrics that are means over the sequences (rows), not over the tokens."""
 
     def decorator(fn):
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name]})")
         POLICY_LOSSES[name] = fn
+        SEQUENCE_METRICS[name] = tuple(sequence_metrics)
         return fn
 
     return decorator
@@ -855,7 +859,7 @@ def kl_loss(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", sequence_metrics=("ratio_mean",))
 def gspo_policy_loss(
     old_logprob: torch.Tensor,
     logprob: torch.Tensor,
@@ -991,7 +995,7 @@ def cispo_policy_loss(
     return pg_loss, _token_ratio_metrics(log_ratio, mask_f, clipfrac)
 
 
-@register_policy_loss("geo_mean")
+@register_policy_loss("geo_mean", sequence_metrics=("ratio_mean",))
 def geo_mean_policy_loss(
     old_logprob: torch.Tensor,
     logprob: torch.Tensor,

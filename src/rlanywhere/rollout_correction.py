@@ -62,8 +62,9 @@ def rollout_is_weights(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor,
     else:
         per_row = log_ratio.sum(dim=-1, keepdim=True)
         weights = torch.exp(per_row.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).expand_as(log_ratio) * mask
-        capped = (per_row > log_cap).to(mask.dtype).mean()
-        low = (per_row < log_floor).to(mask.dtype).mean()
+        rows = (mask.sum(dim=-1, keepdim=True) > 0).to(mask.dtype)  # rows with a response: shares of these
+        capped = _masked_mean((per_row > log_cap).to(mask.dtype), rows)
+        low = _masked_mean((per_row < log_floor).to(mask.dtype), rows)
     real = mask.bool()
     rho = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     metrics = {
@@ -110,6 +111,11 @@ class RolloutCorrection:
     @property
     def enabled(self) -> bool:
         return self.level is not None
+
+    @property
+    def sequence_metrics(self) -> tuple[str, ...]:
+        """Its metrics that are shares of sequences, not tokens (at level "sequence")."""
+        return ("rollout_is_capped_frac", "rollout_is_low_frac") if self.level == "sequence" else ()
 
     def behaviour(self, old_logprob: torch.Tensor, rollout_logprob: torch.Tensor) -> torch.Tensor:
         return rollout_logprob.to(old_logprob.dtype) if self.bypass_mode else old_logprob

@@ -342,6 +342,7 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
     clip_high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
     mode = actor_cfg.loss_agg_mode
     policy_loss = algo.POLICY_LOSSES[actor_cfg.policy_loss.loss_mode]  # vanilla PPO clip or GSPO
+    sequence_metrics = (*algo.SEQUENCE_METRICS[actor_cfg.policy_loss.loss_mode], *correction.sequence_metrics)
     compare_rollout = logprobs_comparable(rollout_cfg.top_k, rollout_cfg.top_p)
 
     def loss_fn(model, rows, micro, resp_mask, scale, padding=False):
@@ -363,6 +364,9 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
         ent = algo.entropy_loss(entropy if bonus else entropy.detach(), resp_mask, mode, scale)
         loss = pg_loss - actor_cfg.entropy_coeff * ent if bonus else pg_loss
         shares = {"pg_loss": pg_loss.detach(), "entropy": ent.detach()}
+        # means over this micro-batch's sequences: its share of the mini-batch's sequences, as losses are shares
+        sequences = (resp_mask.sum(-1) > 0).sum() / max(scale.sequences, 1.0)
+        shares.update({key: means.pop(key) * sequences for key in sequence_metrics if key in means})
         if compare_rollout:  # trainer vs rollout log-probs of the behaviour policy (precision_guard)
             means["rollout_logprob_gap"] = rollout_logprob_gap(trainer_old, pick(batch.rollout.response_logprobs),
                                                                resp_mask)
