@@ -34,7 +34,7 @@ the wait for it, and samples/s. The model is the vs_trl.py GRPO bench's (Qwen2.5
 SmolLM2 tokenizer via RLANYWHERE_BENCH_TOKENIZER):
 
     python bench/async_overlap.py --out overlap.json                 # H200: 16 prompts x 8, 256 new tokens, bf16
-    python bench/async_overlap.py --tiny --per-setting 2              # CPU smoke run (no overlap on a CPU)
+    python bench/async_overlap.py --tiny --per-setting 3              # CPU smoke run (no overlap on a CPU)
     python bench/async_overlap.py --settings in_turn,both,partition24,partition40,partition64 --per-setting 3
     python bench/async_overlap.py --kl --settings in_turn,ref_in_step,both --per-setting 3   # a KL loss term
     python bench/async_overlap.py --settings in_turn,both --profile-dir traces   # where the slowdown comes from
@@ -101,14 +101,18 @@ def schedule(settings: list[str], warmup: int, per_setting: int) -> list[str]:
     return [settings[0]] * warmup + [name for name in settings for _ in range(per_setting)]
 
 
-def summarise(records: list[dict], samples: int) -> dict:
-    """Medians per setting over its steps but the first (whose batch came from the previous setting)."""
+def summarise(records: list[dict], samples: int, run_ended: bool = False) -> dict:
+    """Medians per setting over its steps but the first (whose batch came from the previous setting) and, once the
+    run has ended (`run_ended`), its last step (which starts no rollout beside its update). A setting left with no
+    step has None figures."""
     out: dict = {}
     by_setting: dict[str, list[dict]] = {}
-    for record in records:
+    for record in records[:-1] if run_ended else records:
         by_setting.setdefault(record["setting"], []).append(record)
+    for record in records[-1:] if run_ended else []:  # still a setting of the run, with no steps of its own left
+        by_setting.setdefault(record["setting"], [record])
     for name, rows in by_setting.items():
-        rows = rows[1:] if len(rows) > 1 else rows
+        rows = rows[1:]
         summary = {}
         for column, key in COLUMNS.items():
             values = [row[key] for row in rows if isinstance(row.get(key), (int, float))]
@@ -291,7 +295,9 @@ def main() -> int:
         on_gpu = torch.cuda.is_available() and not args.tiny
         overrides = [*sides.BENCH_RUN_OVERRIDES, f"trainer.default_local_dir={os.path.join(root, 'run')}",
                      *grpo_overrides(work, model_dir, parquet, 1e-6, len(plan_of_steps)),
-                     "hardware.precision=bf16" if on_gpu else "hardware.device=cpu",
+                     # compiled training passes as a long run has them (the bench's few steps would run eager), as vs_trl.py
+                     *(["hardware.precision=bf16", "hardware.compile_training=true"] if on_gpu
+                       else ["hardware.device=cpu"]),
                      "trainer.async.mode=one_step_off", "trainer.async.overlap=" + ("true" if on_gpu else "false"),
                      *(["actor_rollout_ref.actor.use_kl_loss=true"] if args.kl else [])]
         print(f"prompts: {what}; model {args.model}; {args.prompts} x {args.n}, {args.new_tokens} new tokens",
@@ -361,8 +367,7 @@ def main() -> int:
             if args.per_setting > 1 else set()
         trainer.train_step = step
         trainer.fit()
-    # the run's last step starts no rollout beside its update: left out too
-    summary = summarise(records[args.warmup:-1], samples)
+    summary = summarise(records[args.warmup:], samples, run_ended=True)
     print(f"\n{samples} samples/step; medians per setting (first step of each and the run's last left out)")
     print(format_table(summary))
     if args.out:

@@ -225,7 +225,10 @@ def part_shard(args, root: str, extra: list[str]) -> dict:
     result = {"refused_on_one": refused, "plan_on_n": planned.group(2) if planned else None,
               "one_card_needs": estimate_one.group(1) if estimate_one else None}
     print(out_many[-3000:])
-    if not refused or not planned or planned.group(2) != "shard":
+    if args.cpu:  # a plan for N cards on a box without them is one CPU process's: the sharded run alone is the smoke
+        print("shard: the plan of N emulated P40s needs N GPUs (here: one CPU process's plan); the tiny sharded run "
+              "follows", flush=True)
+    elif not refused or not planned or planned.group(2) != "shard":
         print(f"RESULT shard: UNEXPECTED plan: refused on 1 P40={refused}, on {args.nproc}: "
               f"{planned.group(0) if planned else 'no plan'}", flush=True)
         return result
@@ -239,8 +242,9 @@ def part_shard(args, root: str, extra: list[str]) -> dict:
     estimate = (plan.get("estimate") or {}).get("peak_bytes", 0) / 2**30
     measured = summary["peak_memory_gib_per_rank"]
     result.update(run=summary, estimate_gib=estimate, data_parallel=plan["data_parallel"])
-    print(f"RESULT shard {'qwen2.5-1.5b full GRPO' if big else 'tiny (CPU smoke)'}: refused on 1 emulated P40 "
-          f"(needs {result['one_card_needs']} per card), planned {plan['data_parallel']} on {args.nproc}; "
+    refusal = f"refused on 1 emulated P40 (needs {result['one_card_needs']} per card), " if big else ""
+    print(f"RESULT shard {'qwen2.5-1.5b full GRPO' if big else 'tiny (CPU smoke)'}: {refusal}"
+          f"planned {plan['data_parallel']} on {args.nproc}; "
           f"{summary['steps']} steps at {summary['step_time_s']:.1f} s/step; peak per rank measured "
           f"{measured:.2f} GiB vs estimated {estimate:.2f} GiB (x{measured / max(estimate, 1e-9):.2f})", flush=True)
     return result

@@ -220,7 +220,7 @@ def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str, re
     from rlanywhere import trainer as trainer_module
     from rlanywhere import update as update_module  # where the trainer's log-prob passes call response_logprobs
     from rlanywhere.config import load_config
-    from rlanywhere.planner import apply_runtime, make_plan
+    from rlanywhere import api
     from rlanywhere.vocabulary import PlanError
     from rlanywhere.tracking import read_metrics
 
@@ -243,10 +243,9 @@ def run_config(name: str, emulate: str, steps: int, logprobs: str, root: str, re
                           "reward_model.judge.enable": True, "reward_model.judge.max_new_tokens": 8})
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     try:
-        plan = make_plan(cfg, for_execution=True)
+        plan = api.plan(cfg)  # planned and applied to the process (allocator, memory cap) as `rlanywhere train` does
     except PlanError as exc:
         return {"config": name, "logprobs": logprobs, "error": f"plan refused: {exc}"}
-    apply_runtime(plan)
     predicted = (plan.estimate or {}).get("peak_bytes")
     original = update_module.response_logprobs
     if logprobs == "naive":

@@ -54,10 +54,9 @@ def variant_overrides(name: str, profile: dict) -> list[str]:
 def run_variant(name: str, out: str, on_gpu: bool, steps: int | None, extra: list[str]) -> list[dict]:
     from omegaconf import OmegaConf
 
-    from rlanywhere.cli import DEMO_DATA_DIR, demo_profile
+    from rlanywhere import api
+    from rlanywhere.cli import demo_profile
     from rlanywhere.config import load_config
-    from rlanywhere.data import prepare_arithmetic
-    from rlanywhere.planner import apply_runtime, make_plan
     from rlanywhere.tracking import read_metrics
     from rlanywhere.trainer import RLTrainer
 
@@ -70,10 +69,8 @@ def run_variant(name: str, out: str, on_gpu: bool, steps: int | None, extra: lis
         test_freq = max(steps // 6, 1)
         overrides += [f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}"]
     cfg = load_config(None, overrides + extra, base=OmegaConf.create(profile))
-    if not os.path.exists(cfg.data.train_files):
-        prepare_arithmetic(DEMO_DATA_DIR, train_size=2000, test_size=200, digits=2, operators="+", seed=0)
-    plan = make_plan(cfg, for_execution=True)
-    apply_runtime(plan)
+    api.ensure_demo_data(cfg)  # the task the profile reads (2-digit on a GPU, 1-digit on a CPU)
+    plan = api.plan(cfg)  # planned and applied to the process as `rlanywhere train` does
     print(f"== {name}: {' '.join(overrides + extra)}", flush=True)
     RLTrainer(cfg, plan, run_dir).fit()
     return read_metrics(run_dir)

@@ -957,6 +957,11 @@ def test_overlap_bench_schedule_and_medians_by_hand():
     assert summary["in_turn"]["samples/s"] == pytest.approx(16 / 1.5) and summary["in_turn"]["steps"] == 2
     assert summary["both"]["s/step"] == 0.8 and summary["both"]["wait s"] == 0.1 and summary["both"]["update s"] is None
     assert "in_turn" in async_overlap.format_table(summary)
+    # the run ended: its last step (both's second) left out too, and never both's first in its place
+    ended = async_overlap.summarise(records, samples=16, run_ended=True)
+    assert ended["in_turn"]["s/step"] == pytest.approx(1.5) and ended["both"]["steps"] == 0
+    assert ended["both"]["s/step"] is None and ended["both"]["samples/s"] is None
+    assert "both" in async_overlap.format_table(ended)
     # partitionN: `both`'s overlap, stream priority and GIL interval, with the rollout's N SMs
     assert async_overlap.setting("partition40") == (*async_overlap.SETTINGS["both"][:3], "partition", 40)
     assert async_overlap.setting("green") == async_overlap.SETTINGS["green"]
