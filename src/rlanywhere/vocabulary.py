@@ -238,6 +238,14 @@ def has_fast_fp16(cc: Optional[tuple[int, int]]) -> bool:
     return cc is not None and tuple(cc) >= (7, 0)
 
 
+# The rollout's Triton kernels (decode attention, fused sampler, elementwise ops) are planned from this compute
+# capability up (planner/rollout.py says why), and so is an emulated plan's real card checked (planner/device.py)
+TRITON_DECODE_MIN_CC = (8, 0)
+# Training passes run their decoder layers compiled from this compute capability up (measured on an H200; Triton,
+# which inductor generates its GPU kernels with, does not run below 7.0, and 7.x is not measured).
+COMPILE_TRAINING_MIN_CC = (8, 0)
+
+
 def has_tf32(cc: Optional[tuple[int, int]]) -> bool:
     return cc is not None and tuple(cc) >= (8, 0)
 

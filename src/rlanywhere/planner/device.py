@@ -13,8 +13,8 @@ from .. import estimator as est
 from ..machine import CardSpec, DeviceInfo, HardwareProbe
 from ..plans import Plan
 from ..rank_layout import rank_gpu_index
-from ..vocabulary import ATTN_FLASH, ATTN_SDPA, BF16, PlanError, cc_str, flash_attn_capable, has_fast_fp16, \
-    has_native_bf16, has_tf32
+from ..vocabulary import ATTN_FLASH, ATTN_SDPA, BF16, COMPILE_TRAINING_MIN_CC, TRITON_DECODE_MIN_CC, PlanError, cc_str, \
+    flash_attn_capable, has_fast_fp16, has_native_bf16, has_tf32
 
 
 class Decision(NamedTuple):
@@ -164,9 +164,6 @@ def check_real_card_runs(plan: Plan, real: DeviceInfo, machine: HardwareProbe) -
                                                        flash_attn_capable(real.compute_capability)):
         raise PlanError(f"the plan for the emulated {plan.card} uses {ATTN_FLASH}, which the real {real.name} cannot "
                         f"run. Set hardware.attn_implementation={ATTN_SDPA}")
-    from .rollout import TRITON_DECODE_MIN_CC
-    from .training import COMPILE_TRAINING_MIN_CC
-
     rollout = plan.rollout
     kernels = [name for name, used, min_cc in (
         ("compiled training passes (actor_rollout_ref.actor.use_torch_compile)", plan.compile_training,

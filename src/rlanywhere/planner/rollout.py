@@ -15,16 +15,15 @@ from .. import estimator as est
 from ..machine import HardwareProbe, triton_usable
 from ..model_shape import ModelShape, read_model_shape
 from ..plans import Plan, RolloutPlan
-from ..vocabulary import DECODE_HALF_MIN_ROWS, DECODE_MATMUL, DECODE_SDPA, DECODE_TRITON, FP32, RolloutEngineName, \
-    cc_str, dtype_name, has_half_gemm_fp32_output, is_half
+from ..vocabulary import DECODE_HALF_MIN_ROWS, DECODE_MATMUL, DECODE_SDPA, DECODE_TRITON, FP32, TRITON_DECODE_MIN_CC, \
+    RolloutEngineName, cc_str, dtype_name, has_half_gemm_fp32_output, is_half
 from .device import Decision, Target
 
-# FastEngine's split-K Triton decode attention (rollout/decode_attention.py) is planned from this compute capability
+# FastEngine's split-K Triton decode attention (rollout/decode_attention.py) is planned from TRITON_DECODE_MIN_CC
 # up (measured on an H200 only; Pascal has no fast half math): in half precision, and in fp32 with its products as
 # three TF32 products (TF32 tensor cores start at 8.0 too). Volta and Turing are untimed, and there the kernels would
 # need other launch settings: compiled for sm_70 and sm_75 (Triton 3.6, fp16, two warps) they spill 640 bytes or
 # more a thread to local memory, where from sm_80 on they fit 128 registers without spilling.
-TRITON_DECODE_MIN_CC = (8, 0)
 TRITON_DECODE_REASON = ("split-K Triton kernel over each row's filled cache slots: faster than SDPA's fused kernel, "
                         "which gives each (row, KV head) one program and reads the left padding too")
 TRITON_FP32_DECODE_REASON = ("split-K Triton kernel with its fp32 products on TF32 tensor cores (attention_tf32x3): "

@@ -10,17 +10,14 @@ import math
 from typing import Optional
 
 from ..plans import Plan
-from ..vocabulary import ATTN_SDPA, CUDNN_SDPA, FP32, SHARED_PROMPTS_MASKED, SHARED_PROMPTS_VARLEN, PlanError, \
-    cc_str, dtype_name
+from ..vocabulary import ATTN_SDPA, COMPILE_TRAINING_MIN_CC, CUDNN_SDPA, FP32, SHARED_PROMPTS_MASKED, \
+    SHARED_PROMPTS_VARLEN, PlanError, cc_str, dtype_name
 from .device import Decision
 
 # Model families whose attention prompt_sharing.shared_prompt_attention reproduces (transformers' SDPA path with RoPE
 # from position_ids; sliding windows honoured): FastEngine's families
 SHARED_PROMPT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
-# Training passes run their decoder layers compiled from this compute capability up (measured on an H200; Triton,
-# which inductor generates its GPU kernels with, does not run below 7.0, and 7.x is not measured).
-COMPILE_TRAINING_MIN_CC = (8, 0)
 COMPILED_WIDTH_MULTIPLE = 8
 # auto compiles the training passes of runs of at least this many parameter-steps (steps x the model's parameters):
 # compiling costs about the same tens of seconds for any model, and saves a share of each update that grows with the
