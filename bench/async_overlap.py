@@ -193,7 +193,7 @@ def disjoint_green_streams(rollout_sms: int, priority: int):
 
 
 def apply_setting(pipeline, name: str, executor, carveout_sms: int, rollout_stream=None,
-                  reference_pass=None, threads: int = 1, all_threads: int = 1) -> None:
+                  reference_pass=None, threads: int | None = None, all_threads: int | None = None) -> None:
     """The pipeline's overlap, its rollout stream (`rollout_stream`: one of a green context), the GIL interval and
     where the reference's log-probs run (`reference_pass`: the plan's, None when they run in the step) of setting
     `name`. A rollout started under the previous setting keeps that setting's choice."""
@@ -212,7 +212,9 @@ def apply_setting(pipeline, name: str, executor, carveout_sms: int, rollout_stre
         runner.__dict__.pop("wait_for_steps", None)
         if partition == "spinning":
             runner.wait_for_steps = lambda: None
-    torch.set_num_threads(all_threads if partition == "all_cores" else threads)
+    pool = all_threads if partition == "all_cores" else threads
+    if pool is not None:  # torch's CPU thread pool of the setting (none given: left as it is)
+        torch.set_num_threads(pool)
     if torch.cuda.is_available():
         torch._C._set_sm_carveout_experimental(carveout_sms if partition == "carveout" else None)
 

@@ -52,6 +52,11 @@ def test_sequence_weights_by_hand():
     assert float(m["rollout_is_capped_frac"]) == pytest.approx(1 / 3)  # a share of sequences
     assert float(m["rollout_is_low_frac"]) == pytest.approx(1 / 3)
     assert float(m["rollout_is_mean"]) == pytest.approx((1.5 * 3 + 3 * 2 + 0.25) / 6, rel=1e-5)
+    # a fourth row with no response (a padding row of a micro-batch) is no sequence: the shares stay of three
+    old, rollout, mask = (torch.cat([t, torch.zeros(1, 3, dtype=t.dtype)]) for t in (old, rollout, mask))
+    _, padded = rollout_is_weights(old, rollout, mask, "sequence", threshold=2.5)
+    assert float(padded["rollout_is_capped_frac"]) == pytest.approx(1 / 3)
+    assert float(padded["rollout_is_low_frac"]) == pytest.approx(1 / 3)
 
 
 def _verl_reference(old, rollout, mask, level, threshold):
@@ -201,8 +206,11 @@ def test_decide_async_rollout():
 
 
 @pytest.mark.parametrize("card, expected", [("h100", OVERLAPPED), ("p40", SYNC)])
-def test_plan_says_whether_the_rollout_overlaps(card, expected):
+def test_plan_says_whether_the_rollout_overlaps(card, expected, monkeypatch):
     from rlanywhere.planner import make_plan
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the core left to the rollout: of the machine's cores
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
 
     items = ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "algorithm.adv_estimator=grpo",
              "actor_rollout_ref.rollout.n=8", "data.train_batch_size=16", "data.max_response_length=256",
@@ -217,7 +225,8 @@ def test_plan_says_whether_the_rollout_overlaps(card, expected):
     if expected == OVERLAPPED:  # a core left to the rollout's thread; whose kernels go first
         from rlanywhere.machine import usable_cpu_cores
 
-        assert plan.cpu_threads == max(1, usable_cpu_cores() - 1) and "cpu threads" in plan.summary()
+        if usable_cpu_cores() > 1:
+            assert plan.cpu_threads == usable_cpu_cores() - 1 and "cpu threads" in plan.summary()
         assert "the decode kernels go first" in plan.reasons["async_rollout"]
         update_first = make_plan(load_config(None, items + ["trainer.async.priority=update"]), for_execution=False)
         assert "trainer.async.priority=update" in update_first.reasons["async_rollout"]
@@ -308,10 +317,18 @@ def test_the_core_left_to_an_overlapped_rollout_counts_ranks_and_a_users_thread_
         return plan.cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert threads(16, 1) == 15 and threads(16, 4) == 3 and threads(1, 1) == 1 and threads(16, 32) == 1
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    assert threads(16, 1) == 15 and threads(16, 4) == 3 and threads(2, 1) == 1
+    assert threads(1, 1) is None and threads(16, 32) is None  # one core a process: none to spare, pool untouched
     assert threads(16, 1, IN_TURN) is None and threads(16, 1, SYNC) is None and threads(16, 1, device="cpu") is None
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's limit stays one: 3 for torch, 1 for the rollout
     assert threads(16, 1) == 3 and threads(2, 1) == 1
+    for limit in ("1", "1,1", " 1"):  # as torch reads it; torchrun's default for each rank
+        monkeypatch.setenv("OMP_NUM_THREADS", limit)
+        assert threads(16, 1) is None, limit
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")
+    assert threads(16, 1) == 2
 
 
 def test_the_runtime_leaves_the_planned_core_to_an_overlapped_rollout(monkeypatch):

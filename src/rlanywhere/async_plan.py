@@ -264,12 +264,25 @@ def spare_core_for_rollout(plan: Any, cpu_cores: int, ranks_per_node: int) -> No
     if plan.async_rollout != OVERLAPPED or not (str(plan.device).startswith("cuda") or plan.emulated):
         return
     cores = max(1, int(cpu_cores) // max(1, int(ranks_per_node)))
-    asked = os.environ.get("OMP_NUM_THREADS", "")
-    pool = min(cores, int(asked)) if asked.isdigit() and int(asked) > 0 else cores  # a user's limit stays a limit
-    plan.cpu_threads = max(1, pool - 1)
+    limit = user_thread_limit()
+    pool = min(cores, limit) if limit else cores  # a user's limit stays a limit
+    if pool <= 1:  # nothing to spare (torchrun gives each rank OMP_NUM_THREADS=1 unless told otherwise)
+        return
+    plan.cpu_threads = pool - 1
     plan.reasons["cpu_threads"] = (f"{plan.cpu_threads} CPU threads for torch's operators: one of the process's "
                                    f"{pool} " + ("cores" if pool == cores else "threads (OMP_NUM_THREADS)")
                                    + " left to the rollout's thread, which runs beside the update")
+
+
+def user_thread_limit() -> int | None:
+    """The CPU threads the user allowed torch (OMP_NUM_THREADS or MKL_NUM_THREADS, read as torch reads them: the
+    first number of a list), or None."""
+    limits = []
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        first = os.environ.get(name, "").split(",")[0].strip()
+        if first.isdigit() and int(first) > 0:
+            limits.append(int(first))
+    return min(limits) if limits else None
 
 
 def recheck_overlap_with_reward_model(cfg: Any, plan: Any, rm_plan: Any) -> None:

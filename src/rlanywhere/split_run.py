@@ -124,6 +124,7 @@ def run_split(overrides: list[str], rank: int, world: int, init_method: str) -> 
     from . import api
     from .config import load_config
     from .planner import make_plan
+    from .runtime import prepare_environment
     from .trainer import RLTrainer
 
     cfg = load_config(None, overrides)
@@ -131,6 +132,7 @@ def run_split(overrides: list[str], rank: int, world: int, init_method: str) -> 
         cfg.trainer["async"].rollout_ranks = 1
     cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = 1, world  # the job's ranks, all on this machine
     layout = _layout(cfg, world)
+    prepare_environment(cfg)  # the allocator's settings before anything below starts CUDA (the machine probe does)
     device = str(make_plan(cfg, for_execution=False).device)
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=init_method, rank=rank,
                             world_size=world)
