@@ -240,6 +240,10 @@ def test_plan_says_whether_the_rollout_overlaps(card, expected, monkeypatch):
     (["algorithm.rollout_correction.bypass_mode=true"], False),  # the PPO ratio against the rollout's log-probs
     (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"], False),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], False),  # one optimizer step: the update's own forward
+    # a KL penalty in the reward needs them before the update, even with one optimizer step; not in bypass mode,
+    # where the rollout's own log-probs stand for them (verl's bypass mode)
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=16", "algorithm.use_kl_in_reward=true"], True),
+    (["algorithm.use_kl_in_reward=true", "algorithm.rollout_correction.bypass_mode=true"], False),
 ])
 def test_plan_says_what_stays_on_the_critical_path(extra, stays):
     from rlanywhere.async_plan import old_policy_forward_stays
@@ -865,6 +869,30 @@ def test_bypass_mode_logs_the_importance_weights_without_applying_them(level):
     expected_mean = 2.0 if level == "token" else 6.0  # before the cap: mean(2, 1, 3), or the product
     assert float(means["rollout_is_mean"]) == pytest.approx(expected_mean)
     assert applied is not None and float(applied.max()) == pytest.approx(2.0)
+
+
+def test_bypass_mode_takes_the_rewards_kl_penalty_against_the_rollouts_log_probs(tiny_model_dir, arith_data, tmp_path):
+    """verl's bypass mode: the rollout's own log-probs stand for the old policy's, also in the reward's KL penalty, so
+    the step runs no forward for them; with several optimizer steps a step the trainer-vs-rollout precision gap,
+    which needs the trainer's pi_old, is not reported (nor watched by the precision guard): the current policy has
+    moved after the first."""
+    extra = {"algorithm.rollout_correction.bypass_mode": True, "algorithm.use_kl_in_reward": True,
+             "algorithm.adv_estimator": "grpo", "trainer.total_training_steps": 1,
+             "actor_rollout_ref.actor.ppo_mini_batch_size": 2}
+    trainer = _trainer(_overrides(tiny_model_dir, arith_data, tmp_path / "run", **extra))
+    batches = []
+    original = trainer.updater.ppo_update
+
+    def spy(name, model, optimizer, batch, *args, **kwargs):
+        batches.append(batch)
+        return original(name, model, optimizer, batch, *args, **kwargs)
+
+    trainer.updater.ppo_update = spy
+    trainer.fit()
+    row = _rows(tmp_path / "run")[1]
+    assert "timing/old_log_prob" not in row and "actor/reward_kl_penalty" in row
+    assert "actor/rollout_logprob_gap" not in row
+    assert batches and batches[0].old_logprobs is batches[0].rollout.response_logprobs
 
 
 @pytest.mark.slow

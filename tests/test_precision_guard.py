@@ -245,9 +245,11 @@ def test_fp16_training_counts_an_injected_overflow_and_keeps_going(tiny_model_di
 def test_trainer_stops_when_the_logprob_gap_stays_above_the_threshold(tiny_model_dir, arith_data, tmp_path, bypass):
     # the rail watches every precision; fp32's gap is ~1e-6, so a threshold of 1e-9 trips it. In bypass mode the
     # PPO ratio is taken against the rollout's log-probs, but the gap is still the trainer's against the rollout's
+    # where the update's first micro-batches see the trainer's pi_old: with one optimizer step a step
     trainer = _trainer(tiny_model_dir, arith_data, tmp_path / "run", fp16=False, **{
         "hardware.max_logprob_gap": 1e-9, "hardware.logprob_gap_patience": 2, "algorithm.adv_estimator": "grpo",
-        "algorithm.rollout_correction.bypass_mode": bypass})
+        "algorithm.rollout_correction.bypass_mode": bypass,
+        **({"actor_rollout_ref.actor.ppo_mini_batch_size": 4} if bypass else {})})
     assert trainer.train_step(trainer.loader.next_batch())["actor/rollout_logprob_gap"] < 1e-4
     with pytest.raises(PrecisionGuardError, match="last 2 steps, above hardware.max_logprob_gap=1e-09 \\(fp32\\)"):
         trainer.train_step(trainer.loader.next_batch())

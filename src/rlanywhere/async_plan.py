@@ -176,10 +176,13 @@ def split_reason(rollout: int) -> str:
 def old_policy_forward_stays(cfg: Any) -> bool:
     """Whether each step runs the trainer's forward for the old policy's log-probs, which the background cannot take:
     it needs the weights the previous update produced. Skipped with one optimizer step a step (the update's own
-    forward gives them) and in bypass mode (rollout_correction.recomputes_old_logprobs)."""
+    forward gives them), unless a KL penalty in the reward needs them before the update, and in bypass mode (the
+    rollout's own log-probs stand for them: rollout_correction.recomputes_old_logprobs)."""
     actor = cfg.actor_rollout_ref.actor
     single_update = int(actor.ppo_epochs) == 1 and int(actor.ppo_mini_batch_size) >= int(cfg.data.train_batch_size)
-    return not single_update and not cfg.algorithm.rollout_correction.bypass_mode
+    kl_in_reward = bool(cfg.algorithm.use_kl_in_reward) and float(cfg.algorithm.kl_ctrl.kl_coef) > 0
+    needed_before = not single_update or kl_in_reward
+    return needed_before and not cfg.algorithm.rollout_correction.bypass_mode
 
 
 CRITICAL_PATH_NOTE = ("; the trainer's forward for the old policy's log-probs stays on each step's critical path "

@@ -204,9 +204,11 @@ class RLTrainer(TrainerCheckpoints):
 
     def update_actor(self, batch: StepBatch) -> dict:
         actor_cfg = self.cfg.actor_rollout_ref.actor
+        prompts = batch.rows // self.n * self.dp.world  # the step's, over every rank
         loss_fn = actor_loss(batch, actor_cfg, self.cfg.actor_rollout_ref.rollout, self.plan.logprob_chunk_size,
                              self.device, compiled_head=self.plan.compile_training,
-                             correction=RolloutCorrection.from_config(self.cfg.algorithm.rollout_correction))
+                             correction=RolloutCorrection.from_config(self.cfg.algorithm.rollout_correction),
+                             several_optimizer_steps=actor_cfg.ppo_epochs > 1 or actor_cfg.ppo_mini_batch_size < prompts)
         return self.updater.ppo_update(
             "actor", self.actor, self.optimizers["actor"], batch, loss_fn, mini_rows=actor_cfg.ppo_mini_batch_size
             * self.n, epochs=actor_cfg.ppo_epochs, shuffle_seed=self.shuffle_seed(actor_cfg),
@@ -270,8 +272,11 @@ class RLTrainer(TrainerCheckpoints):
             with timer("ref_log_prob"):
                 batch.ref_logprobs = self.reference_logprobs(batch)
         if batch.old_logprobs is None and algo_cfg.use_kl_in_reward and self.plan.use_ref:
-            with timer("old_log_prob"):  # the KL penalty in the reward needs them before the update
-                batch.old_logprobs = self.logprobs(self.actor, batch)
+            if algo_cfg.rollout_correction.bypass_mode:  # the behaviour policy is the rollout's (verl's bypass mode)
+                batch.old_logprobs = batch.rollout.response_logprobs
+            else:
+                with timer("old_log_prob"):  # the KL penalty in the reward needs them before the update
+                    batch.old_logprobs = self.logprobs(self.actor, batch)
 
         # 4. values from the critic (PPO/GAE only)
         if self.critic is not None:

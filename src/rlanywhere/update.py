@@ -332,10 +332,12 @@ def critic_loss(batch: StepBatch, critic_cfg, device: str) -> LossFn:
 
 
 def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int, device: str,
-               compiled_head: bool = False, correction: Optional[RolloutCorrection] = None) -> LossFn:
+               compiled_head: bool = False, correction: Optional[RolloutCorrection] = None,
+               several_optimizer_steps: bool = False) -> LossFn:
     """The actor's loss_fn: PPO clip (or GSPO) - entropy bonus + KL loss, one aggregation mode. compiled_head:
     the log-prob head's chunk math compiled (plan.compile_training). correction: the rollout correction
-    (rollout_correction.py): importance weights between the rollout's and the trainer's policies."""
+    (rollout_correction.py): importance weights between the rollout's and the trainer's policies.
+    several_optimizer_steps: the update takes more than one, so the policy moves between its micro-batches."""
     correction = correction or RolloutCorrection()
     temperature = rollout_cfg.temperature or 1.0
     clip_low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
@@ -352,9 +354,13 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
         if padding:  # [distributed] a padding pass: zero weight on the model's outputs, never on the batch's data
             return logprob.sum() * 0.0, {}, {}
         pick = lambda t: to_device(t[rows, :micro.response_len], device)  # noqa: E731
-        old = pick(batch.old_logprobs) if batch.old_logprobs is not None else logprob.detach()
-        is_weights, correction_means = correction.weights(old, pick(batch.rollout.response_logprobs), resp_mask)
-        trainer_old, old = old, correction.behaviour(old, pick(batch.rollout.response_logprobs))
+        rollout_logprobs = pick(batch.rollout.response_logprobs)
+        # the trainer's policy before this update (a single update's own forward gives it); in bypass mode the
+        # current policy, which the logged weights compare with the rollout's, as verl's bypass mode does
+        trainer_old = pick(batch.old_logprobs) if batch.old_logprobs is not None and not correction.bypass_mode \
+            else logprob.detach()
+        is_weights, correction_means = correction.weights(trainer_old, rollout_logprobs, resp_mask)
+        old = correction.behaviour(trainer_old, rollout_logprobs)
         # means: pg_clipfrac, approx_kl, ratio statistics (algorithms.POLICY_LOSSES)
         pg_loss, means = policy_loss(old, logprob, pick(batch.advantages), resp_mask, clip_low, clip_high,
                                      actor_cfg.clip_ratio_c, mode, scale, token_weights=is_weights)
@@ -367,9 +373,11 @@ def actor_loss(batch: StepBatch, actor_cfg, rollout_cfg, logprob_chunk_size: int
         # means over this micro-batch's sequences: its share of the mini-batch's sequences, as losses are shares
         sequences = (resp_mask.sum(-1) > 0).sum() / max(scale.sequences, 1.0)
         shares.update({key: means.pop(key) * sequences for key in sequence_metrics if key in means})
-        if compare_rollout:  # trainer vs rollout log-probs of the behaviour policy (precision_guard)
-            means["rollout_logprob_gap"] = rollout_logprob_gap(trainer_old, pick(batch.rollout.response_logprobs),
-                                                               resp_mask)
+        # trainer vs rollout log-probs of the behaviour policy (precision_guard). In bypass mode the trainer's pi_old
+        # is the current policy only while no optimizer step has moved it: with several, the gap would be the
+        # update's own moves, not the precision's
+        if compare_rollout and not (correction.bypass_mode and several_optimizer_steps):
+            means["rollout_logprob_gap"] = rollout_logprob_gap(trainer_old, rollout_logprobs, resp_mask)
         if actor_cfg.use_kl_loss and batch.ref_logprobs is not None:
             kl = algo.kl_loss(logprob, pick(batch.ref_logprobs), resp_mask, actor_cfg.kl_loss_type, mode, scale)
             loss = loss + actor_cfg.kl_loss_coef * kl
