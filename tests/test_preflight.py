@@ -138,9 +138,39 @@ def test_model_checks(tmp_path, tiny_model_dir):
     (checkpoint / "actor_lora" / "adapter_config.json").write_text("{}")
     assert "is a checkpoint; its model is in" in preflight.model_problems(str(checkpoint), key, False, trust)[0]
     assert "LoRA adapters only" in preflight.model_problems(str(checkpoint / "actor_lora"), key, False, trust)[0]
+    # a gguf_file named beside a config.json must be there too (it is what loads)
+    missing = preflight.model_problems(str(tiny_model_dir), key, False, trust, gguf_file="missing.gguf")
     assert "does not exist" in preflight.model_problems(str(tmp_path / "m.gguf"), key, False, trust)[0]
     # planning needs only the shape: a named shape plans without the hub
     assert preflight.model_problems("Qwen/Qwen2.5-0.5B-Instruct", key, False, trust, named_shape_ok=True) == []
+    assert len(missing) == 1 and "has no missing.gguf" in missing[0]
+
+
+def test_a_file_that_is_no_gguf_is_refused_with_its_name_while_planning(tmp_path):
+    from rlanywhere.model_shape import read_model_shape
+    from rlanywhere.vocabulary import PlanError
+
+    broken = tmp_path / "model.gguf"
+    broken.write_bytes(b"not a gguf file" * 64)
+    with pytest.raises(PlanError, match="model.gguf is not a readable GGUF file"):
+        read_model_shape(str(broken))
+
+
+def test_an_untold_tie_of_the_lm_head_is_its_model_types_default(tmp_path):
+    """A config.json without tie_word_embeddings: llama's and qwen2's classes default to a separate LM head (its
+    parameters count in the plan), gemma's to a tied one; a type transformers does not know, PretrainedConfig's True."""
+    from rlanywhere.model_shape import read_model_shape
+
+    def shape(model_type):
+        folder = tmp_path / model_type
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({
+            "model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 1000, "intermediate_size": 128}))
+        return read_model_shape(str(folder))
+
+    assert not shape("llama").tie_word_embeddings and not shape("qwen2").tie_word_embeddings
+    assert shape("gemma").tie_word_embeddings and shape("not_a_known_type").tie_word_embeddings
 
 
 def test_good_inputs_have_no_problems(tiny_model_dir, arith_data):

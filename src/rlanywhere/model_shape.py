@@ -106,6 +106,17 @@ def _normalise_model_name(path: str) -> str:
     return name
 
 
+def _default_tie(model_type: str) -> bool:
+    """Whether a config.json that does not say ties the LM head to the embeddings: its model type's config class
+    default (False for llama, mistral, qwen2, qwen3, ...), PretrainedConfig's True for a type transformers lacks."""
+    try:
+        from transformers import AutoConfig
+
+        return bool(AutoConfig.for_model(model_type).tie_word_embeddings)
+    except (ValueError, KeyError, ImportError):
+        return True
+
+
 def _shape_from_hf_dict(config: dict, name: str) -> ModelShape:
     config = dict(config.get("text_config") or config)
     model_type = str(config.get("model_type", "llama"))
@@ -121,8 +132,7 @@ def _shape_from_hf_dict(config: dict, name: str) -> ModelShape:
         name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         intermediate_size=int(config.get("intermediate_size") or 4 * hidden), vocab_size=vocab,
-        # PretrainedConfig's default is True when config.json does not say
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", _default_tie(model_type))),
         head_dim=int(config.get("head_dim") or 0),
         attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
         model_type=model_type, max_position_embeddings=config.get("max_position_embeddings"))
@@ -143,7 +153,11 @@ def _shape_from_gguf(path: Path) -> ModelShape:
     except ImportError as exc:
         raise PlanError(f"reading {path.name} needs the gguf package: pip install gguf "
                         "(or pip install rlanywhere[gguf])") from exc
-    reader = GGUFReader(str(path))
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as exc:
+        raise PlanError(f"{path} is not a readable GGUF file ({exc}): download it again, or point "
+                        "actor_rollout_ref.model.path at a Hugging Face model folder") from exc
 
     def get(key: str, default: Any = None) -> Any:
         field_ = reader.fields.get(key)

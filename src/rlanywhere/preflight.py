@@ -221,10 +221,10 @@ def model_problems(path: Optional[str], key: str, trust_remote_code: bool, trust
     if local.suffix == ".gguf":
         return [] if local.is_file() else [f"{key}: the model file {path} does not exist"]
     if local.is_dir():
+        if gguf_file and not (local / gguf_file).is_file():  # with or without a config.json beside it
+            return [f"{key}: {path} has no {gguf_file} (actor_rollout_ref.model.gguf_file)"]
         if not (local / "config.json").is_file():
             ggufs = sorted(local.glob("*.gguf"))
-            if gguf_file and not (local / gguf_file).is_file():
-                return [f"{key}: {path} has no {gguf_file} (actor_rollout_ref.model.gguf_file)"]
             if ggufs or gguf_file:
                 return []
             if (local / "actor" / "config.json").is_file():  # a checkpoint: its actor/ holds the model
