@@ -25,14 +25,19 @@ def _write(path, rows):
 
 @pytest.fixture
 def no_loading(monkeypatch):
-    """Anything that plans or loads a model fails the test: the answer must come before."""
+    """Anything that plans or loads a model fails the test: the answer must come before. The modules that bind these
+    functions at import are imported first and patched too: imported for the first time under the patch, they would
+    keep the failing stand-in for the rest of the session."""
+    import rlanywhere.builders as builders
+    import rlanywhere.doctor as doctor
     import rlanywhere.models as models
     import rlanywhere.planner as planner
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model was planned or loaded before the inputs were checked")
 
-    for module, name in ((models, "load_causal_lm"), (models, "load_tokenizer"), (planner, "make_plan")):
+    for module, name in ((models, "load_causal_lm"), (models, "load_tokenizer"), (planner, "make_plan"),
+                         (builders, "load_causal_lm"), (builders, "load_tokenizer"), (doctor, "make_plan")):
         monkeypatch.setattr(module, name, loaded)
 
 
