@@ -28,10 +28,7 @@ def no_loading(monkeypatch):
     """Anything that plans or loads a model fails the test: the answer must come before. The modules that bind these
     functions at import are imported first and patched too: imported for the first time under the patch, they would
     keep the failing stand-in for the rest of the session."""
-    import rlanywhere.builders as builders
-    import rlanywhere.doctor as doctor
-    import rlanywhere.models as models
-    import rlanywhere.planner as planner
+    from rlanywhere import builders, doctor, models, planner
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model was planned or loaded before the inputs were checked")
