@@ -202,13 +202,17 @@ class RLTrainer(TrainerCheckpoints):
             grad_clip=critic_cfg.grad_clip, kind=SizeKind.CRITIC_MICRO_BATCH, park=self.actor,
             norm_length=critic_cfg.loss_scale_factor)
 
+    def several_optimizer_steps(self, prompts: int) -> bool:
+        """Whether the actor's update of a step of `prompts` prompts (this rank's) takes more than one optimizer step."""
+        actor_cfg = self.cfg.actor_rollout_ref.actor
+        return actor_cfg.ppo_epochs > 1 or actor_cfg.ppo_mini_batch_size < prompts * self.dp.world
+
     def update_actor(self, batch: StepBatch) -> dict:
         actor_cfg = self.cfg.actor_rollout_ref.actor
-        prompts = batch.rows // self.n * self.dp.world  # the step's, over every rank
         loss_fn = actor_loss(batch, actor_cfg, self.cfg.actor_rollout_ref.rollout, self.plan.logprob_chunk_size,
                              self.device, compiled_head=self.plan.compile_training,
                              correction=RolloutCorrection.from_config(self.cfg.algorithm.rollout_correction),
-                             several_optimizer_steps=actor_cfg.ppo_epochs > 1 or actor_cfg.ppo_mini_batch_size < prompts)
+                             several_optimizer_steps=self.several_optimizer_steps(batch.rows // self.n))
         return self.updater.ppo_update(
             "actor", self.actor, self.optimizers["actor"], batch, loss_fn, mini_rows=actor_cfg.ppo_mini_batch_size
             * self.n, epochs=actor_cfg.ppo_epochs, shuffle_seed=self.shuffle_seed(actor_cfg),
@@ -261,9 +265,8 @@ class RLTrainer(TrainerCheckpoints):
         # 3. old log-probs (the behaviour policy for the PPO ratio) and reference log-probs (for KL).
         # With a single on-policy optimizer step the old policy *is* the current one: its log-probs are the
         # detached log-probs of the update's own forward, so we skip a full forward pass here.
-        single_update = actor_cfg.ppo_epochs == 1 and actor_cfg.ppo_mini_batch_size >= len(items) * self.dp.world
         # [async] bypass mode without importance weights: the rollout's own log-probs are the old policy
-        if not single_update and recomputes_old_logprobs(algo_cfg.rollout_correction):
+        if self.several_optimizer_steps(len(items)) and recomputes_old_logprobs(algo_cfg.rollout_correction):
             with timer("old_log_prob"):
                 batch.old_logprobs = self.logprobs(self.actor, batch)
         # [async] plan.ref_with_rollout: the pipeline computed them after the rollout (for its rows: none moved)
