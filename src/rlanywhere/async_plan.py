@@ -272,9 +272,9 @@ def spare_core_for_rollout(plan: Any, cpu_cores: int, ranks_per_node: int) -> No
     if pool <= 1:  # nothing to spare (torchrun gives each rank OMP_NUM_THREADS=1 unless told otherwise)
         return
     plan.cpu_threads = pool - 1
+    allowed = "cores" if pool == cores else "threads (OMP_NUM_THREADS / MKL_NUM_THREADS)"
     plan.reasons["cpu_threads"] = (f"{plan.cpu_threads} CPU threads for torch's operators: one of the process's "
-                                   f"{pool} " + ("cores" if pool == cores else "threads (OMP_NUM_THREADS)")
-                                   + " left to the rollout's thread, which runs beside the update")
+                                   f"{pool} {allowed} left to the rollout's thread, which runs beside the update")
 
 
 def user_thread_limit() -> int | None:
