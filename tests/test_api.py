@@ -166,3 +166,23 @@ def test_the_suggested_eval_command_scores_as_the_run_validated():
                                                   "actor_rollout_ref.rollout.stop=['2']"]))
     assert custom.startswith(" --max-new-tokens 8 custom_reward_function.path=mine.py")
     assert custom.endswith(" \"actor_rollout_ref.rollout.stop=['2']\"")
+
+
+def test_the_marker_note_is_for_the_built_in_gsm8k_rule_only(tmp_path):
+    """A summary with a held-out accuracy and a low val/format explains the GSM8K rule's '####' marker; a custom
+    reward function (whose val/format counts 0 when it returns none) or a reward model gets no such note."""
+    from types import SimpleNamespace
+
+    from rlanywhere.api import TrainResult
+    from rlanywhere.config import load_config
+
+    metrics = {"val/acc": 0.9, "val/format": 0.0, "step": 8}
+
+    def lines(*overrides):
+        trainer = SimpleNamespace(cfg=load_config(None, list(overrides)))
+        return "\n".join(TrainResult(run_dir=str(tmp_path), steps=8, minutes=1.0, final_model=None,
+                                     val_after=metrics, trainer=trainer).summary_lines())
+
+    assert "'####' marker in 0%" in lines()
+    assert "'####'" not in lines(f"custom_reward_function.path={tmp_path / 'capitals.py'}")
+    assert "'####'" not in lines("reward_model.enable=true", "reward_model.model.path=some/rm")

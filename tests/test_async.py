@@ -335,6 +335,37 @@ def test_the_core_left_to_an_overlapped_rollout_counts_ranks_and_a_users_thread_
     assert threads(16, 1) == 2
 
 
+def test_the_core_left_to_an_overlapped_rollout_counts_physical_cores(monkeypatch, tmp_path):
+    """On a machine with hyper-threads torch's pool has one thread per physical core by default: the overlapped plan
+    leaves one of those to the rollout, not one of the logical CPUs (which would make the pool larger than torch's).
+    The physical cores are read from Linux's CPU topology, each core's hyper-threads counted once."""
+    from rlanywhere.async_plan import spare_core_for_rollout
+    from rlanywhere.machine import usable_physical_cores
+    from rlanywhere.plans import Plan
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    plan = Plan(device="cuda", async_rollout=OVERLAPPED)
+    spare_core_for_rollout(plan, 16, 1, physical_cores=8)
+    assert plan.cpu_threads == 7 and "8 physical cores" in plan.reasons["cpu_threads"]
+    spare_core_for_rollout(plan, 16, 2, physical_cores=16)  # no hyper-threads: as before
+    assert plan.cpu_threads == 7 and "8 cores" in plan.reasons["cpu_threads"]
+
+    for cpu in range(4):  # 4 logical CPUs: 2 cores x 2 hyper-threads, one package
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text("0\n")
+        (topology / "core_id").write_text(f"{cpu % 2}\n")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert usable_physical_cores(str(tmp_path)) == 2
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})  # one thread of each core: still 2 cores
+    assert usable_physical_cores(str(tmp_path)) == 2
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 2})  # the two threads of core 0
+    assert usable_physical_cores(str(tmp_path)) == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})  # no topology for cpu4: unknown
+    assert usable_physical_cores(str(tmp_path)) is None
+
+
 def test_the_runtime_leaves_the_planned_core_to_an_overlapped_rollout(monkeypatch):
     """A GPU plan's cpu_threads (an overlapped rollout's spare core) sizes torch's CPU thread pool as a CPU rank's
     does; a plan without it leaves the pool as it is."""
@@ -582,6 +613,27 @@ def _rows(run_dir):
     from rlanywhere.tracking import read_metrics
 
     return {m["step"]: m for m in read_metrics(str(run_dir)) if "reward/mean" in m}
+
+
+@pytest.mark.parametrize("kl_coef, forward", [(0.0, False), (0.001, True)])
+def test_a_kl_in_reward_of_coefficient_0_runs_no_old_policy_forward(tiny_model_dir, arith_data, tmp_path, kl_coef,
+                                                                     forward):
+    """use_kl_in_reward with kl_coef 0 beside a KL loss (which keeps the reference): the penalty adds nothing, so the
+    step runs no old-policy forward for it, as the plan says (old_policy_forward_stays); with a positive
+    coefficient it does (one optimizer step a step: nothing else needs it)."""
+    from rlanywhere.async_plan import old_policy_forward_stays
+
+    run = tmp_path / "run"
+    items = _overrides(tiny_model_dir, arith_data, run, **{
+        "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.kl_coef": kl_coef,
+        "actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.kl_loss_coef": 0.01,
+        "trainer.total_training_steps": 1})
+    assert old_policy_forward_stays(load_config(None, items)) is forward
+    trainer = _trainer(items)
+    assert trainer.plan.use_ref  # the KL loss keeps the reference either way
+    trainer.fit()
+    row = _rows(run)[1]
+    assert ("timing/old_log_prob" in row) is forward and ("actor/reward_kl_penalty_coeff" in row) is forward
 
 
 KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/entropy")

@@ -93,3 +93,63 @@ def test_retention_keeps_the_last_healthy_checkpoint_and_non_positive_keeps_all(
     for step in (1, 2, 3):
         assert os.path.isdir(save(every, step))
     assert len(list_checkpoints(str(tmp_path / "all"))) == 3
+
+
+class _RunsCode:
+    """A pickle that makes a directory when loaded: what a tampered checkpoint file could do instead."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_a_checkpoint_whose_dcp_metadata_would_run_code_is_refused(tmp_path):
+    """A checkpoint folder with a dcp/ directory loads through torch.distributed.checkpoint, whose .metadata is a
+    pickle: a tampered one (manifest rewritten to match) is refused without running anything, and resume reports
+    the checkpoint as unusable instead of crashing."""
+    import json
+    import pickle
+
+    import pytest
+
+    from rlanywhere.checkpoint import CheckpointError, write_manifest
+    from rlanywhere.checkpointer import Checkpointer
+    from rlanywhere.distributed import DataParallel
+
+    step = tmp_path / "run" / "checkpoints" / "global_step_1"
+    (step / "dcp").mkdir(parents=True)
+    marker = tmp_path / "code_ran"
+    (step / "dcp" / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    (step / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+    write_manifest(str(step))
+    with pytest.raises(CheckpointError, match="is not something DCP writes"):
+        Checkpointer(str(tmp_path / "run"), DataParallel()).resume(actor=torch.nn.Linear(2, 2), optimizers={},
+                                                                   schedulers={})
+    assert not marker.exists()
+
+
+def test_a_dcp_entry_that_would_run_code_is_refused_before_it_loads(tmp_path):
+    """DCP's own planner loads a checkpoint's non-tensor entries (optimizer param_groups) with weights_only=False;
+    ours loads each with weights_only=True first."""
+    import io
+
+    import pytest
+
+    from rlanywhere.dist_checkpoint import _weights_only_planner
+
+    marker = tmp_path / "code_ran"
+    payload = io.BytesIO()
+    torch.save(_RunsCode(str(marker)), payload)
+    payload.seek(0)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        _weights_only_planner().load_bytes(None, payload)
+    assert not marker.exists()
+    plain = io.BytesIO()
+    torch.save({"lr": 1e-3, "betas": (0.9, 0.999)}, plain)
+    plain.seek(0)
+    planner = _weights_only_planner()
+    planner.flatten_state_dict, planner.state_dict = False, {}
+    planner.load_bytes(type("Item", (), {"dest_index": type("Index", (), {"fqn": "group"})()})(), plain)
+    assert planner.state_dict["group"] == {"lr": 1e-3, "betas": (0.9, 0.999)}

@@ -29,6 +29,22 @@ def test_plan_prints_decisions_and_refuses_bf16_on_p40(capsys):
     assert "compute capability" in capsys.readouterr().out
 
 
+def test_plan_for_emulated_cards_keeps_the_world_asked_for(capsys, monkeypatch):
+    """`plan --emulate p40` with trainer.n_gpus_per_node=2 plans two P40s (sharded, NCCL) whatever GPUs this machine
+    has, as docs/distributed.md shows: nothing runs here. (It planned one device on a machine without a GPU.)"""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    job = ["actor_rollout_ref.model.path=qwen2.5-1.5b", "algorithm.adv_estimator=grpo", "data.train_batch_size=16",
+           "actor_rollout_ref.rollout.n=8", "data.max_prompt_length=256", "data.max_response_length=512",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "hardware.optimizer_offload=false"]
+    assert main(["plan", *job, "--emulate", "p40"]) == 2  # one P40: the update needs 28.75 GiB
+    assert "28.75 GiB in actor_update" in capsys.readouterr().out
+    assert main(["plan", *job, "trainer.n_gpus_per_node=2", "--emulate", "p40"]) == 0
+    captured = capsys.readouterr()
+    assert "2 x shard (nccl)" in captured.out and "plans and trains on the CPU" not in captured.err
+
+
 def test_eval_and_plot_a_trained_run(tiny_model_dir, arith_data, tmp_path, capsys):
     run = tmp_path / "run"
     trainer, _ = run_training(base_overrides(tiny_model_dir, arith_data, run, **{"algorithm.adv_estimator": "grpo"}))

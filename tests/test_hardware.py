@@ -815,3 +815,18 @@ def test_an_emulated_newer_card_is_refused_where_the_real_card_cannot_run_its_pl
     assert "compiled training" in str(refused.value) and "cc 6.1" in str(refused.value)
     plan = make_plan(load_config(None, PPO_05B), HardwareProbe.fake("h200", triton_usable=True), emulate="p40")
     assert plan.emulated and plan.rollout.decode_attention != "triton" and not plan.compile_training
+
+
+def test_an_emulated_plan_with_varlen_flash_for_shared_prompts_is_refused_on_a_card_without_flash():
+    """Emulating an A10 on a V100 (cc 7.0) without Triton plans fp16 and, with shared prompts, the varlen flash
+    kernel (FlashAttention-2: cc >= 8.0), which the V100 cannot run: refused before anything loads. With the masked
+    shared-prompt kernel (no flash) the same emulation plans."""
+    from rlanywhere.machine import HardwareProbe
+
+    v100 = HardwareProbe.fake("v100-32g", triton_usable=False)
+    job = PPO_05B + ["hardware.precision=fp16", "hardware.share_prompts=true"]
+    with pytest.raises(PlanError, match="varlen flash attention for shared prompts") as refused:
+        make_plan(load_config(None, job), v100, emulate="a10", for_execution=True)
+    assert "cc 7.0" in str(refused.value)
+    plan = make_plan(load_config(None, job), v100, emulate="t4", for_execution=True)
+    assert plan.share_prompts and plan.shared_prompt_kernel != "flash_varlen"

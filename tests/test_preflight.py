@@ -158,6 +158,23 @@ def test_a_file_that_is_no_gguf_is_refused_with_its_name_while_planning(tmp_path
         read_model_shape(str(broken))
 
 
+def test_the_reward_models_path_is_read_before_anything_loads(tmp_path, tiny_model_dir, monkeypatch):
+    """reward_model.model.path is checked as the actor's is: a missing folder, or a hub id neither cached nor
+    reachable, is one line naming the key (not huggingface_hub's retries half a minute later); with the reward model
+    off the key is not read."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    base = [f"actor_rollout_ref.model.path={tiny_model_dir}"]
+    missing = load_config(None, base + ["reward_model.enable=true", "reward_model.model.path=./nowhere"])
+    lines = preflight.run_model_problems(missing)
+    assert len(lines) == 1 and lines[0].startswith("reward_model.model.path: ") and "does not exist" in lines[0]
+    hub = load_config(None, base + ["reward_model.enable=true", "reward_model.model.path=someone/Some-RM-v0.1"])
+    lines = preflight.run_model_problems(hub)
+    assert len(lines) == 1 and "reward_model.model.path: someone/Some-RM-v0.1 is not in the local" in lines[0]
+    off = load_config(None, base + ["reward_model.model.path=./nowhere"])
+    assert preflight.run_model_problems(off) == []
+
+
 def test_an_untold_tie_of_the_lm_head_is_its_model_types_default(tmp_path):
     """A config.json without tie_word_embeddings: llama's and qwen2's classes default to a separate LM head (its
     parameters count in the plan), gemma's to a tied one; a type transformers does not know, PretrainedConfig's True."""
@@ -173,6 +190,39 @@ def test_an_untold_tie_of_the_lm_head_is_its_model_types_default(tmp_path):
 
     assert not shape("llama").tie_word_embeddings and not shape("qwen2").tie_word_embeddings
     assert shape("gemma").tie_word_embeddings and shape("not_a_known_type").tie_word_embeddings
+
+
+def test_a_multimodal_config_keeps_its_tie_flag_outside_its_text_config(tmp_path):
+    """transformers writes Qwen2.5-VL's config.json with tie_word_embeddings beside text_config, whose config class
+    has no such field: the outer flag is read, and a text type whose class lacks the field does not stop planning."""
+    from transformers import AutoConfig
+
+    from rlanywhere.model_shape import read_model_shape
+
+    text = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+            "intermediate_size": 128, "vocab_size": 1000}
+    for tied in (False, True):
+        folder = tmp_path / f"vl-{tied}"
+        AutoConfig.for_model("qwen2_5_vl", text_config=text, tie_word_embeddings=tied).save_pretrained(folder)
+        shape = read_model_shape(str(folder))
+        assert shape.tie_word_embeddings is tied and shape.model_type == "qwen2_5_vl_text"
+    folder = tmp_path / "vl-untold"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl",
+                                                    "text_config": {"model_type": "qwen2_5_vl_text", **text}}))
+    assert read_model_shape(str(folder)).tie_word_embeddings  # no flag anywhere: PretrainedConfig's default
+
+
+def test_a_config_json_beside_the_named_gguf_file_is_a_model(tmp_path):
+    """With actor_rollout_ref.model.gguf_file the weights come from that file: a folder with a config.json and the
+    GGUF (no safetensors) is accepted, as the loader loads it."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                                      "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "vocab_size": 1000}))
+    (tmp_path / "model.Q4.gguf").write_bytes(b"GGUF")
+    key, trust = "actor_rollout_ref.model.path", "actor_rollout_ref.model.trust_remote_code"
+    assert preflight.model_problems(str(tmp_path), key, False, trust, gguf_file="model.Q4.gguf") == []
+    assert "no weights" in preflight.model_problems(str(tmp_path), key, False, trust)[0]
 
 
 def test_good_inputs_have_no_problems(tiny_model_dir, arith_data):

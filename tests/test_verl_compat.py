@@ -66,6 +66,14 @@ def test_dapo_in_verls_spelling_is_our_overlong_penalty():
     assert "honoured as reward_model.overlong_buffer.len=64" in notices and "max_resp_len=512" in notices
 
 
+def test_max_resp_len_alone_in_its_layer_is_taken_with_a_notice():
+    """DAPO's max_resp_len on a command line (or a YAML) without the overlong_buffer_cfg keys beside it: the key is
+    taken with its notice and the reward_model section it leaves empty goes too (it read as an unknown key)."""
+    cfg, notices = loaded("+reward_model.reward_kwargs.max_resp_len=512")
+    assert "max_resp_len=512" in notices and cfg.reward_model.overlong_buffer.len == \
+        load_config(None, []).reward_model.overlong_buffer.len
+
+
 def test_prime_reward_manager_is_served():
     cfg, _ = loaded("reward_model.reward_manager=prime")
     assert cfg.reward_model.reward_manager == "prime"

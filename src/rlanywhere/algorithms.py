@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -350,6 +350,13 @@ def register_adv_est(name: str, *, groups: bool = False, critic: bool = False, g
         return fn
 
     return decorator
+
+
+def kl_penalty_in_reward(algorithm: Any) -> bool:
+    """Whether a KL penalty is folded into the reward (the `algorithm` config section's use_kl_in_reward): on, with a
+    positive coefficient. At 0 it adds nothing, and an adaptive controller that starts at 0 stays there (it scales
+    the value), so no reference or old-policy forward is run for it."""
+    return bool(algorithm.use_kl_in_reward) and float(algorithm.kl_ctrl.kl_coef) > 0
 
 
 def estimator_needs(name: str) -> EstimatorNeeds:

@@ -169,7 +169,9 @@ class TrainResult:
                 step = self.val_after.get("step")
                 lines.append(f"held-out {name}{'' if step is None else f' at step {step}'}{how}: {after:.3f}")
             marker_rate = self.val_after.get("val/format")
-            if key == "val/acc" and marker_rate is not None and marker_rate < 0.5 <= after:
+            cfg = self.trainer.cfg if self.trainer is not None else None
+            own_reward = cfg is not None and bool(cfg.custom_reward_function.path or cfg.reward_model.enable)
+            if key == "val/acc" and marker_rate is not None and marker_rate < 0.5 <= after and not own_reward:
                 # the GSM8K-style rule: the number after "####", else the reply's last number (small models skip it)
                 lines.append(f"  (the model writes the '####' marker in {marker_rate:.0%} of its answers; the reward "
                              "reads the last number of a reply that has none)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from .algorithms import kl_penalty_in_reward
 from .errors import UserError
 from .estimator import format_bytes
 from .vocabulary import PlanError
@@ -180,7 +181,7 @@ def old_policy_forward_stays(cfg: Any) -> bool:
     rollout's own log-probs stand for them: rollout_correction.recomputes_old_logprobs)."""
     actor = cfg.actor_rollout_ref.actor
     single_update = int(actor.ppo_epochs) == 1 and int(actor.ppo_mini_batch_size) >= int(cfg.data.train_batch_size)
-    kl_in_reward = bool(cfg.algorithm.use_kl_in_reward) and float(cfg.algorithm.kl_ctrl.kl_coef) > 0
+    kl_in_reward = kl_penalty_in_reward(cfg.algorithm)
     needed_before = not single_update or kl_in_reward
     return needed_before and not cfg.algorithm.rollout_correction.bypass_mode
 
@@ -257,22 +258,26 @@ def plan_async_rollout(cfg: Any, plan: Any) -> None:
         plan.rollout.reasons["release_kv_between_phases"] = "kept: the next rollout decodes while the update runs"
 
 
-def spare_core_for_rollout(plan: Any, cpu_cores: int, ranks_per_node: int) -> None:
+def spare_core_for_rollout(plan: Any, cpu_cores: int, ranks_per_node: int,
+                           physical_cores: int | None = None) -> None:
     """Overlapped on a GPU: torch's CPU thread pool one thread short of this process's cores (plan.cpu_threads), so
     that the rollout's thread, launching decode steps beside the update, has a core of its own. With every core in
     the pool, each parallel CPU operator of the update (indexing the batch into micro-batches, ...) waits for the
     pool thread that shares its core with the rollout's: on the Qwen-shaped bench the update's CPU indexing took
     62 ms with every core in the pool, 8 ms with one left (bench/async_overlap.py --settings both,all_cores
-    --profile-dir)."""
+    --profile-dir). The cores are physical ones where the machine says (physical_cores: hyper-threads of a core
+    counted once), as torch counts its pool by default: a pool over hyper-threads would be larger than torch's."""
     if plan.async_rollout != OVERLAPPED or not (str(plan.device).startswith("cuda") or plan.emulated):
         return
-    cores = max(1, int(cpu_cores) // max(1, int(ranks_per_node)))
+    usable = min(int(cpu_cores), int(physical_cores)) if physical_cores else int(cpu_cores)
+    cores = max(1, usable // max(1, int(ranks_per_node)))
     limit = user_thread_limit()
     pool = min(cores, limit) if limit else cores  # a user's limit stays a limit
     if pool <= 1:  # nothing to spare (torchrun gives each rank OMP_NUM_THREADS=1 unless told otherwise)
         return
     plan.cpu_threads = pool - 1
-    allowed = "cores" if pool == cores else "threads (OMP_NUM_THREADS / MKL_NUM_THREADS)"
+    allowed = ("threads (OMP_NUM_THREADS / MKL_NUM_THREADS)" if pool != cores else
+               "physical cores" if usable < int(cpu_cores) else "cores")
     plan.reasons["cpu_threads"] = (f"{plan.cpu_threads} CPU threads for torch's operators: one of the process's "
                                    f"{pool} {allowed} left to the rollout's thread, which runs beside the update")
 

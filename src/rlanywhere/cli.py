@@ -59,7 +59,7 @@ def _split_config_and_overrides(items: list[str]) -> tuple[Optional[str], list[s
     return None, items
 
 
-def _load(items: list[str], emulate: Optional[str] = None, hydra: Optional[tuple] = None):
+def _load(items: list[str], emulate: Optional[str] = None, hydra: Optional[tuple] = None, fit_world: bool = True):
     from .api import make_config
     from .config import _load_yaml
     from .verl_compat import hydra_config_layer
@@ -75,7 +75,8 @@ def _load(items: list[str], emulate: Optional[str] = None, hydra: Optional[tuple
             raise UserError(f"give either a config file ({path}) or --config-path/--config-name, not both")
         path = hydra_config_layer(hydra[0] or ".", hydra[1], notices, _load_yaml)
     cfg = make_config(path, overrides, notices=notices)
-    _fit_world(cfg, notices)
+    if fit_world:
+        _fit_world(cfg, notices)
     return cfg, notices
 
 
@@ -297,14 +298,14 @@ def _verbose_argv(args) -> list[str]:
     return ["-v"] if getattr(args, "verbose", False) else []
 
 
-def _load_checking_inputs(args, **what):
+def _load_checking_inputs(args, fit_world: bool = True, **what):
     """`_load`, whose configuration problems come in one answer with those of the inputs the configuration names
     (a mistyped key and a missing data file are fixed in one go)."""
     from .config import ConfigError
     from .preflight import with_input_problems
 
     try:
-        return _load(args.items, args.emulate, _hydra(args))
+        return _load(args.items, args.emulate, _hydra(args), fit_world)
     except ConfigError as error:
         raise with_input_problems(error, **what) from None
 
@@ -446,7 +447,8 @@ def cmd_plan(args) -> int:
     from .preflight import require_inputs
 
     what = dict(data=False, reward=False, planning_only=True)  # planning reads the model's shape only
-    cfg, _ = _load_checking_inputs(args, **what)
+    # --emulate plans the world asked for on that card, whatever GPUs this machine has (nothing runs here)
+    cfg, _ = _load_checking_inputs(args, fit_world=not args.emulate, **what)
     require_inputs(cfg, **what)
     return plan_main(cfg, json_out=args.json)
 

@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import shutil
 from typing import Any, Optional
 
@@ -140,7 +141,8 @@ def load_sharded(path: str, *, actor, critic=None, optimizers: dict, schedulers:
     with _reading_checkpoint(path) as state:
         models = {"actor": actor, "critic": critic}
         target = _state_dicts(models, optimizers)
-        dcp.load(target, checkpoint_id=os.path.join(path, DCP_DIR))
+        directory = os.path.join(path, DCP_DIR)
+        dcp.load(target, storage_reader=_metadata_checked_reader(directory), planner=_weights_only_planner())
         for name, model in models.items():
             if model is None:
                 continue
@@ -152,6 +154,63 @@ def load_sharded(path: str, *, actor, critic=None, optimizers: dict, schedulers:
             scheduler.load_state_dict(saved[name])
         restore_rng(torch.load(os.path.join(path, "rng.pt"), weights_only=True), state["rng"])
     return state
+
+
+# What DCP writes into a checkpoint's .metadata pickle: its own metadata classes, torch sizes and dtypes, paths.
+DCP_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict")})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a plain pickle, which torch reads with pickle.load: a checkpoint folder from anywhere (a
+    shared run dir, a download) could run code when a run resumes from it. Read here with only the classes DCP
+    writes (the approach of Python's pickle docs, "Restricting Globals"); anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in DCP_METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not something DCP writes into a checkpoint's .metadata; "
+                                     "refusing to load it (the checkpoint may have been tampered with)")
+
+
+def _metadata_checked_reader(directory: str):
+    """torch's FileSystemReader reading .metadata with _MetadataUnpickler instead of pickle.load."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class MetadataCheckedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            locate = getattr(self, "_get_metadata_path", None)  # torch's own name for it, where it has one
+            path = locate(kwargs.get("rank")) if locate else os.path.join(str(self.path), ".metadata")
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = _MetadataUnpickler(stream).load()
+            if getattr(metadata, "storage_meta", None) is None:  # as torch's read_metadata
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return MetadataCheckedReader(directory)
+
+
+def _weights_only_planner():
+    """torch's DefaultLoadPlanner, whose non-tensor entries (the optimizers' param_groups) torch.load with
+    weights_only=False: each entry is first loaded with weights_only=True, which refuses anything but tensors and
+    plain values, and only then handed on."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            torch.load(value, weights_only=True)  # raises on a pickle that would run code
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return WeightsOnlyLoadPlanner()
 
 
 @contextlib.contextmanager
@@ -169,6 +228,12 @@ def _reading_checkpoint(path: str):
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
+    except BaseException as exc:  # DCP's CheckpointException (what dcp.load raises) derives from BaseException
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        if not isinstance(exc, CheckpointException):
+            raise
         raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
 
 

@@ -294,6 +294,9 @@ class HardwareProbe:
 
     devices: list[DeviceInfo] = field(default_factory=list)
     cpu_cores: int = 1
+    # the physical cores among them (hyper-threads counted once): the size of torch's CPU thread pool by default;
+    # None: unknown (not Linux, or a fake probe), counted as cpu_cores
+    cpu_physical_cores: int | None = None
     ram_total_bytes: int = 0
     ram_available_bytes: int = 0
     torch_version: str = torch.__version__
@@ -375,6 +378,22 @@ def usable_cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def usable_physical_cores(sysfs: str = "/sys/devices/system/cpu") -> int | None:
+    """The physical cores among the CPUs this process may run on: hyper-threads of one core counted once (Linux's
+    CPU topology in sysfs), None where it cannot be read. Torch sizes its CPU thread pool by physical cores."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        cores = set()
+        for cpu in cpus:
+            topology = os.path.join(sysfs, f"cpu{cpu}", "topology")
+            with open(os.path.join(topology, "physical_package_id")) as package, \
+                    open(os.path.join(topology, "core_id")) as core:
+                cores.add((package.read().strip(), core.read().strip()))
+    except (AttributeError, OSError):
+        return None
+    return len(cores) or None
+
+
 TRITON_C_COMPILERS = ("cc", "gcc", "clang")
 
 
@@ -419,7 +438,8 @@ def probe_machine(measure_sdpa: bool = True, fresh: bool = False) -> HardwarePro
         _fp16_problems_cached.cache_clear()
     total, available = _read_meminfo()
     flash_ok, flash_version, _ = flash_attn_status()
-    machine = HardwareProbe(cpu_cores=usable_cpu_cores(), ram_total_bytes=total, ram_available_bytes=available,
+    machine = HardwareProbe(cpu_cores=usable_cpu_cores(), cpu_physical_cores=usable_physical_cores(),
+                            ram_total_bytes=total, ram_available_bytes=available,
                             cuda_version=torch.version.cuda, flash_attn_installed=flash_ok,
                             flash_attn_version=flash_version,
                             triton_usable=triton_usable(), live=True)

@@ -108,18 +108,23 @@ def _normalise_model_name(path: str) -> str:
 
 def _default_tie(model_type: str) -> bool:
     """Whether a config.json that does not say ties the LM head to the embeddings: its model type's config class
-    default (False for llama, mistral, qwen2, qwen3, ...), PretrainedConfig's True for a type transformers lacks."""
+    default (False for llama, mistral, qwen2, qwen3, ...), PretrainedConfig's True for a type transformers lacks or
+    whose config class has no such field (some multimodal text configs: their outer config says)."""
     try:
         from transformers import AutoConfig
 
-        return bool(AutoConfig.for_model(model_type).tie_word_embeddings)
-    except (ValueError, KeyError, ImportError):
+        tie = getattr(AutoConfig.for_model(model_type), "tie_word_embeddings", None)
+    except Exception:  # noqa: BLE001 - an unknown type, an old transformers, a class that needs arguments
         return True
+    return True if tie is None else bool(tie)
 
 
 def _shape_from_hf_dict(config: dict, name: str) -> ModelShape:
+    outer = config
     config = dict(config.get("text_config") or config)
     model_type = str(config.get("model_type", "llama"))
+    # a multimodal config keeps the flag outside its text_config (transformers writes Qwen2.5-VL's so)
+    tie = config.get("tie_word_embeddings", outer.get("tie_word_embeddings"))
     try:
         hidden = int(config.get("hidden_size") or config.get("n_embd") or config["d_model"])
         heads = int(config.get("num_attention_heads") or config["n_head"])
@@ -132,7 +137,7 @@ def _shape_from_hf_dict(config: dict, name: str) -> ModelShape:
         name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         intermediate_size=int(config.get("intermediate_size") or 4 * hidden), vocab_size=vocab,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", _default_tie(model_type))),
+        tie_word_embeddings=_default_tie(model_type) if tie is None else bool(tie),
         head_dim=int(config.get("head_dim") or 0),
         attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
         model_type=model_type, max_position_embeddings=config.get("max_position_embeddings"))

@@ -237,7 +237,7 @@ def model_problems(path: Optional[str], key: str, trust_remote_code: bool, trust
         problem = _custom_code_problem(local, key, trust_key) if not trust_remote_code else None
         if problem:
             return [problem]
-        if not any(any(local.glob(pattern)) for pattern in WEIGHT_FILES):
+        if not gguf_file and not any(any(local.glob(pattern)) for pattern in WEIGHT_FILES):  # else the GGUF's
             return [f"{key}: {path} has a config.json but no weights (model.safetensors or pytorch_model.bin); copy "
                     "the weight files there or point at the full model folder"]
         return []
@@ -269,6 +269,10 @@ def run_model_problems(cfg, planning_only: bool = False) -> list[str]:
     if cfg.algorithm.adv_estimator == "gae" and critic.path and str(critic.path) != str(model.path):
         problems += model_problems(critic.path, "critic.model.path", bool(critic.trust_remote_code),
                                    "critic.model.trust_remote_code", critic.gguf_file, named_shape_ok=planning_only)
+    scorer = cfg.reward_model.model
+    if cfg.reward_model.enable and scorer.path:  # a reward model or judge: read before anything loads, as the actor
+        problems += model_problems(scorer.path, "reward_model.model.path", bool(scorer.trust_remote_code),
+                                   "reward_model.model.trust_remote_code", named_shape_ok=planning_only)
     tokenizer = model.tokenizer_path or cfg.data.get("tokenizer")
     if tokenizer and str(tokenizer).startswith((".", "/", "~")) and not Path(str(tokenizer)).expanduser().exists():
         problems.append(f"actor_rollout_ref.model.tokenizer_path: {tokenizer} does not exist")

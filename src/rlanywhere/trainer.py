@@ -274,7 +274,7 @@ class RLTrainer(TrainerCheckpoints):
         if self.plan.use_ref and batch.ref_logprobs is None:
             with timer("ref_log_prob"):
                 batch.ref_logprobs = self.reference_logprobs(batch)
-        if batch.old_logprobs is None and algo_cfg.use_kl_in_reward and self.plan.use_ref:
+        if batch.old_logprobs is None and algo.kl_penalty_in_reward(algo_cfg) and self.plan.use_ref:
             if algo_cfg.rollout_correction.bypass_mode:  # the behaviour policy is the rollout's (verl's bypass mode)
                 batch.old_logprobs = batch.rollout.response_logprobs
             else:
@@ -295,7 +295,7 @@ class RLTrainer(TrainerCheckpoints):
             old_logprobs, ref_logprobs, values = (whole(batch.old_logprobs), whole(batch.ref_logprobs),
                                                   whole(batch.values))
             token_rewards, kl_metrics = algo.scores_to_token_rewards(scores, mask), {}
-            if algo_cfg.use_kl_in_reward and ref_logprobs is not None:
+            if algo.kl_penalty_in_reward(algo_cfg) and ref_logprobs is not None:
                 # as verl: beta is the value before this step; the controller then sees the batch mean of the
                 # per-sequence mean KL (of the configured kind) with n_steps = rows
                 token_rewards, kl_metrics = algo.apply_kl_in_reward(token_rewards, old_logprobs, ref_logprobs, mask,

@@ -174,14 +174,12 @@ def translate_verl_spellings(user: DictConfig, notices: list[str], problems: lis
                 else:
                     notices.append(f"reward_model.reward_kwargs.overlong_buffer_cfg.{leaf}={value}: not needed "
                                    "(the overlong penalty is always logged as reward/overlong_penalty)")
-            del kwargs["overlong_buffer_cfg"]
+            pop_key(user, "reward_model.reward_kwargs.overlong_buffer_cfg")
         if "max_resp_len" in kwargs:
-            value = kwargs.pop("max_resp_len")
+            value = pop_key(user, "reward_model.reward_kwargs.max_resp_len")  # reward_model goes too if left empty
             notices.append(f"reward_model.reward_kwargs.max_resp_len={value}: the overlong penalty counts to the "
                            "response length limit (actor_rollout_ref.rollout.response_length, else "
                            "data.max_response_length)")
-        if len(kwargs) == 0:
-            del user.reward_model["reward_kwargs"]
     return user
 
 

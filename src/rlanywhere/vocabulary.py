@@ -259,9 +259,13 @@ def has_half_gemm_fp32_output(torch_version: str, on_cuda: bool) -> bool:
     return numbers is not None and (int(numbers.group(1)), int(numbers.group(2))) >= (2, 8)
 
 
+# FlashAttention-2 (the flash-attn package, SDPA's flash kernel, torch.nn.attention.varlen): Ampere, Ada, Hopper
+FLASH_ATTENTION_MIN_CC = (8, 0)
+
+
 def flash_attn_capable(cc: Optional[tuple[int, int]]) -> bool:
     """FlashAttention-2 supports Ampere, Ada and Hopper."""
-    return cc is not None and tuple(cc) >= (8, 0)
+    return cc is not None and tuple(cc) >= FLASH_ATTENTION_MIN_CC
 
 
 def cc_str(cc: Optional[tuple[int, int]]) -> str:

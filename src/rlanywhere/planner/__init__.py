@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..algorithms import estimator_needs
+from ..algorithms import estimator_needs, kl_penalty_in_reward
 from ..async_plan import plan_async_rollout, recheck_overlap_with_reward_model, spare_core_for_rollout
 from ..estimator import format_bytes
 from ..machine import HardwareProbe, card_spec, probe_machine
@@ -106,7 +106,7 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
     reasons["use_critic"] = (f"adv_estimator={cfg.algorithm.adv_estimator} needs a value model" if use_critic else
                              f"adv_estimator={cfg.algorithm.adv_estimator} needs no value model")
     kl_loss = bool(actor.use_kl_loss) and float(actor.kl_loss_coef) > 0
-    kl_reward = bool(cfg.algorithm.use_kl_in_reward) and float(cfg.algorithm.kl_ctrl.kl_coef) > 0
+    kl_reward = kl_penalty_in_reward(cfg.algorithm)
     use_ref = kl_loss or kl_reward
     use_lora = int(arr.model.lora_rank) > 0
     critic_lora = int(cfg.critic.model.lora_rank) if use_critic else 0
@@ -201,7 +201,7 @@ def make_plan(cfg: Any, machine: Optional[HardwareProbe] = None, *, for_executio
                                                   scores)
         plan.reward_model = rm_plan.to_dict()
         recheck_overlap_with_reward_model(cfg, plan, rm_plan)  # overlapped: it scores beside the update
-    spare_core_for_rollout(plan, machine.cpu_cores, int(cfg.trainer.n_gpus_per_node))
+    spare_core_for_rollout(plan, machine.cpu_cores, int(cfg.trainer.n_gpus_per_node), machine.cpu_physical_cores)
     if for_execution and card is not None and real is not None:
         check_real_card_runs(plan, real, machine)
     return plan

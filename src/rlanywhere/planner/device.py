@@ -13,8 +13,8 @@ from .. import estimator as est
 from ..machine import CardSpec, DeviceInfo, HardwareProbe
 from ..plans import Plan
 from ..rank_layout import rank_gpu_index
-from ..vocabulary import ATTN_FLASH, ATTN_SDPA, BF16, COMPILE_TRAINING_MIN_CC, DECODE_TRITON, TRITON_DECODE_MIN_CC, \
-    PlanError, cc_str, flash_attn_capable, has_fast_fp16, has_native_bf16, has_tf32
+from ..vocabulary import ATTN_FLASH, ATTN_SDPA, BF16, COMPILE_TRAINING_MIN_CC, DECODE_TRITON, FLASH_ATTENTION_MIN_CC, \
+    SHARED_PROMPTS_VARLEN, TRITON_DECODE_MIN_CC, PlanError, cc_str, flash_attn_capable, has_fast_fp16, has_native_bf16, has_tf32
 
 
 class Decision(NamedTuple):
@@ -169,7 +169,9 @@ def check_real_card_runs(plan: Plan, real: DeviceInfo, machine: HardwareProbe) -
         ("compiled training passes (actor_rollout_ref.actor.use_torch_compile)", plan.compile_training,
          COMPILE_TRAINING_MIN_CC),
         ("the rollout's Triton kernels", rollout.decode_attention == DECODE_TRITON or rollout.fused_sampling
-         or rollout.compile_elementwise or rollout.fused_kv_write, TRITON_DECODE_MIN_CC)) if used and (
+         or rollout.compile_elementwise or rollout.fused_kv_write, TRITON_DECODE_MIN_CC),
+        ("varlen flash attention for shared prompts (hardware.share_prompts)",
+         plan.share_prompts and plan.shared_prompt_kernel == SHARED_PROMPTS_VARLEN, FLASH_ATTENTION_MIN_CC)) if used and (
         real.compute_capability is None or tuple(real.compute_capability) < min_cc)]
     if kernels:
         raise PlanError(f"the plan for the emulated {plan.card} uses {' and '.join(kernels)}, which the real "

@@ -169,7 +169,8 @@ def plan_data_parallel(cfg: Any, plan: Plan, machine: HardwareProbe, for_executi
         reasons["data_parallel"] = ("one process (trainer.nnodes x trainer.n_gpus_per_node = 1)" if per_node == 1 and
                                     int(cfg.trainer.nnodes) == 1 else "one trainer rank (the others only generate)")
         return
-    on_gpu = plan.device.startswith("cuda")
+    # planning for an emulated card on a machine without one (the plan command): as that card's GPUs
+    on_gpu = plan.device.startswith("cuda") or (bool(plan.emulated) and not for_execution)
     if for_execution and on_gpu and per_node > len(machine.devices) and not one_gpu_per_task(len(machine.devices)):
         raise PlanError(f"trainer.n_gpus_per_node={per_node} but this node has {len(machine.devices)} CUDA device(s): "
                         f"use trainer.n_gpus_per_node<={len(machine.devices)} (or hardware.device=cpu for CPU "
