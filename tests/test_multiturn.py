@@ -150,18 +150,44 @@ def test_sandbox_output_is_read_back_bounded_and_its_processes_end_with_it(tmp_p
     assert not marker.exists()  # the process that left the group ended with the code
 
 
-def test_sandbox_without_namespaces_starts_no_process(monkeypatch):
-    """Without a network namespace, a process the code starts would have the network: the fallback refuses to start
-    any (os and subprocess), and the code runs as before otherwise."""
+def test_sandbox_without_namespaces_is_refused_unless_allowed(monkeypatch):
+    """Without namespaces only Python-level blocks would remain: the python tool is refused when it is built (a
+    ToolConfigError before anything loads) and run_python raises, unless the tool's config sets allow_unisolated.
+    Allowed, the fallback refuses to start processes (os and subprocess: one would have the network), and the code
+    runs as before otherwise."""
     from rlanywhere.tools import sandbox
+    from rlanywhere.tools.registry import ToolConfigError, tools_from_config
 
     monkeypatch.setattr(sandbox, "network_namespace_available", lambda: False)
+    entry = {"class_name": "python", "config": {}}
+    with pytest.raises(ToolConfigError, match="needs unprivileged namespaces.*allow_unisolated: true"):
+        tools_from_config({"tools": [entry]})
+    with pytest.raises(RuntimeError, match="allow_unisolated"):
+        sandbox.run_python("print(1)")
+    (tool,) = tools_from_config({"tools": [{**entry, "config": {"allow_unisolated": True}}]})
+    assert tool.execute("id", {"code": "print(6 * 7)"})[0].text == "42\n"
     for start in ("import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'print(1)'])",
                   "import os\nos.system('true')", "import os\nos.fork()",
                   "import os\nos.execv('/bin/true', ['true'])"):
-        text, info = sandbox.run_python(start)
+        text, info = sandbox.run_python(start, allow_unisolated=True)
         assert "starting processes is disabled" in text and not info["isolated"], start
-    assert sandbox.run_python("import os, subprocess\nprint(os.getcwd() != '/')")[0] == "True\n"
+    assert sandbox.run_python("import os, subprocess\nprint(os.getcwd() != '/')", allow_unisolated=True)[0] == "True\n"
+
+
+def test_sandbox_code_writes_only_its_scratch_and_sees_only_its_processes(tmp_path):
+    """With namespaces every file system is read-only to the code but its scratch directory (the trainer's files,
+    caches and /tmp stay as they were), and /proc lists only the sandbox's own processes."""
+    from rlanywhere.tools.sandbox import network_namespace_available, run_python
+
+    if not network_namespace_available():
+        pytest.skip("unprivileged namespaces (unshare -rn --pid --mount-proc) are not available here")
+    outside = tmp_path / "written_from_the_sandbox"
+    code = (f"import os\nopen('mine.txt', 'w').write('ok')\nprint(open('mine.txt').read())\n"
+            f"try:\n    open({str(outside)!r}, 'w').write('x')\nexcept OSError as e:\n    print(e.strerror)\n"
+            "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+    text, info = run_python(code)
+    assert text.splitlines() == ["ok", "Read-only file system", "[1, 2]"] and info["read_only_fs"]
+    assert not outside.exists()
 
 
 def test_tool_response_truncation_sides_are_verls():

@@ -1,13 +1,15 @@
 """A Python sandbox tool: the model's code runs in a fresh `python -I` subprocess with
 - CPU-time, address-space (memory), file-size and core-dump limits per process (`resource.setrlimit` in the child),
 - a wall-time limit (the process group is killed when it runs over, e.g. blocked on input or sleeping),
-- where the machine allows unprivileged namespaces (`unshare -rn --pid`): no network (a network namespace of its
-  own) and a PID namespace whose first process is the code's, so when it ends or is killed every process it
-  started ends with it, even one that left its process group;
-- without namespaces, its `socket` module refusing to open sockets and its `os` / `subprocess` refusing to start
-  processes (which would have the network): a Python-level block that code calling the C library directly, e.g.
-  through ctypes, gets past (a warning says so once);
+- unprivileged namespaces (`unshare -rn --pid --mount-proc`): no network (a network namespace of its own), a PID
+  namespace whose first process is the code's (when it ends or is killed every process it started ends with it,
+  even one that left its process group; /proc shows only these), and a mount namespace in which every file system
+  is remounted read-only but the scratch directory: the code cannot change the trainer's files, caches or home,
 - a fresh scratch directory as its working directory (deleted afterwards) and an empty environment.
+Where the machine does not allow unprivileged namespaces (some containers' seccomp profiles, AppArmor's userns
+restriction) the tool is refused when it is built, before anything loads: Python-level blocks (its socket, os and
+subprocess modules) are all that would remain, and plain Python gets past them (the trainer's environment through
+/proc, the network through `posix`). A tool config that sets `allow_unisolated: true` accepts that and runs so.
 What it prints (stdout, then stderr) is the result, truncated to `max_output_chars`. The output goes to files in the
 scratch directory, capped by the file-size limit, and only their head and tail are read back: a program that prints
 gigabytes costs the trainer no memory.
@@ -55,6 +57,32 @@ for _name in ("socket", "SocketType", "create_connection", "create_server", "soc
     setattr(_s, _name, _Socket if _name in ("socket", "SocketType") else _refuse)
 _s._socket = None
 _sys.modules["_socket"] = None
+if _isolated:  # root of its user namespace: every file system read-only but the scratch directory (the cwd)
+    import ctypes as _ct
+    _libc = _ct.CDLL(None, use_errno=True)
+    _scratch = _os.getcwd()
+    # MS_REMOUNT | MS_BIND (| MS_RDONLY), keeping each mount's locked flags: statvfs ST_* -> MS_* (nosuid, nodev,
+    # noexec, noatime, nodiratime, relatime); a user namespace may not clear them
+    _KEEP = ((2, 2), (4, 4), (8, 8), (1024, 1024), (2048, 2048), (4096, 1 << 21))
+    def _remount(_path, _readonly):
+        try:
+            _have = _os.statvfs(_path).f_flag
+        except OSError:
+            return
+        _flags = 32 | 4096 | (1 if _readonly else 0)
+        for _st, _ms in _KEEP:
+            if _have & _st:
+                _flags |= _ms
+        _libc.mount(None, _path.encode(), None, _flags, None)
+    _libc.mount(_scratch.encode(), _scratch.encode(), None, 4096, None)  # MS_BIND: a mount of its own, kept rw
+    _points = {_line.split()[4].encode().decode("unicode_escape") for _line in open("/proc/self/mountinfo")}
+    for _point in sorted(_points - {_scratch}):
+        _remount(_point, True)
+    _remount(_scratch, False)
+    _os.chdir(_scratch)  # into the scratch's own mount (the cwd was the directory on the mount now read-only)
+    _read_only = all(_os.statvfs(_p).f_flag & 1 for _p in ("/", _os.path.dirname(_scratch)) if _os.path.exists(_p))
+    with open(".filesystem", "w") as _f:
+        _f.write("read-only" if _read_only else "writable")
 _pid = _os.fork()
 if _pid == 0:
     if not _isolated:
@@ -81,14 +109,16 @@ else:
         _f.write(str(_status))
     _os._exit(0)
 """
-# unshare: a user namespace (no privileges needed), no network, and a PID namespace whose init is the code's process
-_NAMESPACES = ("-rn", "--pid", "--fork", "--kill-child")
+# unshare: a user namespace (no privileges needed), no network, a PID namespace whose init is the code's process, and
+# a mount namespace with a /proc of that PID namespace
+_NAMESPACES = ("-rn", "--pid", "--fork", "--kill-child", "--mount-proc")
 OUTPUT_READ_BYTES = 4  # bytes read back per character of max_output_chars, from the head and from the tail
 
 
 @functools.lru_cache(maxsize=1)
 def network_namespace_available() -> bool:
-    """Whether `unshare -rn --pid --fork` (unprivileged user, network and PID namespaces) works here."""
+    """Whether `unshare -rn --pid --fork --mount-proc` (unprivileged user, network, PID and mount namespaces) works
+    here."""
     unshare = shutil.which("unshare")
     if unshare is None:
         return False
@@ -98,11 +128,25 @@ def network_namespace_available() -> bool:
         return False
 
 
+NOT_ISOLATED = ("the python sandbox tool needs unprivileged namespaces (unshare -rn --pid --mount-proc), which this "
+                "machine does not allow (a container's seccomp profile, or AppArmor's restriction of unprivileged user "
+                "namespaces: sysctl kernel.apparmor_restrict_unprivileged_userns=0). Without them only Python-level "
+                "blocks would keep the code off the network, the trainer's environment and its files, and plain "
+                "Python gets past them. Allow the namespaces, or set `allow_unisolated: true` in the tool's config "
+                "to run it so anyway")
+
+
 @functools.lru_cache(maxsize=1)
 def _warn_not_isolated() -> None:
-    log.warning("python sandbox: unprivileged namespaces (unshare -rn --pid) are not available here, so the tool's "
-                "code is kept off the network by its Python socket, os and subprocess modules only (code calling the "
-                "C library directly gets past them)")
+    log.warning("python sandbox: running without namespaces (allow_unisolated: true): the tool's code is kept off "
+                "the network by its Python socket, os and subprocess modules only, and can read the trainer's "
+                "environment and write its files")
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_writable() -> None:
+    log.warning("python sandbox: the file systems could not be remounted read-only in its mount namespace here: the "
+                "tool's code can write wherever the trainer's user can")
 
 
 def _code_exit(status_path: str, returncode: int) -> int:
@@ -113,6 +157,14 @@ def _code_exit(status_path: str, returncode: int) -> int:
     except (OSError, ValueError):
         return returncode
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.waitstatus_to_exitcode(status)
+
+
+def _read_small(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read(64)
+    except OSError:
+        return ""
 
 
 def _read_bounded(path: str, keep_bytes: int) -> tuple[str, int]:
@@ -144,13 +196,16 @@ def truncate_text(text: str, limit: int, side: str = "middle", left_out: int = 0
 
 
 def run_python(code: str, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int = 512, max_output_chars: int = 4000,
-               file_mb: int = 16) -> tuple[str, dict]:
-    """Run `code` in the sandbox; (what it printed, truncated; {"exit_code", "timed_out", "wall_s", "isolated"})."""
+               file_mb: int = 16, allow_unisolated: bool = False) -> tuple[str, dict]:
+    """Run `code` in the sandbox; (what it printed, truncated; {"exit_code", "timed_out", "wall_s", "isolated",
+    "read_only_fs"}). Without namespaces: RuntimeError (NOT_ISOLATED), unless allow_unisolated."""
+    isolated = network_namespace_available()
+    if not isolated and not allow_unisolated:
+        raise RuntimeError(NOT_ISOLATED)
     scratch = tempfile.mkdtemp(prefix="rlanywhere-sandbox-")
     try:
         with open(os.path.join(scratch, "main.py"), "w") as f:
             f.write(code)
-        isolated = network_namespace_available()
         command = [sys.executable, "-I", "-c", _PRELUDE, str(cpu_s), str(memory_mb << 20), str(file_mb << 20),
                    "1" if isolated else "0"]
         if isolated:
@@ -178,19 +233,29 @@ def run_python(code: str, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int =
         (out, out_left), (err, err_left) = _read_bounded(paths[0], keep), _read_bounded(paths[1], keep)
         text = out + err
         exit_code = _code_exit(os.path.join(scratch, ".status"), proc.returncode)
+        read_only_fs = _read_small(os.path.join(scratch, ".filesystem")) == "read-only"
+        if isolated and not read_only_fs:
+            _warn_writable()
         if timed_out:
             text += f"\nTimeoutError: the code ran longer than {wall_s:g} s and was stopped"
         elif exit_code < 0:
             text += f"\nthe code was stopped by signal {-exit_code} (a CPU-time, memory or output-size limit)"
         return (truncate_text(text, max_output_chars, left_out=out_left + err_left),
-                {"exit_code": exit_code, "timed_out": timed_out, "wall_s": elapsed, "isolated": isolated})
+                {"exit_code": exit_code, "timed_out": timed_out, "wall_s": elapsed, "isolated": isolated,
+                 "read_only_fs": read_only_fs})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 class PythonSandboxTool(BaseTool):
     """`python(code)`: run Python code and return what it prints. Config keys: cpu_time_s, wall_time_s, memory_mb,
-    max_output_chars."""
+    max_output_chars, allow_unisolated (run without namespaces where the machine has none: see the module
+    docstring). Refused when built on a machine without namespaces, unless allowed."""
+
+    def __init__(self, config: dict | None = None, tool_schema: Any = None):
+        super().__init__(config, tool_schema)
+        if not network_namespace_available() and not self.config.get("allow_unisolated", False):
+            raise ValueError(NOT_ISOLATED)
 
     @classmethod
     def default_schema(cls) -> ToolSchema:
@@ -207,7 +272,8 @@ class PythonSandboxTool(BaseTool):
         cfg = self.config
         text, info = run_python(code, cpu_s=int(cfg.get("cpu_time_s", 5)), wall_s=float(cfg.get("wall_time_s", 10)),
                                 memory_mb=int(cfg.get("memory_mb", 512)),
-                                max_output_chars=int(cfg.get("max_output_chars", 4000)))
+                                max_output_chars=int(cfg.get("max_output_chars", 4000)),
+                                allow_unisolated=bool(cfg.get("allow_unisolated", False)))
         return ToolResponse(text), 0.0, {"timed_out": float(info["timed_out"])}
 
 
