@@ -218,6 +218,9 @@ def _reading_checkpoint(path: str):
     """Check `path` against its manifest and give its trainer_state; any failure while reading it (inside the block
     too) becomes a CheckpointError naming it (a damaged file fails in many ways), so resume falls back to the
     previous checkpoint."""
+    # what dcp.load raises, a BaseException
+    from torch.distributed.checkpoint.api import CheckpointException
+
     problem = verify_checkpoint(path)
     if problem:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
@@ -227,13 +230,7 @@ def _reading_checkpoint(path: str):
         yield state
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
-    except BaseException as exc:  # DCP's CheckpointException (what dcp.load raises) derives from BaseException
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        if not isinstance(exc, CheckpointException):
-            raise
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
 
 

@@ -14,7 +14,8 @@ from ..machine import CardSpec, DeviceInfo, HardwareProbe
 from ..plans import Plan
 from ..rank_layout import rank_gpu_index
 from ..vocabulary import ATTN_FLASH, ATTN_SDPA, BF16, COMPILE_TRAINING_MIN_CC, DECODE_TRITON, FLASH_ATTENTION_MIN_CC, \
-    SHARED_PROMPTS_VARLEN, TRITON_DECODE_MIN_CC, PlanError, cc_str, flash_attn_capable, has_fast_fp16, has_native_bf16, has_tf32
+    SHARED_PROMPTS_VARLEN, TRITON_DECODE_MIN_CC, PlanError, cc_str, flash_attn_capable, has_fast_fp16, \
+    has_native_bf16, has_tf32
 
 
 class Decision(NamedTuple):
@@ -171,7 +172,8 @@ def check_real_card_runs(plan: Plan, real: DeviceInfo, machine: HardwareProbe) -
         ("the rollout's Triton kernels", rollout.decode_attention == DECODE_TRITON or rollout.fused_sampling
          or rollout.compile_elementwise or rollout.fused_kv_write, TRITON_DECODE_MIN_CC),
         ("varlen flash attention for shared prompts (hardware.share_prompts)",
-         plan.share_prompts and plan.shared_prompt_kernel == SHARED_PROMPTS_VARLEN, FLASH_ATTENTION_MIN_CC)) if used and (
+         plan.share_prompts and plan.shared_prompt_kernel == SHARED_PROMPTS_VARLEN,
+         FLASH_ATTENTION_MIN_CC)) if used and (
         real.compute_capability is None or tuple(real.compute_capability) < min_cc)]
     if kernels:
         raise PlanError(f"the plan for the emulated {plan.card} uses {' and '.join(kernels)}, which the real "
