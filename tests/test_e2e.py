@@ -156,6 +156,78 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, arith_data, tmp_p
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
+def _sigterm_after_update_of_step(monkeypatch, trainer: RLTrainer, step: int):
+    """SIGTERM right after the first optimizer step of `trainer`'s training step `step` (1-based): the step
+    finishes, the run saves and stops. Returns the undo."""
+    import signal
+
+    from rlanywhere.update import Updater
+
+    original, sent = Updater.optimizer_step, []
+
+    def step_then_signal(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if not sent and trainer.global_step == step - 1:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(Updater, "optimizer_step", step_then_signal)
+    return lambda: monkeypatch.setattr(Updater, "optimizer_step", original)
+
+
+@pytest.mark.parametrize("stop_in_step", [2, 4])
+def test_a_validation_a_stop_signal_kept_back_runs_on_resume(tiny_model_dir, arith_data, tmp_path, monkeypatch,
+                                                             stop_in_step):
+    """test_freq=2 over 4 steps validates at steps 2 and 4. A SIGTERM in step 2's (or the last step's) update skips
+    that validation: the checkpoint keeps the step's row, and the resumed run validates and logs it with the row,
+    so metrics.jsonl has what the uninterrupted run's has (the last step's case used to end as complete, without
+    its final validation)."""
+    from rlanywhere.runguard import RunInterrupted
+
+    extra = {"trainer.total_training_steps": 4, "trainer.save_freq": 2, "trainer.test_freq": 2,
+             "trainer.val_before_train": False}
+    _, straight = run_training(base_overrides(tiny_model_dir, arith_data, tmp_path / "a", **extra))
+    items = base_overrides(tiny_model_dir, arith_data, tmp_path / "b", **extra)
+    cfg = load_config(None, items)
+    trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
+    restore = _sigterm_after_update_of_step(monkeypatch, trainer, stop_in_step)
+    with pytest.raises(RunInterrupted):
+        trainer.fit()
+    restore()
+    final = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir).fit()
+    a, b = train_rows(straight), train_rows(read_metrics(str(tmp_path / "b")))
+    assert sorted(b) == [1, 2, 3, 4] and final["val/reward"] == pytest.approx(a[4]["val/reward"])
+    for step in (2, 4):
+        assert b[step]["val/reward"] == pytest.approx(a[step]["val/reward"]), step
+        assert b[step]["reward/mean"] == pytest.approx(a[step]["reward/mean"]), step
+
+
+def test_a_resumed_run_counts_failed_reward_steps_and_the_precision_guard_on(tiny_model_dir, arith_data, tmp_path,
+                                                                             monkeypatch):
+    """A reward function that always fails stops the run after trainer.max_consecutive_failed_reward_steps (3)
+    steps; killed after step 2's checkpoint and resumed, it stops after step 3 too (the streak was reset on each
+    launch). The precision guard's window of log-prob gaps is kept the same way (hardware.max_logprob_gap below the
+    CPU's fp32 gap, patience 4: the rail trips in step 4 in both runs; the window restarted on resume)."""
+    from rlanywhere.precision_guard import PrecisionGuardError
+    from rlanywhere.runguard import TrainingStopped
+
+    reward = tmp_path / "failing.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    raise RuntimeError('reward service down')\n")
+    failing = {"trainer.total_training_steps": 5, "trainer.save_freq": 1, "trainer.test_freq": -1,
+               "trainer.val_before_train": False, "custom_reward_function.path": str(reward)}
+    gap = {"trainer.total_training_steps": 5, "trainer.save_freq": 1, "trainer.test_freq": -1,
+           "trainer.val_before_train": False, "hardware.max_logprob_gap": 1e-12, "hardware.logprob_gap_patience": 4}
+    for extra, error in ((failing, TrainingStopped), (gap, PrecisionGuardError)):
+        for run, resumed in (("a", False), ("b", True)):
+            items = base_overrides(tiny_model_dir, arith_data, tmp_path / f"{error.__name__}-{run}", **extra)
+            with pytest.raises(error):
+                killed_then_resumed(items, 2, monkeypatch) if resumed else run_training(items)
+        rows = [sorted(train_rows(read_metrics(str(tmp_path / f"{error.__name__}-{run}")))) for run in "ab"]
+        assert rows[0] == rows[1] == [1, 2, 3], (error, rows)  # the gap rail trips in step 4, before its row
+
+
 def test_verl_p40_command_line_runs_unchanged(tiny_model_dir, gsm8k_data, tmp_path, capsys):
     """The real user's verl overrides, paths replaced, run through `rlanywhere train` with no key edited."""
     replacements = {

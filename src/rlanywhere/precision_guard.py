@@ -113,6 +113,17 @@ class PrecisionGuard:
         self.loss_scale: dict[str, float] = {}
         self.gap_history: list[float] = []
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, so that a resumed run counts on: skipped steps, loss scales, the recent gaps."""
+        return {"total_skips": dict(self.total_skips), "loss_scale": dict(self.loss_scale),
+                "gap_history": self.gap_history[-self.patience:]}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        state = state or {}
+        self.total_skips = {str(k): int(v) for k, v in (state.get("total_skips") or {}).items()}
+        self.loss_scale = {str(k): float(v) for k, v in (state.get("loss_scale") or {}).items()}
+        self.gap_history = [float(g) for g in state.get("gap_history") or []]
+
     @classmethod
     def from_config(cls, hardware_cfg: Any, precision: str) -> "PrecisionGuard":
         return cls(hardware_cfg.min_loss_scale, hardware_cfg.max_logprob_gap, hardware_cfg.logprob_gap_patience,
@@ -168,8 +179,8 @@ class PrecisionGuard:
         # a batch sampled by an older policy (trainer.async: async/staleness > 0) differs from the trainer's by the
         # updates since too: its gap measures staleness, not precision, and is logged only
         if gap is not None and not metrics.get("async/staleness"):
-            self.gap_history.append(float(gap))
-            recent = self.gap_history[-self.patience:]
+            self.gap_history = (self.gap_history + [float(gap)])[-self.patience:]  # the window the rail reads
+            recent = self.gap_history
             over = lambda g: not math.isfinite(g) or g > self.max_logprob_gap  # noqa: E731
             if self.max_logprob_gap > 0 and len(recent) == self.patience and all(over(g) for g in recent):
                 raise PrecisionGuardError(

@@ -350,7 +350,8 @@ class RunStops:
     def health_record(self) -> dict:
         """What a checkpoint keeps about the run's health when it is saved."""
         return {"healthy": self.unhealthy is None, "unhealthy_reason": self.unhealthy,
-                "last_healthy_checkpoint": self.last_good_checkpoint}
+                "last_healthy_checkpoint": self.last_good_checkpoint,
+                "failed_reward_streak": self.failed_reward_streak}  # a resume continues the count
 
     def checkpoint_saved(self, path: str) -> None:
         if self.unhealthy is None:
@@ -361,6 +362,7 @@ class RunStops:
         healthy = state.get("healthy", True)
         self.last_good_checkpoint = path if healthy else state.get("last_healthy_checkpoint")
         self.unhealthy = None if healthy else state.get("unhealthy_reason")
+        self.failed_reward_streak = int(state.get("failed_reward_streak", 0))
 
     @staticmethod
     def refuse_unhealthy(path: str, state: dict) -> None:

@@ -151,6 +151,9 @@ class RLTrainer(TrainerCheckpoints):
             self.rollouts = self.pipeline.attach(self.rollouts, self.engine, self.run, self.stops,
                                                  self.ref_logprobs_beside if plan.ref_with_rollout else None)
         self.global_step = 0
+        # a step whose due validation a stop signal skipped or dropped: its metrics row, logged when a resumed run
+        # has validated it (the checkpoint keeps it: trainer_state)
+        self.pending_validation: dict | None = None
         self.first_step = 0  # the step this launch starts at (a resume's)
         self.tracker: Optional[Tracker] = None
 
@@ -377,7 +380,8 @@ class RLTrainer(TrainerCheckpoints):
         trainer_cfg, stops = self.cfg.trainer, self.stops
         last_val: dict = {}
         saved_step = self.global_step
-        stops.failed_reward_streak = 0
+        if self.pending_validation is not None and not trainer_cfg.val_only:  # resumed: the step's validation first
+            last_val = self._validate_pending(saved_step)
         if trainer_cfg.val_only or (trainer_cfg.val_before_train and self.global_step == 0):
             last_val = stops.droppable(self.validate) or {}
             if last_val and self.global_step == 0:
@@ -400,11 +404,15 @@ class RLTrainer(TrainerCheckpoints):
             stops.signals.step = self.global_step
             metrics["train/epoch"] = float(self.loader.epoch)
             is_last = self.global_step >= self.total_steps or not self.prompts_left()
-            if trainer_cfg.test_freq > 0 and (self.global_step % trainer_cfg.test_freq == 0 or is_last) and \
-                    stops.signal_received() is None:
-                last_val = stops.droppable(self.validate) or {}
-                metrics.update(last_val)
-            self.tracker.log(metrics, step=self.global_step)
+            if trainer_cfg.test_freq > 0 and (self.global_step % trainer_cfg.test_freq == 0 or is_last):
+                val = stops.droppable(self.validate) if stops.signal_received() is None else None
+                if val is None:  # a stop signal: the checkpoint keeps the row, a resumed run validates and logs it
+                    self.pending_validation = metrics
+                else:
+                    last_val = val
+                    metrics.update(val)
+            if self.pending_validation is None:
+                self.tracker.log(metrics, step=self.global_step)
             stops.check_step(metrics)
             if self._recorded_changes != self.run.changes:  # OOM recovery lowered a size, a cache was freed
                 self.write_plan_record()
@@ -415,7 +423,19 @@ class RLTrainer(TrainerCheckpoints):
             if trainer_cfg.save_freq > 0 and (self.global_step % trainer_cfg.save_freq == 0 or is_last):
                 self.save()
                 saved_step = self.global_step
-        return last_val  # a signal during the last step: the run is complete, so it ends as usual
+        if self.pending_validation is not None:  # a signal in the last step skipped the final validation
+            self._stop_on_signal(saved_step)
+        return last_val  # otherwise a signal during the last step ends a complete run as usual
+
+    def _validate_pending(self, saved_step: int) -> dict:
+        """The validation a stop signal kept from the step this run resumed at, logged with that step's row (as the
+        uninterrupted run logs it); a signal that drops it again stops the run with it still pending."""
+        val = self.stops.droppable(self.validate)
+        if val is None:
+            self._stop_on_signal(saved_step)
+        row, self.pending_validation = {**self.pending_validation, **val}, None
+        self.tracker.log(row, step=self.global_step)
+        return val
 
     def prompts_left(self) -> bool:
         """Whether the passes over the prompts that bound the run (trainer.total_epochs) have prompts left."""

@@ -44,6 +44,8 @@ class TrainerCheckpoints:
     def trainer_state(self) -> dict:
         return {"loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,  # fp16 loss scale
+                "precision_guard": self.precision_guard.state_dict(),
+                "pending_validation": self.pending_validation,  # a row whose validation a stop signal kept back
                 "run_state": self.run_record(), **self.stops.health_record(),
                 **({"async_rollouts": self.pipeline_state(), "async_batch_settings": batch_settings(self.cfg)}
                    if self.pipeline else {})}  # finished, in flight; and what made them
@@ -105,6 +107,8 @@ class TrainerCheckpoints:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])
+        self.precision_guard.load_state_dict(state.get("precision_guard"))
+        self.pending_validation = state.get("pending_validation")
         if self.pipeline is not None:  # [async] the next steps' rollouts, made with weights no checkpoint holds
             saved = state.get("async_rollouts") or {}
             made_by = state.get("async_batch_settings")
