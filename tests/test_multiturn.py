@@ -176,17 +176,21 @@ def test_sandbox_without_namespaces_is_refused_unless_allowed(monkeypatch):
 
 def test_sandbox_code_writes_only_its_scratch_and_sees_only_its_processes(tmp_path):
     """With namespaces every file system is read-only to the code but its scratch directory (the trainer's files,
-    caches and /tmp stay as they were), and /proc lists only the sandbox's own processes."""
+    caches and /tmp stay as they were), and /proc lists only the sandbox's own processes. The code is root of its
+    user namespace but holds no capability: remounting a file system read-write (through ctypes) is refused."""
     from rlanywhere.tools.sandbox import network_namespace_available, run_python
 
     if not network_namespace_available():
         pytest.skip("unprivileged namespaces (unshare -rn --pid --mount-proc) are not available here")
     outside = tmp_path / "written_from_the_sandbox"
-    code = (f"import os\nopen('mine.txt', 'w').write('ok')\nprint(open('mine.txt').read())\n"
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "points = {line.split()[4] for line in open('/proc/self/mountinfo')}\n"
+            "print(sum(libc.mount(None, p.encode(), None, 32 | 4096, None) == 0 for p in points))\n"  # remount rw
+            f"open('mine.txt', 'w').write('ok')\nprint(open('mine.txt').read())\n"
             f"try:\n    open({str(outside)!r}, 'w').write('x')\nexcept OSError as e:\n    print(e.strerror)\n"
             "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
     text, info = run_python(code)
-    assert text.splitlines() == ["ok", "Read-only file system", "[1, 2]"] and info["read_only_fs"]
+    assert text.splitlines() == ["0", "ok", "Read-only file system", "[1, 2]"] and info["read_only_fs"]
     assert not outside.exists()
 
 

@@ -4,7 +4,8 @@
 - unprivileged namespaces (`unshare -rn --pid --mount-proc`): no network (a network namespace of its own), a PID
   namespace whose first process is the code's (when it ends or is killed every process it started ends with it,
   even one that left its process group; /proc shows only these), and a mount namespace in which every file system
-  is remounted read-only but the scratch directory: the code cannot change the trainer's files, caches or home,
+  is remounted read-only but the scratch directory, and then every capability dropped (it cannot remount them):
+  the code cannot change the trainer's files, caches or home,
 - a fresh scratch directory as its working directory (deleted afterwards) and an empty environment.
 Where the machine does not allow unprivileged namespaces (some containers' seccomp profiles, AppArmor's userns
 restriction) the tool is refused when it is built, before anything loads: Python-level blocks (its socket, os and
@@ -80,7 +81,18 @@ if _isolated:  # root of its user namespace: every file system read-only but the
         _remount(_point, True)
     _remount(_scratch, False)
     _os.chdir(_scratch)  # into the scratch's own mount (the cwd was the directory on the mount now read-only)
-    _read_only = all(_os.statvfs(_p).f_flag & 1 for _p in ("/", _os.path.dirname(_scratch)) if _os.path.exists(_p))
+    # then no capability is left (nor can an exec regain one: the bounding set is emptied, no_new_privs set), so
+    # the code, root of its user namespace, cannot remount anything read-write again
+    for _cap in range(64):
+        _libc.prctl(24, _cap, 0, 0, 0)  # PR_CAPBSET_DROP (fails harmlessly past the last capability)
+    _libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    class _CapHeader(_ct.Structure):
+        _fields_ = [("version", _ct.c_uint32), ("pid", _ct.c_int)]
+    class _CapData(_ct.Structure):
+        _fields_ = [("effective", _ct.c_uint32), ("permitted", _ct.c_uint32), ("inheritable", _ct.c_uint32)]
+    _dropped = _libc.capset(_ct.byref(_CapHeader(0x20080522, 0)), (_CapData * 2)()) == 0  # capability v3: none
+    _read_only = _dropped and all(_os.statvfs(_p).f_flag & 1 for _p in ("/", _os.path.dirname(_scratch))
+                                  if _os.path.exists(_p))
     with open(".filesystem", "w") as _f:
         _f.write("read-only" if _read_only else "writable")
 _pid = _os.fork()
