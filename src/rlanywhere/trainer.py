@@ -357,9 +357,12 @@ class RLTrainer(TrainerCheckpoints):
             # [distributed] metrics, progress and plots from rank 0 alone; validating a checkpoint (val_only at a
             # resumed step) leaves the run's metrics as they are: its figures go to val_only_step_N.json
             keep_run_files = trainer_cfg.val_only and self.global_step > 0
+            # the files keep the steps up to this one, but a row kept back for its validation (pending_validation):
+            # this launch logs it, so a line an earlier launch logged of it (and then stopped) goes
+            kept = self.global_step - (self.pending_validation is not None and not trainer_cfg.val_only)
             self.tracker = Tracker(self.run_dir, trainer_cfg.logger, trainer_cfg.project_name,
                                    trainer_cfg.experiment_name, OmegaConf.to_container(self.cfg, resolve=True),
-                                   self.total_steps, resume_step=self.global_step if self.global_step > 0 else None) \
+                                   self.total_steps, resume_step=kept if self.global_step > 0 else None) \
                 if self.dp.is_main and not keep_run_files else NullTracker()
             self.run_dir_watch = RunDirWatch(self.run_dir)
             with StopSignals() as self.stops.signals:
