@@ -186,12 +186,37 @@ def test_sandbox_code_writes_only_its_scratch_and_sees_only_its_processes(tmp_pa
     code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
             "points = {line.split()[4] for line in open('/proc/self/mountinfo')}\n"
             "print(sum(libc.mount(None, p.encode(), None, 32 | 4096, None) == 0 for p in points))\n"  # remount rw
+            "print(libc.socket(1, 1, 0), os.strerror(ctypes.get_errno()))\n"  # AF_UNIX: the host's socket files
             f"open('mine.txt', 'w').write('ok')\nprint(open('mine.txt').read())\n"
             f"try:\n    open({str(outside)!r}, 'w').write('x')\nexcept OSError as e:\n    print(e.strerror)\n"
             "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
     text, info = run_python(code)
-    assert text.splitlines() == ["0", "ok", "Read-only file system", "[1, 2]"] and info["read_only_fs"]
-    assert not outside.exists()
+    assert text.splitlines() == ["0", "-1 Operation not permitted", "ok", "Read-only file system", "[1, 2]"]
+    assert info["read_only_fs"] and info["unix_sockets_refused"] and not outside.exists()
+
+
+def test_sandbox_makes_a_mount_point_with_a_non_ascii_name_read_only_too(tmp_path):
+    """/proc/self/mountinfo escapes a mount point's name (octal) and need not be ASCII: a file system mounted at
+    `données` is read-only to the code as well. (The mount is made in a user and mount namespace of the test's.)"""
+    import shlex
+    import subprocess
+    import sys
+
+    from rlanywhere.tools.sandbox import network_namespace_available
+
+    if not network_namespace_available():
+        pytest.skip("unprivileged namespaces (unshare -rn --pid --mount-proc) are not available here")
+    mount_point = tmp_path / "données"
+    mount_point.mkdir()
+    code = f"open({str(mount_point / 'f')!r}, 'w')"  # what the sandboxed code does
+    script = tmp_path / "write_there.py"
+    script.write_text(f"from rlanywhere.tools.sandbox import run_python\nprint(run_python({code!r})[0])\n")
+    shell = f"mount -t tmpfs scratch {shlex.quote(str(mount_point))} && {sys.executable} {shlex.quote(str(script))}"
+    done = subprocess.run(["unshare", "-rm", "--propagation", "private", "sh", "-c", shell], capture_output=True,
+                          text=True, timeout=60)
+    if done.returncode != 0 and "mount" in done.stderr and "Traceback" not in done.stderr:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {done.stderr.strip()[:200]}")
+    assert done.stdout.strip().endswith("Read-only file system: '" + str(mount_point / "f") + "'"), done
 
 
 def test_tool_response_truncation_sides_are_verls():

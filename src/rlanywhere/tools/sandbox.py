@@ -5,7 +5,9 @@
   namespace whose first process is the code's (when it ends or is killed every process it started ends with it,
   even one that left its process group; /proc shows only these), and a mount namespace in which every file system
   is remounted read-only but the scratch directory, and then every capability dropped (it cannot remount them):
-  the code cannot change the trainer's files, caches or home,
+  the code cannot change the trainer's files, caches or home; and a seccomp filter that refuses Unix sockets (the
+  host's socket files, e.g. Docker's or another process's, stay reachable from a network namespace) and io_uring,
+  on x86-64 and arm64,
 - a fresh scratch directory as its working directory (deleted afterwards) and an empty environment.
 Where the machine does not allow unprivileged namespaces (some containers' seccomp profiles, AppArmor's userns
 restriction) the tool is refused when it is built, before anything loads: Python-level blocks (its socket, os and
@@ -59,9 +61,9 @@ for _name in ("socket", "SocketType", "create_connection", "create_server", "soc
 _s._socket = None
 _sys.modules["_socket"] = None
 if _isolated:  # root of its user namespace: every file system read-only but the scratch directory (the cwd)
-    import ctypes as _ct
+    import ctypes as _ct, platform as _platform, re as _re
     _libc = _ct.CDLL(None, use_errno=True)
-    _scratch = _os.getcwd()
+    _scratch = _os.fsencode(_os.getcwd())
     # MS_REMOUNT | MS_BIND (| MS_RDONLY), keeping each mount's locked flags: statvfs ST_* -> MS_* (nosuid, nodev,
     # noexec, noatime, nodiratime, relatime); a user namespace may not clear them
     _KEEP = ((2, 2), (4, 4), (8, 8), (1024, 1024), (2048, 2048), (4096, 1 << 21))
@@ -74,10 +76,17 @@ if _isolated:  # root of its user namespace: every file system read-only but the
         for _st, _ms in _KEEP:
             if _have & _st:
                 _flags |= _ms
-        _libc.mount(None, _path.encode(), None, _flags, None)
-    _libc.mount(_scratch.encode(), _scratch.encode(), None, 4096, None)  # MS_BIND: a mount of its own, kept rw
-    _points = {_line.split()[4].encode().decode("unicode_escape") for _line in open("/proc/self/mountinfo")}
-    for _point in sorted(_points - {_scratch}):
+        _libc.mount(None, _path, None, _flags, None)
+    def _writable(_path):  # a mount point still writable (one that cannot even be looked at cannot be written)
+        try:
+            return not _os.statvfs(_path).f_flag & 1
+        except OSError:
+            return False
+    _libc.mount(_scratch, _scratch, None, 4096, None)  # MS_BIND: a mount of its own, kept rw
+    # mountinfo's mount points, its octal escapes undone, as bytes: a name need not be ASCII
+    _points = {_re.sub(rb"\\\\([0-7]{3})", lambda _m: bytes([int(_m[1], 8)]), _line.split()[4])
+               for _line in open("/proc/self/mountinfo", "rb")} - {_scratch}
+    for _point in sorted(_points):
         _remount(_point, True)
     _remount(_scratch, False)
     _os.chdir(_scratch)  # into the scratch's own mount (the cwd was the directory on the mount now read-only)
@@ -91,10 +100,27 @@ if _isolated:  # root of its user namespace: every file system read-only but the
     class _CapData(_ct.Structure):
         _fields_ = [("effective", _ct.c_uint32), ("permitted", _ct.c_uint32), ("inheritable", _ct.c_uint32)]
     _dropped = _libc.capset(_ct.byref(_CapHeader(0x20080522, 0)), (_CapData * 2)()) == 0  # capability v3: none
-    _read_only = _dropped and all(_os.statvfs(_p).f_flag & 1 for _p in ("/", _os.path.dirname(_scratch))
-                                  if _os.path.exists(_p))
+    # a seccomp filter: no AF_UNIX socket (the network namespace leaves the host's socket files reachable: a
+    # Docker or Ray socket, another process's IPC) and no io_uring (whose socket operation seccomp does not see)
+    _ARCH = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}.get(_platform.machine())
+    _filtered = False
+    if _ARCH:
+        class _Insn(_ct.Structure):
+            _fields_ = [("code", _ct.c_uint16), ("jt", _ct.c_uint8), ("jf", _ct.c_uint8), ("k", _ct.c_uint32)]
+        class _Prog(_ct.Structure):
+            _fields_ = [("len", _ct.c_uint16), ("filter", _ct.POINTER(_Insn))]
+        _LD, _JEQ, _AND, _RET, _ALLOW, _EPERM = 0x20, 0x15, 0x54, 0x06, 0x7FFF0000, 0x00050001
+        _insns = [(_LD, 0, 0, 4), (_JEQ, 0, 7, _ARCH[0]),  # seccomp_data.arch: another ABI is let be
+                  (_LD, 0, 0, 0), (_AND, 0, 0, 0xBFFFFFFF),  # seccomp_data.nr, x32's bit cleared
+                  (_JEQ, 3, 0, 425),  # io_uring_setup
+                  (_JEQ, 0, 3, _ARCH[1]),  # socket(
+                  (_LD, 0, 0, 16), (_JEQ, 0, 1, 1),  # AF_UNIX, ...)
+                  (_RET, 0, 0, _EPERM), (_RET, 0, 0, _ALLOW)]
+        _program = (_Insn * len(_insns))(*[_Insn(*_i) for _i in _insns])
+        _filtered = _libc.prctl(22, 2, _ct.byref(_Prog(len(_insns), _program)), 0, 0) == 0  # SECCOMP_MODE_FILTER
+    _read_only = _dropped and not any(_writable(_p) for _p in _points)
     with open(".filesystem", "w") as _f:
-        _f.write("read-only" if _read_only else "writable")
+        _f.write(("read-only" if _read_only else "writable") + (" no-unix-sockets" if _filtered else ""))
 _pid = _os.fork()
 if _pid == 0:
     if not _isolated:
@@ -156,9 +182,10 @@ def _warn_not_isolated() -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _warn_writable() -> None:
-    log.warning("python sandbox: the file systems could not be remounted read-only in its mount namespace here: the "
-                "tool's code can write wherever the trainer's user can")
+def _warn_partial_lockdown() -> None:
+    log.warning("python sandbox: inside its namespaces the file systems could not all be made read-only, or the "
+                "filter refusing Unix sockets could not be installed, here: the tool's code may write where the "
+                "trainer's user can, or reach local services through their socket files")
 
 
 def _code_exit(status_path: str, returncode: int) -> int:
@@ -210,7 +237,8 @@ def truncate_text(text: str, limit: int, side: str = "middle", left_out: int = 0
 def run_python(code: str, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int = 512, max_output_chars: int = 4000,
                file_mb: int = 16, allow_unisolated: bool = False) -> tuple[str, dict]:
     """Run `code` in the sandbox; (what it printed, truncated; {"exit_code", "timed_out", "wall_s", "isolated",
-    "read_only_fs"}). Without namespaces: RuntimeError (NOT_ISOLATED), unless allow_unisolated."""
+    "read_only_fs", "unix_sockets_refused"}). Without namespaces: RuntimeError (NOT_ISOLATED), unless
+    allow_unisolated."""
     isolated = network_namespace_available()
     if not isolated and not allow_unisolated:
         raise RuntimeError(NOT_ISOLATED)
@@ -245,16 +273,17 @@ def run_python(code: str, cpu_s: int = 5, wall_s: float = 10.0, memory_mb: int =
         (out, out_left), (err, err_left) = _read_bounded(paths[0], keep), _read_bounded(paths[1], keep)
         text = out + err
         exit_code = _code_exit(os.path.join(scratch, ".status"), proc.returncode)
-        read_only_fs = _read_small(os.path.join(scratch, ".filesystem")) == "read-only"
-        if isolated and not read_only_fs:
-            _warn_writable()
+        lockdown = _read_small(os.path.join(scratch, ".filesystem")).split()
+        read_only_fs, unix_sockets_refused = "read-only" in lockdown, "no-unix-sockets" in lockdown
+        if isolated and not (read_only_fs and unix_sockets_refused):
+            _warn_partial_lockdown()
         if timed_out:
             text += f"\nTimeoutError: the code ran longer than {wall_s:g} s and was stopped"
         elif exit_code < 0:
             text += f"\nthe code was stopped by signal {-exit_code} (a CPU-time, memory or output-size limit)"
         return (truncate_text(text, max_output_chars, left_out=out_left + err_left),
                 {"exit_code": exit_code, "timed_out": timed_out, "wall_s": elapsed, "isolated": isolated,
-                 "read_only_fs": read_only_fs})
+                 "read_only_fs": read_only_fs, "unix_sockets_refused": unix_sockets_refused})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
