@@ -40,9 +40,10 @@ def test_plan_for_emulated_cards_keeps_the_world_asked_for(capsys, monkeypatch):
            "actor_rollout_ref.actor.ppo_mini_batch_size=16", "hardware.optimizer_offload=false"]
     assert main(["plan", *job, "--emulate", "p40"]) == 2  # one P40: the update needs 28.75 GiB
     assert "28.75 GiB in actor_update" in capsys.readouterr().out
-    assert main(["plan", *job, "trainer.n_gpus_per_node=2", "--emulate", "p40"]) == 0
-    captured = capsys.readouterr()
-    assert "2 x shard (nccl)" in captured.out and "plans and trains on the CPU" not in captured.err
+    for emulated in (["--emulate", "p40"], ["hardware.emulate=p40"]):
+        assert main(["plan", *job, "trainer.n_gpus_per_node=2", *emulated]) == 0
+        captured = capsys.readouterr()
+        assert "2 x shard (nccl)" in captured.out and "plans and trains on the CPU" not in captured.err
 
 
 def test_eval_and_plot_a_trained_run(tiny_model_dir, arith_data, tmp_path, capsys):

@@ -208,6 +208,28 @@ def test_a_validation_a_stop_signal_kept_back_runs_on_resume(tiny_model_dir, ari
         assert b[step]["reward/mean"] == pytest.approx(a[step]["reward/mean"]), step
 
 
+def test_a_kept_back_row_is_logged_when_the_step_then_stops_the_run(tiny_model_dir, arith_data, tmp_path,
+                                                                     monkeypatch):
+    """A SIGTERM keeps step 2's validation back, and the same step then stops the run (every reward call failed for
+    trainer.max_consecutive_failed_reward_steps=2 steps): no checkpoint keeps the row, so it is logged as it is."""
+    from rlanywhere.runguard import TrainingStopped
+
+    reward = tmp_path / "failing.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    raise RuntimeError('reward service down')\n")
+    items = base_overrides(tiny_model_dir, arith_data, tmp_path / "run", **{
+        "trainer.total_training_steps": 4, "trainer.save_freq": 1, "trainer.test_freq": 2,
+        "trainer.val_before_train": False, "custom_reward_function.path": str(reward),
+        "trainer.max_consecutive_failed_reward_steps": 2})
+    cfg = load_config(None, items)
+    trainer = RLTrainer(cfg, make_plan(cfg, for_execution=True), cfg.trainer.default_local_dir)
+    restore = _sigterm_after_update_of_step(monkeypatch, trainer, 2)
+    with pytest.raises(TrainingStopped, match="2 steps in a row"):
+        trainer.fit()
+    restore()
+    assert sorted(train_rows(read_metrics(str(tmp_path / "run")))) == [1, 2]
+
+
 def test_a_resumed_run_counts_failed_reward_steps_and_the_precision_guard_on(tiny_model_dir, arith_data, tmp_path,
                                                                              monkeypatch):
     """A reward function that always fails stops the run after trainer.max_consecutive_failed_reward_steps (3)

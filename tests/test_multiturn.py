@@ -195,6 +195,28 @@ def test_sandbox_code_writes_only_its_scratch_and_sees_only_its_processes(tmp_pa
     assert info["read_only_fs"] and info["unix_sockets_refused"] and not outside.exists()
 
 
+def test_sandbox_refuses_a_unix_socket_made_through_the_32_bit_system_call_interface():
+    """On x86-64 a program can make i386 system calls (int 0x80), which have their own numbers (socket is 359): the
+    seccomp filter refuses every call of another ABI, so that way to a Unix socket is shut too."""
+    import platform
+
+    from rlanywhere.tools.sandbox import network_namespace_available, run_python
+
+    if platform.machine() != "x86_64" or not network_namespace_available():
+        pytest.skip("x86-64 with unprivileged namespaces only")
+    code = ("import ctypes, mmap\n"
+            # push rbx; mov eax, 359; mov ebx, 1 (AF_UNIX); mov ecx, 1 (SOCK_STREAM); xor edx, edx; int 0x80;
+            # pop rbx; ret
+            "machine = bytes([0x53, 0xb8, 0x67, 1, 0, 0, 0xbb, 1, 0, 0, 0, 0xb9, 1, 0, 0, 0, 0x31, 0xd2, 0xcd, 0x80,"
+            " 0x5b, 0xc3])\n"
+            "page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+            "page.write(machine)\n"
+            "call = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))\n"
+            "print(call())")
+    text, info = run_python(code)
+    assert text.strip() == "-1" and info["unix_sockets_refused"], text
+
+
 def test_sandbox_makes_a_mount_point_with_a_non_ascii_name_read_only_too(tmp_path):
     """/proc/self/mountinfo escapes a mount point's name (octal) and need not be ASCII: a file system mounted at
     `données` is read-only to the code as well. (The mount is made in a user and mount namespace of the test's.)"""

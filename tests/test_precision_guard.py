@@ -283,3 +283,21 @@ def test_the_loss_scale_is_checkpointed_and_resumed(tiny_model_dir, arith_data, 
     resumed.maybe_resume()
     assert resumed.grad_scaler.get_scale() == 1024.0
     assert resumed.grad_scaler.get_growth_interval() == vocabulary.LOSS_SCALE_GROWTH_INTERVAL
+
+
+def test_the_guards_checkpoint_state_counts_on_but_keeps_no_loss_scale():
+    """A resumed run counts skipped steps and the gap window on from the checkpoint; the loss scale is the gradient
+    scaler's own state: an fp16 run resumed in fp32 (as the guard's advice says) neither logs the old scale nor
+    stops on it."""
+    from rlanywhere.precision_guard import StepOutcome
+
+    fp16 = PrecisionGuard(min_loss_scale=1.0, max_logprob_gap=0.1, patience=3, precision="fp16")
+    fp16.record("actor", StepOutcome(grad_norm=math.inf, applied=False, scaler_overflow=True, loss_scale=2.0))
+    fp16.end_step({"actor/rollout_logprob_gap": 0.5})
+    fp32 = PrecisionGuard(min_loss_scale=4.0, max_logprob_gap=0.1, patience=3, precision="fp32")
+    fp32.load_state_dict(fp16.state_dict())
+    fp32.record("actor", StepOutcome(grad_norm=1.0, applied=True, scaler_overflow=False, loss_scale=None))
+    metrics = fp32.end_step({"actor/rollout_logprob_gap": 0.5})
+    assert metrics == {"actor/skipped_steps": 0.0, "actor/skipped_steps_total": 1.0}
+    with pytest.raises(PrecisionGuardError, match="0.5, 0.5, 0.5"):  # the third gap over the limit in a row
+        fp32.end_step({"actor/rollout_logprob_gap": 0.5})

@@ -447,8 +447,9 @@ def cmd_plan(args) -> int:
     from .preflight import require_inputs
 
     what = dict(data=False, reward=False, planning_only=True)  # planning reads the model's shape only
-    # --emulate plans the world asked for on that card, whatever GPUs this machine has (nothing runs here)
-    cfg, _ = _load_checking_inputs(args, fit_world=not args.emulate, **what)
+    cfg, notices = _load_checking_inputs(args, fit_world=False, **what)
+    if not cfg.hardware.emulate:  # an emulated card (--emulate or hardware.emulate): the world asked for, as planned
+        _fit_world(cfg, notices)
     require_inputs(cfg, **what)
     return plan_main(cfg, json_out=args.json)
 

@@ -114,14 +114,13 @@ class PrecisionGuard:
         self.gap_history: list[float] = []
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps, so that a resumed run counts on: skipped steps, loss scales, the recent gaps."""
-        return {"total_skips": dict(self.total_skips), "loss_scale": dict(self.loss_scale),
-                "gap_history": self.gap_history[-self.patience:]}
+        """What a checkpoint keeps, so that a resumed run counts on: skipped steps and the recent gaps. (The loss
+        scale is the gradient scaler's, which the checkpoint keeps itself; a run resumed in fp32 has none.)"""
+        return {"total_skips": dict(self.total_skips), "gap_history": self.gap_history[-self.patience:]}
 
     def load_state_dict(self, state: dict | None) -> None:
         state = state or {}
         self.total_skips = {str(k): int(v) for k, v in (state.get("total_skips") or {}).items()}
-        self.loss_scale = {str(k): float(v) for k, v in (state.get("loss_scale") or {}).items()}
         self.gap_history = [float(g) for g in state.get("gap_history") or []]
 
     @classmethod

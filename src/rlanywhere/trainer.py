@@ -416,13 +416,19 @@ class RLTrainer(TrainerCheckpoints):
                     metrics.update(val)
             if self.pending_validation is None:
                 self.tracker.log(metrics, step=self.global_step)
-            stops.check_step(metrics)
-            if self._recorded_changes != self.run.changes:  # OOM recovery lowered a size, a cache was freed
-                self.write_plan_record()
-            if self.dp.is_main:
-                self.run_dir_watch.check(self.global_step)  # the folder deleted: its metrics are lost, stop
-            scored = metrics.get("filter_groups/prompts_drawn", self.loader.batch_size)  # dynamic sampling: rounds
-            stops.record_rewards(metrics["reward/errors"], scored * self.n, self.reward_manager.last_error)
+            try:
+                stops.check_step(metrics)
+                if self._recorded_changes != self.run.changes:  # OOM recovery lowered a size, a cache was freed
+                    self.write_plan_record()
+                if self.dp.is_main:
+                    self.run_dir_watch.check(self.global_step)  # the folder deleted: its metrics are lost, stop
+                scored = metrics.get("filter_groups/prompts_drawn", self.loader.batch_size)  # dynamic sampling
+                stops.record_rewards(metrics["reward/errors"], scored * self.n, self.reward_manager.last_error)
+            except Exception:  # the run stops here, before a checkpoint could keep the row back: logged as it is
+                if self.pending_validation is not None:
+                    self.tracker.log(self.pending_validation, step=self.global_step)
+                    self.pending_validation = None
+                raise
             if trainer_cfg.save_freq > 0 and (self.global_step % trainer_cfg.save_freq == 0 or is_last):
                 self.save()
                 saved_step = self.global_step

@@ -101,7 +101,8 @@ if _isolated:  # root of its user namespace: every file system read-only but the
         _fields_ = [("effective", _ct.c_uint32), ("permitted", _ct.c_uint32), ("inheritable", _ct.c_uint32)]
     _dropped = _libc.capset(_ct.byref(_CapHeader(0x20080522, 0)), (_CapData * 2)()) == 0  # capability v3: none
     # a seccomp filter: no AF_UNIX socket (the network namespace leaves the host's socket files reachable: a
-    # Docker or Ray socket, another process's IPC) and no io_uring (whose socket operation seccomp does not see)
+    # Docker or Ray socket, another process's IPC), no io_uring (whose socket operation seccomp does not see), and
+    # no system call of another ABI (32-bit calls have their own numbers: socketcall, socket 359, ...)
     _ARCH = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}.get(_platform.machine())
     _filtered = False
     if _ARCH:
@@ -110,7 +111,7 @@ if _isolated:  # root of its user namespace: every file system read-only but the
         class _Prog(_ct.Structure):
             _fields_ = [("len", _ct.c_uint16), ("filter", _ct.POINTER(_Insn))]
         _LD, _JEQ, _AND, _RET, _ALLOW, _EPERM = 0x20, 0x15, 0x54, 0x06, 0x7FFF0000, 0x00050001
-        _insns = [(_LD, 0, 0, 4), (_JEQ, 0, 7, _ARCH[0]),  # seccomp_data.arch: another ABI is let be
+        _insns = [(_LD, 0, 0, 4), (_JEQ, 0, 6, _ARCH[0]),  # seccomp_data.arch: another ABI's call refused
                   (_LD, 0, 0, 0), (_AND, 0, 0, 0xBFFFFFFF),  # seccomp_data.nr, x32's bit cleared
                   (_JEQ, 3, 0, 425),  # io_uring_setup
                   (_JEQ, 0, 3, _ARCH[1]),  # socket(
