@@ -181,7 +181,7 @@ def test_sandbox_code_writes_only_its_scratch_and_sees_only_its_processes(tmp_pa
     from rlanywhere.tools.sandbox import network_namespace_available, run_python
 
     if not network_namespace_available():
-        pytest.skip("unprivileged namespaces (unshare -rn --pid --mount-proc) are not available here")
+        pytest.skip("unprivileged namespaces (unshare -rn --ipc --pid --mount-proc) are not available here")
     outside = tmp_path / "written_from_the_sandbox"
     code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
             "points = {line.split()[4] for line in open('/proc/self/mountinfo')}\n"
@@ -193,6 +193,29 @@ def test_sandbox_code_writes_only_its_scratch_and_sees_only_its_processes(tmp_pa
     text, info = run_python(code)
     assert text.splitlines() == ["0", "-1 Operation not permitted", "ok", "Read-only file system", "[1, 2]"]
     assert info["read_only_fs"] and info["unix_sockets_refused"] and not outside.exists()
+
+
+def test_sandbox_sockets_ipc_and_dev_shm(tmp_path):
+    """Sockets of the IP families only (their network namespace has none of the host's): no AF_UNIX socketpair (a
+    datagram pair can send to a socket file) and no AF_VSOCK; System V IPC stays in the sandbox's own namespace (a
+    segment it makes is not the host's); /dev/shm is a private tmpfs, so multiprocessing works."""
+    import ctypes
+    import os
+
+    from rlanywhere.tools.sandbox import network_namespace_available, run_python
+
+    if not network_namespace_available():
+        pytest.skip("unprivileged namespaces (unshare -rn --ipc --pid --mount-proc) are not available here")
+    key = 0x52_4C_41_00 + os.getpid() % 256
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "pair = (ctypes.c_int * 2)()\nprint(libc.socketpair(1, 2, 0, pair), libc.socket(40, 1, 0))\n"
+            "print(libc.socket(2, 1, 0) >= 0, libc.socket(10, 2, 0) >= 0)\n"  # AF_INET, AF_INET6
+            f"print(libc.shmget({key}, 4096, 0o1600) >= 0)\n"
+            "from multiprocessing import Pool\nwith Pool(2) as pool:\n    print(pool.map(abs, [-1, -2]))")
+    text, info = run_python(code, wall_s=30)
+    assert text.splitlines() == ["-1 -1", "True True", "True", "[1, 2]"] and info["unix_sockets_refused"], text
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.shmget(key, 0, 0) == -1  # the segment was the sandbox's IPC namespace's, gone with it
 
 
 def test_sandbox_refuses_a_unix_socket_made_through_the_32_bit_system_call_interface():
@@ -227,7 +250,7 @@ def test_sandbox_makes_a_mount_point_with_a_non_ascii_name_read_only_too(tmp_pat
     from rlanywhere.tools.sandbox import network_namespace_available
 
     if not network_namespace_available():
-        pytest.skip("unprivileged namespaces (unshare -rn --pid --mount-proc) are not available here")
+        pytest.skip("unprivileged namespaces (unshare -rn --ipc --pid --mount-proc) are not available here")
     mount_point = tmp_path / "données"
     mount_point.mkdir()
     code = f"open({str(mount_point / 'f')!r}, 'w')"  # what the sandboxed code does

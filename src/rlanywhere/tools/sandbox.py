@@ -1,13 +1,15 @@
 """A Python sandbox tool: the model's code runs in a fresh `python -I` subprocess with
 - CPU-time, address-space (memory), file-size and core-dump limits per process (`resource.setrlimit` in the child),
 - a wall-time limit (the process group is killed when it runs over, e.g. blocked on input or sleeping),
-- unprivileged namespaces (`unshare -rn --pid --mount-proc`): no network (a network namespace of its own), a PID
-  namespace whose first process is the code's (when it ends or is killed every process it started ends with it,
-  even one that left its process group; /proc shows only these), and a mount namespace in which every file system
-  is remounted read-only but the scratch directory, and then every capability dropped (it cannot remount them):
-  the code cannot change the trainer's files, caches or home; and a seccomp filter that refuses Unix sockets (the
-  host's socket files, e.g. Docker's or another process's, stay reachable from a network namespace) and io_uring,
-  on x86-64 and arm64,
+- unprivileged namespaces (`unshare -rn --ipc --pid --mount-proc`): no network (a network namespace of its own),
+  no System V or POSIX IPC object of the host's (an IPC namespace), a PID namespace whose first process is the
+  code's (when it ends or is killed every process it started ends with it, even one that left its process group;
+  /proc shows only these), and a mount namespace in which every file system is remounted read-only but the scratch
+  directory and a private 64 MB /dev/shm, after which every capability is dropped (the code cannot remount them):
+  it cannot change the trainer's files, caches or home,
+- a seccomp filter (x86-64, arm64): sockets of the IP families and netlink only (the host's Unix socket files stay
+  reachable from a network namespace: Docker's, a datagram service's), no socketpair, no io_uring, no system call
+  of another ABI (32-bit calls),
 - a fresh scratch directory as its working directory (deleted afterwards) and an empty environment.
 Where the machine does not allow unprivileged namespaces (some containers' seccomp profiles, AppArmor's userns
 restriction) the tool is refused when it is built, before anything loads: Python-level blocks (its socket, os and
@@ -83,9 +85,11 @@ if _isolated:  # root of its user namespace: every file system read-only but the
         except OSError:
             return False
     _libc.mount(_scratch, _scratch, None, 4096, None)  # MS_BIND: a mount of its own, kept rw
+    # a private /dev/shm of 64 MB (multiprocessing's semaphores live there), kept rw too
+    _shm = _libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 2 | 4, b"size=64m") == 0  # MS_NOSUID | MS_NODEV
     # mountinfo's mount points, its octal escapes undone, as bytes: a name need not be ASCII
     _points = {_re.sub(rb"\\\\([0-7]{3})", lambda _m: bytes([int(_m[1], 8)]), _line.split()[4])
-               for _line in open("/proc/self/mountinfo", "rb")} - {_scratch}
+               for _line in open("/proc/self/mountinfo", "rb")} - {_scratch} - ({b"/dev/shm"} if _shm else set())
     for _point in sorted(_points):
         _remount(_point, True)
     _remount(_scratch, False)
@@ -100,10 +104,12 @@ if _isolated:  # root of its user namespace: every file system read-only but the
     class _CapData(_ct.Structure):
         _fields_ = [("effective", _ct.c_uint32), ("permitted", _ct.c_uint32), ("inheritable", _ct.c_uint32)]
     _dropped = _libc.capset(_ct.byref(_CapHeader(0x20080522, 0)), (_CapData * 2)()) == 0  # capability v3: none
-    # a seccomp filter: no AF_UNIX socket (the network namespace leaves the host's socket files reachable: a
-    # Docker or Ray socket, another process's IPC), no io_uring (whose socket operation seccomp does not see), and
-    # no system call of another ABI (32-bit calls have their own numbers: socketcall, socket 359, ...)
-    _ARCH = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}.get(_platform.machine())
+    # a seccomp filter: sockets of the IP families (and netlink) only, which the network namespace confines; no
+    # AF_UNIX (the host's socket files stay reachable from a network namespace: a Docker or Ray socket, a datagram
+    # service), no AF_VSOCK (the hypervisor's) and no socketpair (a datagram pair can send to a socket file); no
+    # io_uring (whose socket operation seccomp does not see); no system call of another ABI (32-bit calls have
+    # numbers of their own: socketcall, socket 359, ...)
+    _ARCH = {"x86_64": (0xC000003E, 41, 53), "aarch64": (0xC00000B7, 198, 199)}.get(_platform.machine())
     _filtered = False
     if _ARCH:
         class _Insn(_ct.Structure):
@@ -111,12 +117,13 @@ if _isolated:  # root of its user namespace: every file system read-only but the
         class _Prog(_ct.Structure):
             _fields_ = [("len", _ct.c_uint16), ("filter", _ct.POINTER(_Insn))]
         _LD, _JEQ, _AND, _RET, _ALLOW, _EPERM = 0x20, 0x15, 0x54, 0x06, 0x7FFF0000, 0x00050001
-        _insns = [(_LD, 0, 0, 4), (_JEQ, 0, 6, _ARCH[0]),  # seccomp_data.arch: another ABI's call refused
-                  (_LD, 0, 0, 0), (_AND, 0, 0, 0xBFFFFFFF),  # seccomp_data.nr, x32's bit cleared
-                  (_JEQ, 3, 0, 425),  # io_uring_setup
-                  (_JEQ, 0, 3, _ARCH[1]),  # socket(
-                  (_LD, 0, 0, 16), (_JEQ, 0, 1, 1),  # AF_UNIX, ...)
-                  (_RET, 0, 0, _EPERM), (_RET, 0, 0, _ALLOW)]
+        # (code, jump if true, jump if false, k); a jump skips that many instructions; 11 refuses, 12 allows
+        _insns = [(_LD, 0, 0, 4), (_JEQ, 0, 9, _ARCH[0]),  # 0-1 seccomp_data.arch: another ABI's call refused
+                  (_LD, 0, 0, 0), (_AND, 0, 0, 0xBFFFFFFF),  # 2-3 seccomp_data.nr, x32's bit cleared
+                  (_JEQ, 6, 0, 425), (_JEQ, 5, 0, _ARCH[2]),  # 4-5 io_uring_setup, socketpair: refused
+                  (_JEQ, 0, 5, _ARCH[1]),  # 6 socket( ... anything else allowed
+                  (_LD, 0, 0, 16), (_JEQ, 3, 0, 2), (_JEQ, 2, 0, 10), (_JEQ, 1, 0, 16),  # 7-10 AF_INET, INET6, NETLINK
+                  (_RET, 0, 0, _EPERM), (_RET, 0, 0, _ALLOW)]  # 11, 12
         _program = (_Insn * len(_insns))(*[_Insn(*_i) for _i in _insns])
         _filtered = _libc.prctl(22, 2, _ct.byref(_Prog(len(_insns), _program)), 0, 0) == 0  # SECCOMP_MODE_FILTER
     _read_only = _dropped and not any(_writable(_p) for _p in _points)
@@ -148,15 +155,16 @@ else:
         _f.write(str(_status))
     _os._exit(0)
 """
-# unshare: a user namespace (no privileges needed), no network, a PID namespace whose init is the code's process, and
-# a mount namespace with a /proc of that PID namespace
-_NAMESPACES = ("-rn", "--pid", "--fork", "--kill-child", "--mount-proc")
+# unshare: a user namespace (no privileges needed), no network, an IPC namespace (no shared memory or message queue
+# of the host's), a PID namespace whose init is the code's process, and a mount namespace with a /proc of that PID
+# namespace
+_NAMESPACES = ("-rn", "--ipc", "--pid", "--fork", "--kill-child", "--mount-proc")
 OUTPUT_READ_BYTES = 4  # bytes read back per character of max_output_chars, from the head and from the tail
 
 
 @functools.lru_cache(maxsize=1)
 def network_namespace_available() -> bool:
-    """Whether `unshare -rn --pid --fork --mount-proc` (unprivileged user, network, PID and mount namespaces) works
+    """Whether `unshare -rn --ipc --pid --fork --mount-proc` (unprivileged user, network, IPC, PID and mount namespaces) works
     here."""
     unshare = shutil.which("unshare")
     if unshare is None:
@@ -167,7 +175,7 @@ def network_namespace_available() -> bool:
         return False
 
 
-NOT_ISOLATED = ("the python sandbox tool needs unprivileged namespaces (unshare -rn --pid --mount-proc), which this "
+NOT_ISOLATED = ("the python sandbox tool needs unprivileged namespaces (unshare -rn --ipc --pid --mount-proc), which this "
                 "machine does not allow (a container's seccomp profile, or AppArmor's restriction of unprivileged user "
                 "namespaces: sysctl kernel.apparmor_restrict_unprivileged_userns=0). Without them only Python-level "
                 "blocks would keep the code off the network, the trainer's environment and its files, and plain "
