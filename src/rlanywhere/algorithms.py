@@ -359,6 +359,13 @@ def kl_penalty_in_reward(algorithm: Any) -> bool:
     return bool(algorithm.use_kl_in_reward) and float(algorithm.kl_ctrl.kl_coef) > 0
 
 
+def several_optimizer_steps(actor: Any, prompts: int) -> bool:
+    """Whether the actor's update of a step of `prompts` prompts (over all ranks) takes more than one optimizer step
+    (`actor`: the actor_rollout_ref.actor config section): then the policy moves during the update, and the old
+    policy's log-probs are not the update's own first forward."""
+    return int(actor.ppo_epochs) > 1 or int(actor.ppo_mini_batch_size) < int(prompts)
+
+
 def estimator_needs(name: str) -> EstimatorNeeds:
     """What the estimator ``name`` needs (a ValueError naming the valid ones for an unknown name)."""
     if name not in ADVANTAGE_ESTIMATORS:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from .algorithms import kl_penalty_in_reward
+from .algorithms import kl_penalty_in_reward, several_optimizer_steps
 from .errors import UserError
 from .estimator import format_bytes
 from .vocabulary import PlanError
@@ -179,10 +179,8 @@ def old_policy_forward_stays(cfg: Any) -> bool:
     it needs the weights the previous update produced. Skipped with one optimizer step a step (the update's own
     forward gives them), unless a KL penalty in the reward needs them before the update, and in bypass mode (the
     rollout's own log-probs stand for them: rollout_correction.recomputes_old_logprobs)."""
-    actor = cfg.actor_rollout_ref.actor
-    single_update = int(actor.ppo_epochs) == 1 and int(actor.ppo_mini_batch_size) >= int(cfg.data.train_batch_size)
-    kl_in_reward = kl_penalty_in_reward(cfg.algorithm)
-    needed_before = not single_update or kl_in_reward
+    several = several_optimizer_steps(cfg.actor_rollout_ref.actor, cfg.data.train_batch_size)
+    needed_before = several or kl_penalty_in_reward(cfg.algorithm)
     return needed_before and not cfg.algorithm.rollout_correction.bypass_mode
 
 

@@ -207,8 +207,7 @@ class RLTrainer(TrainerCheckpoints):
 
     def several_optimizer_steps(self, prompts: int) -> bool:
         """Whether the actor's update of a step of `prompts` prompts (this rank's) takes more than one optimizer step."""
-        actor_cfg = self.cfg.actor_rollout_ref.actor
-        return actor_cfg.ppo_epochs > 1 or actor_cfg.ppo_mini_batch_size < prompts * self.dp.world
+        return algo.several_optimizer_steps(self.cfg.actor_rollout_ref.actor, prompts * self.dp.world)
 
     def update_actor(self, batch: StepBatch) -> dict:
         actor_cfg = self.cfg.actor_rollout_ref.actor
